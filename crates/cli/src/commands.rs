@@ -1,0 +1,237 @@
+//! `generate` and `score`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use deltamoe_engine::chat::{ChatMessage, ChatTemplate};
+use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::sampler::SamplingParams;
+use deltamoe_engine::tokenizer::TextTokenizer;
+use deltamoe_engine::{generate as run_generate, Engine, GenerateRequest};
+use deltamoe_model::{Logits, Qwen3Hybrid};
+
+use crate::{Device, ModelArgs};
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt text (needs the model's tokenizer.json).
+    #[arg(
+        long,
+        conflicts_with = "prompt_tokens",
+        required_unless_present = "prompt_tokens"
+    )]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3.
+    #[arg(long)]
+    prompt_tokens: Option<String>,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy. Default: generation_config.json, else greedy.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Keep the k most likely tokens (0: off).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling mass (1: off).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens below this fraction of the top probability (0: off).
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Penalise tokens already seen (1: off).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Prefill in passes of at most N tokens.
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+}
+
+#[derive(Args)]
+pub struct ScoreArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Comma-separated token ids, e.g. 1,2,3.
+    #[arg(long)]
+    tokens: String,
+    /// Output .npy file: little-endian f32 logits [T, vocab].
+    #[arg(long)]
+    logits_out: PathBuf,
+    /// Feed the tokens as prefills of at most N tokens (1: pure decode; default: all at once).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+}
+
+/// Parse `1,2,3` into token ids, naming the flag and the bad item on error.
+pub fn parse_ids(s: &str, flag: &str) -> Result<Vec<u32>> {
+    let ids = s
+        .split(',')
+        .map(|p| p.trim())
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse::<u32>().with_context(|| format!("{flag}: `{p}` is not a token id (expected comma-separated non-negative integers)")))
+        .collect::<Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("{flag}: no token ids given; the prompt is empty");
+    }
+    Ok(ids)
+}
+
+/// Check the requested backend, then load the model.
+pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
+    if args.device == Device::Cuda {
+        bail!("--device cuda: this build has no CUDA backend; use --device cpu (or auto)");
+    }
+    if !args.model.is_dir() {
+        bail!("--model {}: not a directory; point it at a model directory with config.json and *.safetensors", args.model.display());
+    }
+    let t0 = Instant::now();
+    let model = Qwen3Hybrid::load(&args.model)?;
+    eprintln!(
+        "loaded {} ({} layers, {}) from {} in {:.2} s on cpu",
+        model.config().model_type,
+        model.config().num_layers,
+        model.config().layer_pattern(),
+        args.model.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(model)
+}
+
+fn sampling(a: &GenerateArgs, defaults: &GenerationDefaults) -> SamplingParams {
+    let mut p = defaults.sampling.clone().unwrap_or_default();
+    if let Some(v) = a.temperature {
+        p.temperature = v;
+    }
+    if let Some(v) = a.top_k {
+        p.top_k = v;
+    }
+    if let Some(v) = a.top_p {
+        p.top_p = v;
+    }
+    if let Some(v) = a.min_p {
+        p.min_p = v;
+    }
+    if let Some(v) = a.repetition_penalty {
+        p.repetition_penalty = v;
+    }
+    p.seed = a.seed;
+    p
+}
+
+fn prompt_ids(a: &GenerateArgs, dir: &Path, tok: Option<&TextTokenizer>) -> Result<Vec<u32>> {
+    if let Some(ids) = &a.prompt_tokens {
+        return parse_ids(ids, "--prompt-tokens");
+    }
+    let text = a.prompt.as_deref().unwrap_or_default();
+    let Some(tok) = tok else {
+        bail!(
+            "--prompt: {} has no tokenizer.json; pass token ids with --prompt-tokens",
+            dir.display()
+        );
+    };
+    let ids = if a.chat {
+        let Some(tpl) = ChatTemplate::from_dir(dir)? else {
+            bail!("--chat: {} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
+        };
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage {
+                role: "system".into(),
+                content: s.clone(),
+            });
+        }
+        msgs.push(ChatMessage {
+            role: "user".into(),
+            content: text.to_string(),
+        });
+        tok.encode(&tpl.render(&msgs, true)?, false)?
+    } else {
+        tok.encode(text, true)?
+    };
+    if ids.is_empty() {
+        bail!("--prompt: the prompt is empty; give some text");
+    }
+    Ok(ids)
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    let dir = a.model.model.clone();
+    let tok = TextTokenizer::from_dir(&dir)?;
+    let model = load_model(&a.model)?;
+    let defaults = GenerationDefaults::from_dir(&dir, &model.config().eos_token_ids)?;
+    let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
+    let req = GenerateRequest {
+        prompt: &prompt,
+        max_tokens: a.max_tokens,
+        sampling: sampling(&a, &defaults),
+        eos: &defaults.eos_token_ids,
+        prefill_chunk: a.prefill_chunk,
+    };
+    let mut engine = Engine::new(model);
+    let mut out = std::io::stdout().lock();
+    let mut stream = tok.as_ref().map(|t| t.stream());
+    let mut first = true;
+    let (_, stats) = run_generate(&mut engine, &req, |id| {
+        match stream.as_mut() {
+            Some(s) => {
+                if let Some(text) = s.push(id)? {
+                    write!(out, "{text}").ok();
+                }
+            }
+            None => {
+                write!(out, "{}{id}", if first { "" } else { "," }).ok();
+            }
+        }
+        first = false;
+        out.flush().ok();
+        Ok(true)
+    })?;
+    writeln!(out).ok();
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({:.1} tok/s) | decode: {} tokens in {:.3} s ({:.1} tok/s){}",
+        stats.prompt_tokens,
+        stats.prefill_secs,
+        stats.prefill_tok_s(),
+        stats.generated,
+        stats.decode_secs,
+        stats.decode_tok_s(),
+        if stats.hit_eos { " | stopped at end-of-sequence" } else { "" }
+    );
+    Ok(())
+}
+
+pub fn score(a: ScoreArgs) -> Result<()> {
+    let tokens = parse_ids(&a.tokens, "--tokens")?;
+    let model = load_model(&a.model)?;
+    let vocab = model.config().vocab_size;
+    let mut engine = Engine::new(model);
+    let id = engine.add_sequence();
+    let t0 = Instant::now();
+    let logits = engine.prefill(id, &tokens, a.prefill_chunk, Logits::All)?;
+    let secs = t0.elapsed().as_secs_f64();
+    crate::npy::write_f32(&a.logits_out, &[tokens.len(), vocab], &logits)?;
+    eprintln!(
+        "scored {} tokens in {:.3} s ({:.1} tok/s); logits [{}, {}] written to {}",
+        tokens.len(),
+        secs,
+        tokens.len() as f64 / secs.max(1e-9),
+        tokens.len(),
+        vocab,
+        a.logits_out.display()
+    );
+    Ok(())
+}

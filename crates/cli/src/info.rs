@@ -1,0 +1,156 @@
+//! `info`: architecture, layer pattern, parameter and byte counts by kind, and the memory a
+//! model needs for its weights and for each sequence at a given context length.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use deltamoe_model::{LayerKind, ModelConfig, WeightStore};
+
+#[derive(Args)]
+pub struct InfoArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Context length for the per-sequence memory estimate.
+    #[arg(long, default_value_t = 32768)]
+    context: usize,
+}
+
+/// Kinds of parameters, in display order.
+const KINDS: [&str; 9] = [
+    "embedding",
+    "lm_head",
+    "linear attention (GDN)",
+    "full attention",
+    "router",
+    "routed experts",
+    "shared expert",
+    "dense mlp",
+    "norms",
+];
+
+fn kind_of(name: &str) -> &'static str {
+    if name == "model.embed_tokens.weight" {
+        KINDS[0]
+    } else if name == "lm_head.weight" {
+        KINDS[1]
+    } else if name.contains(".linear_attn.") {
+        KINDS[2]
+    } else if name.contains(".self_attn.") {
+        KINDS[3]
+    } else if name.contains(".mlp.gate.") {
+        KINDS[4]
+    } else if name.contains(".mlp.experts.") {
+        KINDS[5]
+    } else if name.contains(".mlp.shared_expert") {
+        KINDS[6]
+    } else if name.contains(".mlp.") {
+        KINDS[7]
+    } else {
+        KINDS[8]
+    }
+}
+
+fn gib(b: f64) -> String {
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else {
+        format!("{:.2} MiB", b / (1u64 << 20) as f64)
+    }
+}
+
+/// Per-sequence state bytes (f32) at `ctx` tokens: KV caches plus GDN conv and recurrent states.
+pub fn state_bytes(c: &ModelConfig, ctx: usize) -> (usize, usize) {
+    let full = c
+        .layer_kinds
+        .iter()
+        .filter(|k| **k == LayerKind::FullAttention)
+        .count();
+    let linear = c.num_layers - full;
+    let kv = full * 2 * c.num_kv_heads * c.head_dim * ctx * 4;
+    let gdn = linear
+        * (c.linear_v_heads * c.linear_k_dim * c.linear_v_dim + (c.conv_kernel - 1) * c.conv_dim())
+        * 4;
+    (kv, gdn)
+}
+
+pub fn run(a: InfoArgs) -> Result<()> {
+    if !a.model.is_dir() {
+        bail!("--model {}: not a directory", a.model.display());
+    }
+    let c = ModelConfig::from_dir(&a.model)?;
+    let store = WeightStore::open(&a.model)?;
+    let tensors = store.summary();
+    let mut params = [0usize; KINDS.len()];
+    let mut bytes = [0usize; KINDS.len()];
+    for t in &tensors {
+        let i = KINDS
+            .iter()
+            .position(|k| *k == kind_of(&t.name))
+            .unwrap_or(KINDS.len() - 1);
+        params[i] += t.shape.iter().product::<usize>();
+        bytes[i] += t.bytes;
+    }
+    let total: usize = params.iter().sum();
+    let total_bytes: usize = bytes.iter().sum();
+    let experts = params[5];
+    let active = total - experts
+        + (experts * c.experts_per_token)
+            .checked_div(c.num_experts)
+            .unwrap_or(0);
+
+    println!("model          {}", a.model.display());
+    println!("model_type     {} ({:?})", c.model_type, c.family);
+    println!(
+        "layers         {} pattern {} (L = Gated DeltaNet, F = full attention)",
+        c.num_layers,
+        c.layer_pattern()
+    );
+    println!(
+        "hidden         {}  vocab {}  tied embeddings {}",
+        c.hidden_size, c.vocab_size, c.tie_word_embeddings
+    );
+    println!(
+        "attention      {} heads, {} kv heads, head dim {}, rotary dim {}, rope theta {}",
+        c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta
+    );
+    println!(
+        "gated deltanet {} key heads, {} value heads, dims {}/{}, conv {}",
+        c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim, c.conv_kernel
+    );
+    if c.num_experts > 0 {
+        println!(
+            "moe            {} experts, top {}, expert dim {}, shared expert dim {}, renormalise {}",
+            c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.norm_topk_prob
+        );
+    }
+    println!();
+    println!("{:<24} {:>16} {:>12}", "parameters", "count", "bytes");
+    for (i, k) in KINDS.iter().enumerate() {
+        if params[i] > 0 {
+            println!("{:<24} {:>16} {:>12}", k, params[i], gib(bytes[i] as f64));
+        }
+    }
+    println!(
+        "{:<24} {:>16} {:>12}",
+        "total",
+        total,
+        gib(total_bytes as f64)
+    );
+    println!("{:<24} {:>16}", "active per token", active);
+    let (kv, gdn) = state_bytes(&c, a.context);
+    println!();
+    println!(
+        "memory: weights {} (memory-mapped)",
+        gib(total_bytes as f64)
+    );
+    println!(
+        "memory per sequence at {} tokens: {} (KV cache {} + GDN state {}, f32)",
+        a.context,
+        gib((kv + gdn) as f64),
+        gib(kv as f64),
+        gib(gdn as f64)
+    );
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! `deltamoe`: run Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid models.
+
+mod bench;
+mod commands;
+mod info;
+mod npy;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(
+    name = "deltamoe",
+    version,
+    about = "Inference for hybrid linear-attention MoE LLMs (Qwen3.5/3.6 MoE, Qwen3-Next)"
+)]
+struct Cli {
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text (or token ids) from a prompt, streamed to stdout.
+    Generate(commands::GenerateArgs),
+    /// Feed tokens and write their logits as a [T, vocab] f32 .npy file.
+    Score(commands::ScoreArgs),
+    /// Describe a model: architecture, parameters and memory needs.
+    Info(info::InfoArgs),
+    /// Measure prefill and decode speed on a model or a synthetic config.
+    Bench(bench::BenchArgs),
+}
+
+/// Where to run.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+    /// CUDA when a GPU is usable, else the CPU.
+    Auto,
+}
+
+/// Options shared by commands that load a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model directory (HF layout: config.json, *.safetensors, tokenizer files).
+    #[arg(long)]
+    model: PathBuf,
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+        {
+            eprintln!("error: --threads {n}: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let result = match cli.command {
+        Command::Generate(a) => commands::generate(a),
+        Command::Score(a) => commands::score(a),
+        Command::Info(a) => info::run(a),
+        Command::Bench(a) => bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the outermost context followed by its causes.
+            let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+            eprintln!("error: {}", msg.join(": "));
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! The `deltamoe` binary end to end: outputs on a fixture, and one-line errors (non-zero exit,
+//! no panic) for each kind of bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+/// A writable copy of a fixture directory.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, d.path().join(p.file_name().unwrap())).unwrap();
+    }
+    d
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_deltamoe"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs and expects failure with a single `error:` line containing every needle.
+fn expect_error(args: &[&str], needles: &[&str]) {
+    let (ok, _, err) = run(args);
+    assert!(!ok, "{args:?} should fail");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "{args:?}: expected one error line, got: {err}"
+    );
+    for n in needles {
+        assert!(
+            lines[0].contains(n),
+            "{args:?}: `{n}` not in `{}`",
+            lines[0]
+        );
+    }
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(&p, v.to_string()).unwrap();
+}
+
+fn score_args<'a>(dir: &'a str, tokens: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "score",
+        "--model",
+        dir,
+        "--tokens",
+        tokens,
+        "--logits-out",
+        out,
+        "--device",
+        "cpu",
+    ]
+}
+
+#[test]
+fn score_writes_logits_npy() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("l.npy");
+    let dir = fixture("qwen3_5_dense");
+    let (ok, _, err) = run(&score_args(
+        dir.to_str().unwrap(),
+        "1,2,3,4,5",
+        out.to_str().unwrap(),
+    ));
+    assert!(ok, "{err}");
+    let b = std::fs::read(&out).unwrap();
+    let hl = u16::from_le_bytes([b[8], b[9]]) as usize;
+    assert!(std::str::from_utf8(&b[10..10 + hl])
+        .unwrap()
+        .contains("(5, 512)"));
+    assert_eq!(b.len(), 10 + hl + 5 * 512 * 4);
+}
+
+#[test]
+fn generate_streams_text_and_reports_speed() {
+    let dir = fixture("qwen3_5_moe");
+    let (ok, out, err) = run(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "Once upon a time",
+        "--chat",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok, "{err}");
+    assert!(!out.trim().is_empty());
+    assert!(
+        err.contains("prefill:") && err.contains("tok/s") && err.contains("decode:"),
+        "{err}"
+    );
+    // Without a tokenizer, ids in and ids out.
+    let dir = fixture("qwen3_next");
+    let (ok, out, err) = run(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-tokens",
+        "1,2,3",
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim().split(',').count(), 4, "{out}");
+}
+
+#[test]
+fn info_reports_parameters_and_memory() {
+    let dir = fixture("qwen3_5_moe");
+    let (ok, out, err) = run(&[
+        "info",
+        "--model",
+        dir.to_str().unwrap(),
+        "--context",
+        "1024",
+    ]);
+    assert!(ok, "{err}");
+    for s in [
+        "pattern LLLF",
+        "routed experts",
+        "active per token",
+        "memory per sequence at 1024 tokens",
+    ] {
+        assert!(out.contains(s), "`{s}` missing from:\n{out}");
+    }
+}
+
+#[test]
+fn bad_safetensors_files_are_named() {
+    let d = copy_fixture("qwen3_5_dense");
+    let p = d.path().join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let dir = d.path().to_str().unwrap();
+    expect_error(
+        &score_args(dir, "1,2", "/dev/null"),
+        &["model.safetensors", "truncated"],
+    );
+    let mut corrupt = bytes.clone();
+    corrupt[8..16].copy_from_slice(b"\xff\xfe{garb!");
+    std::fs::write(&p, &corrupt).unwrap();
+    expect_error(
+        &score_args(dir, "1,2", "/dev/null"),
+        &["model.safetensors", "not a valid safetensors"],
+    );
+}
+
+#[test]
+fn config_errors_name_the_key() {
+    let d = copy_fixture("qwen3_5_dense");
+    let dir = d.path().to_str().unwrap().to_string();
+    edit_config(d.path(), |v| {
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("hidden_size");
+    });
+    expect_error(
+        &score_args(&dir, "1", "/dev/null"),
+        &["config.json", "text_config.hidden_size", "missing"],
+    );
+
+    let d = copy_fixture("qwen3_next");
+    let dir = d.path().to_str().unwrap().to_string();
+    edit_config(d.path(), |v| v["model_type"] = "llama".into());
+    expect_error(
+        &score_args(&dir, "1", "/dev/null"),
+        &["model_type `llama`", "not supported"],
+    );
+
+    std::fs::write(d.path().join("config.json"), "{ not json").unwrap();
+    expect_error(
+        &score_args(&dir, "1", "/dev/null"),
+        &["config.json", "not valid JSON"],
+    );
+}
+
+#[test]
+fn shape_mismatch_and_missing_tensor_are_named() {
+    let d = copy_fixture("qwen3_5_dense");
+    let dir = d.path().to_str().unwrap().to_string();
+    edit_config(d.path(), |v| {
+        v["text_config"]["intermediate_size"] = 97.into()
+    });
+    expect_error(
+        &score_args(&dir, "1", "/dev/null"),
+        &[
+            "model.layers.0.mlp.gate_proj.weight",
+            "[97, 64]",
+            "[96, 64]",
+        ],
+    );
+
+    // Untying the embeddings asks for an lm_head the checkpoint does not have.
+    edit_config(d.path(), |v| {
+        v["text_config"]["intermediate_size"] = 96.into();
+        v["tie_word_embeddings"] = false.into();
+    });
+    expect_error(
+        &score_args(&dir, "1", "/dev/null"),
+        &["lm_head.weight", "missing"],
+    );
+}
+
+#[test]
+fn bad_tokens_and_prompts_are_rejected() {
+    let dir = fixture("qwen3_next");
+    let dir = dir.to_str().unwrap();
+    expect_error(
+        &score_args(dir, "1,99999", "/dev/null"),
+        &["token id 99999", "vocab_size is 512"],
+    );
+    expect_error(&score_args(dir, "1,x", "/dev/null"), &["--tokens", "`x`"]);
+    expect_error(&score_args(dir, "", "/dev/null"), &["--tokens", "empty"]);
+    expect_error(
+        &["generate", "--model", dir, "--prompt-tokens", " "],
+        &["empty"],
+    );
+    expect_error(
+        &["generate", "--model", dir, "--prompt", "hi"],
+        &["no tokenizer.json", "--prompt-tokens"],
+    );
+    let moe = fixture("qwen3_5_moe");
+    expect_error(
+        &["generate", "--model", moe.to_str().unwrap(), "--prompt", ""],
+        &["--prompt", "empty"],
+    );
+    expect_error(
+        &[
+            "score",
+            "--model",
+            "/nonexistent",
+            "--tokens",
+            "1",
+            "--logits-out",
+            "/dev/null",
+        ],
+        &["/nonexistent", "not a directory"],
+    );
+    expect_error(
+        &[
+            "score",
+            "--model",
+            dir,
+            "--tokens",
+            "1",
+            "--logits-out",
+            "/dev/null",
+            "--device",
+            "cuda",
+        ],
+        &["--device cuda"],
+    );
+}

@@ -1,0 +1,12 @@
+//! CPU kernels: f32 arithmetic on f32 activations, weights read in their stored dtype.
+//! Multi-threaded with rayon where the work is large enough to pay for it.
+
+pub mod act;
+pub mod attention;
+pub mod conv;
+pub mod gdn;
+pub mod matmul;
+pub mod norm;
+pub mod rope;
+
+pub use matmul::matmul;

@@ -1,0 +1,12 @@
+//! Tensors, weight storage and compute kernels for deltamoe.
+//!
+//! Activations are plain row-major `f32` slices (`[tokens, features]`); weights are [`Tensor`]s
+//! that keep the checkpoint's dtype (bf16/f16/f32) and are usually memory-mapped. Kernels live in
+//! [`cpu`], one module per op family, each with its formula and layout in the module doc.
+
+pub mod cpu;
+pub mod dtype;
+pub mod tensor;
+
+pub use dtype::DType;
+pub use tensor::{Tensor, TensorData};

@@ -1,0 +1,19 @@
+//! Engine errors: each message names the file, key or value at fault and how to fix it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] deltamoe_model::ModelError),
+    #[error("{path}: {msg}")]
+    File { path: PathBuf, msg: String },
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Input(String),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;

@@ -1,0 +1,282 @@
+//! Text tokenizer: loads a Hugging Face `tokenizer.json`, encodes and decodes text, and
+//! streams decoded text token by token without splitting multi-byte characters.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{EngineError, Result};
+
+/// A Hugging Face tokenizer loaded from `tokenizer.json`.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+/// Collapses a possibly multi-line message onto one line.
+fn one_line(msg: impl std::fmt::Display) -> String {
+    msg.to_string()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl TextTokenizer {
+    /// Loads a tokenizer from a `tokenizer.json` file.
+    pub fn from_file(path: &Path) -> Result<TextTokenizer> {
+        if !path.is_file() {
+            return Err(EngineError::File {
+                path: path.to_path_buf(),
+                msg: "tokenizer file not found; pass the model directory that holds the \
+                      Hugging Face tokenizer.json"
+                    .into(),
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| EngineError::File {
+            path: path.to_path_buf(),
+            msg: format!(
+                "cannot load tokenizer: {}; replace it with the model's original tokenizer.json",
+                one_line(e)
+            ),
+        })?;
+        Ok(TextTokenizer {
+            inner,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Loads `dir/tokenizer.json`, or returns `None` when the directory has none.
+    pub fn from_dir(dir: &Path) -> Result<Option<TextTokenizer>> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Ok(None);
+        }
+        Self::from_file(&path).map(Some)
+    }
+
+    /// The file this tokenizer was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The wrapped `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// Encodes `text` into token ids, adding the post-processor's special tokens if asked.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| {
+            EngineError::Tokenizer(format!(
+                "cannot encode {} bytes of text with {}: {}; check the input text",
+                text.len(),
+                self.path.display(),
+                one_line(e)
+            ))
+        })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Decodes token ids into text, optionally skipping special tokens.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(|e| {
+            EngineError::Tokenizer(format!(
+                "cannot decode {} token ids with {}: {}; check that the ids come from this model",
+                ids.len(),
+                self.path.display(),
+                one_line(e)
+            ))
+        })
+    }
+
+    /// The id of a token string (including added/special tokens), if it exists.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// A streaming detokenizer that skips special tokens.
+    pub fn stream(&self) -> StreamDecoder<'_> {
+        StreamDecoder {
+            tok: self,
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
+    }
+}
+
+/// Incremental detokenizer: feed ids one by one and get the text they complete.
+///
+/// It decodes the window `ids[prefix_offset..]` and emits only what extends the already
+/// emitted window `ids[prefix_offset..read_offset]`, so decoders that strip a leading space
+/// and characters split over several byte tokens behave exactly as a full decode would.
+pub struct StreamDecoder<'a> {
+    tok: &'a TextTokenizer,
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl StreamDecoder<'_> {
+    /// Adds one token id; returns the newly completed text, or `None` when the token does not
+    /// finish any text yet (an incomplete character, or a skipped special token).
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        self.emit(false)
+    }
+
+    /// Emits whatever is still pending at the end of generation, even an incomplete
+    /// character (as U+FFFD). Returns `None` when nothing is pending.
+    pub fn flush(&mut self) -> Result<Option<String>> {
+        if self.read_offset >= self.ids.len() {
+            return Ok(None);
+        }
+        self.emit(true)
+    }
+
+    /// Decodes the window and returns the new suffix when it is complete (or `force`d).
+    fn emit(&mut self, force: bool) -> Result<Option<String>> {
+        let window = &self.ids[self.prefix_offset..];
+        let read = self.read_offset - self.prefix_offset;
+        let prefix_text = self.tok.decode(&window[..read], true)?;
+        let new_text = self.tok.decode(window, true)?;
+        if new_text.len() <= prefix_text.len() || (!force && new_text.ends_with('\u{FFFD}')) {
+            return Ok(None);
+        }
+        let delta = match new_text.strip_prefix(prefix_text.as_str()) {
+            Some(d) => d.to_string(),
+            None => new_text
+                .get(prefix_text.len()..)
+                .unwrap_or_default()
+                .to_string(),
+        };
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        self.compact();
+        Ok(Some(delta))
+    }
+
+    /// Drops ids before the prefix window so memory stays bounded on long generations.
+    fn compact(&mut self) {
+        if self.prefix_offset > 0 {
+            self.ids.drain(..self.prefix_offset);
+            self.read_offset -= self.prefix_offset;
+            self.prefix_offset = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+    /// Writes a byte-level BPE tokenizer.json (256 byte tokens, two merges, one special).
+    fn write_tokenizer(dir: &Path) -> PathBuf {
+        let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+        alphabet.sort_unstable();
+        let mut vocab = serde_json::Map::new();
+        for (i, c) in alphabet.iter().enumerate() {
+            vocab.insert(c.to_string(), json!(i));
+        }
+        vocab.insert("he".into(), json!(256));
+        vocab.insert("ll".into(), json!(257));
+        let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
+            "trim_offsets": true, "use_regex": true});
+        let doc = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 258, "content": "<|im_end|>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
+                "merges": [["h", "e"], ["l", "l"]]}
+        });
+        let path = dir.join("tokenizer.json");
+        std::fs::write(&path, doc.to_string()).unwrap();
+        path
+    }
+
+    fn tokenizer() -> (tempfile::TempDir, TextTokenizer) {
+        let dir = tempfile::tempdir().unwrap();
+        write_tokenizer(dir.path());
+        let tok = TextTokenizer::from_dir(dir.path()).unwrap().unwrap();
+        (dir, tok)
+    }
+
+    #[test]
+    fn round_trip_and_vocab() {
+        let (_dir, tok) = tokenizer();
+        assert_eq!(tok.vocab_size(), 259);
+        assert_eq!(tok.token_id("<|im_end|>"), Some(258));
+        assert_eq!(tok.token_id("he"), Some(256));
+        let text = "hello wörld 世界<|im_end|>";
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(ids[0], 256);
+        assert_eq!(*ids.last().unwrap(), 258);
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+        assert_eq!(tok.decode(&ids, true).unwrap(), "hello wörld 世界");
+    }
+
+    #[test]
+    fn missing_and_broken_files_name_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(TextTokenizer::from_dir(dir.path()).unwrap().is_none());
+        let path = dir.path().join("nope.json");
+        let msg = TextTokenizer::from_file(&path).err().unwrap().to_string();
+        assert!(
+            msg.contains("nope.json") && msg.contains("not found"),
+            "{msg}"
+        );
+        let bad = dir.path().join("tokenizer.json");
+        std::fs::write(&bad, "{ not json").unwrap();
+        let msg = TextTokenizer::from_dir(dir.path())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            msg.contains("tokenizer.json") && !msg.contains('\n'),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn stream_reassembles_text_without_partial_chars() {
+        let (_dir, tok) = tokenizer();
+        let text = "hello wörld 世界<|im_end|> 🙂!";
+        let ids = tok.encode(text, false).unwrap();
+        let mut stream = tok.stream();
+        let mut out = String::new();
+        let mut nones = 0;
+        for &id in &ids {
+            match stream.push(id).unwrap() {
+                Some(piece) => {
+                    assert!(!piece.contains('\u{FFFD}'), "partial char in {piece:?}");
+                    out.push_str(&piece);
+                }
+                None => nones += 1,
+            }
+        }
+        assert!(stream.flush().unwrap().is_none());
+        assert_eq!(out, tok.decode(&ids, true).unwrap());
+        // ö (2 bytes), 世 界 (3 each), 🙂 (4) and the special token produce no text at first.
+        assert_eq!(nones, 1 + 2 + 2 + 3 + 1);
+    }
+
+    #[test]
+    fn flush_emits_incomplete_tail() {
+        let (_dir, tok) = tokenizer();
+        let ids = tok.encode("a世", false).unwrap();
+        let mut stream = tok.stream();
+        assert_eq!(stream.push(ids[0]).unwrap().as_deref(), Some("a"));
+        assert!(stream.push(ids[1]).unwrap().is_none());
+        let tail = stream.flush().unwrap().unwrap();
+        assert!(tail.contains('\u{FFFD}'), "{tail:?}");
+    }
+}

@@ -1,0 +1,193 @@
+//! Golden tests: every committed fixture (tiny random-weight models made with HF transformers,
+//! see scripts/make_fixtures.py) against transformers' own f32 logits and greedy
+//! continuations. Tolerance 5e-3·max|ref| with ≥ 98% argmax agreement, for one prefill, for pure
+//! decode (chunks of 1) and for a split of 37; greedy continuations must be identical.
+
+use std::path::{Path, PathBuf};
+
+use deltamoe_engine::chat::{ChatMessage, ChatTemplate};
+use deltamoe_engine::sampler::SamplingParams;
+use deltamoe_engine::tokenizer::TextTokenizer;
+use deltamoe_engine::{generate, Engine, GenerateRequest};
+use deltamoe_model::{Logits, Qwen3Hybrid};
+use safetensors::SafeTensors;
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.safetensors").exists())
+        .collect();
+    v.sort();
+    assert!(
+        v.len() >= 4,
+        "expected the committed fixtures in {}",
+        root.display()
+    );
+    v
+}
+
+struct Prompt {
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+    greedy: Vec<u32>,
+}
+
+fn i64s(st: &SafeTensors, name: &str) -> Vec<u32> {
+    let t = st.tensor(name).unwrap();
+    t.data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap();
+    t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn prompts(dir: &Path) -> Vec<Prompt> {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    (0..2)
+        .map(|i| Prompt {
+            tokens: i64s(&st, &format!("prompt{i}.tokens")),
+            logits: f32s(&st, &format!("prompt{i}.logits")),
+            greedy: i64s(&st, &format!("prompt{i}.greedy")),
+        })
+        .collect()
+}
+
+fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) {
+    assert_eq!(got.len(), want.len(), "{name}: logits length");
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let max_err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let rows = want.len() / vocab;
+    let argmax = |r: &[f32]| {
+        r.iter()
+            .enumerate()
+            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
+    };
+    let agree = got
+        .chunks_exact(vocab)
+        .zip(want.chunks_exact(vocab))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    eprintln!(
+        "{name}: max err {:.2e} of max|ref| {max_ref:.3} ({:.2e}), argmax {agree}/{rows}",
+        max_err,
+        max_err / max_ref
+    );
+    assert!(
+        max_err <= 5e-3 * max_ref,
+        "{name}: max err {max_err} > 5e-3 * {max_ref}"
+    );
+    assert!(
+        agree * 100 >= rows * 98,
+        "{name}: argmax agreement {agree}/{rows}"
+    );
+}
+
+#[test]
+fn logits_match_transformers_for_every_prefill_split() {
+    for dir in fixtures() {
+        let model = Qwen3Hybrid::load(&dir).unwrap();
+        let vocab = model.config().vocab_size;
+        let mut engine = Engine::new(model);
+        for (i, p) in prompts(&dir).iter().enumerate() {
+            for chunk in [None, Some(1), Some(37)] {
+                let id = engine.add_sequence();
+                let got = engine.prefill(id, &p.tokens, chunk, Logits::All).unwrap();
+                engine.remove_sequence(id);
+                let name = format!(
+                    "{} prompt{i} chunk {chunk:?}",
+                    dir.file_name().unwrap().to_string_lossy()
+                );
+                check_logits(&name, &got, &p.logits, vocab);
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_continuations_equal_transformers_generate() {
+    for dir in fixtures() {
+        let mut engine = Engine::new(Qwen3Hybrid::load(&dir).unwrap());
+        for (i, p) in prompts(&dir).iter().enumerate() {
+            let req = GenerateRequest {
+                prompt: &p.tokens,
+                max_tokens: p.greedy.len(),
+                sampling: SamplingParams::default(),
+                eos: &[],
+                prefill_chunk: None,
+            };
+            let (out, _) = generate(&mut engine, &req, |_| Ok(true)).unwrap();
+            assert_eq!(out, p.greedy, "{} prompt{i}", dir.display());
+        }
+    }
+}
+
+#[test]
+fn sequences_are_independent() {
+    // Interleaving two sequences' decode steps gives each the logits it gets alone.
+    let dir = fixtures()
+        .into_iter()
+        .find(|d| d.ends_with("qwen3_next"))
+        .unwrap();
+    let ps = prompts(&dir);
+    let vocab = 512;
+    let mut engine = Engine::new(Qwen3Hybrid::load(&dir).unwrap());
+    let (a, b) = (engine.add_sequence(), engine.add_sequence());
+    let n = 20;
+    let mut got_a = Vec::new();
+    let mut got_b = Vec::new();
+    for t in 0..n {
+        let out = engine
+            .decode(&[
+                (a, ps[0].tokens[t]),
+                (b, ps[1].tokens[t % ps[1].tokens.len()]),
+            ])
+            .unwrap();
+        got_a.extend_from_slice(&out[0]);
+        got_b.push(out[1].clone());
+    }
+    check_logits(
+        "interleaved seq a",
+        &got_a,
+        &ps[0].logits[..n * vocab],
+        vocab,
+    );
+    let t1 = ps[1].tokens.len();
+    let want_b: Vec<f32> = got_b[..t1].concat();
+    check_logits("interleaved seq b", &want_b, &ps[1].logits, vocab);
+}
+
+#[test]
+fn chat_prompt_tokenizes_as_transformers() {
+    let dir = fixtures()
+        .into_iter()
+        .find(|d| d.ends_with("qwen3_5_moe"))
+        .unwrap();
+    let tok = TextTokenizer::from_dir(&dir).unwrap().unwrap();
+    let tpl = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    let msgs = [
+        ChatMessage {
+            role: "system".into(),
+            content: "You are a helpful assistant.".into(),
+        },
+        ChatMessage {
+            role: "user".into(),
+            content: "What is the capital of France? Answer in one word.".into(),
+        },
+    ];
+    let text = tpl.render(&msgs, true).unwrap();
+    let ids = tok.encode(&text, false).unwrap();
+    assert_eq!(ids, prompts(&dir)[1].tokens);
+}

@@ -1,0 +1,99 @@
+use super::*;
+
+fn text_fields() -> serde_json::Map<String, Value> {
+    serde_json::from_str(
+        r#"{"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "intermediate_size": 96,
+            "rms_norm_eps": 1e-6, "hidden_act": "silu"}"#,
+    )
+    .unwrap()
+}
+
+fn parse(v: Value) -> Result<ModelConfig> {
+    ModelConfig::from_json_str(&v.to_string(), Path::new("config.json"))
+}
+
+#[test]
+fn hub_and_transformers5_spellings_agree() {
+    let mut hub = text_fields();
+    hub.insert("model_type".into(), "qwen3_5_moe_text".into());
+    hub.insert("rope_theta".into(), 1e7.into());
+    hub.insert("partial_rotary_factor".into(), 0.25.into());
+    let a = parse(Value::Object(hub)).unwrap();
+
+    let mut t5 = text_fields();
+    t5.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                           "mrope_section": [11, 11, 10], "mrope_interleaved": true}),
+    );
+    t5.insert("model_type".into(), "qwen3_5_moe_text".into());
+    let nested = serde_json::json!({"model_type": "qwen3_5_moe", "text_config": t5,
+                                    "tie_word_embeddings": false});
+    let b = parse(nested).unwrap();
+    assert_eq!((a.rope_theta, a.rotary_dim), (b.rope_theta, b.rotary_dim));
+    assert_eq!(a.rotary_dim, 8);
+    assert_eq!(a.layer_pattern(), "LLLFLLLF");
+    assert_eq!(b.family, Family::Qwen35Moe);
+    assert!(b.norm_topk_prob);
+    assert!(b.ffn_kinds.iter().all(|k| *k == FfnKind::Moe));
+}
+
+#[test]
+fn qwen3_next_dense_layers_and_layer_types() {
+    let mut c = text_fields();
+    c.insert("model_type".into(), "qwen3_next".into());
+    c.insert("rope_theta".into(), 1e7.into());
+    c.insert("num_hidden_layers".into(), 4.into());
+    c.insert("mlp_only_layers".into(), serde_json::json!([1]));
+    c.insert("norm_topk_prob".into(), false.into());
+    c.insert(
+        "layer_types".into(),
+        serde_json::json!([
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention"
+        ]),
+    );
+    let m = parse(Value::Object(c)).unwrap();
+    assert_eq!(m.layer_pattern(), "LFLF");
+    assert_eq!(
+        m.ffn_kinds,
+        vec![FfnKind::Moe, FfnKind::Dense, FfnKind::Moe, FfnKind::Moe]
+    );
+    assert!(!m.norm_topk_prob);
+}
+
+#[test]
+fn errors_name_the_key() {
+    let mut c = text_fields();
+    c.insert("model_type".into(), "qwen3_5_text".into());
+    c.insert("rope_theta".into(), 1e7.into());
+    c.remove("hidden_size");
+    let e = parse(Value::Object(c.clone())).unwrap_err().to_string();
+    assert!(e.contains("`hidden_size`") && e.contains("missing"), "{e}");
+
+    c.insert("hidden_size".into(), "big".into());
+    let e = parse(Value::Object(c.clone())).unwrap_err().to_string();
+    assert!(e.contains("`hidden_size`") && e.contains("integer"), "{e}");
+
+    c.insert("hidden_size".into(), 64.into());
+    c.insert("model_type".into(), "llama".into());
+    let e = parse(Value::Object(c)).unwrap_err().to_string();
+    assert!(e.contains("llama") && e.contains("not supported"), "{e}");
+
+    let e = parse(serde_json::json!({"model_type": "qwen3_5_moe"}))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`text_config`"), "{e}");
+
+    let e = ModelConfig::from_json_str("{not json", Path::new("x/config.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("x/config.json") && e.contains("JSON"), "{e}");
+}

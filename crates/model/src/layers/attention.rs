@@ -1,0 +1,94 @@
+//! Gated full attention.
+//!
+//! `q_proj` yields per head `[q_h (D) | gate_h (D)]`; q and k get a zero-centred RMSNorm over
+//! the head dim (`q_norm`, `k_norm`), then partial NeoX RoPE at their positions; k and v are
+//! appended to the sequence's cache; causal GQA softmax attention with scale 1/sqrt(D); the
+//! output is multiplied by `sigmoid(gate)` and projected by `o_proj`.
+
+use deltamoe_compute::cpu::act::sigmoid;
+use deltamoe_compute::cpu::attention::{causal_attention, AttnShape};
+use deltamoe_compute::cpu::norm::{rms_norm, zero_centred_scale};
+use deltamoe_compute::cpu::rope::Rope;
+
+use super::Linear;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::weights::WeightStore;
+
+#[derive(Clone, Debug)]
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// `1 + q_norm.weight`.
+    q_norm: Vec<f32>,
+    /// `1 + k_norm.weight`.
+    k_norm: Vec<f32>,
+    shape: AttnShape,
+    eps: f32,
+}
+
+/// A sequence's keys and values for one attention layer: `[positions, H_kv, D]` each.
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+impl Attention {
+    pub fn load(store: &WeightStore, prefix: &str, c: &ModelConfig) -> Result<Attention> {
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (nq, nkv, bias) = (c.num_heads, c.num_kv_heads, c.attention_bias);
+        Ok(Attention {
+            q_proj: Linear::load(store, &format!("{prefix}.q_proj"), 2 * nq * d, h, bias)?,
+            k_proj: Linear::load(store, &format!("{prefix}.k_proj"), nkv * d, h, bias)?,
+            v_proj: Linear::load(store, &format!("{prefix}.v_proj"), nkv * d, h, bias)?,
+            o_proj: Linear::load(store, &format!("{prefix}.o_proj"), h, nq * d, bias)?,
+            q_norm: zero_centred_scale(&store.vec_f32(&format!("{prefix}.q_norm.weight"), d)?),
+            k_norm: zero_centred_scale(&store.vec_f32(&format!("{prefix}.k_norm.weight"), d)?),
+            shape: AttnShape {
+                n_heads: nq,
+                n_kv_heads: nkv,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+            },
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    /// `x: [t, H]` for positions `pos0..pos0 + t` → `[t, H]`, appending to `cache`.
+    pub fn forward(
+        &self,
+        x: &[f32],
+        t: usize,
+        pos0: usize,
+        rope: &Rope,
+        cache: &mut KvCache,
+    ) -> Vec<f32> {
+        let s = self.shape;
+        let d = s.head_dim;
+        let qg = self.q_proj.forward(x, t);
+        let mut q = Vec::with_capacity(t * s.n_heads * d);
+        let mut gate = Vec::with_capacity(t * s.n_heads * d);
+        for head in qg.chunks_exact(2 * d) {
+            q.extend_from_slice(&head[..d]);
+            gate.extend_from_slice(&head[d..]);
+        }
+        let mut k = self.k_proj.forward(x, t);
+        let v = self.v_proj.forward(x, t);
+        rms_norm(&mut q, &self.q_norm, self.eps);
+        rms_norm(&mut k, &self.k_norm, self.eps);
+        let (qw, kw) = (s.n_heads * d, s.n_kv_heads * d);
+        for tt in 0..t {
+            rope.apply(&mut q[tt * qw..(tt + 1) * qw], d, pos0 + tt);
+            rope.apply(&mut k[tt * kw..(tt + 1) * kw], d, pos0 + tt);
+        }
+        cache.k.extend_from_slice(&k);
+        cache.v.extend_from_slice(&v);
+        let mut o = vec![0.0; t * qw];
+        causal_attention(&q, &cache.k, &cache.v, pos0, s, &mut o);
+        o.iter_mut().zip(&gate).for_each(|(v, g)| *v *= sigmoid(*g));
+        self.o_proj.forward(&o, t)
+    }
+}

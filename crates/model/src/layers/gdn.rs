@@ -1,0 +1,227 @@
+//! Gated DeltaNet token mixer (linear attention).
+//!
+//! For T tokens `x: [T, H]`:
+//! 1. projections to `qkv: [T, 2·Hk·Dk + Hv·Dv]` (q | k | v), `z: [T, Hv·Dv]`, `b, a: [T, Hv]`.
+//!    Qwen3.5 stores them as `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next
+//!    packs `in_proj_qkvz` per key head as `[q(Dk) | k(Dk) | v(r·Dv) | z(r·Dv)] × Hk` and
+//!    `in_proj_ba` as `[b(r) | a(r)] × Hk` (r = Hv / Hk), unpacked here after the matmul;
+//! 2. causal depthwise conv1d (kernel K, from the carried conv state) + SiLU over qkv;
+//! 3. q, k l2-normalised per head (eps 1e-6), q ·= 1/sqrt(Dk);
+//! 4. g = −exp(A_log) · softplus(a + dt_bias), β = sigmoid(b);
+//! 5. the gated delta rule (chunked for T > 1, recurrent for T = 1) on the f32 state;
+//! 6. gated RMSNorm per value head: norm(o) · w · silu(z) (plain `w`, not zero-centred);
+//! 7. `out_proj`.
+
+use deltamoe_compute::cpu::act::{sigmoid, softplus};
+use deltamoe_compute::cpu::conv::causal_conv1d_silu;
+use deltamoe_compute::cpu::gdn::{gdn_chunked, gdn_recurrent, GdnInputs, GdnShape};
+use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize};
+
+use super::Linear;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::weights::WeightStore;
+
+/// Chunk length of the chunked gated delta rule used for prefill.
+pub const CHUNK: usize = 64;
+
+#[derive(Clone, Debug)]
+enum InProj {
+    Split {
+        qkv: Linear,
+        z: Linear,
+        b: Linear,
+        a: Linear,
+    },
+    Packed {
+        qkvz: Linear,
+        ba: Linear,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct GatedDeltaNet {
+    proj: InProj,
+    /// `[C, K]` depthwise kernel.
+    conv_w: Vec<f32>,
+    /// `−exp(A_log)` per value head.
+    neg_a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm_w: Vec<f32>,
+    out_proj: Linear,
+    shape: GdnShape,
+    conv_kernel: usize,
+    eps: f32,
+}
+
+/// Projected activations for T tokens.
+struct Projected {
+    qkv: Vec<f32>,
+    z: Vec<f32>,
+    b: Vec<f32>,
+    a: Vec<f32>,
+}
+
+impl GatedDeltaNet {
+    pub fn load(store: &WeightStore, prefix: &str, c: &ModelConfig) -> Result<GatedDeltaNet> {
+        let (h, nv) = (c.hidden_size, c.linear_v_heads);
+        let (kd, vd, cd) = (c.linear_key_size(), c.linear_value_size(), c.conv_dim());
+        let packed = format!("{prefix}.in_proj_qkvz.weight");
+        let proj = if store.contains(&packed) {
+            InProj::Packed {
+                qkvz: Linear::load(
+                    store,
+                    &format!("{prefix}.in_proj_qkvz"),
+                    2 * kd + 2 * vd,
+                    h,
+                    false,
+                )?,
+                ba: Linear::load(store, &format!("{prefix}.in_proj_ba"), 2 * nv, h, false)?,
+            }
+        } else {
+            InProj::Split {
+                qkv: Linear::load(store, &format!("{prefix}.in_proj_qkv"), cd, h, false)?,
+                z: Linear::load(store, &format!("{prefix}.in_proj_z"), vd, h, false)?,
+                b: Linear::load(store, &format!("{prefix}.in_proj_b"), nv, h, false)?,
+                a: Linear::load(store, &format!("{prefix}.in_proj_a"), nv, h, false)?,
+            }
+        };
+        let k = c.conv_kernel;
+        Ok(GatedDeltaNet {
+            proj,
+            conv_w: store
+                .get(&format!("{prefix}.conv1d.weight"), &[cd, 1, k])?
+                .to_f32_vec(),
+            neg_a: store
+                .vec_f32(&format!("{prefix}.A_log"), nv)?
+                .iter()
+                .map(|v| -v.exp())
+                .collect(),
+            dt_bias: store.vec_f32(&format!("{prefix}.dt_bias"), nv)?,
+            norm_w: store.vec_f32(&format!("{prefix}.norm.weight"), c.linear_v_dim)?,
+            out_proj: Linear::load(store, &format!("{prefix}.out_proj"), h, vd, false)?,
+            shape: GdnShape {
+                n_k_heads: c.linear_k_heads,
+                n_v_heads: nv,
+                k_dim: c.linear_k_dim,
+                v_dim: c.linear_v_dim,
+            },
+            conv_kernel: k,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    fn project(&self, x: &[f32], t: usize) -> Projected {
+        match &self.proj {
+            InProj::Split { qkv, z, b, a } => Projected {
+                qkv: qkv.forward(x, t),
+                z: z.forward(x, t),
+                b: b.forward(x, t),
+                a: a.forward(x, t),
+            },
+            InProj::Packed { qkvz, ba } => self.unpack(&qkvz.forward(x, t), &ba.forward(x, t), t),
+        }
+    }
+
+    /// Reorder Qwen3-Next's per-key-head groups into the split layout.
+    fn unpack(&self, qkvz: &[f32], ba: &[f32], t: usize) -> Projected {
+        let s = self.shape;
+        let r = s.n_v_heads / s.n_k_heads;
+        let (dk, rv) = (s.k_dim, r * s.v_dim);
+        let (kd, vd) = (s.n_k_heads * dk, s.n_v_heads * s.v_dim);
+        let group = 2 * dk + 2 * rv;
+        let mut p = Projected {
+            qkv: vec![0.0; t * (2 * kd + vd)],
+            z: vec![0.0; t * vd],
+            b: vec![0.0; t * s.n_v_heads],
+            a: vec![0.0; t * s.n_v_heads],
+        };
+        for tt in 0..t {
+            let src = &qkvz[tt * s.n_k_heads * group..(tt + 1) * s.n_k_heads * group];
+            let qkv = &mut p.qkv[tt * (2 * kd + vd)..(tt + 1) * (2 * kd + vd)];
+            let z = &mut p.z[tt * vd..(tt + 1) * vd];
+            for kh in 0..s.n_k_heads {
+                let g = &src[kh * group..(kh + 1) * group];
+                qkv[kh * dk..(kh + 1) * dk].copy_from_slice(&g[..dk]);
+                qkv[kd + kh * dk..kd + (kh + 1) * dk].copy_from_slice(&g[dk..2 * dk]);
+                qkv[2 * kd + kh * rv..2 * kd + (kh + 1) * rv]
+                    .copy_from_slice(&g[2 * dk..2 * dk + rv]);
+                z[kh * rv..(kh + 1) * rv].copy_from_slice(&g[2 * dk + rv..]);
+                let bag = &ba[(tt * s.n_k_heads + kh) * 2 * r..(tt * s.n_k_heads + kh + 1) * 2 * r];
+                let o = tt * s.n_v_heads + kh * r;
+                p.b[o..o + r].copy_from_slice(&bag[..r]);
+                p.a[o..o + r].copy_from_slice(&bag[r..]);
+            }
+        }
+        p
+    }
+
+    /// Size of the conv state, `(K − 1) · C`.
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_w.len() / self.conv_kernel
+    }
+
+    /// Size of the recurrent state, `Hv · Dk · Dv`.
+    pub fn recurrent_state_len(&self) -> usize {
+        self.shape.n_v_heads * self.shape.k_dim * self.shape.v_dim
+    }
+
+    /// `x: [t, H]` → `[t, H]`, advancing `conv_state` and `state`.
+    pub fn forward(
+        &self,
+        x: &[f32],
+        t: usize,
+        conv_state: &mut [f32],
+        state: &mut [f32],
+    ) -> Vec<f32> {
+        let s = self.shape;
+        let p = self.project(x, t);
+        let cd = self.conv_w.len() / self.conv_kernel;
+        let mut mixed = vec![0.0; t * cd];
+        causal_conv1d_silu(
+            &p.qkv,
+            &self.conv_w,
+            self.conv_kernel,
+            conv_state,
+            &mut mixed,
+        );
+
+        let (kd, vd) = (s.n_k_heads * s.k_dim, s.n_v_heads * s.v_dim);
+        let mut q = Vec::with_capacity(t * kd);
+        let mut k = Vec::with_capacity(t * kd);
+        let mut v = Vec::with_capacity(t * vd);
+        for row in mixed.chunks_exact(cd) {
+            q.extend_from_slice(&row[..kd]);
+            k.extend_from_slice(&row[kd..2 * kd]);
+            v.extend_from_slice(&row[2 * kd..]);
+        }
+        l2_normalize(&mut q, s.k_dim, 1e-6);
+        l2_normalize(&mut k, s.k_dim, 1e-6);
+        let scale = 1.0 / (s.k_dim as f32).sqrt();
+        q.iter_mut().for_each(|v| *v *= scale);
+
+        let nv = s.n_v_heads;
+        let g: Vec<f32> =
+            p.a.iter()
+                .enumerate()
+                .map(|(i, a)| self.neg_a[i % nv] * softplus(a + self.dt_bias[i % nv]))
+                .collect();
+        let beta: Vec<f32> = p.b.iter().map(|b| sigmoid(*b)).collect();
+
+        let inputs = GdnInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+        };
+        let mut o = vec![0.0; t * vd];
+        if t == 1 {
+            gdn_recurrent(&inputs, s, state, &mut o);
+        } else {
+            gdn_chunked(&inputs, s, CHUNK, state, &mut o);
+        }
+        gated_rms_norm(&mut o, &p.z, &self.norm_w, self.eps);
+        self.out_proj.forward(&o, t)
+    }
+}

@@ -1,0 +1,43 @@
+//! SwiGLU feed-forward: `down(silu(gate x) ⊙ up x)`. Used for dense layers, the shared expert
+//! and each routed expert.
+
+use deltamoe_compute::cpu::act::silu;
+use deltamoe_compute::Tensor;
+
+use super::Linear;
+use crate::error::Result;
+use crate::weights::WeightStore;
+
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl Mlp {
+    /// `{prefix}.{gate,up,down}_proj.weight` with intermediate size `inter`.
+    pub fn load(store: &WeightStore, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp> {
+        Ok(Mlp {
+            gate: Linear::load(store, &format!("{prefix}.gate_proj"), inter, hidden, false)?,
+            up: Linear::load(store, &format!("{prefix}.up_proj"), inter, hidden, false)?,
+            down: Linear::load(store, &format!("{prefix}.down_proj"), hidden, inter, false)?,
+        })
+    }
+
+    pub fn from_tensors(gate: Tensor, up: Tensor, down: Tensor) -> Mlp {
+        Mlp {
+            gate: Linear::new(gate),
+            up: Linear::new(up),
+            down: Linear::new(down),
+        }
+    }
+
+    /// `x: [t, hidden]` → `[t, hidden]`.
+    pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
+        let mut h = self.gate.forward(x, t);
+        let u = self.up.forward(x, t);
+        h.iter_mut().zip(&u).for_each(|(g, u)| *g = silu(*g) * u);
+        self.down.forward(&h, t)
+    }
+}

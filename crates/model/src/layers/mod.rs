@@ -1,0 +1,15 @@
+//! Layers of the Qwen3 hybrid family, each loading its own tensors (shape-checked against the
+//! config) and running on the CPU kernels of `deltamoe-compute`. Activations are row-major
+//! `[T, features]` f32.
+
+pub mod attention;
+pub mod gdn;
+pub mod linear;
+pub mod mlp;
+pub mod moe;
+
+pub use attention::Attention;
+pub use gdn::GatedDeltaNet;
+pub use linear::Linear;
+pub use mlp::Mlp;
+pub use moe::Moe;

@@ -1,0 +1,15 @@
+//! Model definitions for deltamoe: HF config parsing, safetensors weights and the Qwen3 hybrid
+//! family (Gated DeltaNet + gated attention + MoE).
+
+pub mod config;
+pub mod error;
+pub mod layers;
+pub mod qwen3_hybrid;
+pub mod state;
+pub mod weights;
+
+pub use config::{Family, FfnKind, LayerKind, ModelConfig};
+pub use error::{ModelError, Result};
+pub use qwen3_hybrid::{Logits, Qwen3Hybrid};
+pub use state::SequenceState;
+pub use weights::{TensorInfo, WeightStore};

@@ -1,0 +1,203 @@
+//! The Qwen3 hybrid family (Qwen3-Next, Qwen3.5/3.6 MoE, Qwen3.5 dense): embedding; per layer
+//! `h = x + mixer(norm(x))`, `out = h + ffn(norm(h))` with the mixer Gated DeltaNet or gated
+//! full attention and the ffn a dense MLP or a sparse MoE; final norm; lm_head (tied to the
+//! embedding when configured). Norms here are zero-centred: `x / rms(x) · (1 + w)`.
+
+use std::path::Path;
+
+use deltamoe_compute::cpu::norm::{rms_norm, zero_centred_scale};
+use deltamoe_compute::cpu::rope::Rope;
+use deltamoe_compute::{cpu, Tensor};
+
+use crate::config::{FfnKind, LayerKind, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::layers::attention::KvCache;
+use crate::layers::{Attention, GatedDeltaNet, Mlp, Moe};
+use crate::state::{LayerState, SequenceState};
+use crate::weights::WeightStore;
+
+#[derive(Clone, Debug)]
+enum Mixer {
+    Linear(GatedDeltaNet),
+    Full(Attention),
+}
+
+#[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+#[derive(Clone, Debug)]
+struct Layer {
+    input_norm: Vec<f32>,
+    mixer: Mixer,
+    post_norm: Vec<f32>,
+    ffn: Ffn,
+}
+
+/// Which positions' logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// `[T, vocab]`, every position (scoring).
+    All,
+    /// `[vocab]`, the last position only (generation).
+    Last,
+}
+
+/// A loaded model.
+pub struct Qwen3Hybrid {
+    config: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    lm_head: Tensor,
+    rope: Rope,
+}
+
+impl Qwen3Hybrid {
+    /// Load `dir/config.json` and the safetensors weights of `dir`.
+    pub fn load(dir: &Path) -> Result<Qwen3Hybrid> {
+        let config = ModelConfig::from_dir(dir)?;
+        let store = WeightStore::open(dir)?;
+        Qwen3Hybrid::from_store(config, &store)
+    }
+
+    /// Build from a parsed config and an opened store; every tensor's shape is checked here.
+    pub fn from_store(config: ModelConfig, store: &WeightStore) -> Result<Qwen3Hybrid> {
+        let c = &config;
+        let (v, h) = (c.vocab_size, c.hidden_size);
+        let embed = store.get("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            store.get("lm_head.weight", &[v, h])?
+        };
+        let layers = (0..c.num_layers)
+            .map(|i| load_layer(store, c, i))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Qwen3Hybrid {
+            embed,
+            lm_head,
+            layers,
+            final_norm: zero_centred_scale(&store.vec_f32("model.norm.weight", h)?),
+            rope: Rope::new(c.rotary_dim, c.rope_theta),
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Fresh per-sequence state: empty KV caches, zero conv and recurrent states.
+    pub fn new_state(&self) -> SequenceState {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Linear(g) => LayerState::Linear {
+                    conv: vec![0.0; g.conv_state_len()],
+                    recurrent: vec![0.0; g.recurrent_state_len()],
+                },
+                Mixer::Full(_) => LayerState::Full(KvCache::default()),
+            })
+            .collect();
+        SequenceState { pos: 0, layers }
+    }
+
+    /// Run `tokens` (appended after the state's position) through the model in one pass per
+    /// layer, updating `state`, and return logits as asked.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        state: &mut SequenceState,
+        which: Logits,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(ModelError::Input(
+                "no tokens to run: the prompt is empty".into(),
+            ));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(ModelError::Input(format!(
+                "token id {bad} is out of range: the model's vocab_size is {}",
+                c.vocab_size
+            )));
+        }
+        let (t, h) = (tokens.len(), c.hidden_size);
+        let mut x = vec![0.0f32; t * h];
+        let data = self.embed.data();
+        for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
+            data.read_f32(id as usize * h, row);
+        }
+        let pos0 = state.pos;
+        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
+            let mut n = x.clone();
+            rms_norm(&mut n, &layer.input_norm, c.rms_norm_eps);
+            let mixed = match (&layer.mixer, st) {
+                (Mixer::Linear(g), LayerState::Linear { conv, recurrent }) => {
+                    g.forward(&n, t, conv, recurrent)
+                }
+                (Mixer::Full(a), LayerState::Full(cache)) => {
+                    a.forward(&n, t, pos0, &self.rope, cache)
+                }
+                _ => {
+                    return Err(ModelError::Input(
+                        "sequence state does not belong to this model".into(),
+                    ))
+                }
+            };
+            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+            let mut n = x.clone();
+            rms_norm(&mut n, &layer.post_norm, c.rms_norm_eps);
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => m.forward(&n, t),
+                Ffn::Moe(m) => m.forward(&n, t),
+            };
+            x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
+        }
+        state.pos += t;
+        let rows = match which {
+            Logits::All => &mut x[..],
+            Logits::Last => &mut x[(t - 1) * h..],
+        };
+        rms_norm(rows, &self.final_norm, c.rms_norm_eps);
+        let n = rows.len() / h;
+        let mut logits = vec![0.0; n * c.vocab_size];
+        cpu::matmul(rows, n, &self.lm_head, &mut logits);
+        Ok(logits)
+    }
+}
+
+fn load_layer(store: &WeightStore, c: &ModelConfig, i: usize) -> Result<Layer> {
+    let p = format!("model.layers.{i}");
+    let h = c.hidden_size;
+    let mixer = match c.layer_kinds[i] {
+        LayerKind::LinearAttention => {
+            Mixer::Linear(GatedDeltaNet::load(store, &format!("{p}.linear_attn"), c)?)
+        }
+        LayerKind::FullAttention => {
+            Mixer::Full(Attention::load(store, &format!("{p}.self_attn"), c)?)
+        }
+    };
+    let ffn = match c.ffn_kinds[i] {
+        FfnKind::Dense => Ffn::Dense(Mlp::load(
+            store,
+            &format!("{p}.mlp"),
+            h,
+            c.intermediate_size,
+        )?),
+        FfnKind::Moe => Ffn::Moe(Moe::load(store, &format!("{p}.mlp"), c)?),
+    };
+    Ok(Layer {
+        input_norm: zero_centred_scale(&store.vec_f32(&format!("{p}.input_layernorm.weight"), h)?),
+        mixer,
+        post_norm: zero_centred_scale(
+            &store.vec_f32(&format!("{p}.post_attention_layernorm.weight"), h)?,
+        ),
+        ffn,
+    })
+}
