@@ -2,10 +2,12 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use deltamoe_compute::cuda;
 use deltamoe_engine::chat::{ChatMessage, ChatTemplate};
 use deltamoe_engine::generation_config::GenerationDefaults;
 use deltamoe_engine::sampler::SamplingParams;
@@ -38,6 +40,16 @@ pub struct GenerateArgs {
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Prefill in passes of at most N tokens.
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+}
+
+/// Sampling flags shared by `generate` and `chat`; unset ones come from generation_config.json.
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
     /// Sampling temperature; 0 is greedy. Default: generation_config.json, else greedy.
     #[arg(long)]
     temperature: Option<f32>,
@@ -56,9 +68,6 @@ pub struct GenerateArgs {
     /// Random seed for sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Prefill in passes of at most N tokens.
-    #[arg(long)]
-    prefill_chunk: Option<usize>,
 }
 
 #[derive(Args)]
@@ -90,18 +99,15 @@ pub fn parse_ids(s: &str, flag: &str) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// Check the requested backend, then load the model.
+/// Load the model of `--model` (weights memory-mapped on the host).
 pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
-    if args.device == Device::Cuda {
-        bail!("--device cuda: this build has no CUDA backend; use --device cpu (or auto)");
-    }
     if !args.model.is_dir() {
         bail!("--model {}: not a directory; point it at a model directory with config.json and *.safetensors", args.model.display());
     }
     let t0 = Instant::now();
     let model = Qwen3Hybrid::load(&args.model)?;
     eprintln!(
-        "loaded {} ({} layers, {}) from {} in {:.2} s on cpu",
+        "loaded {} ({} layers, {}) from {} in {:.2} s",
         model.config().model_type,
         model.config().num_layers,
         model.config().layer_pattern(),
@@ -111,7 +117,36 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
     Ok(model)
 }
 
-fn sampling(a: &GenerateArgs, defaults: &GenerationDefaults) -> SamplingParams {
+/// An engine for `model` on the backend `--device` asks for: `cuda` fails with the reason
+/// when no GPU is usable; `auto` takes CUDA when it is usable and the CPU otherwise.
+pub fn engine_for(model: Qwen3Hybrid, device: Device) -> Result<Engine> {
+    let reason = cuda::unavailable_reason();
+    let use_cuda = match (device, &reason) {
+        (Device::Cpu, _) => false,
+        (Device::Cuda, Some(why)) => bail!("--device cuda: {why}; use --device cpu"),
+        (Device::Cuda, None) | (Device::Auto, None) => true,
+        (Device::Auto, Some(_)) => false,
+    };
+    if !use_cuda {
+        eprintln!("backend: cpu, {} threads", rayon::current_num_threads());
+        return Ok(Engine::new(model));
+    }
+    let t0 = Instant::now();
+    let gpu = Arc::new(cuda::Gpu::new(0).context("--device cuda")?);
+    let engine = Engine::new_cuda(model, gpu, DEFAULT_CUDA_CONTEXT)?;
+    eprintln!(
+        "backend: {}, weights uploaded in {:.2} s",
+        engine.backend_name(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(engine)
+}
+
+/// Tokens of KV cache each CUDA sequence gets (capped by the model's max_position_embeddings).
+const DEFAULT_CUDA_CONTEXT: usize = 32768;
+
+/// The model's sampling defaults overridden by the flags given, checked for range.
+pub fn sampling(a: &SamplingArgs, defaults: &GenerationDefaults) -> Result<SamplingParams> {
     let mut p = defaults.sampling.clone().unwrap_or_default();
     if let Some(v) = a.temperature {
         p.temperature = v;
@@ -129,7 +164,9 @@ fn sampling(a: &GenerateArgs, defaults: &GenerationDefaults) -> SamplingParams {
         p.repetition_penalty = v;
     }
     p.seed = a.seed;
-    p
+    p.validate()
+        .context("check --temperature/--top-k/--top-p/--min-p/--repetition-penalty")?;
+    Ok(p)
 }
 
 fn prompt_ids(a: &GenerateArgs, dir: &Path, tok: Option<&TextTokenizer>) -> Result<Vec<u32>> {
@@ -177,11 +214,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let req = GenerateRequest {
         prompt: &prompt,
         max_tokens: a.max_tokens,
-        sampling: sampling(&a, &defaults),
+        sampling: sampling(&a.sampling, &defaults)?,
         eos: &defaults.eos_token_ids,
         prefill_chunk: a.prefill_chunk,
     };
-    let mut engine = Engine::new(model);
+    let mut engine = engine_for(model, a.model.device)?;
     let mut out = std::io::stdout().lock();
     let mut stream = tok.as_ref().map(|t| t.stream());
     let mut first = true;
@@ -218,8 +255,8 @@ pub fn score(a: ScoreArgs) -> Result<()> {
     let tokens = parse_ids(&a.tokens, "--tokens")?;
     let model = load_model(&a.model)?;
     let vocab = model.config().vocab_size;
-    let mut engine = Engine::new(model);
-    let id = engine.add_sequence();
+    let mut engine = engine_for(model, a.model.device)?;
+    let id = engine.add_sequence()?;
     let t0 = Instant::now();
     let logits = engine.prefill(id, &tokens, a.prefill_chunk, Logits::All)?;
     let secs = t0.elapsed().as_secs_f64();

@@ -1,9 +1,11 @@
 //! `deltamoe`: run Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid models.
 
 mod bench;
+mod chat;
 mod commands;
 mod info;
 mod npy;
+mod perplexity;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,6 +30,10 @@ struct Cli {
 enum Command {
     /// Generate text (or token ids) from a prompt, streamed to stdout.
     Generate(commands::GenerateArgs),
+    /// Chat with a model in the terminal (needs a chat template).
+    Chat(chat::ChatArgs),
+    /// Perplexity of a text file over consecutive windows of --ctx tokens.
+    Perplexity(perplexity::PerplexityArgs),
     /// Feed tokens and write their logits as a [T, vocab] f32 .npy file.
     Score(commands::ScoreArgs),
     /// Describe a model: architecture, parameters and memory needs.
@@ -69,6 +75,8 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Generate(a) => commands::generate(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::Score(a) => commands::score(a),
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),

@@ -5,8 +5,11 @@
 //! [`cpu`], one module per op family, each with its formula and layout in the module doc.
 
 pub mod cpu;
+pub mod cuda;
 pub mod dtype;
+pub mod quant;
 pub mod tensor;
 
 pub use dtype::DType;
+pub use quant::{AffineWeight, PackedWords, QuantError};
 pub use tensor::{Tensor, TensorData};

@@ -50,7 +50,7 @@ impl<'a> TensorData<'a> {
     }
 
     /// Elements `start..start + out.len()` converted to f32 into `out`.
-    #[inline]
+    #[inline(always)]
     pub fn read_f32(&self, start: usize, out: &mut [f32]) {
         let n = out.len();
         match self {

@@ -340,9 +340,9 @@ mod tests {
         let t = ChatTemplate::from_str(src).unwrap();
         let ctx = json!({"tools": [{"name": "f", "args": [1, "<b>"]}]});
         let out = t.render_with(ctx, &[msg("user", "xa "), msg("user", " b")], false);
-        let want =
-            "XA,B|1|[{\"args\": [1, \"<b>\"], \"name\": \"f\"}]|{\n  \"args\": [\n    1,\n    \
-                    \"<b>\"\n  ],\n  \"name\": \"f\"\n}|{\"a\": \"é\"}";
+        // Keys keep their order, as Python's json.dumps does for HF templates.
+        let want = "XA,B|1|[{\"name\": \"f\", \"args\": [1, \"<b>\"]}]|{\n  \"name\": \"f\",\n  \
+                    \"args\": [\n    1,\n    \"<b>\"\n  ]\n}|{\"a\": \"é\"}";
         assert_eq!(out.unwrap(), want);
     }
 

@@ -1,44 +1,94 @@
 //! The engine: a model plus the sequences it serves. Prefill runs a prompt in one pass per layer
 //! (optionally in chunks of at most N tokens); decode runs one token per sequence. On the CPU,
-//! sequences of a decode step run one after another.
+//! sequences of a decode step run one after another. On CUDA every token runs the captured
+//! decode graph of its sequence (prompts too, token by token, until GPU prefill lands).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use deltamoe_model::{Logits, Qwen3Hybrid};
+use deltamoe_compute::cuda::Gpu;
+use deltamoe_model::gpu::{GpuModel, GpuSeq};
+use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
 
 use crate::error::{EngineError, Result};
+use crate::sampler::argmax;
 use crate::sequence::{SeqId, Sequence};
+
+/// Per-sequence state on the engine's backend.
+pub enum SeqState {
+    Cpu(SequenceState),
+    Cuda(Box<GpuSeq>),
+}
 
 pub struct Engine {
     model: Qwen3Hybrid,
+    gpu: Option<GpuModel>,
+    /// Context per sequence on CUDA (KV caches are allocated for it up front).
+    max_ctx: usize,
     sequences: BTreeMap<SeqId, Sequence>,
     next_id: u64,
 }
 
+fn cuda_err(e: deltamoe_compute::cuda::CudaError) -> EngineError {
+    EngineError::Input(format!("cuda: {e}"))
+}
+
 impl Engine {
+    /// An engine on the CPU.
     pub fn new(model: Qwen3Hybrid) -> Engine {
+        let max_ctx = model.config().max_position_embeddings;
         Engine {
             model,
+            gpu: None,
+            max_ctx,
             sequences: BTreeMap::new(),
             next_id: 0,
         }
+    }
+
+    /// An engine on a GPU: uploads the weights; each sequence gets room for `max_ctx` tokens
+    /// (capped by the model's max_position_embeddings).
+    pub fn new_cuda(model: Qwen3Hybrid, gpu: Arc<Gpu>, max_ctx: usize) -> Result<Engine> {
+        let max_ctx = max_ctx.min(model.config().max_position_embeddings);
+        let gm = GpuModel::upload(&model, gpu).map_err(cuda_err)?;
+        Ok(Engine {
+            model,
+            gpu: Some(gm),
+            max_ctx,
+            sequences: BTreeMap::new(),
+            next_id: 0,
+        })
     }
 
     pub fn model(&self) -> &Qwen3Hybrid {
         &self.model
     }
 
+    /// `"cpu"` or the GPU's name.
+    pub fn backend_name(&self) -> String {
+        match &self.gpu {
+            Some(g) => format!("cuda ({})", g.gpu().name()),
+            None => "cpu".to_string(),
+        }
+    }
+
     /// Start an empty sequence.
-    pub fn add_sequence(&mut self) -> SeqId {
+    pub fn add_sequence(&mut self) -> Result<SeqId> {
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        let seq = Sequence {
-            id,
-            tokens: Vec::new(),
-            state: self.model.new_state(),
+        let state = match &self.gpu {
+            Some(g) => SeqState::Cuda(Box::new(g.new_seq(self.max_ctx).map_err(cuda_err)?)),
+            None => SeqState::Cpu(self.model.new_state()),
         };
-        self.sequences.insert(id, seq);
-        id
+        self.sequences.insert(
+            id,
+            Sequence {
+                id,
+                tokens: Vec::new(),
+                state,
+            },
+        );
+        Ok(id)
     }
 
     /// Drop a sequence and its state.
@@ -50,10 +100,31 @@ impl Engine {
         self.sequences.get(&id)
     }
 
-    fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence> {
-        self.sequences
-            .get_mut(&id)
-            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))
+    fn check(&self, id: SeqId, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(EngineError::Input(
+                "the prompt is empty: give at least one token".into(),
+            ));
+        }
+        let seq = self
+            .sequences
+            .get(&id)
+            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
+        let vocab = self.model.config().vocab_size;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::Input(format!(
+                "token id {bad} is out of range: the model's vocab_size is {vocab}"
+            )));
+        }
+        if seq.tokens.len() + tokens.len() > self.max_ctx {
+            return Err(EngineError::Input(format!(
+                "{} tokens do not fit the context: {} already used of {}",
+                tokens.len(),
+                seq.tokens.len(),
+                self.max_ctx
+            )));
+        }
+        Ok(())
     }
 
     /// Feed `tokens` to sequence `id` in passes of at most `chunk` tokens (all at once when
@@ -65,40 +136,42 @@ impl Engine {
         chunk: Option<usize>,
         which: Logits,
     ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(EngineError::Input(
-                "the prompt is empty: give at least one token".into(),
-            ));
-        }
-        let max_ctx = self.model.config().max_position_embeddings;
+        self.check(id, tokens)?;
         let chunk = chunk.unwrap_or(tokens.len());
         if chunk == 0 {
             return Err(EngineError::Input(
                 "--prefill-chunk must be at least 1".into(),
             ));
         }
-        let model = &self.model;
+        let (model, gpu) = (&self.model, &mut self.gpu);
         let seq = self
             .sequences
             .get_mut(&id)
             .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
-        if seq.state.pos + tokens.len() > max_ctx {
-            return Err(EngineError::Input(format!(
-                "{} tokens do not fit the context: {} already used of max_position_embeddings {}",
-                tokens.len(),
-                seq.state.pos,
-                max_ctx
-            )));
-        }
         let mut out = Vec::new();
-        for part in tokens.chunks(chunk) {
-            let logits = model.forward(part, &mut seq.state, which)?;
-            seq.tokens.extend_from_slice(part);
-            match which {
-                Logits::All => out.extend_from_slice(&logits),
-                Logits::Last => out = logits,
+        match (&mut seq.state, gpu) {
+            (SeqState::Cpu(st), _) => {
+                for part in tokens.chunks(chunk) {
+                    let logits = model.forward(part, st, which)?;
+                    match which {
+                        Logits::All => out.extend_from_slice(&logits),
+                        Logits::Last => out = logits,
+                    }
+                }
+            }
+            (SeqState::Cuda(st), Some(g)) => {
+                for (i, &t) in tokens.iter().enumerate() {
+                    g.step(st, t).map_err(cuda_err)?;
+                    if which == Logits::All || i + 1 == tokens.len() {
+                        out.extend_from_slice(&g.logits().map_err(cuda_err)?);
+                    }
+                }
+            }
+            (SeqState::Cuda(_), None) => {
+                return Err(EngineError::Input("a CUDA sequence on a CPU engine".into()))
             }
         }
+        seq.tokens.extend_from_slice(tokens);
         Ok(out)
     }
 
@@ -106,10 +179,26 @@ impl Engine {
     pub fn decode(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>> {
         batch
             .iter()
-            .map(|&(id, tok)| {
-                self.seq_mut(id)?;
-                self.prefill(id, &[tok], None, Logits::Last)
-            })
+            .map(|&(id, tok)| self.prefill(id, &[tok], None, Logits::Last))
             .collect()
+    }
+
+    /// Feed one token and return the most likely next token. On CUDA only the two token ids
+    /// cross between host and device.
+    pub fn decode_greedy(&mut self, id: SeqId, tok: u32) -> Result<u32> {
+        self.check(id, &[tok])?;
+        let seq = self
+            .sequences
+            .get_mut(&id)
+            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
+        let next = match (&mut seq.state, &mut self.gpu) {
+            (SeqState::Cuda(st), Some(g)) => g.step(st, tok).map_err(cuda_err)?,
+            (SeqState::Cpu(st), _) => argmax(&self.model.forward(&[tok], st, Logits::Last)?) as u32,
+            (SeqState::Cuda(_), None) => {
+                return Err(EngineError::Input("a CUDA sequence on a CPU engine".into()))
+            }
+        };
+        seq.tokens.push(tok);
+        Ok(next)
     }
 }

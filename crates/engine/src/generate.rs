@@ -49,7 +49,7 @@ pub fn generate(
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
-    let id = engine.add_sequence();
+    let id = engine.add_sequence()?;
     let result = run(engine, id, req, &mut on_token);
     engine.remove_sequence(id);
     result
@@ -72,8 +72,14 @@ fn run(
     let mut logits = engine.prefill(id, req.prompt, req.prefill_chunk, Logits::Last)?;
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
+    // Greedy without penalties: the argmax is taken where the logits are (on the GPU there).
+    let fast_greedy = req.sampling.is_greedy() && req.sampling.repetition_penalty == 1.0;
+    let mut next: Option<u32> = None;
     while out.len() < req.max_tokens {
-        let tok = sampler.sample(&logits, &history);
+        let tok = match next.take() {
+            Some(t) => t,
+            None => sampler.sample(&logits, &history),
+        };
         if req.eos.contains(&tok) {
             stats.hit_eos = true;
             break;
@@ -83,7 +89,11 @@ fn run(
         if !on_token(tok)? || out.len() == req.max_tokens {
             break;
         }
-        logits = engine.decode(&[(id, tok)])?.pop().unwrap_or_default();
+        if fast_greedy {
+            next = Some(engine.decode_greedy(id, tok)?);
+        } else {
+            logits = engine.decode(&[(id, tok)])?.pop().unwrap_or_default();
+        }
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated = out.len();

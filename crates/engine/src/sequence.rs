@@ -1,16 +1,16 @@
 //! A sequence: its tokens so far and its own model state (KV caches, conv and recurrent
 //! states). Sequences are independent; the engine may hold many.
 
-use deltamoe_model::SequenceState;
+use crate::engine::SeqState;
 
 /// Identifies a sequence within an [`crate::Engine`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);
 
-#[derive(Clone, Debug)]
 pub struct Sequence {
     pub id: SeqId,
     /// Every token fed so far, prompt and generated.
     pub tokens: Vec<u32>,
-    pub state: SequenceState,
+    /// Model state on the engine's backend.
+    pub state: SeqState,
 }

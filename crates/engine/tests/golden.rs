@@ -3,97 +3,15 @@
 //! continuations. Tolerance 5e-3·max|ref| with ≥ 98% argmax agreement, for one prefill, for pure
 //! decode (chunks of 1) and for a split of 37; greedy continuations must be identical.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{check_logits, fixtures, prompts};
 
 use deltamoe_engine::chat::{ChatMessage, ChatTemplate};
 use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{generate, Engine, GenerateRequest};
 use deltamoe_model::{Logits, Qwen3Hybrid};
-use safetensors::SafeTensors;
-
-fn fixtures() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("reference.safetensors").exists())
-        .collect();
-    v.sort();
-    assert!(
-        v.len() >= 4,
-        "expected the committed fixtures in {}",
-        root.display()
-    );
-    v
-}
-
-struct Prompt {
-    tokens: Vec<u32>,
-    logits: Vec<f32>,
-    greedy: Vec<u32>,
-}
-
-fn i64s(st: &SafeTensors, name: &str) -> Vec<u32> {
-    let t = st.tensor(name).unwrap();
-    t.data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect()
-}
-
-fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
-    let t = st.tensor(name).unwrap();
-    t.data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
-fn prompts(dir: &Path) -> Vec<Prompt> {
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    (0..2)
-        .map(|i| Prompt {
-            tokens: i64s(&st, &format!("prompt{i}.tokens")),
-            logits: f32s(&st, &format!("prompt{i}.logits")),
-            greedy: i64s(&st, &format!("prompt{i}.greedy")),
-        })
-        .collect()
-}
-
-fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) {
-    assert_eq!(got.len(), want.len(), "{name}: logits length");
-    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let max_err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    let rows = want.len() / vocab;
-    let argmax = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
-    };
-    let agree = got
-        .chunks_exact(vocab)
-        .zip(want.chunks_exact(vocab))
-        .filter(|(a, b)| argmax(a) == argmax(b))
-        .count();
-    eprintln!(
-        "{name}: max err {:.2e} of max|ref| {max_ref:.3} ({:.2e}), argmax {agree}/{rows}",
-        max_err,
-        max_err / max_ref
-    );
-    assert!(
-        max_err <= 5e-3 * max_ref,
-        "{name}: max err {max_err} > 5e-3 * {max_ref}"
-    );
-    assert!(
-        agree * 100 >= rows * 98,
-        "{name}: argmax agreement {agree}/{rows}"
-    );
-}
 
 #[test]
 fn logits_match_transformers_for_every_prefill_split() {
@@ -103,7 +21,7 @@ fn logits_match_transformers_for_every_prefill_split() {
         let mut engine = Engine::new(model);
         for (i, p) in prompts(&dir).iter().enumerate() {
             for chunk in [None, Some(1), Some(37)] {
-                let id = engine.add_sequence();
+                let id = engine.add_sequence().unwrap();
                 let got = engine.prefill(id, &p.tokens, chunk, Logits::All).unwrap();
                 engine.remove_sequence(id);
                 let name = format!(
@@ -144,7 +62,10 @@ fn sequences_are_independent() {
     let ps = prompts(&dir);
     let vocab = 512;
     let mut engine = Engine::new(Qwen3Hybrid::load(&dir).unwrap());
-    let (a, b) = (engine.add_sequence(), engine.add_sequence());
+    let (a, b) = (
+        engine.add_sequence().unwrap(),
+        engine.add_sequence().unwrap(),
+    );
     let n = 20;
     let mut got_a = Vec::new();
     let mut got_b = Vec::new();

@@ -39,6 +39,12 @@ pub enum ModelError {
         file: PathBuf,
         dtype: String,
     },
+    #[error("tensor `{name}` in {file}: {msg}")]
+    Quant {
+        name: String,
+        file: PathBuf,
+        msg: String,
+    },
     #[error("{0}")]
     Input(String),
 }

@@ -2,14 +2,18 @@
 //! family (Gated DeltaNet + gated attention + MoE).
 
 pub mod config;
+pub mod convert;
 pub mod error;
+pub mod gpu;
 pub mod layers;
+pub mod quant;
 pub mod qwen3_hybrid;
 pub mod state;
 pub mod weights;
 
 pub use config::{Family, FfnKind, LayerKind, ModelConfig};
 pub use error::{ModelError, Result};
+pub use quant::{Layout, QuantConfig, QuantSpec};
 pub use qwen3_hybrid::{Logits, Qwen3Hybrid};
 pub use state::SequenceState;
 pub use weights::{TensorInfo, WeightStore};

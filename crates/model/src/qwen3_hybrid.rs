@@ -1,40 +1,41 @@
 //! The Qwen3 hybrid family (Qwen3-Next, Qwen3.5/3.6 MoE, Qwen3.5 dense): embedding; per layer
 //! `h = x + mixer(norm(x))`, `out = h + ffn(norm(h))` with the mixer Gated DeltaNet or gated
 //! full attention and the ffn a dense MLP or a sparse MoE; final norm; lm_head (tied to the
-//! embedding when configured). Norms here are zero-centred: `x / rms(x) · (1 + w)`.
+//! embedding when configured). Norms here are zero-centred: `x / rms(x) · (1 + w)` (mlx-lm
+//! checkpoints store `1 + w`, see [`crate::quant::Layout`]). Any linear, the embedding and the
+//! lm_head may be MLX affine-quantized; an embedding lookup dequantizes its row.
 
 use std::path::Path;
 
-use deltamoe_compute::cpu::norm::{rms_norm, zero_centred_scale};
+use deltamoe_compute::cpu::norm::rms_norm;
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::{cpu, Tensor};
 
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::KvCache;
-use crate::layers::{Attention, GatedDeltaNet, Mlp, Moe};
+use crate::layers::{Attention, GatedDeltaNet, LinearWeight, Mlp, Moe};
 use crate::state::{LayerState, SequenceState};
 use crate::weights::WeightStore;
 
 #[derive(Clone, Debug)]
-enum Mixer {
+pub(crate) enum Mixer {
     Linear(GatedDeltaNet),
     Full(Attention),
 }
 
 #[derive(Clone, Debug)]
 #[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
-enum Ffn {
+pub(crate) enum Ffn {
     Dense(Mlp),
     Moe(Moe),
 }
 
 #[derive(Clone, Debug)]
-struct Layer {
-    input_norm: Vec<f32>,
-    mixer: Mixer,
-    post_norm: Vec<f32>,
-    ffn: Ffn,
+pub(crate) struct Layer {
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) mixer: Mixer,
+    pub(crate) post_norm: Vec<f32>,
+    pub(crate) ffn: Ffn,
 }
 
 /// Which positions' logits a forward pass returns.
@@ -48,12 +49,12 @@ pub enum Logits {
 
 /// A loaded model.
 pub struct Qwen3Hybrid {
-    config: ModelConfig,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    final_norm: Vec<f32>,
-    lm_head: Tensor,
-    rope: Rope,
+    pub(crate) config: ModelConfig,
+    pub(crate) embed: LinearWeight,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) final_norm: Vec<f32>,
+    pub(crate) lm_head: LinearWeight,
+    pub(crate) rope: Rope,
 }
 
 impl Qwen3Hybrid {
@@ -68,11 +69,11 @@ impl Qwen3Hybrid {
     pub fn from_store(config: ModelConfig, store: &WeightStore) -> Result<Qwen3Hybrid> {
         let c = &config;
         let (v, h) = (c.vocab_size, c.hidden_size);
-        let embed = store.get("model.embed_tokens.weight", &[v, h])?;
+        let embed = LinearWeight::load(store, "model.embed_tokens", v, h)?;
         let lm_head = if c.tie_word_embeddings {
             embed.clone()
         } else {
-            store.get("lm_head.weight", &[v, h])?
+            LinearWeight::load(store, "lm_head", v, h)?
         };
         let layers = (0..c.num_layers)
             .map(|i| load_layer(store, c, i))
@@ -81,7 +82,7 @@ impl Qwen3Hybrid {
             embed,
             lm_head,
             layers,
-            final_norm: zero_centred_scale(&store.vec_f32("model.norm.weight", h)?),
+            final_norm: store.zero_centred_norm("model.norm.weight", h)?,
             rope: Rope::new(c.rotary_dim, c.rope_theta),
             config,
         })
@@ -129,9 +130,8 @@ impl Qwen3Hybrid {
         }
         let (t, h) = (tokens.len(), c.hidden_size);
         let mut x = vec![0.0f32; t * h];
-        let data = self.embed.data();
         for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
-            data.read_f32(id as usize * h, row);
+            self.embed.row_f32(id as usize, row);
         }
         let pos0 = state.pos;
         for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
@@ -167,7 +167,7 @@ impl Qwen3Hybrid {
         rms_norm(rows, &self.final_norm, c.rms_norm_eps);
         let n = rows.len() / h;
         let mut logits = vec![0.0; n * c.vocab_size];
-        cpu::matmul(rows, n, &self.lm_head, &mut logits);
+        self.lm_head.matmul(rows, n, &mut logits);
         Ok(logits)
     }
 }
@@ -193,11 +193,9 @@ fn load_layer(store: &WeightStore, c: &ModelConfig, i: usize) -> Result<Layer> {
         FfnKind::Moe => Ffn::Moe(Moe::load(store, &format!("{p}.mlp"), c)?),
     };
     Ok(Layer {
-        input_norm: zero_centred_scale(&store.vec_f32(&format!("{p}.input_layernorm.weight"), h)?),
+        input_norm: store.zero_centred_norm(&format!("{p}.input_layernorm.weight"), h)?,
         mixer,
-        post_norm: zero_centred_scale(
-            &store.vec_f32(&format!("{p}.post_attention_layernorm.weight"), h)?,
-        ),
+        post_norm: store.zero_centred_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
         ffn,
     })
 }

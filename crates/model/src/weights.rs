@@ -1,8 +1,11 @@
 //! Safetensors checkpoints: one file or shards listed in `model.safetensors.index.json`, memory
-//! mapped. Tensor names are normalised: the multimodal prefix `model.language_model.` becomes
-//! `model.`; vision (`model.visual.*`, `visual.*`) and multi-token-prediction (`mtp.*`) tensors
-//! are ignored. Every lookup states the shape the config implies and fails with the tensor's
-//! name when the checkpoint disagrees.
+//! mapped. Tensor names are normalised: the multimodal prefix `model.language_model.` (HF) or
+//! `language_model.model.` (mlx-lm) becomes `model.`, `language_model.lm_head.` becomes
+//! `lm_head.`; vision (`model.visual.*`, `visual.*`, `vision_tower.*`) and multi-token-prediction
+//! (`mtp.*`) tensors are ignored. Packed `uint32` tensors of MLX affine-quantized checkpoints are
+//! kept as words; `config.json`'s `quantization` block and the tensor layout (HF or mlx-lm, see
+//! [`crate::quant`]) are read at open. Every lookup states the shape the config implies and
+//! fails with the tensor's name when the checkpoint disagrees.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -10,12 +13,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltamoe_compute::dtype::f32_to_bf16;
-use deltamoe_compute::{DType, Tensor};
+use deltamoe_compute::{DType, PackedWords, Tensor};
 use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::SafeTensors;
 
 use crate::error::{ModelError, Result};
+use crate::quant::{Layout, QuantConfig};
 
 /// What `summary` reports of a tensor.
 #[derive(Clone, Debug)]
@@ -24,11 +28,23 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
     pub dtype: String,
     pub bytes: usize,
+    /// Weights the tensor stores: its element count for float tensors, the unpacked count for
+    /// packed quantized ones, 0 for their scales and biases.
+    pub params: usize,
 }
 
-/// One tensor entry: the tensor, or the unsupported dtype it has, and its file.
+/// What a tensor entry holds.
+enum Stored {
+    Float(Tensor),
+    /// Packed `uint32` words of a quantized weight, with the stored shape.
+    Words(PackedWords, Vec<usize>),
+    /// An unsupported dtype, by name.
+    Other(String),
+}
+
+/// One tensor entry and its file.
 struct Entry {
-    tensor: std::result::Result<Tensor, String>,
+    tensor: Stored,
     file: PathBuf,
 }
 
@@ -38,18 +54,34 @@ pub struct WeightStore {
     dir: PathBuf,
     entries: HashMap<String, Entry>,
     synthetic: Option<Synthetic>,
+    quant: Option<QuantConfig>,
+    layout: Layout,
 }
 
-/// Normalised name, or `None` for tensors this engine does not use.
-fn normalise(name: &str) -> Option<String> {
-    const IGNORED: [&str; 4] = ["model.visual.", "visual.", "mtp.", "model.mtp."];
+/// Normalised name (of a tensor or, for quantization overrides, a module), or `None` for
+/// tensors this engine does not use.
+pub(crate) fn normalise(name: &str) -> Option<String> {
+    const IGNORED: [&str; 6] = [
+        "model.visual.",
+        "visual.",
+        "vision_tower.",
+        "mtp.",
+        "model.mtp.",
+        "language_model.mtp.",
+    ];
     if IGNORED.iter().any(|p| name.starts_with(p)) {
         return None;
     }
-    match name.strip_prefix("model.language_model.") {
-        Some(rest) => Some(format!("model.{rest}")),
-        None => Some(name.to_string()),
+    for (prefix, to) in [
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head", "lm_head"),
+    ] {
+        if let Some(rest) = name.strip_prefix(prefix) {
+            return Some(format!("{to}{rest}"));
+        }
     }
+    Some(name.to_string())
 }
 
 impl WeightStore {
@@ -69,10 +101,14 @@ impl WeightStore {
             dir: dir.to_path_buf(),
             entries: HashMap::new(),
             synthetic: None,
+            quant: None,
+            layout: Layout::Hf,
         };
         for f in files {
             store.add_file(&dir.join(f))?;
         }
+        store.quant = QuantConfig::from_dir(dir)?;
+        store.layout = Layout::detect(&store);
         Ok(store)
     }
 
@@ -112,17 +148,24 @@ impl WeightStore {
                 continue;
             };
             let shape = view.shape().to_vec();
-            let dtype = match view.dtype() {
-                safetensors::Dtype::BF16 => Ok(DType::BF16),
-                safetensors::Dtype::F16 => Ok(DType::F16),
-                safetensors::Dtype::F32 => Ok(DType::F32),
-                other => Err(format!("{other:?}")),
+            let off = view.data().as_ptr() as usize - base;
+            let float = |dt| {
+                Stored::Float(
+                    Tensor::from_mmap(map.clone(), off, dt, shape.clone())
+                        .unwrap_or_else(|| Tensor::from_le_bytes(dt, shape.clone(), view.data())),
+                )
             };
-            let tensor = dtype.map(|dt| {
-                let off = view.data().as_ptr() as usize - base;
-                Tensor::from_mmap(map.clone(), off, dt, shape.clone())
-                    .unwrap_or_else(|| Tensor::from_le_bytes(dt, shape.clone(), view.data()))
-            });
+            let tensor = match view.dtype() {
+                safetensors::Dtype::BF16 => float(DType::BF16),
+                safetensors::Dtype::F16 => float(DType::F16),
+                safetensors::Dtype::F32 => float(DType::F32),
+                safetensors::Dtype::U32 => Stored::Words(
+                    PackedWords::from_mmap(map.clone(), off, view.data().len() / 4)
+                        .unwrap_or_else(|| PackedWords::from_le_bytes(view.data())),
+                    shape.clone(),
+                ),
+                other => Stored::Other(format!("{other:?}")),
+            };
             self.entries.insert(
                 key,
                 Entry {
@@ -141,6 +184,8 @@ impl WeightStore {
             dir: PathBuf::from("<synthetic>"),
             entries: HashMap::new(),
             synthetic: Some(Synthetic { dtype, seed }),
+            quant: None,
+            layout: Layout::Hf,
         }
     }
 
@@ -163,17 +208,30 @@ impl WeightStore {
             .entries
             .iter()
             .map(|(name, e)| match &e.tensor {
-                Ok(t) => TensorInfo {
+                Stored::Float(t) => TensorInfo {
                     name: name.clone(),
                     shape: t.shape().to_vec(),
                     dtype: t.dtype().to_string(),
                     bytes: t.nbytes(),
+                    params: if name.ends_with(".scales") || name.ends_with(".biases") {
+                        0
+                    } else {
+                        t.len()
+                    },
                 },
-                Err(dt) => TensorInfo {
+                Stored::Words(w, shape) => TensorInfo {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype: "U32".into(),
+                    bytes: w.len() * 4,
+                    params: w.len() * 32 / self.packed_bits(name).unwrap_or(32) as usize,
+                },
+                Stored::Other(dt) => TensorInfo {
                     name: name.clone(),
                     shape: vec![],
                     dtype: dt.clone(),
                     bytes: 0,
+                    params: 0,
                 },
             })
             .collect();
@@ -198,11 +256,19 @@ impl WeightStore {
         let Some(e) = self.entries.get(name) else {
             return Ok(None);
         };
-        let t = e.tensor.as_ref().map_err(|dtype| ModelError::DType {
-            name: name.to_string(),
-            file: e.file.clone(),
-            dtype: dtype.clone(),
-        })?;
+        let t = match &e.tensor {
+            Stored::Float(t) => t,
+            Stored::Words(..) => return Err(ModelError::Quant {
+                name: name.to_string(),
+                file: e.file.clone(),
+                msg: "is packed uint32 (quantized) where a bf16/f16/f32 tensor is expected; a quantized linear needs its `.scales` and `.biases` beside it, only linears and the embedding can be quantized".into(),
+            }),
+            Stored::Other(dtype) => return Err(ModelError::DType {
+                name: name.to_string(),
+                file: e.file.clone(),
+                dtype: dtype.clone(),
+            }),
+        };
         if t.shape() != shape {
             return Err(ModelError::Shape {
                 name: name.to_string(),
@@ -217,6 +283,56 @@ impl WeightStore {
     /// A 1-D tensor as f32 values (norm weights, A_log, dt_bias, biases).
     pub fn vec_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         Ok(self.get(name, &[len])?.to_f32_vec())
+    }
+
+    /// The effective scale `1 + w` of a zero-centred RMSNorm weight: computed here for HF
+    /// checkpoints, stored already shifted in mlx-lm ones (see [`Layout`]).
+    pub fn zero_centred_norm(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let w = self.vec_f32(name, len)?;
+        Ok(match self.layout {
+            Layout::Hf => w.iter().map(|v| 1.0 + v).collect(),
+            Layout::Mlx => w,
+        })
+    }
+
+    /// Packed words of a quantized tensor, or `None` when `name` is absent or not `uint32`.
+    pub fn words(&self, name: &str) -> Option<(PackedWords, &[usize])> {
+        match self.entries.get(name).map(|e| &e.tensor) {
+            Some(Stored::Words(w, shape)) => Some((w.clone(), shape)),
+            _ => None,
+        }
+    }
+
+    /// Stored shape of `name`, whatever its dtype.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.entries.get(name).map(|e| match &e.tensor {
+            Stored::Float(t) => t.shape().to_vec(),
+            Stored::Words(_, s) => s.clone(),
+            Stored::Other(_) => vec![],
+        })
+    }
+
+    /// File holding `name` (the directory for lookups of absent tensors).
+    pub fn file_of(&self, name: &str) -> PathBuf {
+        self.entries
+            .get(name)
+            .map_or_else(|| self.dir.clone(), |e| e.file.clone())
+    }
+
+    /// `config.json`'s quantization block, when there is one.
+    pub fn quantization(&self) -> Option<&QuantConfig> {
+        self.quant.as_ref()
+    }
+
+    /// Tensor layout: HF or mlx-lm.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Bits of the packed weight `name` (`{module}.weight`) per the quantization config.
+    fn packed_bits(&self, name: &str) -> Option<u32> {
+        let module = name.strip_suffix(".weight")?;
+        Some(self.quant.as_ref()?.spec_for(module)?.bits)
     }
 }
 

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, TensorData};
 
 /// Rows of W per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 16;
@@ -17,31 +17,31 @@ pub fn matmul(x: &[f32], t: usize, w: &Tensor, out: &mut [f32]) {
     debug_assert_eq!(x.len(), t * k);
     debug_assert_eq!(out.len(), t * n);
     let data = w.data();
-    if t == 1 {
-        out.par_chunks_mut(ROWS_PER_TASK)
+    let fma = has_avx2_fma();
+    // Results are produced transposed, [N, T], so each task writes a contiguous block; for one
+    // token that is already `out`'s layout.
+    let run = |tr: &mut [f32]| {
+        tr.par_chunks_mut(ROWS_PER_TASK * t)
             .enumerate()
             .for_each(|(b, o)| {
-                let mut row = vec![0.0f32; k];
-                for (i, oi) in o.iter_mut().enumerate() {
-                    data.read_f32((b * ROWS_PER_TASK + i) * k, &mut row);
-                    *oi = dot(x, &row);
+                let first = b * ROWS_PER_TASK;
+                if fma {
+                    // SAFETY: the CPU supports AVX2 and FMA (checked at run time above).
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        rows_avx2(data, x, t, k, first, o)
+                    }
+                } else {
+                    rows::<false>(data, x, t, k, first, o)
                 }
-            });
+            })
+    };
+    if t == 1 {
+        run(out);
         return;
     }
-    // Transposed result [N, T] so each task writes a contiguous block, then scatter to [T, N].
     let mut tr = vec![0.0f32; n * t];
-    tr.par_chunks_mut(ROWS_PER_TASK * t)
-        .enumerate()
-        .for_each(|(b, o)| {
-            let mut row = vec![0.0f32; k];
-            for (i, orow) in o.chunks_exact_mut(t).enumerate() {
-                data.read_f32((b * ROWS_PER_TASK + i) * k, &mut row);
-                for (tt, ov) in orow.iter_mut().enumerate() {
-                    *ov = dot(&x[tt * k..(tt + 1) * k], &row);
-                }
-            }
-        });
+    run(&mut tr);
     for (ni, col) in tr.chunks_exact(t).enumerate() {
         for (tt, v) in col.iter().enumerate() {
             out[tt * n + ni] = *v;
@@ -49,16 +49,63 @@ pub fn matmul(x: &[f32], t: usize, w: &Tensor, out: &mut [f32]) {
     }
 }
 
+fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Rows `first..` of W (as many as `o` holds, T results each) against all T tokens.
+#[inline(always)]
+fn rows<const FMA: bool>(
+    data: TensorData,
+    x: &[f32],
+    t: usize,
+    k: usize,
+    first: usize,
+    o: &mut [f32],
+) {
+    let mut row = vec![0.0f32; k];
+    for (i, orow) in o.chunks_exact_mut(t).enumerate() {
+        data.read_f32((first + i) * k, &mut row);
+        for (tt, ov) in orow.iter_mut().enumerate() {
+            *ov = dot_impl::<FMA>(&x[tt * k..(tt + 1) * k], &row);
+        }
+    }
+}
+
+/// [`rows`] compiled for AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2(data: TensorData, x: &[f32], t: usize, k: usize, first: usize, o: &mut [f32]) {
+    rows::<true>(data, x, t, k, first, o)
+}
+
 /// Dot product with 8 independent accumulators so the loop vectorises.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_impl::<false>(a, b)
+}
+
+/// With `FMA` the accumulation uses fused multiply-adds (only where the CPU has them).
+#[inline(always)]
+fn dot_impl<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let ca = a.chunks_exact(8);
     let cb = b.chunks_exact(8);
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] = if FMA {
+                x[i].mul_add(y[i], acc[i])
+            } else {
+                acc[i] + x[i] * y[i]
+            };
         }
     }
     let mut s = acc.iter().sum::<f32>();

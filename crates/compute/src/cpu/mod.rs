@@ -7,6 +7,10 @@ pub mod conv;
 pub mod gdn;
 pub mod matmul;
 pub mod norm;
+pub mod quant;
+#[cfg(target_arch = "x86_64")]
+mod quant_x86;
 pub mod rope;
 
 pub use matmul::matmul;
+pub use quant::{qmatmul, quantize};

@@ -22,6 +22,11 @@ impl Rope {
         }
     }
 
+    /// θ_i for i < rotary_dim / 2.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     pub fn rotary_dim(&self) -> usize {
         self.rotary_dim
     }

@@ -7,7 +7,7 @@
 
 use deltamoe_compute::cpu::act::sigmoid;
 use deltamoe_compute::cpu::attention::{causal_attention, AttnShape};
-use deltamoe_compute::cpu::norm::{rms_norm, zero_centred_scale};
+use deltamoe_compute::cpu::norm::rms_norm;
 use deltamoe_compute::cpu::rope::Rope;
 
 use super::Linear;
@@ -17,16 +17,16 @@ use crate::weights::WeightStore;
 
 #[derive(Clone, Debug)]
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    pub(crate) o_proj: Linear,
     /// `1 + q_norm.weight`.
-    q_norm: Vec<f32>,
+    pub(crate) q_norm: Vec<f32>,
     /// `1 + k_norm.weight`.
-    k_norm: Vec<f32>,
-    shape: AttnShape,
-    eps: f32,
+    pub(crate) k_norm: Vec<f32>,
+    pub(crate) shape: AttnShape,
+    pub(crate) eps: f32,
 }
 
 /// A sequence's keys and values for one attention layer: `[positions, H_kv, D]` each.
@@ -45,8 +45,8 @@ impl Attention {
             k_proj: Linear::load(store, &format!("{prefix}.k_proj"), nkv * d, h, bias)?,
             v_proj: Linear::load(store, &format!("{prefix}.v_proj"), nkv * d, h, bias)?,
             o_proj: Linear::load(store, &format!("{prefix}.o_proj"), h, nq * d, bias)?,
-            q_norm: zero_centred_scale(&store.vec_f32(&format!("{prefix}.q_norm.weight"), d)?),
-            k_norm: zero_centred_scale(&store.vec_f32(&format!("{prefix}.k_norm.weight"), d)?),
+            q_norm: store.zero_centred_norm(&format!("{prefix}.q_norm.weight"), d)?,
+            k_norm: store.zero_centred_norm(&format!("{prefix}.k_norm.weight"), d)?,
             shape: AttnShape {
                 n_heads: nq,
                 n_kv_heads: nkv,

@@ -20,13 +20,14 @@ use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize};
 use super::Linear;
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::quant::Layout;
 use crate::weights::WeightStore;
 
 /// Chunk length of the chunked gated delta rule used for prefill.
 pub const CHUNK: usize = 64;
 
 #[derive(Clone, Debug)]
-enum InProj {
+pub(crate) enum InProj {
     Split {
         qkv: Linear,
         z: Linear,
@@ -41,17 +42,17 @@ enum InProj {
 
 #[derive(Clone, Debug)]
 pub struct GatedDeltaNet {
-    proj: InProj,
+    pub(crate) proj: InProj,
     /// `[C, K]` depthwise kernel.
-    conv_w: Vec<f32>,
+    pub(crate) conv_w: Vec<f32>,
     /// `−exp(A_log)` per value head.
-    neg_a: Vec<f32>,
-    dt_bias: Vec<f32>,
-    norm_w: Vec<f32>,
-    out_proj: Linear,
-    shape: GdnShape,
-    conv_kernel: usize,
-    eps: f32,
+    pub(crate) neg_a: Vec<f32>,
+    pub(crate) dt_bias: Vec<f32>,
+    pub(crate) norm_w: Vec<f32>,
+    pub(crate) out_proj: Linear,
+    pub(crate) shape: GdnShape,
+    pub(crate) conv_kernel: usize,
+    pub(crate) eps: f32,
 }
 
 /// Projected activations for T tokens.
@@ -87,10 +88,15 @@ impl GatedDeltaNet {
             }
         };
         let k = c.conv_kernel;
+        // HF stores the depthwise kernel as [C, 1, K], mlx-lm as [C, K, 1]: the same bytes.
+        let conv_shape = match store.layout() {
+            Layout::Hf => [cd, 1, k],
+            Layout::Mlx => [cd, k, 1],
+        };
         Ok(GatedDeltaNet {
             proj,
             conv_w: store
-                .get(&format!("{prefix}.conv1d.weight"), &[cd, 1, k])?
+                .get(&format!("{prefix}.conv1d.weight"), &conv_shape)?
                 .to_f32_vec(),
             neg_a: store
                 .vec_f32(&format!("{prefix}.A_log"), nv)?

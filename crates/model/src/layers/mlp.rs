@@ -4,7 +4,7 @@
 use deltamoe_compute::cpu::act::silu;
 use deltamoe_compute::Tensor;
 
-use super::Linear;
+use super::{Linear, LinearWeight};
 use crate::error::Result;
 use crate::weights::WeightStore;
 
@@ -26,6 +26,11 @@ impl Mlp {
     }
 
     pub fn from_tensors(gate: Tensor, up: Tensor, down: Tensor) -> Mlp {
+        Mlp::from_weights(gate.into(), up.into(), down.into())
+    }
+
+    /// From weights that may be dense or quantized (e.g. views of stacked experts).
+    pub fn from_weights(gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> Mlp {
         Mlp {
             gate: Linear::new(gate),
             up: Linear::new(up),

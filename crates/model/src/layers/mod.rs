@@ -10,6 +10,6 @@ pub mod moe;
 
 pub use attention::Attention;
 pub use gdn::GatedDeltaNet;
-pub use linear::Linear;
+pub use linear::{DenseSource, Linear, LinearWeight};
 pub use mlp::Mlp;
 pub use moe::Moe;

@@ -3,13 +3,14 @@
 //! Per token: `p = softmax(router · x)` over all experts; the top-k experts by `p` (ties to the
 //! lower index); their weights renormalised to sum 1 when `norm_topk_prob`;
 //! `y = Σ_e w_e · expert_e(x) + sigmoid(shared_gate · x) · shared(x)`.
-//! Experts load from either layout: per expert (`experts.{e}.{gate,up,down}_proj.weight`) or
-//! fused (`experts.gate_up_proj [E, 2I, H]` gate rows first, `experts.down_proj [E, H, I]`),
-//! the fused one viewed per expert without copies.
+//! Experts load from any layout: per expert (`experts.{e}.{gate,up,down}_proj.weight`), fused
+//! (`experts.gate_up_proj [E, 2I, H]` gate rows first, `experts.down_proj [E, H, I]`) or
+//! mlx-lm's stacked `switch_mlp.{gate,up,down}_proj` (`[E, I, H]`, `[E, H, I]`, dense or
+//! affine-quantized), the stacked ones viewed per expert without copies.
 
 use deltamoe_compute::cpu::act::{sigmoid, softmax};
 
-use super::{Linear, Mlp};
+use super::{Linear, LinearWeight, Mlp};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::weights::WeightStore;
@@ -55,7 +56,22 @@ impl Moe {
     pub fn load(store: &WeightStore, prefix: &str, c: &ModelConfig) -> Result<Moe> {
         let (h, e, i) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
         let fused = format!("{prefix}.experts.gate_up_proj");
-        let experts = if store.contains(&fused) {
+        let switch = format!("{prefix}.switch_mlp");
+        let experts = if store.contains(&format!("{switch}.gate_proj.weight")) {
+            let stacked = |name: &str, out, inp| {
+                LinearWeight::load_stacked(store, &format!("{switch}.{name}"), e, out, inp)
+            };
+            let (g, u, d) = (
+                stacked("gate_proj", i, h)?,
+                stacked("up_proj", i, h)?,
+                stacked("down_proj", h, i)?,
+            );
+            g.into_iter()
+                .zip(u)
+                .zip(d)
+                .map(|((g, u), d)| Mlp::from_weights(g, u, d))
+                .collect()
+        } else if store.contains(&fused) {
             let gate_up = store.get(&fused, &[e, 2 * i, h])?;
             let down = store.get(&format!("{prefix}.experts.down_proj"), &[e, h, i])?;
             (0..e)

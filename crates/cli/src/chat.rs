@@ -1,0 +1,218 @@
+//! `chat`: an interactive terminal conversation on one engine sequence.
+//!
+//! Each turn the whole conversation is rendered with the chat template and tokenized; when the
+//! ids already fed to the sequence are a prefix of it only the new suffix is prefilled, else
+//! (the template rendered the history differently) the sequence is dropped and everything is
+//! prefilled on a fresh one, since the recurrent state cannot be rolled back.
+
+use std::io::{IsTerminal, Write};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use deltamoe_engine::chat::ChatTemplate;
+use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::sampler::Sampler;
+use deltamoe_engine::tokenizer::TextTokenizer;
+use deltamoe_engine::{Engine, SeqId};
+use deltamoe_model::Logits;
+use rustyline::error::ReadlineError;
+
+use crate::commands::{engine_for, load_model, sampling, SamplingArgs};
+use crate::ModelArgs;
+
+mod conversation;
+
+pub use conversation::{prompt_ids, Conversation, TurnPlan, TurnStats};
+
+#[derive(Args)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// System message that opens the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Most tokens per reply.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+}
+
+/// A conversation bound to an engine sequence, a template, a tokenizer and a sampler.
+struct Session<'t> {
+    engine: Engine,
+    seq: Option<SeqId>,
+    conv: Conversation,
+    tpl: ChatTemplate,
+    tok: &'t TextTokenizer,
+    sampler: Sampler,
+    eos: Vec<u32>,
+    max_tokens: usize,
+}
+
+impl Session<'_> {
+    fn reset(&mut self) {
+        if let Some(s) = self.seq.take() {
+            self.engine.remove_sequence(s);
+        }
+        self.conv.reset();
+    }
+
+    /// One user turn: prefill, then stream the reply to `out`. On error the turn is undone.
+    fn turn(&mut self, user: &str, out: &mut impl Write) -> Result<TurnStats> {
+        self.conv.push_user(user);
+        let result = self.reply(out);
+        if result.is_err() {
+            if let Some(s) = self.seq.take() {
+                self.engine.remove_sequence(s);
+            }
+            self.conv.abort_turn();
+        }
+        result
+    }
+
+    fn reply(&mut self, out: &mut impl Write) -> Result<TurnStats> {
+        let prompt = prompt_ids(&self.tpl, self.tok, &self.conv)?;
+        let mut plan = self.conv.plan(&prompt);
+        if self.seq.is_none() {
+            plan = TurnPlan::Restart {
+                tokens: prompt,
+                diverged: false,
+            };
+        }
+        let mut stats = TurnStats {
+            prefilled: plan.tokens().len(),
+            ..Default::default()
+        };
+        let seq = match (&plan, self.seq) {
+            (TurnPlan::Extend { reused, .. }, Some(s)) => {
+                stats.reused = *reused;
+                s
+            }
+            (_, old) => {
+                if let Some(s) = old {
+                    self.engine.remove_sequence(s);
+                }
+                stats.diverged = matches!(plan, TurnPlan::Restart { diverged: true, .. });
+                let s = self.engine.add_sequence()?;
+                self.seq = Some(s);
+                s
+            }
+        };
+        let t0 = Instant::now();
+        let mut logits = self
+            .engine
+            .prefill(seq, plan.tokens(), None, Logits::Last)?;
+        stats.prefill_secs = t0.elapsed().as_secs_f64();
+        self.conv.apply(&plan);
+        let max_pos = self.engine.model().config().max_position_embeddings;
+        let mut stream = self.tok.stream();
+        let mut reply = Vec::new();
+        let t1 = Instant::now();
+        while reply.len() < self.max_tokens {
+            let id = self.sampler.sample(&logits, self.conv.fed());
+            if self.eos.contains(&id) {
+                stats.hit_eos = true;
+                break;
+            }
+            reply.push(id);
+            if let Some(text) = stream.push(id)? {
+                write!(out, "{text}").ok();
+                out.flush().ok();
+            }
+            // The last id is fed with the next turn's prompt, if the history keeps it.
+            if reply.len() == self.max_tokens || self.conv.fed().len() >= max_pos {
+                break;
+            }
+            let mut next = self.engine.decode(&[(seq, id)])?;
+            logits = next.pop().context("chat: decode returned no logits")?;
+            self.conv.push_fed(id);
+        }
+        stats.decode_secs = t1.elapsed().as_secs_f64();
+        stats.generated = reply.len();
+        if let Some(text) = stream.flush()? {
+            write!(out, "{text}").ok();
+        }
+        writeln!(out).ok();
+        out.flush().ok();
+        self.conv.push_assistant(&self.tok.decode(&reply, false)?);
+        Ok(stats)
+    }
+}
+
+/// `text` in dim style when stderr is a terminal.
+fn dim(text: &str) -> String {
+    if std::io::stderr().is_terminal() {
+        format!("\x1b[2m{text}\x1b[0m")
+    } else {
+        text.to_string()
+    }
+}
+
+pub fn run(a: ChatArgs) -> Result<()> {
+    let dir = a.model.model.clone();
+    let Some(tok) = TextTokenizer::from_dir(&dir)? else {
+        bail!(
+            "--model {}: no tokenizer.json; chat needs the model's tokenizer",
+            dir.display()
+        );
+    };
+    let Some(tpl) = ChatTemplate::from_dir(&dir)? else {
+        bail!("--model {}: no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); chat needs one, use generate instead", dir.display());
+    };
+    let model = load_model(&a.model)?;
+    let defaults = GenerationDefaults::from_dir(&dir, &model.config().eos_token_ids)?;
+    let mut eos = defaults.eos_token_ids.clone();
+    eos.extend(tpl.eos_token().and_then(|t| tok.token_id(t)));
+    let mut session = Session {
+        engine: engine_for(model, a.model.device)?,
+        seq: None,
+        conv: Conversation::new(a.system.clone()),
+        tpl,
+        tok: &tok,
+        sampler: Sampler::new(sampling(&a.sampling, &defaults)?),
+        eos,
+        max_tokens: a.max_tokens,
+    };
+    let mut editor =
+        rustyline::DefaultEditor::new().context("chat: cannot set up the terminal line editor")?;
+    eprintln!(
+        "{}",
+        dim("/reset forgets the conversation, /quit (or Ctrl-D) exits")
+    );
+    let mut stdout = std::io::stdout();
+    loop {
+        let line = match editor.readline(">>> ") {
+            Ok(line) => line,
+            Err(ReadlineError::Eof | ReadlineError::Interrupted) => break,
+            Err(e) => return Err(e).context("chat: cannot read the terminal input"),
+        };
+        let input = line.trim();
+        if input.is_empty() {
+            continue;
+        }
+        editor.add_history_entry(input).ok();
+        match input {
+            "/quit" | "/exit" => break,
+            "/reset" => {
+                session.reset();
+                eprintln!("{}", dim("(conversation reset)"));
+            }
+            cmd if cmd.starts_with('/') => {
+                eprintln!("unknown command {cmd}: use /reset or /quit");
+            }
+            text => match session.turn(text, &mut stdout) {
+                Ok(stats) => eprintln!("{}", dim(&stats.line())),
+                Err(e) => {
+                    let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+                    eprintln!(
+                        "error: {}; the turn was dropped, /reset starts over",
+                        msg.join(": ")
+                    );
+                }
+            },
+        }
+    }
+    Ok(())
+}

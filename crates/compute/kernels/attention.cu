@@ -1,0 +1,146 @@
+// Gated full attention, decode (one new token at position pos = *pos_ptr).
+//
+// The layer's fused projection gives proj = [per head (q_h (D) | gate_h (D)) × Hq | k (Hkv·D) | v (Hkv·D)].
+//
+// attn_prep: grid Hq + 2·Hkv blocks, block D threads (multiple of 32, ≤ 1024).
+//   Blocks < Hq: q_h = rope(rmsnorm(q_h) · qn) → q [Hq, D].
+//   Next Hkv blocks: k_h = rope(rmsnorm(k_h) · kn) → k_cache[pos, h]; last Hkv blocks: v_h → v_cache[pos, h].
+//   rope: NeoX on dims < R (pairs i, i + R/2), angle pos · inv_freq[i]. Caches: [max_ctx, Hkv, D].
+//
+// attn_partial: grid (Hq, S splits), block 128 (4 warps). Split s covers positions
+//   [s·c, min((s+1)·c, L)) with L = pos + 1, c = ceil(L / S). Each warp takes every 4th position,
+//   keeps an online softmax (max m, sum l, acc), and the block merges its warps into
+//   part_ml[h, s] = (m, l) and part_o[h, s, :] = acc (unnormalised). Kv head = h / (Hq / Hkv). D ≤ 256.
+//
+// attn_combine: grid Hq, block D: merges the S partials and multiplies by sigmoid(gate_h) → out [Hq·D].
+
+extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float* __restrict__ qn,
+                                     const float* __restrict__ kn, const float* __restrict__ inv_freq,
+                                     float* __restrict__ q_out, float* __restrict__ k_cache,
+                                     float* __restrict__ v_cache, const int* __restrict__ pos_ptr,
+                                     int Hq, int Hkv, int D, int R, float eps) {
+    extern __shared__ float sh[];
+    int b = blockIdx.x, i = threadIdx.x;
+    int pos = *pos_ptr;
+    const float* src;
+    float* dst;
+    const float* scale = nullptr;
+    if (b < Hq) {
+        src = proj + (long long)b * 2 * D;
+        dst = q_out + (long long)b * D;
+        scale = qn;
+    } else if (b < Hq + Hkv) {
+        int h = b - Hq;
+        src = proj + (long long)Hq * 2 * D + (long long)h * D;
+        dst = k_cache + ((long long)pos * Hkv + h) * D;
+        scale = kn;
+    } else {
+        int h = b - Hq - Hkv;
+        src = proj + (long long)Hq * 2 * D + (long long)Hkv * D + (long long)h * D;
+        dst = v_cache + ((long long)pos * Hkv + h) * D;
+    }
+    float x = i < D ? src[i] : 0.f;
+    if (!scale) {
+        if (i < D) dst[i] = x;
+        return;
+    }
+    float r = rsqrtf(block_sum(x * x) / D + eps);
+    if (i < D) sh[i] = x * r * scale[i];
+    __syncthreads();
+    if (i >= D) return;
+    float y = sh[i];
+    int half = R / 2;
+    if (i < R) {
+        int f = i < half ? i : i - half;
+        float s, c;
+        sincosf((float)pos * inv_freq[f], &s, &c);
+        y = i < half ? sh[i] * c - sh[i + half] * s : sh[i] * c + sh[i - half] * s;
+    }
+    dst[i] = y;
+}
+
+#define ATTN_DMAX 256
+
+extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ k_cache,
+                                        const float* __restrict__ v_cache, const int* __restrict__ pos_ptr,
+                                        float* __restrict__ part_o, float* __restrict__ part_ml,
+                                        int Hq, int Hkv, int D, int S, float scale) {
+    __shared__ float wm[4], wl[4];
+    __shared__ float wacc[4][ATTN_DMAX];
+    int h = blockIdx.x, s = blockIdx.y;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int kvh = h / (Hq / Hkv);
+    int L = *pos_ptr + 1;
+    int c = (L + S - 1) / S;
+    int start = s * c, end = min(L, start + c);
+    const int PER = ATTN_DMAX / 32;
+    float qr[PER], acc[PER];
+#pragma unroll
+    for (int t = 0; t < PER; ++t) {
+        int d = lane + 32 * t;
+        qr[t] = d < D ? q[(long long)h * D + d] : 0.f;
+        acc[t] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    for (int p = start + warp; p < end; p += 4) {
+        const float* kr = k_cache + ((long long)p * Hkv + kvh) * D;
+        float dot = 0.f;
+#pragma unroll
+        for (int t = 0; t < PER; ++t) {
+            int d = lane + 32 * t;
+            if (d < D) dot = fmaf(qr[t], kr[d], dot);
+        }
+        float sc = warp_sum(dot) * scale;
+        float mn = fmaxf(m, sc);
+        float corr = expf(m - mn), e = expf(sc - mn);
+        l = l * corr + e;
+        const float* vr = v_cache + ((long long)p * Hkv + kvh) * D;
+#pragma unroll
+        for (int t = 0; t < PER; ++t) {
+            int d = lane + 32 * t;
+            if (d < D) acc[t] = acc[t] * corr + e * vr[d];
+        }
+        m = mn;
+    }
+    if (lane == 0) { wm[warp] = m; wl[warp] = l; }
+#pragma unroll
+    for (int t = 0; t < PER; ++t) wacc[warp][lane + 32 * t] = acc[t];
+    __syncthreads();
+    float M = fmaxf(fmaxf(wm[0], wm[1]), fmaxf(wm[2], wm[3]));
+    long long idx = (long long)h * S + s;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float o = 0.f;
+        for (int w = 0; w < 4; ++w)
+            if (wl[w] > 0.f) o += wacc[w][d] * expf(wm[w] - M);
+        part_o[idx * D + d] = o;
+    }
+    if (threadIdx.x == 0) {
+        float Ls = 0.f;
+        for (int w = 0; w < 4; ++w)
+            if (wl[w] > 0.f) Ls += wl[w] * expf(wm[w] - M);
+        part_ml[idx * 2] = M;
+        part_ml[idx * 2 + 1] = Ls;
+    }
+}
+
+extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                        const float* __restrict__ proj, float* __restrict__ out,
+                                        int D, int S) {
+    int h = blockIdx.x, d = threadIdx.x;
+    if (d >= D) return;
+    const float* ml = part_ml + (long long)h * S * 2;
+    float M = NEG_INF;
+    for (int s = 0; s < S; ++s)
+        if (ml[2 * s + 1] > 0.f) M = fmaxf(M, ml[2 * s]);
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < S; ++s) {
+        float l = ml[2 * s + 1];
+        if (l > 0.f) {
+            float f = expf(ml[2 * s] - M);
+            num += part_o[((long long)h * S + s) * D + d] * f;
+            den += l * f;
+        }
+    }
+    float gate = proj[(long long)h * 2 * D + D + d];
+    out[(long long)h * D + d] = num / den * sigmoid_f(gate);
+}

@@ -1,0 +1,28 @@
+// Random fills for synthetic (benchmark) weights made directly in device memory.
+//
+// fill_uniform_bf16 / fill_uniform_f32: out[i] = lo + (hi − lo) · u(seed, i), u ∈ [0, 1) from
+//   splitmix64 of (seed, i). grid-stride loop, any grid, block 256.
+
+__device__ __forceinline__ float uniform01(unsigned long long seed, long long i) {
+    unsigned long long z = seed + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ out, long long n, unsigned long long seed,
+                                             float lo, float hi) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = lo + (hi - lo) * uniform01(seed, i);
+        unsigned int b = __float_as_uint(v);
+        b += 0x7fffu + ((b >> 16) & 1u);
+        out[i] = (bf16_t)(b >> 16);
+    }
+}
+
+extern "C" __global__ void fill_uniform_f32(float* __restrict__ out, long long n, unsigned long long seed,
+                                            float lo, float hi) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = lo + (hi - lo) * uniform01(seed, i);
+}

@@ -1,0 +1,62 @@
+// Matrix-vector products for decode, weights bf16 row-major, activations f32.
+//
+// matvec_bf16: y[s, n] = Σ_k W_e[n, k] · x_s[k] (+ bias[e·N + n] when bias is given)
+//   W: [E, N, K] bf16 (E = 1 for a plain matrix); e = ids ? ids[s] : s.
+//   x_s = x + s · x_stride (x_stride 0: every slot reads the same x); y: [S, N].
+//   grid (ceil(N / 8), S), block 256: one warp per output row; 16-byte weight loads when K % 8 == 0.
+//
+// matvec_swiglu_bf16: h[s, n] = silu(Σ_k G_e[n, k] x_s[k]) · Σ_k U_e[n, k] x_s[k]
+//   W: [E, 2I, K] with gate rows 0..I and up rows I..2I (the HF gate_up layout); h: [S, I].
+//   grid (ceil(I / 8), S), block 256: one warp per n computes the gate and up dot products together.
+
+__device__ __forceinline__ float dot_row(const bf16_t* __restrict__ w, const float* __restrict__ x, int K, int lane) {
+    float acc = 0.f;
+    if ((K & 7) == 0) {
+        for (int k = lane * 8; k < K; k += 256) {
+            uint4 p = *reinterpret_cast<const uint4*>(w + k);
+            float4 xa = *reinterpret_cast<const float4*>(x + k);
+            float4 xb = *reinterpret_cast<const float4*>(x + k + 4);
+            acc = fmaf(bf16lo(p.x), xa.x, acc);
+            acc = fmaf(bf16hi(p.x), xa.y, acc);
+            acc = fmaf(bf16lo(p.y), xa.z, acc);
+            acc = fmaf(bf16hi(p.y), xa.w, acc);
+            acc = fmaf(bf16lo(p.z), xb.x, acc);
+            acc = fmaf(bf16hi(p.z), xb.y, acc);
+            acc = fmaf(bf16lo(p.w), xb.z, acc);
+            acc = fmaf(bf16hi(p.w), xb.w, acc);
+        }
+    } else {
+        for (int k = lane; k < K; k += 32) acc = fmaf(bf16f(w[k]), x[k], acc);
+    }
+    return warp_sum(acc);
+}
+
+extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                       float* __restrict__ y, int N, int K,
+                                       const int* __restrict__ ids, long long x_stride,
+                                       const float* __restrict__ bias) {
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    int s = blockIdx.y;
+    if (row >= N) return;
+    long long e = ids ? ids[s] : s;
+    const bf16_t* w = W + (e * N + row) * (long long)K;
+    float acc = dot_row(w, x + s * x_stride, K, lane);
+    if (bias) acc += bias[e * N + row];
+    if (lane == 0) y[(long long)s * N + row] = acc;
+}
+
+extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              float* __restrict__ h, int I, int K,
+                                              const int* __restrict__ ids, long long x_stride) {
+    int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    int s = blockIdx.y;
+    if (n >= I) return;
+    long long e = ids ? ids[s] : s;
+    const bf16_t* base = W + e * 2LL * I * K;
+    const float* xs = x + s * x_stride;
+    float g = dot_row(base + (long long)n * K, xs, K, lane);
+    float u = dot_row(base + (long long)(I + n) * K, xs, K, lane);
+    if (lane == 0) h[(long long)s * I + n] = silu_f(g) * u;
+}

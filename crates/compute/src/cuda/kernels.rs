@@ -1,0 +1,183 @@
+//! Kernel registry: the `.cu` files of `crates/compute/kernels/` (built into the binary), each
+//! prefixed with `common.cuh`, compiled by NVRTC to PTX for the device's compute capability and
+//! cached on disk under `$XDG_CACHE_HOME/deltamoe/kernels` (or `~/.cache/...`), keyed by a hash
+//! of the source, the architecture, the options and the NVRTC version.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use super::{driver_err, CudaError, Result};
+
+const COMMON: &str = include_str!("../../kernels/common.cuh");
+
+/// (file name, source, kernels it defines).
+const FILES: &[(&str, &str, &[&str])] = &[
+    (
+        "matvec.cu",
+        include_str!("../../kernels/matvec.cu"),
+        &["matvec_bf16", "matvec_swiglu_bf16"],
+    ),
+    (
+        "norm.cu",
+        include_str!("../../kernels/norm.cu"),
+        &["add_rmsnorm"],
+    ),
+    (
+        "gdn.cu",
+        include_str!("../../kernels/gdn.cu"),
+        &["gdn_conv_step", "gdn_step"],
+    ),
+    (
+        "attention.cu",
+        include_str!("../../kernels/attention.cu"),
+        &["attn_prep", "attn_partial", "attn_combine"],
+    ),
+    (
+        "moe.cu",
+        include_str!("../../kernels/moe.cu"),
+        &["router_topk", "moe_combine"],
+    ),
+    (
+        "sample.cu",
+        include_str!("../../kernels/sample.cu"),
+        &["embed_bf16", "argmax_advance"],
+    ),
+    (
+        "fill.cu",
+        include_str!("../../kernels/fill.cu"),
+        &["fill_uniform_bf16", "fill_uniform_f32"],
+    ),
+];
+
+/// Compiled kernels by name.
+pub struct Kernels {
+    funcs: HashMap<&'static str, CudaFunction>,
+}
+
+/// FNV-1a, 64 bit: a stable hash for cache keys.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        h = (h ^ 0xff).wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("deltamoe").join("kernels"))
+}
+
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints; the library was found by `unavailable_reason`.
+    unsafe {
+        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
+    }
+    format!("{major}.{minor}")
+}
+
+/// PTX for one file, from the cache or freshly compiled (and then cached; a cache that cannot
+/// be written is skipped).
+fn ptx_for(file: &str, src: &str, arch: &'static str) -> Result<String> {
+    let opts = ["--std=c++17"];
+    let full = format!("{COMMON}\n{src}");
+    let key = fnv1a(&[
+        full.as_bytes(),
+        arch.as_bytes(),
+        opts.join(" ").as_bytes(),
+        nvrtc_version().as_bytes(),
+    ]);
+    let cached =
+        cache_dir().map(|d| d.join(format!("{}-{key:016x}.ptx", file.trim_end_matches(".cu"))));
+    if let Some(Ok(ptx)) = cached.as_ref().map(std::fs::read_to_string) {
+        return Ok(ptx);
+    }
+    let options = CompileOptions {
+        arch: Some(arch),
+        options: opts.iter().map(|s| s.to_string()).collect(),
+        name: Some(file.to_string()),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(&full, options)
+        .map_err(|e| CudaError::Compile {
+            file: file.to_string(),
+            log: e.to_string().replace('\n', " | "),
+        })?
+        .to_src();
+    if let Some(path) = cached {
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, &ptx));
+        }
+    }
+    Ok(ptx)
+}
+
+/// NVRTC's virtual architecture name for a compute capability.
+fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
+    Ok(match cc {
+        (9, 0) => "compute_90",
+        (8, 9) => "compute_89",
+        (8, 6) => "compute_86",
+        (8, 0) => "compute_80",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        (major, minor) => {
+            return Err(CudaError::Unsupported(format!(
+                "compute capability {major}.{minor} is not supported (supported: 8.0, 8.6, 8.9, 9.0, 10.0, 12.0)"
+            )))
+        }
+    })
+}
+
+/// Compile every kernel file for `arch` (e.g. `compute_90`) without a device: a check that
+/// needs only NVRTC.
+pub fn compile_all(arch: &'static str) -> Result<()> {
+    for (file, src, _) in FILES {
+        ptx_for(file, src, arch)?;
+    }
+    Ok(())
+}
+
+impl Kernels {
+    pub(super) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Kernels> {
+        let arch = arch_name(cc)?;
+        let mut funcs = HashMap::new();
+        for (file, src, names) in FILES {
+            let ptx = ptx_for(file, src, arch)?;
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(driver_err(file))?;
+            for name in *names {
+                let f = module.load_function(name).map_err(driver_err(name))?;
+                funcs.insert(*name, f);
+            }
+        }
+        Ok(Kernels { funcs })
+    }
+
+    /// The kernel `name` (a name listed in `FILES`; anything else is a bug in this crate).
+    pub fn get(&self, name: &str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cache_key_changes_with_any_part() {
+        let a = super::fnv1a(&[b"src", b"compute_90"]);
+        assert_ne!(a, super::fnv1a(&[b"src", b"compute_80"]));
+        assert_ne!(a, super::fnv1a(&[b"srcc", b"ompute_90"]));
+        assert_eq!(a, super::fnv1a(&[b"src", b"compute_90"]));
+    }
+}

@@ -1,0 +1,223 @@
+//! CUDA backend: context and stream, device buffers, and the kernel registry.
+//!
+//! The CUDA driver and NVRTC are loaded at run time (cudarc with dynamic loading), so building
+//! needs no CUDA toolkit and a machine without a driver still runs everything on the CPU;
+//! [`Gpu::new`] then fails with a one-line error instead of panicking. Kernels are the `.cu`
+//! files in `crates/compute/kernels/`, compiled by NVRTC for the device's compute capability and
+//! cached on disk (see [`kernels`]). Launch wrappers are in [`ops`].
+
+pub mod kernels;
+pub mod ops;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+
+pub use kernels::Kernels;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no usable CUDA device: {0}")]
+    Unavailable(String),
+    #[error("CUDA driver error in {what}: {msg}")]
+    Driver { what: String, msg: String },
+    #[error("compiling kernel file {file} with NVRTC failed: {log}")]
+    Compile { file: String, log: String },
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+pub(crate) fn driver_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError + '_ {
+    move |e| CudaError::Driver {
+        what: what.to_string(),
+        msg: e.to_string(),
+    }
+}
+
+/// A device, its stream and its compiled kernels. All work goes on one stream, in order.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    name: String,
+    compute_capability: (i32, i32),
+}
+
+/// A device allocation of `len` elements with its raw address cached for kernel arguments.
+pub struct DevBuf<T> {
+    slice: CudaSlice<T>,
+    ptr: u64,
+}
+
+impl<T> DevBuf<T> {
+    /// Device address of element 0 (for kernel arguments).
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Device address of element `i`.
+    pub fn at(&self, i: usize) -> u64 {
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+}
+
+/// Why CUDA cannot be used here, or `None` when a driver, NVRTC and a device are present.
+pub fn unavailable_reason() -> Option<String> {
+    // SAFETY: only tries to dlopen the libraries; no CUDA call is made.
+    let (driver, nvrtc) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Some("the CUDA driver library (libcuda.so) was not found".into());
+    }
+    if !nvrtc {
+        return Some(
+            "the NVRTC library (libnvrtc.so) was not found; install the CUDA runtime compiler"
+                .into(),
+        );
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => None,
+        Ok(_) => Some("the CUDA driver reports no devices".into()),
+        Err(e) => Some(format!("the CUDA driver failed to start: {e}")),
+    }
+}
+
+impl Gpu {
+    /// Open device `ordinal`, compile (or load from the cache) every kernel.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        if let Some(why) = unavailable_reason() {
+            return Err(CudaError::Unavailable(why));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("opening the device"))?;
+        // One stream, ordered work: cudarc's cross-stream event tracking is not needed and would
+        // add events to captured graphs.
+        // SAFETY: called before any allocation or launch on this context.
+        unsafe { ctx.disable_event_tracking() };
+        // A created stream, not the legacy default one, so that decode steps can be captured.
+        let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
+        let compute_capability = ctx
+            .compute_capability()
+            .map_err(driver_err("reading the compute capability"))?;
+        let name = ctx.name().map_err(driver_err("reading the device name"))?;
+        let kernels = Kernels::load(&ctx, compute_capability)?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            kernels,
+            name,
+            compute_capability,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(driver_err("reading memory info"))
+    }
+
+    fn wrap<T>(&self, slice: CudaSlice<T>) -> DevBuf<T> {
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(&self.stream);
+            ptr
+        };
+        DevBuf { slice, ptr }
+    }
+
+    /// `n` zeroed elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<DevBuf<T>> {
+        let s = self
+            .stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(driver_err("allocating device memory"))?;
+        Ok(self.wrap(s))
+    }
+
+    /// A device copy of `data`.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<DevBuf<T>> {
+        let s = self
+            .stream
+            .clone_htod(data)
+            .map_err(driver_err("copying to the device"))?;
+        Ok(self.wrap(s))
+    }
+
+    /// Overwrite the start of `dst` with `data`.
+    pub fn write<T: DeviceRepr>(&self, dst: &mut DevBuf<T>, data: &[T]) -> Result<()> {
+        let mut view = dst.slice.slice_mut(0..data.len());
+        self.stream
+            .memcpy_htod(data, &mut view)
+            .map_err(driver_err("copying to the device"))
+    }
+
+    /// Copy the first `n` elements of `src` to the host (waits for the stream).
+    pub fn read<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &DevBuf<T>,
+        n: usize,
+    ) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); n];
+        let view = src.slice.slice(0..n);
+        self.stream
+            .memcpy_dtoh(&view, &mut out)
+            .map_err(driver_err("copying from the device"))?;
+        self.sync()?;
+        Ok(out)
+    }
+
+    /// Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written), from `reps`
+    /// copies of a `bytes`-sized buffer: the HBM ceiling benchmarks compare against.
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
+        let a: DevBuf<u8> = self.zeros(bytes)?;
+        let mut b: DevBuf<u8> = self.zeros(bytes)?;
+        let copy = |b: &mut DevBuf<u8>| {
+            self.stream
+                .memcpy_dtod(&a.slice, &mut b.slice)
+                .map_err(driver_err("copying on the device"))
+        };
+        copy(&mut b)?;
+        self.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            copy(&mut b)?;
+        }
+        self.sync()?;
+        Ok(2.0 * bytes as f64 * reps as f64 / t0.elapsed().as_secs_f64())
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver_err("synchronizing the stream"))
+    }
+}

@@ -1,0 +1,372 @@
+//! Launch wrappers, one per kernel. Arguments are raw device addresses ([`super::DevBuf::ptr`])
+//! so that the same calls work eagerly and inside a CUDA-graph capture; 0 stands for an absent
+//! optional pointer. Each wrapper states the sizes its kernel reads and writes (see the `.cu`
+//! headers for layouts); callers own keeping the buffers that large.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{driver_err, Gpu, Result};
+
+fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per) as u32
+}
+
+/// Operands of a (possibly batched) bf16 matrix-vector product: W [E, N, K]; `ids` (device
+/// int[slots], 0: e = s) picks the matrix per slot; x_s = x + s·x_stride floats; optional
+/// f32 bias [E, N] (0: none).
+#[derive(Clone, Copy, Debug)]
+pub struct Matvec {
+    pub w: u64,
+    pub n: usize,
+    pub k: usize,
+    pub bias: u64,
+}
+
+/// `y[s, :N] = W_e · x_s (+ bias_e)` for `slots` slots.
+pub fn matvec_bf16(
+    g: &Gpu,
+    m: Matvec,
+    x: u64,
+    y: u64,
+    slots: usize,
+    ids: u64,
+    x_stride: usize,
+) -> Result<()> {
+    let (n, w) = (m.n, m.w);
+    let (n32, k32, xs) = (m.n as i32, m.k as i32, x_stride as i64);
+    let mut b = g.stream().launch_builder(g.kernels().get("matvec_bf16"));
+    b.arg(&w)
+        .arg(&x)
+        .arg(&y)
+        .arg(&n32)
+        .arg(&k32)
+        .arg(&ids)
+        .arg(&xs)
+        .arg(&m.bias);
+    // SAFETY: W holds (max id + 1)·N·K bf16, x holds slots·x_stride + K floats (K when
+    // x_stride is 0), y holds slots·N floats; the kernel bounds-checks rows against N.
+    unsafe { b.launch(cfg((blocks(n, 8), slots as u32), 256, 0)) }
+        .map_err(driver_err("matvec_bf16"))?;
+    Ok(())
+}
+
+/// `h[s, :I] = silu(G_e x_s) ⊙ (U_e x_s)`; W: [E, 2I, K] bf16 (gate rows first).
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_swiglu_bf16(
+    g: &Gpu,
+    w: u64,
+    x: u64,
+    h: u64,
+    i: usize,
+    k: usize,
+    slots: usize,
+    ids: u64,
+    x_stride: usize,
+) -> Result<()> {
+    let (i32_, k32, xs) = (i as i32, k as i32, x_stride as i64);
+    let mut b = g
+        .stream()
+        .launch_builder(g.kernels().get("matvec_swiglu_bf16"));
+    b.arg(&w)
+        .arg(&x)
+        .arg(&h)
+        .arg(&i32_)
+        .arg(&k32)
+        .arg(&ids)
+        .arg(&xs);
+    // SAFETY: as matvec_bf16 with 2I rows per expert and h of slots·I floats.
+    unsafe { b.launch(cfg((blocks(i, 8), slots as u32), 256, 0)) }
+        .map_err(driver_err("matvec_swiglu_bf16"))?;
+    Ok(())
+}
+
+/// Per row of width `h` (`rows` rows): x += delta (when delta ≠ 0), out = rmsnorm(x)·scale.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rmsnorm(
+    g: &Gpu,
+    x: u64,
+    delta: u64,
+    scale: u64,
+    out: u64,
+    rows: usize,
+    h: usize,
+    eps: f32,
+) -> Result<()> {
+    let h32 = h as i32;
+    let mut b = g.stream().launch_builder(g.kernels().get("add_rmsnorm"));
+    b.arg(&x)
+        .arg(&delta)
+        .arg(&scale)
+        .arg(&out)
+        .arg(&h32)
+        .arg(&eps);
+    // SAFETY: x, delta, out hold rows·h floats, scale h floats.
+    unsafe { b.launch(cfg((rows as u32, 1), 256, 0)) }.map_err(driver_err("add_rmsnorm"))?;
+    Ok(())
+}
+
+/// Conv1d step + SiLU over `c` channels with kernel `k`; state [k−1, c] updated.
+pub fn gdn_conv_step(
+    g: &Gpu,
+    proj: u64,
+    state: u64,
+    w: u64,
+    mixed: u64,
+    c: usize,
+    k: usize,
+) -> Result<()> {
+    let (c32, k32) = (c as i32, k as i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("gdn_conv_step"));
+    b.arg(&proj)
+        .arg(&state)
+        .arg(&w)
+        .arg(&mixed)
+        .arg(&c32)
+        .arg(&k32);
+    // SAFETY: proj and mixed hold ≥ c floats, state (k−1)·c, w c·k.
+    unsafe { b.launch(cfg((blocks(c, 256), 1), 256, 0)) }.map_err(driver_err("gdn_conv_step"))?;
+    Ok(())
+}
+
+/// Gated DeltaNet geometry for [`gdn_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct GdnDims {
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+/// Largest key head dim `gdn_step` supports (`GDN_DK_MAX` in gdn.cu).
+pub const GDN_DK_MAX: usize = 128;
+
+/// Delta-rule step + gated RMSNorm for every value head (see gdn.cu).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_step(
+    g: &Gpu,
+    mixed: u64,
+    proj: u64,
+    state: u64,
+    neg_a: u64,
+    dt_bias: u64,
+    norm_w: u64,
+    out: u64,
+    d: GdnDims,
+    eps: f32,
+) -> Result<()> {
+    let (hk, hv, dk, dv) = (d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("gdn_step"));
+    b.arg(&mixed)
+        .arg(&proj)
+        .arg(&state)
+        .arg(&neg_a)
+        .arg(&dt_bias)
+        .arg(&norm_w)
+        .arg(&out);
+    b.arg(&hk).arg(&hv).arg(&dk).arg(&dv).arg(&eps);
+    let threads = (d.dv.max(d.dk).div_ceil(32) * 32) as u32;
+    // SAFETY: dk ≤ GDN_DK_MAX (checked at upload); state holds hv·dk·dv floats, out hv·dv,
+    // proj the fused projection (conv dim + hv·dv + 2·hv floats), mixed the conv dim.
+    unsafe { b.launch(cfg((d.hv as u32, 1), threads, 0)) }.map_err(driver_err("gdn_step"))?;
+    Ok(())
+}
+
+/// Attention geometry for the attention kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub rotary: usize,
+}
+
+/// Largest head dim the attention kernels support (`ATTN_DMAX` in attention.cu).
+pub const ATTN_DMAX: usize = 256;
+
+/// q/k norm + RoPE, q out, k and v appended to the caches at `*pos`.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_prep(
+    g: &Gpu,
+    proj: u64,
+    qn: u64,
+    kn: u64,
+    inv_freq: u64,
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    pos: u64,
+    a: AttnDims,
+    eps: f32,
+) -> Result<()> {
+    let (hq, hkv, d, r) = (a.hq as i32, a.hkv as i32, a.d as i32, a.rotary as i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("attn_prep"));
+    b.arg(&proj)
+        .arg(&qn)
+        .arg(&kn)
+        .arg(&inv_freq)
+        .arg(&q)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&pos);
+    b.arg(&hq).arg(&hkv).arg(&d).arg(&r).arg(&eps);
+    let threads = (a.d.div_ceil(32) * 32) as u32;
+    // SAFETY: caches hold max_ctx·hkv·d floats and *pos < max_ctx (the engine checks the
+    // context before each step); dynamic shared memory holds d floats.
+    unsafe {
+        b.launch(cfg(
+            ((a.hq + 2 * a.hkv) as u32, 1),
+            threads,
+            (a.d * 4) as u32,
+        ))
+    }
+    .map_err(driver_err("attn_prep"))?;
+    Ok(())
+}
+
+/// Split-K attention over positions 0..=*pos into `splits` partials, then the gated combine.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_decode(
+    g: &Gpu,
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    pos: u64,
+    part_o: u64,
+    part_ml: u64,
+    proj: u64,
+    out: u64,
+    a: AttnDims,
+    splits: usize,
+) -> Result<()> {
+    let (hq, hkv, d, s) = (a.hq as i32, a.hkv as i32, a.d as i32, splits as i32);
+    let scale = 1.0f32 / (a.d as f32).sqrt();
+    let mut b = g.stream().launch_builder(g.kernels().get("attn_partial"));
+    b.arg(&q)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&pos)
+        .arg(&part_o)
+        .arg(&part_ml);
+    b.arg(&hq).arg(&hkv).arg(&d).arg(&s).arg(&scale);
+    // SAFETY: part_o holds hq·splits·d floats, part_ml hq·splits·2; d ≤ ATTN_DMAX.
+    unsafe { b.launch(cfg((a.hq as u32, splits as u32), 128, 0)) }
+        .map_err(driver_err("attn_partial"))?;
+    let mut b = g.stream().launch_builder(g.kernels().get("attn_combine"));
+    b.arg(&part_o)
+        .arg(&part_ml)
+        .arg(&proj)
+        .arg(&out)
+        .arg(&d)
+        .arg(&s);
+    let threads = (a.d.div_ceil(32) * 32) as u32;
+    // SAFETY: out holds hq·d floats; proj is the fused projection holding the gates.
+    unsafe { b.launch(cfg((a.hq as u32, 1), threads, 0)) }.map_err(driver_err("attn_combine"))?;
+    Ok(())
+}
+
+/// Softmax + top-k over `e` router logits (plus the shared-expert gate logit at index e when
+/// `shared_gate`): ids [k], weights [k], sg [1].
+#[allow(clippy::too_many_arguments)]
+pub fn router_topk(
+    g: &Gpu,
+    logits: u64,
+    e: usize,
+    k: usize,
+    renorm: bool,
+    shared_gate: bool,
+    ids: u64,
+    w: u64,
+    sg: u64,
+) -> Result<()> {
+    let (e32, k32, rn, hs) = (e as i32, k as i32, renorm as i32, shared_gate as i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("router_topk"));
+    b.arg(&logits)
+        .arg(&e32)
+        .arg(&k32)
+        .arg(&rn)
+        .arg(&hs)
+        .arg(&ids)
+        .arg(&w)
+        .arg(&sg);
+    // SAFETY: e ≤ 1024 and k ≤ 32 (checked at upload); logits hold e (+1) floats.
+    unsafe { b.launch(cfg((1, 1), 256, 0)) }.map_err(driver_err("router_topk"))?;
+    Ok(())
+}
+
+/// `delta = Σ_k w_k y_k (+ sg · ys)` over width `h`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine(
+    g: &Gpu,
+    y: u64,
+    w: u64,
+    ys: u64,
+    sg: u64,
+    delta: u64,
+    k: usize,
+    h: usize,
+) -> Result<()> {
+    let (k32, h32) = (k as i32, h as i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("moe_combine"));
+    b.arg(&y)
+        .arg(&w)
+        .arg(&ys)
+        .arg(&sg)
+        .arg(&delta)
+        .arg(&k32)
+        .arg(&h32);
+    // SAFETY: y holds k·h floats, delta and ys h floats.
+    unsafe { b.launch(cfg((blocks(h, 256), 1), 256, 0)) }.map_err(driver_err("moe_combine"))?;
+    Ok(())
+}
+
+/// `x = table[*tok]` (bf16 → f32) for width `h`.
+pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize) -> Result<()> {
+    let h32 = h as i32;
+    let mut b = g.stream().launch_builder(g.kernels().get("embed_bf16"));
+    b.arg(&table).arg(&tok).arg(&x).arg(&h32);
+    // SAFETY: *tok < vocab (checked by the engine before it is written), x holds h floats.
+    unsafe { b.launch(cfg((blocks(h, 256), 1), 256, 0)) }.map_err(driver_err("embed_bf16"))?;
+    Ok(())
+}
+
+/// `*tok = argmax(logits[..v])`, `*pos += 1`.
+pub fn argmax_advance(g: &Gpu, logits: u64, v: usize, tok: u64, pos: u64) -> Result<()> {
+    let v32 = v as i32;
+    let mut b = g.stream().launch_builder(g.kernels().get("argmax_advance"));
+    b.arg(&logits).arg(&v32).arg(&tok).arg(&pos);
+    // SAFETY: logits hold v floats; tok and pos one int each.
+    unsafe { b.launch(cfg((1, 1), 1024, 0)) }.map_err(driver_err("argmax_advance"))?;
+    Ok(())
+}
+
+/// Fill `n` bf16 (when `bf16`) or f32 elements at `out` with uniform values in [lo, hi).
+pub fn fill_uniform(
+    g: &Gpu,
+    out: u64,
+    n: usize,
+    bf16: bool,
+    seed: u64,
+    lo: f32,
+    hi: f32,
+) -> Result<()> {
+    let n64 = n as i64;
+    let name = if bf16 {
+        "fill_uniform_bf16"
+    } else {
+        "fill_uniform_f32"
+    };
+    let mut b = g.stream().launch_builder(g.kernels().get(name));
+    b.arg(&out).arg(&n64).arg(&seed).arg(&lo).arg(&hi);
+    // SAFETY: out holds n elements of the named type; grid-stride loop bounded by n.
+    unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
+        .map_err(driver_err(name))?;
+    Ok(())
+}

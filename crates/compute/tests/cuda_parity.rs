@@ -1,0 +1,485 @@
+//! Every CUDA kernel against its CPU twin on random inputs with odd sizes. Needs a GPU:
+//! `#[ignore]`d here, run by `scripts/gpu-tests.sh` on the GPU machine.
+
+use deltamoe_compute::cpu::act::{sigmoid, softplus};
+use deltamoe_compute::cpu::attention::{causal_attention, AttnShape};
+use deltamoe_compute::cpu::conv::causal_conv1d_silu;
+use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
+use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
+use deltamoe_compute::cpu::rope::Rope;
+use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec};
+use deltamoe_compute::cuda::Gpu;
+use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
+use deltamoe_compute::{cpu, DType, Tensor};
+use rand::{Rng, SeedableRng};
+
+fn rng() -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(1234)
+}
+
+fn rand_vec(r: &mut impl Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(lo..hi)).collect()
+}
+
+fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    eprintln!("{name}: max err {err:.3e} (max|want| {scale:.3})");
+    assert!(
+        err <= tol * scale,
+        "{name}: max err {err} > {tol} * {scale}"
+    );
+}
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device")
+}
+
+#[test]
+#[ignore = "needs NVRTC (libnvrtc.so)"]
+fn kernels_compile_for_hopper_and_ampere() {
+    for arch in ["compute_90", "compute_80"] {
+        deltamoe_compute::cuda::kernels::compile_all(arch).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matvec_and_swiglu_match_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    for &(n, k, slots, experts) in &[
+        (37usize, 64usize, 1usize, 1usize),
+        (129, 19, 3, 5),
+        (33, 200, 2, 4),
+        (8, 4096, 1, 1),
+    ] {
+        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+        let bits: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
+        let x = rand_vec(&mut r, slots * k, -1.0, 1.0);
+        let bias = rand_vec(&mut r, experts * n, -1.0, 1.0);
+        let ids: Vec<i32> = (0..slots).map(|s| ((s * 7 + 3) % experts) as i32).collect();
+        let (dw, dx, db, di) = (
+            g.upload(&bits).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&bias).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let dy = g.zeros::<f32>(slots * n).unwrap();
+        let m = Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: db.ptr(),
+        };
+        ops::matvec_bf16(&g, m, dx.ptr(), dy.ptr(), slots, di.ptr(), k).unwrap();
+        let got = g.read(&dy, slots * n).unwrap();
+        let mut want = vec![0.0; slots * n];
+        for s in 0..slots {
+            let e = ids[s] as usize;
+            let t = Tensor::from_half_bits(
+                DType::BF16,
+                vec![n, k],
+                bits[e * n * k..(e + 1) * n * k].to_vec(),
+            );
+            cpu::matmul(&x[s * k..(s + 1) * k], 1, &t, &mut want[s * n..(s + 1) * n]);
+            for i in 0..n {
+                want[s * n + i] += bias[e * n + i];
+            }
+        }
+        assert_close(&format!("matvec {n}x{k} slots {slots}"), &got, &want, 1e-5);
+
+        // SwiGLU over [gate | up] halves of 2I = n rows (n even only).
+        if n % 2 == 0 || experts == 1 {
+            let i = n / 2;
+            let dh = g.zeros::<f32>(slots * i).unwrap();
+            ops::matvec_swiglu_bf16(&g, dw.ptr(), dx.ptr(), dh.ptr(), i, k, slots, di.ptr(), k)
+                .unwrap();
+            let got = g.read(&dh, slots * i).unwrap();
+            let mut want = vec![0.0; slots * i];
+            for s in 0..slots {
+                let e = ids[s] as usize;
+                let base = e * n * k;
+                let row = |rr: usize| -> f32 {
+                    (0..k)
+                        .map(|kk| bf16_to_f32(bits[base + rr * k + kk]) * x[s * k + kk])
+                        .sum()
+                };
+                for j in 0..i {
+                    let (gv, uv) = (row(j), row(i + j));
+                    want[s * i + j] = gv * sigmoid(gv) * uv;
+                }
+            }
+            assert_close(&format!("swiglu {i}x{k} slots {slots}"), &got, &want, 1e-4);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn add_rmsnorm_matches_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    let (rows, h) = (3, 1001);
+    let x = rand_vec(&mut r, rows * h, -2.0, 2.0);
+    let d = rand_vec(&mut r, rows * h, -1.0, 1.0);
+    let scale = rand_vec(&mut r, h, 0.5, 1.5);
+    let (dx, dd, ds) = (
+        g.upload(&x).unwrap(),
+        g.upload(&d).unwrap(),
+        g.upload(&scale).unwrap(),
+    );
+    let out = g.zeros::<f32>(rows * h).unwrap();
+    ops::add_rmsnorm(&g, dx.ptr(), dd.ptr(), ds.ptr(), out.ptr(), rows, h, 1e-6).unwrap();
+    let mut sum: Vec<f32> = x.iter().zip(&d).map(|(a, b)| a + b).collect();
+    assert_close("residual", &g.read(&dx, rows * h).unwrap(), &sum, 1e-6);
+    rms_norm(&mut sum, &scale, 1e-6);
+    assert_close("add_rmsnorm", &g.read(&out, rows * h).unwrap(), &sum, 1e-5);
+}
+
+/// A random GDN layer step: CPU reference (conv → l2norm → gates → recurrent → gated norm)
+/// against gdn_conv_step + gdn_step, over several tokens so the states carry.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gdn_decode_matches_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    for &(hk, hv, dk, dv, kern) in &[
+        (2usize, 6usize, 7usize, 11usize, 4usize),
+        (16, 32, 128, 128, 4),
+        (1, 1, 33, 65, 3),
+    ] {
+        let c = 2 * hk * dk + hv * dv;
+        let vd = hv * dv;
+        let conv_w = rand_vec(&mut r, c * kern, -0.5, 0.5);
+        let neg_a: Vec<f32> = rand_vec(&mut r, hv, 0.0, 1.0)
+            .iter()
+            .map(|v| -v.exp())
+            .collect();
+        let dt_bias = rand_vec(&mut r, hv, -1.0, 1.0);
+        let norm_w = rand_vec(&mut r, dv, 0.5, 1.5);
+        let (dcw, dna, ddt, dnw) = (
+            g.upload(&conv_w).unwrap(),
+            g.upload(&neg_a).unwrap(),
+            g.upload(&dt_bias).unwrap(),
+            g.upload(&norm_w).unwrap(),
+        );
+        let dconv = g.zeros::<f32>((kern - 1) * c).unwrap();
+        let drec = g.zeros::<f32>(hv * dk * dv).unwrap();
+        let (dmixed, dout) = (g.zeros::<f32>(c).unwrap(), g.zeros::<f32>(vd).unwrap());
+        let mut conv_state = vec![0.0; (kern - 1) * c];
+        let mut rec = vec![0.0; hv * dk * dv];
+        let shape = GdnShape {
+            n_k_heads: hk,
+            n_v_heads: hv,
+            k_dim: dk,
+            v_dim: dv,
+        };
+        for step in 0..5 {
+            let proj = rand_vec(&mut r, c + vd + 2 * hv, -1.0, 1.0);
+            let dproj = g.upload(&proj).unwrap();
+            ops::gdn_conv_step(
+                &g,
+                dproj.ptr(),
+                dconv.ptr(),
+                dcw.ptr(),
+                dmixed.ptr(),
+                c,
+                kern,
+            )
+            .unwrap();
+            let dims = GdnDims { hk, hv, dk, dv };
+            ops::gdn_step(
+                &g,
+                dmixed.ptr(),
+                dproj.ptr(),
+                drec.ptr(),
+                dna.ptr(),
+                ddt.ptr(),
+                dnw.ptr(),
+                dout.ptr(),
+                dims,
+                1e-6,
+            )
+            .unwrap();
+
+            let mut mixed = vec![0.0; c];
+            causal_conv1d_silu(&proj[..c], &conv_w, kern, &mut conv_state, &mut mixed);
+            assert_close(
+                &format!("gdn conv {dk}/{dv} step {step}"),
+                &g.read(&dmixed, c).unwrap(),
+                &mixed,
+                1e-5,
+            );
+            let (kd, vdim) = (hk * dk, hv * dv);
+            let mut q = mixed[..kd].to_vec();
+            let mut k = mixed[kd..2 * kd].to_vec();
+            l2_normalize(&mut q, dk, 1e-6);
+            l2_normalize(&mut k, dk, 1e-6);
+            q.iter_mut().for_each(|v| *v /= (dk as f32).sqrt());
+            let gates: Vec<f32> = (0..hv)
+                .map(|h| neg_a[h] * softplus(proj[c + vd + hv + h] + dt_bias[h]))
+                .collect();
+            let beta: Vec<f32> = (0..hv).map(|h| sigmoid(proj[c + vd + h])).collect();
+            let mut o = vec![0.0; vdim];
+            let x = GdnInputs {
+                q: &q,
+                k: &k,
+                v: &mixed[2 * kd..],
+                g: &gates,
+                beta: &beta,
+            };
+            gdn_recurrent(&x, shape, &mut rec, &mut o);
+            gated_rms_norm(&mut o, &proj[c..c + vd], &norm_w, 1e-6);
+            assert_close(
+                &format!("gdn step {dk}/{dv} step {step}"),
+                &g.read(&dout, vd).unwrap(),
+                &o,
+                1e-4,
+            );
+        }
+        assert_close(
+            &format!("gdn state {dk}/{dv}"),
+            &g.read(&drec, hv * dk * dv).unwrap(),
+            &rec,
+            1e-4,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_decode_matches_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    for &(hq, hkv, d, rot, steps) in &[
+        (4usize, 2usize, 32usize, 8usize, 37usize),
+        (16, 2, 256, 64, 70),
+        (3, 1, 48, 16, 5),
+    ] {
+        let rope = Rope::new(rot, 1e6);
+        let (qn, kn) = (rand_vec(&mut r, d, 0.5, 1.5), rand_vec(&mut r, d, 0.5, 1.5));
+        let a = AttnDims {
+            hq,
+            hkv,
+            d,
+            rotary: rot,
+        };
+        let (dqn, dkn, dfreq) = (
+            g.upload(&qn).unwrap(),
+            g.upload(&kn).unwrap(),
+            g.upload(rope.inv_freq()).unwrap(),
+        );
+        let (kc, vc) = (
+            g.zeros::<f32>(steps * hkv * d).unwrap(),
+            g.zeros::<f32>(steps * hkv * d).unwrap(),
+        );
+        let (dq, dout) = (
+            g.zeros::<f32>(hq * d).unwrap(),
+            g.zeros::<f32>(hq * d).unwrap(),
+        );
+        let splits = 16;
+        let (po, pml) = (
+            g.zeros::<f32>(hq * splits * d).unwrap(),
+            g.zeros::<f32>(hq * splits * 2).unwrap(),
+        );
+        let (mut kcpu, mut vcpu) = (Vec::new(), Vec::new());
+        for pos in 0..steps {
+            let proj = rand_vec(&mut r, hq * 2 * d + 2 * hkv * d, -1.0, 1.0);
+            let dproj = g.upload(&proj).unwrap();
+            let dpos = g.upload(&[pos as i32]).unwrap();
+            ops::attn_prep(
+                &g,
+                dproj.ptr(),
+                dqn.ptr(),
+                dkn.ptr(),
+                dfreq.ptr(),
+                dq.ptr(),
+                kc.ptr(),
+                vc.ptr(),
+                dpos.ptr(),
+                a,
+                1e-6,
+            )
+            .unwrap();
+            ops::attn_decode(
+                &g,
+                dq.ptr(),
+                kc.ptr(),
+                vc.ptr(),
+                dpos.ptr(),
+                po.ptr(),
+                pml.ptr(),
+                dproj.ptr(),
+                dout.ptr(),
+                a,
+                splits,
+            )
+            .unwrap();
+
+            let mut q: Vec<f32> = (0..hq)
+                .flat_map(|h| proj[h * 2 * d..h * 2 * d + d].to_vec())
+                .collect();
+            let gate: Vec<f32> = (0..hq)
+                .flat_map(|h| proj[h * 2 * d + d..(h + 1) * 2 * d].to_vec())
+                .collect();
+            let mut k = proj[hq * 2 * d..hq * 2 * d + hkv * d].to_vec();
+            rms_norm(&mut q, &qn, 1e-6);
+            rms_norm(&mut k, &kn, 1e-6);
+            rope.apply(&mut q, d, pos);
+            rope.apply(&mut k, d, pos);
+            kcpu.extend_from_slice(&k);
+            vcpu.extend_from_slice(&proj[hq * 2 * d + hkv * d..]);
+            let mut o = vec![0.0; hq * d];
+            let s = AttnShape {
+                n_heads: hq,
+                n_kv_heads: hkv,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+            };
+            causal_attention(&q, &kcpu, &vcpu, pos, s, &mut o);
+            o.iter_mut()
+                .zip(&gate)
+                .for_each(|(v, gg)| *v *= sigmoid(*gg));
+            if pos % 9 == 0 || pos + 1 == steps {
+                assert_close(
+                    &format!("attn q d{d} pos {pos}"),
+                    &g.read(&dq, hq * d).unwrap(),
+                    &q,
+                    1e-5,
+                );
+                assert_close(
+                    &format!("attn out d{d} pos {pos}"),
+                    &g.read(&dout, hq * d).unwrap(),
+                    &o,
+                    1e-4,
+                );
+            }
+        }
+        assert_close(
+            &format!("k cache d{d}"),
+            &g.read(&kc, steps * hkv * d).unwrap(),
+            &kcpu,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn router_combine_embed_argmax_match_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    for &(e, k, renorm) in &[
+        (8usize, 2usize, true),
+        (257, 8, true),
+        (512, 10, false),
+        (1000, 3, true),
+    ] {
+        let logits = rand_vec(&mut r, e + 1, -3.0, 3.0);
+        let dl = g.upload(&logits).unwrap();
+        let (ids, w, sg) = (
+            g.zeros::<i32>(k).unwrap(),
+            g.zeros::<f32>(k).unwrap(),
+            g.zeros::<f32>(1).unwrap(),
+        );
+        ops::router_topk(
+            &g,
+            dl.ptr(),
+            e,
+            k,
+            renorm,
+            true,
+            ids.ptr(),
+            w.ptr(),
+            sg.ptr(),
+        )
+        .unwrap();
+        let mut p = logits[..e].to_vec();
+        deltamoe_compute::cpu::act::softmax(&mut p);
+        let mut idx: Vec<usize> = (0..e).collect();
+        idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        idx.truncate(k);
+        let got_ids: Vec<usize> = g
+            .read(&ids, k)
+            .unwrap()
+            .iter()
+            .map(|&v| v as usize)
+            .collect();
+        assert_eq!(got_ids, idx, "router ids E={e}");
+        let s: f32 = idx.iter().map(|&i| p[i]).sum();
+        let want: Vec<f32> = idx
+            .iter()
+            .map(|&i| if renorm { p[i] / s } else { p[i] })
+            .collect();
+        assert_close(
+            &format!("router weights E={e}"),
+            &g.read(&w, k).unwrap(),
+            &want,
+            1e-5,
+        );
+        assert_close(
+            "shared gate",
+            &g.read(&sg, 1).unwrap(),
+            &[sigmoid(logits[e])],
+            1e-6,
+        );
+
+        let h = 77;
+        let y = rand_vec(&mut r, k * h, -1.0, 1.0);
+        let ys = rand_vec(&mut r, h, -1.0, 1.0);
+        let (dy, dys, delta) = (
+            g.upload(&y).unwrap(),
+            g.upload(&ys).unwrap(),
+            g.zeros::<f32>(h).unwrap(),
+        );
+        ops::moe_combine(
+            &g,
+            dy.ptr(),
+            w.ptr(),
+            dys.ptr(),
+            sg.ptr(),
+            delta.ptr(),
+            k,
+            h,
+        )
+        .unwrap();
+        let wv = g.read(&w, k).unwrap();
+        let want: Vec<f32> = (0..h)
+            .map(|i| (0..k).map(|j| wv[j] * y[j * h + i]).sum::<f32>() + sigmoid(logits[e]) * ys[i])
+            .collect();
+        assert_close("moe combine", &g.read(&delta, h).unwrap(), &want, 1e-5);
+    }
+    let (v, h) = (1003, 65);
+    let table: Vec<u16> = rand_vec(&mut r, v * h, -1.0, 1.0)
+        .iter()
+        .map(|&x| f32_to_bf16(x))
+        .collect();
+    let (dt, tok, pos, x) = (
+        g.upload(&table).unwrap(),
+        g.upload(&[417i32]).unwrap(),
+        g.upload(&[5i32]).unwrap(),
+        g.zeros::<f32>(h).unwrap(),
+    );
+    ops::embed_bf16(&g, dt.ptr(), tok.ptr(), x.ptr(), h).unwrap();
+    let want: Vec<f32> = table[417 * h..418 * h]
+        .iter()
+        .map(|&b| bf16_to_f32(b))
+        .collect();
+    assert_close("embed", &g.read(&x, h).unwrap(), &want, 0.0);
+    let mut logits = rand_vec(&mut r, 248_320, -1.0, 1.0);
+    logits[200_001] = 5.0;
+    logits[7] = 5.0;
+    let dl = g.upload(&logits).unwrap();
+    ops::argmax_advance(&g, dl.ptr(), logits.len(), tok.ptr(), pos.ptr()).unwrap();
+    assert_eq!(
+        g.read(&tok, 1).unwrap()[0],
+        7,
+        "argmax takes the lowest index on ties"
+    );
+    assert_eq!(g.read(&pos, 1).unwrap()[0], 6);
+}

@@ -1,0 +1,99 @@
+//! Shared by the golden tests: the committed fixtures and their transformers references.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::SafeTensors;
+
+/// The fixtures directory: beside the sources when built here, or `./fixtures` when the test
+/// binary runs from a copy of the repository (the GPU machine).
+fn root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    if here.is_dir() {
+        here
+    } else {
+        PathBuf::from("fixtures")
+    }
+}
+
+pub fn fixtures() -> Vec<PathBuf> {
+    let root = root();
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.safetensors").exists())
+        .collect();
+    v.sort();
+    assert!(
+        v.len() >= 4,
+        "expected the committed fixtures in {}",
+        root.display()
+    );
+    v
+}
+
+pub struct Prompt {
+    pub tokens: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub greedy: Vec<u32>,
+}
+
+fn i64s(st: &SafeTensors, name: &str) -> Vec<u32> {
+    let t = st.tensor(name).unwrap();
+    t.data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap();
+    t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+pub fn prompts(dir: &Path) -> Vec<Prompt> {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    (0..2)
+        .map(|i| Prompt {
+            tokens: i64s(&st, &format!("prompt{i}.tokens")),
+            logits: f32s(&st, &format!("prompt{i}.logits")),
+            greedy: i64s(&st, &format!("prompt{i}.greedy")),
+        })
+        .collect()
+}
+
+pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) {
+    assert_eq!(got.len(), want.len(), "{name}: logits length");
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let max_err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let rows = want.len() / vocab;
+    let argmax = |r: &[f32]| {
+        r.iter()
+            .enumerate()
+            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
+    };
+    let agree = got
+        .chunks_exact(vocab)
+        .zip(want.chunks_exact(vocab))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    eprintln!(
+        "{name}: max err {:.2e} of max|ref| {max_ref:.3} ({:.2e}), argmax {agree}/{rows}",
+        max_err,
+        max_err / max_ref
+    );
+    assert!(
+        max_err <= 5e-3 * max_ref,
+        "{name}: max err {max_err} > 5e-3 * {max_ref}"
+    );
+    assert!(
+        agree * 100 >= rows * 98,
+        "{name}: argmax agreement {agree}/{rows}"
+    );
+}

@@ -1,0 +1,787 @@
+//! The Qwen3 hybrid model's decode step on CUDA.
+//!
+//! Weights are uploaded once from a loaded [`Qwen3Hybrid`] as bf16 (f16/f32 checkpoints are
+//! rounded to bf16 on upload) with the projections that read the same input fused into one
+//! matrix: GDN `[qkv | z | b | a]` (Qwen3-Next's per-key-head packing is reordered to this),
+//! attention `[q/gate | k | v]`, MoE router `[router | shared_expert_gate]`, and each expert's
+//! `[gate | up]`. Norm scales, conv kernels, `−exp(A_log)` and `dt_bias` stay f32.
+//!
+//! One token's step (see [`GpuModel::enqueue_step`]) runs every op on the GPU: embedding,
+//! add+RMSNorm, fused projections, the GDN conv and delta-rule kernels, attention prep and
+//! split-K decode, router top-k, batched expert SwiGLU and down projections, combine, final
+//! norm, lm_head and argmax. The token id and position live in device memory, so the step is
+//! captured once per sequence into a CUDA graph and replayed; the only host↔device traffic per
+//! generated token is the token id.
+
+mod synthetic;
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaGraph;
+use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec, ATTN_DMAX, GDN_DK_MAX};
+use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
+use deltamoe_compute::dtype::f32_to_bf16;
+use deltamoe_compute::TensorData;
+
+use crate::layers::gdn::InProj;
+use crate::layers::{DenseSource, Linear, Mlp};
+use crate::qwen3_hybrid::{Ffn, Mixer, Qwen3Hybrid};
+
+type Result<T> = std::result::Result<T, CudaError>;
+
+/// Split-K partitions of the attention decode.
+const ATTN_SPLITS: usize = 16;
+
+/// bf16 bits of a tensor (rounded from f16/f32; quantized weights dequantized).
+fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
+    let t = w.dense();
+    match t.data() {
+        TensorData::BF16(s) => s.iter().map(|v| v.to_bits()).collect(),
+        TensorData::F16(s) => s.iter().map(|v| f32_to_bf16(v.to_f32())).collect(),
+        TensorData::F32(s) => s.iter().map(|&v| f32_to_bf16(v)).collect(),
+    }
+}
+
+/// Rows of several `[n_i, K]` matrices stacked into one bf16 matrix.
+fn stack<W: DenseSource + ?Sized>(parts: &[&W]) -> Vec<u16> {
+    parts.iter().flat_map(|t| bf16_bits(*t)).collect()
+}
+
+/// A device matrix with its geometry and optional bias.
+pub(crate) struct DevMat {
+    w: DevBuf<u16>,
+    n: usize,
+    k: usize,
+    bias: Option<DevBuf<f32>>,
+}
+
+impl DevMat {
+    fn new(g: &Gpu, bits: &[u16], n: usize, k: usize, bias: Option<Vec<f32>>) -> Result<DevMat> {
+        let bias = bias.map(|b| g.upload(&b)).transpose()?;
+        Ok(DevMat {
+            w: g.upload(bits)?,
+            n,
+            k,
+            bias,
+        })
+    }
+
+    fn of(g: &Gpu, l: &Linear) -> Result<DevMat> {
+        let [n, k] = l.weight.shape();
+        DevMat::new(g, &bf16_bits(&l.weight), n, k, l.bias.clone())
+    }
+
+    fn mv(&self) -> Matvec {
+        Matvec {
+            w: self.w.ptr(),
+            n: self.n,
+            k: self.k,
+            bias: self.bias.as_ref().map_or(0, |b| b.ptr()),
+        }
+    }
+}
+
+/// `[gate | up]` rows of an MLP, then its down projection.
+fn gate_up_bits(m: &Mlp) -> Vec<u16> {
+    stack(&[&m.gate.weight, &m.up.weight])
+}
+
+pub(crate) enum GpuMixer {
+    Linear {
+        proj: DevMat,
+        conv_w: DevBuf<f32>,
+        neg_a: DevBuf<f32>,
+        dt_bias: DevBuf<f32>,
+        norm_w: DevBuf<f32>,
+        out: DevMat,
+        dims: GdnDims,
+        conv_dim: usize,
+        kernel: usize,
+    },
+    Full {
+        proj: DevMat,
+        qn: DevBuf<f32>,
+        kn: DevBuf<f32>,
+        out: DevMat,
+    },
+}
+
+pub(crate) enum GpuFfn {
+    Dense {
+        gate_up: DevMat,
+        down: DevMat,
+    },
+    Moe {
+        router: DevMat,
+        experts_gu: DevMat,
+        experts_down: DevMat,
+        shared_gu: DevMat,
+        shared_down: DevMat,
+    },
+}
+
+pub(crate) struct GpuLayer {
+    input_norm: DevBuf<f32>,
+    mixer: GpuMixer,
+    post_norm: DevBuf<f32>,
+    ffn: GpuFfn,
+}
+
+/// Activations shared by every sequence's step (steps run one at a time on one stream).
+struct Scratch {
+    x: DevBuf<f32>,
+    normed: DevBuf<f32>,
+    delta: DevBuf<f32>,
+    proj: DevBuf<f32>,
+    mixed: DevBuf<f32>,
+    mix_out: DevBuf<f32>,
+    q: DevBuf<f32>,
+    part_o: DevBuf<f32>,
+    part_ml: DevBuf<f32>,
+    router: DevBuf<f32>,
+    ids: DevBuf<i32>,
+    weights: DevBuf<f32>,
+    sg: DevBuf<f32>,
+    h: DevBuf<f32>,
+    y: DevBuf<f32>,
+    hs: DevBuf<f32>,
+    ys: DevBuf<f32>,
+    logits: DevBuf<f32>,
+}
+
+/// A sequence's state on the device, and its captured step.
+pub struct GpuSeq {
+    conv: Vec<Option<DevBuf<f32>>>,
+    rec: Vec<Option<DevBuf<f32>>>,
+    k_cache: Vec<Option<DevBuf<f32>>>,
+    v_cache: Vec<Option<DevBuf<f32>>>,
+    tok: DevBuf<i32>,
+    pos: DevBuf<i32>,
+    /// Tokens processed (mirrors the device counter).
+    pub host_pos: usize,
+    max_ctx: usize,
+    graph: Option<CudaGraph>,
+}
+
+/// The model on a GPU.
+pub struct GpuModel {
+    gpu: Arc<Gpu>,
+    hidden: usize,
+    vocab: usize,
+    eps: f32,
+    attn: AttnDims,
+    top_k: usize,
+    num_experts: usize,
+    norm_topk: bool,
+    embed: DevBuf<u16>,
+    lm_head: DevMat,
+    final_norm: DevBuf<f32>,
+    inv_freq: DevBuf<f32>,
+    layers: Vec<GpuLayer>,
+    scratch: Scratch,
+}
+
+fn unsupported(msg: String) -> CudaError {
+    CudaError::Unsupported(msg)
+}
+
+fn upload_mixer(g: &Gpu, m: &Mixer, hidden: usize) -> Result<GpuMixer> {
+    Ok(match m {
+        Mixer::Linear(l) => {
+            let s = l.shape;
+            if s.k_dim > GDN_DK_MAX || s.v_dim > 1024 {
+                return Err(unsupported(format!(
+                    "GDN head dims {}/{} exceed the CUDA kernel limits ({GDN_DK_MAX}/1024)",
+                    s.k_dim, s.v_dim
+                )));
+            }
+            let conv_dim = l.conv_w.len() / l.conv_kernel;
+            let bits = match &l.proj {
+                InProj::Split { qkv, z, b, a } => {
+                    stack(&[&qkv.weight, &z.weight, &b.weight, &a.weight])
+                }
+                InProj::Packed { qkvz, ba } => {
+                    let (qkvz_rows, ba_rows) =
+                        packed_row_order(s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
+                    let (qkvz, ba) = (qkvz.weight.to_dense(), ba.weight.to_dense());
+                    [
+                        bf16_bits(&qkvz.gather_rows(&qkvz_rows)),
+                        bf16_bits(&ba.gather_rows(&ba_rows)),
+                    ]
+                    .concat()
+                }
+            };
+            let n = conv_dim + s.n_v_heads * s.v_dim + 2 * s.n_v_heads;
+            GpuMixer::Linear {
+                proj: DevMat::new(g, &bits, n, hidden, None)?,
+                conv_w: g.upload(&l.conv_w)?,
+                neg_a: g.upload(&l.neg_a)?,
+                dt_bias: g.upload(&l.dt_bias)?,
+                norm_w: g.upload(&l.norm_w)?,
+                out: DevMat::of(g, &l.out_proj)?,
+                dims: GdnDims {
+                    hk: s.n_k_heads,
+                    hv: s.n_v_heads,
+                    dk: s.k_dim,
+                    dv: s.v_dim,
+                },
+                conv_dim,
+                kernel: l.conv_kernel,
+            }
+        }
+        Mixer::Full(a) => {
+            let ws = [&a.q_proj, &a.k_proj, &a.v_proj];
+            let bits = stack(&ws.map(|l| &l.weight));
+            let n = ws.iter().map(|l| l.out_features()).sum();
+            let bias = if a.q_proj.bias.is_some() {
+                Some(
+                    ws.iter()
+                        .flat_map(|l| {
+                            l.bias
+                                .clone()
+                                .unwrap_or_else(|| vec![0.0; l.out_features()])
+                        })
+                        .collect(),
+                )
+            } else {
+                None
+            };
+            GpuMixer::Full {
+                proj: DevMat::new(g, &bits, n, hidden, bias)?,
+                qn: g.upload(&a.q_norm)?,
+                kn: g.upload(&a.k_norm)?,
+                out: DevMat::of(g, &a.o_proj)?,
+            }
+        }
+    })
+}
+
+/// Row orders that turn Qwen3-Next's per-key-head groups `[q | k | v | z] × Hk` and
+/// `[b | a] × Hk` into `[q (all heads) | k | v | z]` and `[b | a]`.
+pub(crate) fn packed_row_order(
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    let r = hv / hk;
+    let rv = r * dv;
+    let group = 2 * dk + 2 * rv;
+    let sect = |off: usize, len: usize| {
+        (0..hk).flat_map(move |h| (h * group + off)..(h * group + off + len))
+    };
+    let qkvz: Vec<usize> = sect(0, dk)
+        .chain(sect(dk, dk))
+        .chain(sect(2 * dk, rv))
+        .chain(sect(2 * dk + rv, rv))
+        .collect();
+    let ba: Vec<usize> = (0..hk)
+        .flat_map(|h| (h * 2 * r)..(h * 2 * r + r))
+        .chain((0..hk).flat_map(|h| (h * 2 * r + r)..(h * 2 * r + 2 * r)))
+        .collect();
+    (qkvz, ba)
+}
+
+fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
+    Ok(match f {
+        Ffn::Dense(m) => {
+            let i = m.gate.out_features();
+            GpuFfn::Dense {
+                gate_up: DevMat::new(g, &gate_up_bits(m), 2 * i, hidden, None)?,
+                down: DevMat::of(g, &m.down)?,
+            }
+        }
+        Ffn::Moe(m) => {
+            let (e, i) = (m.experts.len(), m.experts[0].gate.out_features());
+            if e > 1024 || m.top_k > 32 {
+                return Err(unsupported(format!(
+                    "{e} experts / top-{} exceed the CUDA router limits (1024 / 32)",
+                    m.top_k
+                )));
+            }
+            let gu: Vec<u16> = m.experts.iter().flat_map(gate_up_bits).collect();
+            let down: Vec<u16> = m
+                .experts
+                .iter()
+                .flat_map(|x| bf16_bits(&x.down.weight))
+                .collect();
+            let si = m.shared.gate.out_features();
+            GpuFfn::Moe {
+                router: DevMat::new(
+                    g,
+                    &stack(&[&m.router.weight, &m.shared_gate.weight]),
+                    e + 1,
+                    hidden,
+                    None,
+                )?,
+                experts_gu: DevMat::new(g, &gu, 2 * i, hidden, None)?,
+                experts_down: DevMat::new(g, &down, hidden, i, None)?,
+                shared_gu: DevMat::new(g, &gate_up_bits(&m.shared), 2 * si, hidden, None)?,
+                shared_down: DevMat::of(g, &m.shared.down)?,
+            }
+        }
+    })
+}
+
+impl GpuModel {
+    /// Upload `model` to `gpu`.
+    pub fn upload(model: &Qwen3Hybrid, gpu: Arc<Gpu>) -> Result<GpuModel> {
+        let c = model.config();
+        let g = &*gpu;
+        if c.head_dim > ATTN_DMAX {
+            return Err(unsupported(format!(
+                "head_dim {} exceeds the CUDA attention limit {ATTN_DMAX}",
+                c.head_dim
+            )));
+        }
+        let h = c.hidden_size;
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(GpuLayer {
+                    input_norm: g.upload(&l.input_norm)?,
+                    mixer: upload_mixer(g, &l.mixer, h)?,
+                    post_norm: g.upload(&l.post_norm)?,
+                    ffn: upload_ffn(g, &l.ffn, h)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed = g.upload(&bf16_bits(&model.embed))?;
+        let lm_head = DevMat::new(g, &bf16_bits(&model.lm_head), c.vocab_size, h, None)?;
+        let scratch = Scratch::new(g, c, &layers)?;
+        Ok(GpuModel {
+            hidden: h,
+            vocab: c.vocab_size,
+            eps: c.rms_norm_eps,
+            attn: AttnDims {
+                hq: c.num_heads,
+                hkv: c.num_kv_heads,
+                d: c.head_dim,
+                rotary: c.rotary_dim,
+            },
+            top_k: c.experts_per_token,
+            num_experts: c.num_experts,
+            norm_topk: c.norm_topk_prob,
+            embed,
+            lm_head,
+            final_norm: g.upload(&model.final_norm)?,
+            inv_freq: g.upload(model.rope.inv_freq())?,
+            layers,
+            scratch,
+            gpu,
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// A fresh sequence with room for `max_ctx` tokens.
+    pub fn new_seq(&self, max_ctx: usize) -> Result<GpuSeq> {
+        let g = &*self.gpu;
+        let a = self.attn;
+        let (mut conv, mut rec, mut k_cache, mut v_cache) = (vec![], vec![], vec![], vec![]);
+        for l in &self.layers {
+            match &l.mixer {
+                GpuMixer::Linear {
+                    dims,
+                    conv_dim,
+                    kernel,
+                    ..
+                } => {
+                    conv.push(Some(g.zeros((kernel - 1) * conv_dim)?));
+                    rec.push(Some(g.zeros(dims.hv * dims.dk * dims.dv)?));
+                    k_cache.push(None);
+                    v_cache.push(None);
+                }
+                GpuMixer::Full { .. } => {
+                    conv.push(None);
+                    rec.push(None);
+                    k_cache.push(Some(g.zeros(max_ctx * a.hkv * a.d)?));
+                    v_cache.push(Some(g.zeros(max_ctx * a.hkv * a.d)?));
+                }
+            }
+        }
+        Ok(GpuSeq {
+            conv,
+            rec,
+            k_cache,
+            v_cache,
+            tok: g.zeros(1)?,
+            pos: g.zeros(1)?,
+            host_pos: 0,
+            max_ctx,
+            graph: None,
+        })
+    }
+
+    /// Bytes of device state per sequence at `max_ctx` tokens.
+    pub fn seq_bytes(&self, max_ctx: usize) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match &l.mixer {
+                GpuMixer::Linear {
+                    dims,
+                    conv_dim,
+                    kernel,
+                    ..
+                } => (kernel - 1) * conv_dim + dims.hv * dims.dk * dims.dv,
+                GpuMixer::Full { .. } => 2 * max_ctx * self.attn.hkv * self.attn.d,
+            })
+            .sum::<usize>()
+            * 4
+    }
+
+    /// Run one token: `tok` fed at the sequence's position. Returns the greedy next token; the
+    /// logits stay on the device (see [`GpuModel::logits`]).
+    pub fn step(&mut self, seq: &mut GpuSeq, tok: u32) -> Result<u32> {
+        if seq.host_pos >= seq.max_ctx {
+            return Err(unsupported(format!(
+                "the sequence is full: {} tokens is its context",
+                seq.max_ctx
+            )));
+        }
+        if tok as usize >= self.vocab {
+            return Err(unsupported(format!(
+                "token id {tok} is out of range: vocab_size is {}",
+                self.vocab
+            )));
+        }
+        let g = self.gpu.clone();
+        g.write(&mut seq.tok, &[tok as i32])?;
+        if seq.graph.is_none() {
+            let stream = g.stream();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| unsupported(format!("graph capture: {e}")))?;
+            let r = self.enqueue_step(seq);
+            let graph = stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .map_err(|e| unsupported(format!("graph capture: {e}")))?;
+            r?;
+            seq.graph = graph;
+        }
+        match &seq.graph {
+            Some(graph) => graph
+                .launch()
+                .map_err(|e| unsupported(format!("graph launch: {e}")))?,
+            None => self.enqueue_step(seq)?,
+        }
+        seq.host_pos += 1;
+        Ok(g.read(&seq.tok, 1)?[0] as u32)
+    }
+
+    /// Move the sequence to position `pos` without running tokens (benchmarks measure decode
+    /// at a context length this way; the skipped KV entries hold zeros).
+    pub fn set_position(&self, seq: &mut GpuSeq, pos: usize) -> Result<()> {
+        if pos >= seq.max_ctx {
+            return Err(unsupported(format!(
+                "position {pos} is past the sequence's context {}",
+                seq.max_ctx
+            )));
+        }
+        self.gpu.write(&mut seq.pos, &[pos as i32])?;
+        seq.host_pos = pos;
+        Ok(())
+    }
+
+    /// Bytes one decode step reads at context `ctx`: the active weights (embedding row,
+    /// mixers, router, top-k and shared experts, lm_head), the GDN states (read and written)
+    /// and the KV caches.
+    pub fn bytes_per_token(&self, ctx: usize) -> usize {
+        let mat = |m: &DevMat| m.n * m.k * 2;
+        let mut b = self.hidden * 2 + mat(&self.lm_head);
+        for l in &self.layers {
+            b += match &l.mixer {
+                GpuMixer::Linear {
+                    proj, out, dims, ..
+                } => mat(proj) + mat(out) + 2 * 4 * dims.hv * dims.dk * dims.dv,
+                GpuMixer::Full { proj, out, .. } => {
+                    mat(proj) + mat(out) + 2 * 4 * ctx * self.attn.hkv * self.attn.d
+                }
+            };
+            b += match &l.ffn {
+                GpuFfn::Dense { gate_up, down } => mat(gate_up) + mat(down),
+                GpuFfn::Moe {
+                    router,
+                    experts_gu,
+                    experts_down,
+                    shared_gu,
+                    shared_down,
+                } => {
+                    mat(router)
+                        + self.top_k * (mat(experts_gu) + mat(experts_down))
+                        + mat(shared_gu)
+                        + mat(shared_down)
+                }
+            };
+        }
+        b
+    }
+
+    /// The logits of the last step, `[vocab]`.
+    pub fn logits(&self) -> Result<Vec<f32>> {
+        self.gpu.read(&self.scratch.logits, self.vocab)
+    }
+
+    /// Enqueue one token's forward pass on the stream (eagerly or into a capture).
+    fn enqueue_step(&self, seq: &GpuSeq) -> Result<()> {
+        let g = &*self.gpu;
+        let s = &self.scratch;
+        let (h, eps) = (self.hidden, self.eps);
+        ops::embed_bf16(g, self.embed.ptr(), seq.tok.ptr(), s.x.ptr(), h)?;
+        for (i, l) in self.layers.iter().enumerate() {
+            let delta = if i == 0 { 0 } else { s.delta.ptr() };
+            ops::add_rmsnorm(
+                g,
+                s.x.ptr(),
+                delta,
+                l.input_norm.ptr(),
+                s.normed.ptr(),
+                1,
+                h,
+                eps,
+            )?;
+            match &l.mixer {
+                GpuMixer::Linear {
+                    proj,
+                    conv_w,
+                    neg_a,
+                    dt_bias,
+                    norm_w,
+                    out,
+                    dims,
+                    conv_dim,
+                    kernel,
+                } => {
+                    let (conv, rec) = (seq.conv[i].as_ref(), seq.rec[i].as_ref());
+                    let (conv, rec) = (conv.map_or(0, |b| b.ptr()), rec.map_or(0, |b| b.ptr()));
+                    ops::matvec_bf16(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
+                    ops::gdn_conv_step(
+                        g,
+                        s.proj.ptr(),
+                        conv,
+                        conv_w.ptr(),
+                        s.mixed.ptr(),
+                        *conv_dim,
+                        *kernel,
+                    )?;
+                    ops::gdn_step(
+                        g,
+                        s.mixed.ptr(),
+                        s.proj.ptr(),
+                        rec,
+                        neg_a.ptr(),
+                        dt_bias.ptr(),
+                        norm_w.ptr(),
+                        s.mix_out.ptr(),
+                        *dims,
+                        eps,
+                    )?;
+                    ops::matvec_bf16(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
+                }
+                GpuMixer::Full { proj, qn, kn, out } => {
+                    let kc = seq.k_cache[i].as_ref().map_or(0, |b| b.ptr());
+                    let vc = seq.v_cache[i].as_ref().map_or(0, |b| b.ptr());
+                    ops::matvec_bf16(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
+                    ops::attn_prep(
+                        g,
+                        s.proj.ptr(),
+                        qn.ptr(),
+                        kn.ptr(),
+                        self.inv_freq.ptr(),
+                        s.q.ptr(),
+                        kc,
+                        vc,
+                        seq.pos.ptr(),
+                        self.attn,
+                        eps,
+                    )?;
+                    ops::attn_decode(
+                        g,
+                        s.q.ptr(),
+                        kc,
+                        vc,
+                        seq.pos.ptr(),
+                        s.part_o.ptr(),
+                        s.part_ml.ptr(),
+                        s.proj.ptr(),
+                        s.mix_out.ptr(),
+                        self.attn,
+                        ATTN_SPLITS,
+                    )?;
+                    ops::matvec_bf16(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
+                }
+            }
+            ops::add_rmsnorm(
+                g,
+                s.x.ptr(),
+                s.delta.ptr(),
+                l.post_norm.ptr(),
+                s.normed.ptr(),
+                1,
+                h,
+                eps,
+            )?;
+            match &l.ffn {
+                GpuFfn::Dense { gate_up, down } => {
+                    ops::matvec_swiglu_bf16(
+                        g,
+                        gate_up.w.ptr(),
+                        s.normed.ptr(),
+                        s.h.ptr(),
+                        gate_up.n / 2,
+                        h,
+                        1,
+                        0,
+                        0,
+                    )?;
+                    ops::matvec_bf16(g, down.mv(), s.h.ptr(), s.delta.ptr(), 1, 0, 0)?;
+                }
+                GpuFfn::Moe {
+                    router,
+                    experts_gu,
+                    experts_down,
+                    shared_gu,
+                    shared_down,
+                } => {
+                    let (k, i_e) = (self.top_k, experts_gu.n / 2);
+                    ops::matvec_bf16(g, router.mv(), s.normed.ptr(), s.router.ptr(), 1, 0, 0)?;
+                    ops::router_topk(
+                        g,
+                        s.router.ptr(),
+                        self.num_experts,
+                        k,
+                        self.norm_topk,
+                        true,
+                        s.ids.ptr(),
+                        s.weights.ptr(),
+                        s.sg.ptr(),
+                    )?;
+                    ops::matvec_swiglu_bf16(
+                        g,
+                        experts_gu.w.ptr(),
+                        s.normed.ptr(),
+                        s.h.ptr(),
+                        i_e,
+                        h,
+                        k,
+                        s.ids.ptr(),
+                        0,
+                    )?;
+                    ops::matvec_bf16(
+                        g,
+                        experts_down.mv(),
+                        s.h.ptr(),
+                        s.y.ptr(),
+                        k,
+                        s.ids.ptr(),
+                        i_e,
+                    )?;
+                    ops::matvec_swiglu_bf16(
+                        g,
+                        shared_gu.w.ptr(),
+                        s.normed.ptr(),
+                        s.hs.ptr(),
+                        shared_gu.n / 2,
+                        h,
+                        1,
+                        0,
+                        0,
+                    )?;
+                    ops::matvec_bf16(g, shared_down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
+                    ops::moe_combine(
+                        g,
+                        s.y.ptr(),
+                        s.weights.ptr(),
+                        s.ys.ptr(),
+                        s.sg.ptr(),
+                        s.delta.ptr(),
+                        k,
+                        h,
+                    )?;
+                }
+            }
+        }
+        ops::add_rmsnorm(
+            g,
+            s.x.ptr(),
+            s.delta.ptr(),
+            self.final_norm.ptr(),
+            s.normed.ptr(),
+            1,
+            h,
+            eps,
+        )?;
+        ops::matvec_bf16(
+            g,
+            self.lm_head.mv(),
+            s.normed.ptr(),
+            s.logits.ptr(),
+            1,
+            0,
+            0,
+        )?;
+        ops::argmax_advance(g, s.logits.ptr(), self.vocab, seq.tok.ptr(), seq.pos.ptr())
+    }
+}
+
+impl Scratch {
+    fn new(g: &Gpu, c: &crate::ModelConfig, layers: &[GpuLayer]) -> Result<Scratch> {
+        let h = c.hidden_size;
+        let mut proj = 0;
+        let mut inter = 0;
+        let mut shared_inter = 0;
+        for l in layers {
+            proj = proj.max(match &l.mixer {
+                GpuMixer::Linear { proj, .. } | GpuMixer::Full { proj, .. } => proj.n,
+            });
+            match &l.ffn {
+                GpuFfn::Dense { gate_up, .. } => inter = inter.max(gate_up.n / 2),
+                GpuFfn::Moe {
+                    experts_gu,
+                    shared_gu,
+                    ..
+                } => {
+                    inter = inter.max(experts_gu.n / 2 * c.experts_per_token);
+                    shared_inter = shared_inter.max(shared_gu.n / 2);
+                }
+            }
+        }
+        let k = c.experts_per_token.max(1);
+        let qd = c.num_heads * c.head_dim;
+        Ok(Scratch {
+            x: g.zeros(h)?,
+            normed: g.zeros(h)?,
+            delta: g.zeros(h)?,
+            proj: g.zeros(proj)?,
+            mixed: g.zeros(c.conv_dim())?,
+            mix_out: g.zeros(qd.max(c.linear_value_size()))?,
+            q: g.zeros(qd)?,
+            part_o: g.zeros(c.num_heads * ATTN_SPLITS * c.head_dim)?,
+            part_ml: g.zeros(c.num_heads * ATTN_SPLITS * 2)?,
+            router: g.zeros(c.num_experts + 1)?,
+            ids: g.zeros(k)?,
+            weights: g.zeros(k)?,
+            sg: g.zeros(1)?,
+            h: g.zeros(inter)?,
+            y: g.zeros(k * h)?,
+            hs: g.zeros(shared_inter)?,
+            ys: g.zeros(h)?,
+            logits: g.zeros(c.vocab_size)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn packed_row_order_matches_the_cpu_unpacking() {
+        // hk 2, hv 4 (r 2), dk 1, dv 1: group = [q, k, v0, v1, z0, z1] per key head.
+        let (qkvz, ba) = super::packed_row_order(2, 4, 1, 1);
+        assert_eq!(qkvz, vec![0, 6, 1, 7, 2, 3, 8, 9, 4, 5, 10, 11]);
+        assert_eq!(ba, vec![0, 1, 4, 5, 2, 3, 6, 7]);
+    }
+}

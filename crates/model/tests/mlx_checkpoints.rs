@@ -1,0 +1,247 @@
+//! MLX affine-quantized checkpoints written by mlx-lm's own converter (`fixtures/mlx_*`, made by
+//! scripts/make_quant_fixtures.py from the committed HF fixtures): deltamoe's logits against
+//! transformers' float32 logits on the same weights dequantized, for one prefill and for splits
+//! (pure decode and chunks of 37). Tolerance 5e-3·max|ref| and ≥ 98% argmax agreement, as for
+//! the HF fixtures. Also: bad checkpoints fail with one-line errors naming the tensor.
+
+use std::path::{Path, PathBuf};
+
+use deltamoe_model::{Layout, Logits, Qwen3Hybrid, WeightStore};
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+fn mlx_fixtures() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixture(""))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("mlx_"))
+        })
+        .collect();
+    v.sort();
+    assert!(
+        v.len() >= 3,
+        "expected the committed fixtures/mlx_* checkpoints"
+    );
+    v
+}
+
+fn tensor<T>(st: &SafeTensors, name: &str, width: usize, f: impl Fn(&[u8]) -> T) -> Vec<T> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(width)
+        .map(f)
+        .collect()
+}
+
+/// `(tokens, logits)` of prompt0 and prompt1.
+fn prompts(dir: &Path) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    (0..2)
+        .map(|i| {
+            (
+                tensor(&st, &format!("prompt{i}.tokens"), 8, |c| {
+                    i64::from_le_bytes(c.try_into().unwrap()) as u32
+                }),
+                tensor(&st, &format!("prompt{i}.logits"), 4, |c| {
+                    f32::from_le_bytes(c.try_into().unwrap())
+                }),
+            )
+        })
+        .collect()
+}
+
+/// Asserts the tolerance; returns the relative max error.
+pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
+    assert_eq!(got.len(), want.len(), "{name}: logits length");
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let max_err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let argmax = |r: &[f32]| {
+        r.iter()
+            .enumerate()
+            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
+    };
+    let rows = want.len() / vocab;
+    let agree = got
+        .chunks_exact(vocab)
+        .zip(want.chunks_exact(vocab))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    eprintln!(
+        "{name}: max err {max_err:.2e} of max|ref| {max_ref:.3} ({:.2e}), argmax {agree}/{rows}",
+        max_err / max_ref
+    );
+    assert!(
+        max_err <= 5e-3 * max_ref,
+        "{name}: max err {max_err} > 5e-3 * {max_ref}"
+    );
+    assert!(
+        agree * 100 >= rows * 98,
+        "{name}: argmax agreement {agree}/{rows}"
+    );
+    max_err / max_ref
+}
+
+fn run(model: &Qwen3Hybrid, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let mut st = model.new_state();
+    tokens
+        .chunks(chunk)
+        .flat_map(|c| model.forward(c, &mut st, Logits::All).unwrap())
+        .collect()
+}
+
+#[test]
+fn mlx_lm_checkpoints_match_transformers_on_dequantized_weights() {
+    for dir in mlx_fixtures() {
+        let store = WeightStore::open(&dir).unwrap();
+        assert_eq!(store.layout(), Layout::Mlx, "{}", dir.display());
+        assert!(store.quantization().is_some());
+        let model = Qwen3Hybrid::load(&dir).unwrap();
+        let vocab = model.config().vocab_size;
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        for (i, (tokens, logits)) in prompts(&dir).iter().enumerate() {
+            for chunk in [tokens.len(), 1, 37] {
+                let got = run(&model, tokens, chunk);
+                check_logits(
+                    &format!("{name} prompt{i} chunk {chunk}"),
+                    &got,
+                    logits,
+                    vocab,
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad checkpoints: one-line errors naming the tensor.
+// ---------------------------------------------------------------------------------------------
+
+/// A writable copy of a fixture.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, d.path().join(p.file_name().unwrap())).unwrap();
+    }
+    d
+}
+
+fn edit_quantization(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(&p, v.to_string()).unwrap();
+}
+
+/// Rewrite `model.safetensors` without the tensors for which `drop` is true.
+fn drop_tensors(dir: &Path, drop: impl Fn(&str) -> bool) {
+    let p = dir.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| !drop(n)).collect();
+    let out = safetensors::serialize(kept, None).unwrap();
+    std::fs::write(&p, out).unwrap();
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+}
+
+fn load_err(dir: &Path) -> String {
+    let e = Qwen3Hybrid::load(dir)
+        .err()
+        .expect("load should fail")
+        .to_string();
+    assert!(!e.contains('\n'), "not one line: {e}");
+    e
+}
+
+#[test]
+fn config_bits_or_group_disagreeing_with_shapes_is_an_error_naming_the_tensor() {
+    // Default bits 4 -> 8: every 4-bit tensor is now too small.
+    let d = copy_fixture("mlx_qwen3_next_q4");
+    edit_quantization(d.path(), |v| {
+        v["quantization"]["bits"] = 8.into();
+        v["quantization_config"]["bits"] = 8.into();
+    });
+    let e = load_err(d.path());
+    assert!(
+        e.contains(".weight`")
+            && e.contains("bits 8, group_size 32")
+            && e.contains("imply bits 4, group_size 32"),
+        "{e}"
+    );
+    // The router override's group size 64 -> 32.
+    let d = copy_fixture("mlx_qwen3_next_q4");
+    edit_quantization(d.path(), |v| {
+        for k in ["quantization", "quantization_config"] {
+            v[k]["model.layers.0.mlp.gate"]["group_size"] = 32.into();
+        }
+    });
+    let e = load_err(d.path());
+    assert!(
+        e.contains("`model.layers.0.mlp.gate.weight`")
+            && e.contains("its entry `model.layers.0.mlp.gate`")
+            && e.contains("imply bits 8, group_size 64"),
+        "{e}"
+    );
+    // No quantization block at all.
+    let d = copy_fixture("mlx_qwen3_next_q4");
+    edit_quantization(d.path(), |v| {
+        let o = v.as_object_mut().unwrap();
+        o.remove("quantization");
+        o.remove("quantization_config");
+    });
+    let e = load_err(d.path());
+    assert!(
+        e.contains(".scales`") && e.contains("no `quantization` block"),
+        "{e}"
+    );
+}
+
+#[test]
+fn missing_scales_or_biases_is_an_error_naming_the_tensor() {
+    let name = "model.layers.0.linear_attn.in_proj_qkvz";
+    let d = copy_fixture("mlx_qwen3_next_q4");
+    drop_tensors(d.path(), |n| n == format!("{name}.scales"));
+    let e = load_err(d.path());
+    assert!(
+        e.contains(&format!("`{name}.weight`"))
+            && e.contains(&format!("`{name}.scales` is missing")),
+        "{e}"
+    );
+    let d = copy_fixture("mlx_qwen3_next_q4");
+    drop_tensors(d.path(), |n| n == format!("{name}.biases"));
+    let e = load_err(d.path());
+    assert!(
+        e.contains(&format!("`{name}.biases`")) && e.contains("missing"),
+        "{e}"
+    );
+    // Stacked experts and the (multimodal-prefixed) embedding too.
+    let d = copy_fixture("mlx_qwen3_5_moe_q4");
+    drop_tensors(d.path(), |n| {
+        n.ends_with("layers.2.mlp.switch_mlp.down_proj.biases")
+    });
+    let e = load_err(d.path());
+    assert!(
+        e.contains("`model.layers.2.mlp.switch_mlp.down_proj.biases`"),
+        "{e}"
+    );
+    let d = copy_fixture("mlx_qwen3_5_moe_q4");
+    drop_tensors(d.path(), |n| {
+        n == "language_model.model.embed_tokens.scales"
+    });
+    let e = load_err(d.path());
+    assert!(e.contains("`model.embed_tokens.scales` is missing"), "{e}");
+}
