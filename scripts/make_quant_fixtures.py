@@ -195,9 +195,18 @@ def make_checkpoint(src_name, bits, gs):
 # ---------------------------------------------------------------------------------------------
 # 3. check that a directory (e.g. `deltamoe convert` output) loads and runs in mlx-lm
 # ---------------------------------------------------------------------------------------------
+def load_f32(d):
+    """mlx-lm's model of d with float parameters cast to f32 (quantized weights stay packed): mlx's
+    CPU gather_mm takes f32 only, so bf16 experts that mlx-lm left unquantized fail otherwise."""
+    m, cfg = load_model(d)
+    m.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
+                      m.parameters()))
+    return m, cfg
+
+
 def check(dirs, against):
     for d in map(Path, dirs):
-        m, cfg = load_model(d)
+        m, cfg = load_f32(d)
         toks = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
         lg = np.array(m(toks)[0].astype(mx.float32))
         line = f"{d}: mlx_lm.load_model ok, forward {lg.shape} finite={np.isfinite(lg).all()}"
@@ -212,7 +221,7 @@ def check(dirs, against):
                                                  and mx.array_equal(a[k], b[k]).item() for k in a)
             qa = json.loads((Path(against) / "config.json").read_text())["quantization"]
             line += f"; tensors identical to {against}: {same}; quantization block equal: {qa == cfg['quantization']}"
-            ma, _ = load_model(Path(against))
+            ma, _ = load_f32(Path(against))
             la = np.array(ma(toks)[0].astype(mx.float32))
             line += f"; logits max diff {np.abs(la - lg).max():.2e}"
         print(line)

@@ -47,6 +47,12 @@ pub struct BenchArgs {
     /// A named real shape with random bf16 weights: qwen3.6-35b-a3b, qwen3-next-80b-a3b, qwen3.5-397b-a17b.
     #[arg(long)]
     synthetic: Option<String>,
+    /// Synthetic matrices MLX-affine quantized to this many bits (2, 4 or 8; CUDA only).
+    #[arg(long)]
+    bits: Option<u32>,
+    /// Group size for --bits.
+    #[arg(long, default_value_t = 64)]
+    group_size: usize,
     /// Prompt length for the CPU prefill measurement.
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
@@ -59,9 +65,20 @@ pub struct BenchArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// Instead of a model, time single matrix-vector products at real shapes on CUDA (bf16 and
+    /// 2/4/8-bit affine) against the measured copy bandwidth.
+    #[arg(long, conflicts_with_all = ["model", "config", "synthetic"])]
+    matvec: bool,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+fn precision(a: &BenchArgs) -> String {
+    match a.bits {
+        Some(b) => format!("{b}-bit affine, group {}", a.group_size),
+        None => "bf16".into(),
+    }
 }
 
 /// The config of a synthetic source and its display name.
@@ -75,13 +92,16 @@ fn synthetic_config(a: &BenchArgs) -> Result<Option<(ModelConfig, String)>> {
             );
         };
         let cfg = ModelConfig::from_json_str(text, std::path::Path::new(name))?;
-        return Ok(Some((cfg, format!("{name} (synthetic bf16)"))));
+        return Ok(Some((cfg, format!("{name} (synthetic {})", precision(a)))));
     }
     if let Some(path) = &a.config {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--config {}", path.display()))?;
         let cfg = ModelConfig::from_json_str(&text, path)?;
-        return Ok(Some((cfg, format!("{} (synthetic bf16)", path.display()))));
+        return Ok(Some((
+            cfg,
+            format!("{} (synthetic {})", path.display(), precision(a)),
+        )));
     }
     Ok(None)
 }
@@ -90,8 +110,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_len == 0 || a.gen_len == 0 {
         bail!("--prompt-len and --gen-len must be at least 1");
     }
+    if a.matvec {
+        let result = run_matvec()?;
+        if let Some(p) = &a.json {
+            std::fs::write(p, serde_json::to_string_pretty(&result)?)
+                .with_context(|| format!("--json {}", p.display()))?;
+        }
+        return Ok(());
+    }
     if a.model.is_none() && a.config.is_none() && a.synthetic.is_none() {
         bail!("bench needs one of --model DIR, --config FILE or --synthetic NAME");
+    }
+    if let Some(b) = a.bits {
+        if ![2, 4, 8].contains(&b) || ![32, 64, 128].contains(&a.group_size) {
+            bail!("--bits {b} --group-size {}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128", a.group_size);
+        }
     }
     let cuda_ok = cuda::unavailable_reason();
     let on_cuda = match (a.device, &cuda_ok) {
@@ -109,6 +142,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 fn run_cpu(a: &BenchArgs) -> Result<Value> {
+    if a.bits.is_some() {
+        bail!("--bits: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
+    }
     let (model, name) = match synthetic_config(a)? {
         Some((cfg, name)) => {
             let t0 = Instant::now();
@@ -122,7 +158,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
         None => {
             let dir = a.model.clone().unwrap_or_default();
             let m = crate::commands::load_model(&ModelArgs {
-                model: dir.clone(),
+                model: Some(dir.clone()),
                 device: Device::Cpu,
             })?;
             (m, dir.display().to_string())
@@ -162,20 +198,47 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     }))
 }
 
+/// Device milliseconds per step by layer kind (summed over layers; "other" is embedding and
+/// head), averaged over a few eager steps.
+fn layer_times(
+    model: &mut GpuModel,
+    seq: &mut deltamoe_model::gpu::GpuSeq,
+    tok: u32,
+) -> Result<Vec<(String, f32)>> {
+    let kinds = model.layer_kinds();
+    let mut sums: Vec<(String, f32)> = Vec::new();
+    let reps = 5;
+    for _ in 0..reps {
+        let (layers, other) = model.profile_step(seq, tok)?;
+        let entries = kinds
+            .iter()
+            .map(|k| k.to_string())
+            .zip(layers)
+            .chain([("other".to_string(), other)]);
+        for (k, ms) in entries {
+            match sums.iter_mut().find(|(n, _)| *n == k) {
+                Some(e) => e.1 += ms / reps as f32,
+                None => sums.push((k, ms / reps as f32)),
+            }
+        }
+    }
+    Ok(sums)
+}
+
 fn run_cuda(a: &BenchArgs) -> Result<Value> {
     let gpu = Arc::new(Gpu::new(0).context("--device cuda")?);
     let bw = gpu.copy_bandwidth(1 << 31, 20)?;
     let t0 = Instant::now();
     let (mut model, name, max_pos) = match synthetic_config(a)? {
         Some((cfg, name)) => (
-            GpuModel::synthetic(&cfg, gpu.clone(), 1)?,
+            GpuModel::synthetic(&cfg, gpu.clone(), 1, a.bits.map(|b| (b, a.group_size)))?,
             name,
             cfg.max_position_embeddings,
         ),
         None => {
             let dir = a.model.clone().unwrap_or_default();
             let m = crate::commands::load_model(&ModelArgs {
-                model: dir.clone(),
+                model: Some(dir.clone()),
                 device: Device::Cuda,
             })?;
             let max = m.config().max_position_embeddings;
@@ -200,9 +263,9 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         .contexts
         .iter()
         .copied()
-        .filter(|&c| c + a.gen_len + 4 <= max_pos)
+        .filter(|&c| c + a.gen_len + 16 <= max_pos)
         .collect();
-    let max_ctx = contexts.iter().max().copied().unwrap_or(0) + a.gen_len + 4;
+    let max_ctx = contexts.iter().max().copied().unwrap_or(0) + a.gen_len + 16;
     let mut rows = Vec::new();
     for &ctx in &contexts {
         let mut seq = model.new_seq(max_ctx)?;
@@ -225,9 +288,120 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
             bytes as f64 / 1e9,
             frac * 100.0
         );
-        rows.push(json!({"context": ctx, "tok_s": 1.0 / secs, "ms_per_token": secs * 1e3, "bytes_per_token": bytes, "fraction_of_bandwidth": frac}));
+        let per_kind = layer_times(&mut model, &mut seq, tok)?;
+        let shown: Vec<String> = per_kind
+            .iter()
+            .map(|(k, ms)| format!("{k} {ms:.3} ms"))
+            .collect();
+        println!("         per step, eager with timers: {}", shown.join(", "));
+        rows.push(json!({"context": ctx, "tok_s": 1.0 / secs, "ms_per_token": secs * 1e3, "bytes_per_token": bytes,
+                         "fraction_of_bandwidth": frac, "eager_ms_by_kind": per_kind}));
     }
     Ok(
         json!({"model": name, "backend": "cuda", "device": gpu.name(), "copy_bandwidth_bytes_s": bw, "decode": rows}),
     )
+}
+
+/// Matvec throughput at real decode shapes: (name, rows N, cols K, matrices per launch).
+const MATVEC_SHAPES: &[(&str, usize, usize, usize)] = &[
+    ("8 experts gate+up [1024x2048]", 1024, 2048, 8),
+    ("8 experts down [2048x512]", 2048, 512, 8),
+    ("GDN in_proj [12352x2048]", 12352, 2048, 1),
+    ("lm_head [248320x2048]", 248320, 2048, 1),
+];
+
+fn run_matvec() -> Result<Value> {
+    use deltamoe_compute::cuda::ops::{self, Matvec, WeightFormat};
+    let gpu = Gpu::new(0).context("--device cuda")?;
+    let g = &gpu;
+    let bw = g.copy_bandwidth(1 << 31, 20)?;
+    println!(
+        "device   {}\nhbm      device copy {:.0} GB/s (read + write)",
+        g.name(),
+        bw / 1e9
+    );
+    let mut rows = Vec::new();
+    for &(name, n, k, slots) in MATVEC_SHAPES {
+        // Spread the matrices so each launch reads weights that are not in L2.
+        let copies = 64usize.min((8usize << 30) / (n * k * 2 * slots)).max(2);
+        let x = g.zeros::<f32>(k * slots)?;
+        ops::fill_uniform(g, x.ptr(), k * slots, false, 7, -1.0, 1.0)?;
+        let y = g.zeros::<f32>(n * slots)?;
+        for bits in [16u32, 8, 4, 2] {
+            let elems = copies * slots * n * k;
+            let (buf_w, buf_s): (cuda::DevBuf<u32>, cuda::DevBuf<u16>) = if bits == 16 {
+                (g.zeros(elems / 2)?, g.zeros(1)?)
+            } else {
+                (
+                    g.zeros(elems * bits as usize / 32)?,
+                    g.zeros(2 * elems / 64)?,
+                )
+            };
+            ops::fill_random_u32(g, buf_w.ptr(), buf_w.len(), 3)?;
+            ops::fill_uniform(g, buf_s.ptr(), buf_s.len(), true, 5, 0.001, 0.01)?;
+            let bytes =
+                slots * (n * k * bits as usize / 8 + if bits == 16 { 0 } else { 4 * n * k / 64 });
+            let m_of = |c: usize| {
+                let format = if bits == 16 {
+                    WeightFormat::Bf16
+                } else {
+                    let groups = elems / 64;
+                    let off = (c * slots * n * k / 64 * 2) as u64;
+                    WeightFormat::Affine {
+                        bits,
+                        group: 64,
+                        scales: buf_s.ptr() + off,
+                        biases: buf_s.ptr() + groups as u64 * 2 + off,
+                    }
+                };
+                Matvec {
+                    w: buf_w.ptr() + (c * slots * n * k * bits as usize / 8) as u64,
+                    n,
+                    k,
+                    bias: 0,
+                    format,
+                }
+            };
+            let reps = 200;
+            for c in 0..copies {
+                ops::matvec(
+                    g,
+                    m_of(c),
+                    x.ptr(),
+                    y.ptr(),
+                    slots,
+                    0,
+                    if slots > 1 { k } else { 0 },
+                )?;
+            }
+            g.sync()?;
+            let t = Instant::now();
+            for r in 0..reps {
+                ops::matvec(
+                    g,
+                    m_of(r % copies),
+                    x.ptr(),
+                    y.ptr(),
+                    slots,
+                    0,
+                    if slots > 1 { k } else { 0 },
+                )?;
+            }
+            g.sync()?;
+            let secs = t.elapsed().as_secs_f64() / reps as f64;
+            let gbs = bytes as f64 / secs / 1e9;
+            let label = if bits == 16 {
+                "bf16".to_string()
+            } else {
+                format!("{bits}-bit g64")
+            };
+            println!(
+                "matvec   {name:32} {label:9} {:8.2} us  {gbs:7.0} GB/s  {:5.1}% of copy bandwidth",
+                secs * 1e6,
+                gbs * 1e9 / bw * 100.0
+            );
+            rows.push(json!({"shape": name, "format": label, "us": secs * 1e6, "gb_s": gbs, "fraction_of_bandwidth": gbs * 1e9 / bw}));
+        }
+    }
+    Ok(json!({"device": g.name(), "copy_bandwidth_bytes_s": bw, "matvec": rows}))
 }

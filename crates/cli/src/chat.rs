@@ -151,7 +151,7 @@ fn dim(text: &str) -> String {
 }
 
 pub fn run(a: ChatArgs) -> Result<()> {
-    let dir = a.model.model.clone();
+    let dir = a.model.dir()?;
     let Some(tok) = TextTokenizer::from_dir(&dir)? else {
         bail!(
             "--model {}: no tokenizer.json; chat needs the model's tokenizer",

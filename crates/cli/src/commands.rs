@@ -101,17 +101,18 @@ pub fn parse_ids(s: &str, flag: &str) -> Result<Vec<u32>> {
 
 /// Load the model of `--model` (weights memory-mapped on the host).
 pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
-    if !args.model.is_dir() {
-        bail!("--model {}: not a directory; point it at a model directory with config.json and *.safetensors", args.model.display());
+    let dir = args.dir()?;
+    if !dir.is_dir() {
+        bail!("--model {}: not a directory; point it at a model directory with config.json and *.safetensors", dir.display());
     }
     let t0 = Instant::now();
-    let model = Qwen3Hybrid::load(&args.model)?;
+    let model = Qwen3Hybrid::load(&dir)?;
     eprintln!(
         "loaded {} ({} layers, {}) from {} in {:.2} s",
         model.config().model_type,
         model.config().num_layers,
         model.config().layer_pattern(),
-        args.model.display(),
+        dir.display(),
         t0.elapsed().as_secs_f64()
     );
     Ok(model)
@@ -206,7 +207,7 @@ fn prompt_ids(a: &GenerateArgs, dir: &Path, tok: Option<&TextTokenizer>) -> Resu
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    let dir = a.model.model.clone();
+    let dir = a.model.dir()?;
     let tok = TextTokenizer::from_dir(&dir)?;
     let model = load_model(&a.model)?;
     let defaults = GenerationDefaults::from_dir(&dir, &model.config().eos_token_ids)?;
@@ -220,6 +221,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     };
     let mut engine = engine_for(model, a.model.device)?;
     let mut out = std::io::stdout().lock();
+    // A plain text prompt is echoed so the continuation reads on from it, as llama.cpp does.
+    if let (Some(p), false, Some(_)) = (&a.prompt, a.chat, &tok) {
+        write!(out, "{p}").ok();
+    }
     let mut stream = tok.as_ref().map(|t| t.stream());
     let mut first = true;
     let (_, stats) = run_generate(&mut engine, &req, |id| {

@@ -1,4 +1,5 @@
-//! `info`: architecture, layer pattern, parameter and byte counts by kind, and the memory a
+//! `info`: architecture, layer pattern, parameter and byte counts by kind (with the stored bits
+//! per weight, which shows quantization: packed words plus scales and biases), and the memory a
 //! model needs for its weights and for each sequence at a given context length.
 
 use std::path::PathBuf;
@@ -31,9 +32,9 @@ const KINDS: [&str; 9] = [
 ];
 
 fn kind_of(name: &str) -> &'static str {
-    if name == "model.embed_tokens.weight" {
+    if name.starts_with("model.embed_tokens.") {
         KINDS[0]
-    } else if name == "lm_head.weight" {
+    } else if name.starts_with("lm_head.") {
         KINDS[1]
     } else if name.contains(".linear_attn.") {
         KINDS[2]
@@ -41,7 +42,7 @@ fn kind_of(name: &str) -> &'static str {
         KINDS[3]
     } else if name.contains(".mlp.gate.") {
         KINDS[4]
-    } else if name.contains(".mlp.experts.") {
+    } else if name.contains(".mlp.experts.") || name.contains(".mlp.switch_mlp.") {
         KINDS[5]
     } else if name.contains(".mlp.shared_expert") {
         KINDS[6]
@@ -89,7 +90,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
             .iter()
             .position(|k| *k == kind_of(&t.name))
             .unwrap_or(KINDS.len() - 1);
-        params[i] += t.shape.iter().product::<usize>();
+        params[i] += t.params;
         bytes[i] += t.bytes;
     }
     let total: usize = params.iter().sum();
@@ -125,18 +126,45 @@ pub fn run(a: InfoArgs) -> Result<()> {
             c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.norm_topk_prob
         );
     }
+    match store.quantization() {
+        Some(q) => {
+            let d = q.default_spec();
+            println!(
+                "quantization   MLX affine, default {} bits, group size {} (per-module entries in config.json apply; bits/w below include scales and biases)",
+                d.bits, d.group_size
+            );
+        }
+        None => println!("quantization   none"),
+    }
     println!();
-    println!("{:<24} {:>16} {:>12}", "parameters", "count", "bytes");
+    let bpw = |b: usize, p: usize| {
+        if p == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.2}", b as f64 * 8.0 / p as f64)
+        }
+    };
+    println!(
+        "{:<24} {:>16} {:>12} {:>8}",
+        "parameters", "count", "bytes", "bits/w"
+    );
     for (i, k) in KINDS.iter().enumerate() {
-        if params[i] > 0 {
-            println!("{:<24} {:>16} {:>12}", k, params[i], gib(bytes[i] as f64));
+        if params[i] > 0 || bytes[i] > 0 {
+            println!(
+                "{:<24} {:>16} {:>12} {:>8}",
+                k,
+                params[i],
+                gib(bytes[i] as f64),
+                bpw(bytes[i], params[i])
+            );
         }
     }
     println!(
-        "{:<24} {:>16} {:>12}",
+        "{:<24} {:>16} {:>12} {:>8}",
         "total",
         total,
-        gib(total_bytes as f64)
+        gib(total_bytes as f64),
+        bpw(total_bytes, total)
     );
     println!("{:<24} {:>16}", "active per token", active);
     let (kv, gdn) = state_bytes(&c, a.context);

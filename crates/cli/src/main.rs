@@ -3,6 +3,8 @@
 mod bench;
 mod chat;
 mod commands;
+mod convert;
+mod embedded;
 mod info;
 mod npy;
 mod perplexity;
@@ -40,6 +42,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Measure prefill and decode speed on a model or a synthetic config.
     Bench(bench::BenchArgs),
+    /// Quantize an HF checkpoint to MLX affine 2-8 bit weights (loads in deltamoe and mlx-lm).
+    Convert(convert::ConvertArgs),
 }
 
 /// Where to run.
@@ -54,12 +58,23 @@ pub enum Device {
 /// Options shared by commands that load a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// Model directory (HF layout: config.json, *.safetensors, tokenizer files).
+    /// Model directory (HF or mlx-lm layout: config.json, *.safetensors, tokenizer files).
+    /// Default: the small model built into deltamoe.
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+}
+
+impl ModelArgs {
+    /// The model directory: `--model`, or the built-in model.
+    pub fn dir(&self) -> anyhow::Result<PathBuf> {
+        match &self.model {
+            Some(d) => Ok(d.clone()),
+            None => embedded::dir(),
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -80,6 +95,7 @@ fn main() -> ExitCode {
         Command::Score(a) => commands::score(a),
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Convert(a) => convert::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

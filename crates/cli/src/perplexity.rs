@@ -118,7 +118,7 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
             a.ctx
         );
     }
-    let dir = &a.model.model;
+    let dir = &a.model.dir()?;
     let text = read_text(&a.text)?;
     let Some(tok) = TextTokenizer::from_dir(dir)? else {
         bail!(

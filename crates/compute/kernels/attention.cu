@@ -8,11 +8,13 @@
 //   rope: NeoX on dims < R (pairs i, i + R/2), angle pos · inv_freq[i]. Caches: [max_ctx, Hkv, D].
 //
 // attn_partial: grid (Hq, S splits), block 128 (4 warps). Split s covers positions
-//   [s·c, min((s+1)·c, L)) with L = pos + 1, c = ceil(L / S). Each warp takes every 4th position,
-//   keeps an online softmax (max m, sum l, acc), and the block merges its warps into
+//   [s·c, min((s+1)·c, L)) with L = pos + 1, c = ceil(L / S). Each warp takes runs of ATTN_POS
+//   positions (every 4th run), keeps an online softmax (max m, sum l, acc), and the block merges
+//   its warps into
 //   part_ml[h, s] = (m, l) and part_o[h, s, :] = acc (unnormalised). Kv head = h / (Hq / Hkv). D ≤ 256.
 //
-// attn_combine: grid Hq, block D: merges the S partials and multiplies by sigmoid(gate_h) → out [Hq·D].
+// attn_combine: grid Hq, block D (rounded up to 32): merges the S ≤ ATTN_MAX_SPLITS partials and
+//   multiplies by sigmoid(gate_h) → out [Hq·D].
 
 extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float* __restrict__ qn,
                                      const float* __restrict__ kn, const float* __restrict__ inv_freq,
@@ -60,6 +62,8 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
 }
 
 #define ATTN_DMAX 256
+// Positions a warp works on at once: their loads are all in flight before the math.
+#define ATTN_POS 4
 
 extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ k_cache,
                                         const float* __restrict__ v_cache, const int* __restrict__ pos_ptr,
@@ -74,6 +78,7 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
     int c = (L + S - 1) / S;
     int start = s * c, end = min(L, start + c);
     const int PER = ATTN_DMAX / 32;
+    const long long row = (long long)Hkv * D;
     float qr[PER], acc[PER];
 #pragma unroll
     for (int t = 0; t < PER; ++t) {
@@ -82,23 +87,46 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
         acc[t] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
-    for (int p = start + warp; p < end; p += 4) {
-        const float* kr = k_cache + ((long long)p * Hkv + kvh) * D;
-        float dot = 0.f;
+    for (int p0 = start + warp * ATTN_POS; p0 < end; p0 += 4 * ATTN_POS) {
+        float kv[ATTN_POS][PER];
 #pragma unroll
-        for (int t = 0; t < PER; ++t) {
-            int d = lane + 32 * t;
-            if (d < D) dot = fmaf(qr[t], kr[d], dot);
+        for (int u = 0; u < ATTN_POS; ++u) {
+            const float* kr = k_cache + (long long)(p0 + u) * row + (long long)kvh * D;
+#pragma unroll
+            for (int t = 0; t < PER; ++t) {
+                int d = lane + 32 * t;
+                kv[u][t] = (p0 + u < end && d < D) ? kr[d] : 0.f;
+            }
         }
-        float sc = warp_sum(dot) * scale;
-        float mn = fmaxf(m, sc);
-        float corr = expf(m - mn), e = expf(sc - mn);
-        l = l * corr + e;
-        const float* vr = v_cache + ((long long)p * Hkv + kvh) * D;
+        float sc[ATTN_POS];
+        float mn = m;
 #pragma unroll
-        for (int t = 0; t < PER; ++t) {
-            int d = lane + 32 * t;
-            if (d < D) acc[t] = acc[t] * corr + e * vr[d];
+        for (int u = 0; u < ATTN_POS; ++u) {
+            float dot = 0.f;
+#pragma unroll
+            for (int t = 0; t < PER; ++t) dot = fmaf(qr[t], kv[u][t], dot);
+            sc[u] = p0 + u < end ? warp_sum(dot) * scale : NEG_INF;
+            mn = fmaxf(mn, sc[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < ATTN_POS; ++u) {
+            const float* vr = v_cache + (long long)(p0 + u) * row + (long long)kvh * D;
+#pragma unroll
+            for (int t = 0; t < PER; ++t) {
+                int d = lane + 32 * t;
+                kv[u][t] = (p0 + u < end && d < D) ? vr[d] : 0.f;
+            }
+        }
+        float corr = expf(m - mn);
+        l *= corr;
+#pragma unroll
+        for (int t = 0; t < PER; ++t) acc[t] *= corr;
+#pragma unroll
+        for (int u = 0; u < ATTN_POS; ++u) {
+            float e = expf(sc[u] - mn);
+            l += e;
+#pragma unroll
+            for (int t = 0; t < PER; ++t) acc[t] = fmaf(e, kv[u][t], acc[t]);
         }
         m = mn;
     }
@@ -123,24 +151,32 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
     }
 }
 
+#define ATTN_MAX_SPLITS 256
+
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const float* __restrict__ proj, float* __restrict__ out,
                                         int D, int S) {
+    __shared__ float wts[ATTN_MAX_SPLITS];
     int h = blockIdx.x, d = threadIdx.x;
-    if (d >= D) return;
     const float* ml = part_ml + (long long)h * S * 2;
-    float M = NEG_INF;
-    for (int s = 0; s < S; ++s)
-        if (ml[2 * s + 1] > 0.f) M = fmaxf(M, ml[2 * s]);
-    float num = 0.f, den = 0.f;
-    for (int s = 0; s < S; ++s) {
+    // Split weights e^{m_s − M} once per block, in shared memory; empty splits weigh 0.
+    float mloc = NEG_INF;
+    for (int s = d; s < S; s += blockDim.x)
+        if (ml[2 * s + 1] > 0.f) mloc = fmaxf(mloc, ml[2 * s]);
+    float M = block_max(mloc);
+    float dl = 0.f;
+    for (int s = d; s < S; s += blockDim.x) {
         float l = ml[2 * s + 1];
-        if (l > 0.f) {
-            float f = expf(ml[2 * s] - M);
-            num += part_o[((long long)h * S + s) * D + d] * f;
-            den += l * f;
-        }
+        float f = l > 0.f ? expf(ml[2 * s] - M) : 0.f;
+        wts[s] = f;
+        dl += l * f;
     }
+    float den = block_sum(dl);
+    if (d >= D) return;
+    float num = 0.f;
+    const float* po = part_o + (long long)h * S * D + d;
+#pragma unroll 8
+    for (int s = 0; s < S; ++s) num = fmaf(po[(long long)s * D], wts[s], num);
     float gate = proj[(long long)h * 2 * D + D + d];
     out[(long long)h * D + d] = num / den * sigmoid_f(gate);
 }

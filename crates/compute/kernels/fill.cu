@@ -1,7 +1,8 @@
 // Random fills for synthetic (benchmark) weights made directly in device memory.
 //
 // fill_uniform_bf16 / fill_uniform_f32: out[i] = lo + (hi − lo) · u(seed, i), u ∈ [0, 1) from
-//   splitmix64 of (seed, i). grid-stride loop, any grid, block 256.
+//   splitmix64 of (seed, i); fill_random_u32: random 32-bit words (packed quantized weights).
+//   grid-stride loops, any grid, block 256.
 
 __device__ __forceinline__ float uniform01(unsigned long long seed, long long i) {
     unsigned long long z = seed + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
@@ -19,6 +20,11 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ out, long long
         b += 0x7fffu + ((b >> 16) & 1u);
         out[i] = (bf16_t)(b >> 16);
     }
+}
+
+extern "C" __global__ void fill_random_u32(unsigned int* __restrict__ out, long long n, unsigned long long seed) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = (unsigned int)(uniform01(seed, 2 * i) * 65536.f) | ((unsigned int)(uniform01(seed, 2 * i + 1) * 65536.f) << 16);
 }
 
 extern "C" __global__ void fill_uniform_f32(float* __restrict__ out, long long n, unsigned long long seed,

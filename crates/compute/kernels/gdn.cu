@@ -5,13 +5,17 @@
 // gdn_conv_step: mixed[c] = silu(Σ_{j<K-1} w[c, j] · state[j, c] + w[c, K-1] · proj[c]), then the
 //   conv state [K-1, C] (oldest first) shifts by one and takes proj[c]. w: [C, K]. grid ceil(C/256), block 256.
 //
-// gdn_step: one block per value head h (block = Dv threads rounded up to a multiple of 32);
+// gdn_step: one block per value head h, block (Dv rounded up to 32) × GDN_ROW_GROUPS threads;
 //   kh = h / (Hv / Hk); q, k = l2norm(mixed q/k of kh) (eps 1e-6), q ·= 1/sqrt(Dk); v = mixed v of h;
 //   g = neg_a[h] · softplus(a[h] + dt_bias[h]); β = sigmoid(b[h]); state S_h: [Dk, Dv].
-//   Thread j owns column j of S_h in registers: S ← e^g S; δ_j = β (v_j − Σ_i k_i S_ij);
+//   Thread (j, r) keeps rows r·⌈Dk/R⌉… of column j of S_h in registers: S ← e^g S;
+//   δ_j = β (v_j − Σ_i k_i S_ij) (partial sums over the R row groups merged in shared memory);
 //   S_ij += k_i δ_j; o_j = Σ_i q_i S_ij; then the gated RMSNorm out_j = o_j / rms(o) · w_j · silu(z_j).
-//   Dk ≤ GDN_DK_MAX.
+//   Dk ≤ GDN_DK_MAX, Dv ≤ GDN_DV_MAX.
 #define GDN_DK_MAX 128
+#define GDN_DV_MAX 128
+#define GDN_ROW_GROUPS 8
+#define GDN_ROWS_MAX (GDN_DK_MAX / GDN_ROW_GROUPS)
 
 extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* __restrict__ state,
                                          const float* __restrict__ w, float* __restrict__ mixed,
@@ -27,13 +31,16 @@ extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* 
     mixed[c] = silu_f(acc);
 }
 
-extern "C" __global__ void gdn_step(const float* __restrict__ mixed, const float* __restrict__ proj,
+extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restrict__ mixed, const float* __restrict__ proj,
                                     float* __restrict__ state, const float* __restrict__ neg_a,
                                     const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                                     float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float eps) {
     __shared__ float qs[GDN_DK_MAX];
     __shared__ float ks[GDN_DK_MAX];
-    int h = blockIdx.x, j = threadIdx.x;
+    __shared__ float red[GDN_ROW_GROUPS][GDN_DV_MAX];
+    __shared__ float osq[GDN_DV_MAX];
+    int h = blockIdx.x, j = threadIdx.x, r = threadIdx.y;
+    int tid = r * blockDim.x + j, nt = blockDim.x * blockDim.y;
     int kh = h / (Hv / Hk);
     int C = 2 * Hk * Dk + Hv * Dv;
     const float* q = mixed + kh * Dk;
@@ -42,42 +49,67 @@ extern "C" __global__ void gdn_step(const float* __restrict__ mixed, const float
     const float* z = proj + C + h * Dv;
     float b = proj[C + Hv * Dv + h];
     float a = proj[C + Hv * Dv + Hv + h];
-
-    float qq = 0.f, kk = 0.f;
-    for (int i = j; i < Dk; i += blockDim.x) {
-        float qi = q[i], ki = k[i];
-        qs[i] = qi;
-        ks[i] = ki;
-        qq += qi * qi;
-        kk += ki * ki;
+    for (int i = tid; i < Dk; i += nt) {
+        qs[i] = q[i];
+        ks[i] = k[i];
     }
-    float rq = rsqrtf(block_sum(qq) + 1e-6f) * rsqrtf((float)Dk);
-    float rk = rsqrtf(block_sum(kk) + 1e-6f);
+    __syncthreads();
+    // Every warp reduces the two norms itself (no block barrier needed for them).
+    int lane = tid & 31;
+    float qq = 0.f, kk = 0.f;
+    for (int i = lane; i < Dk; i += 32) {
+        qq = fmaf(qs[i], qs[i], qq);
+        kk = fmaf(ks[i], ks[i], kk);
+    }
+    qq = warp_sum(qq);
+    kk = warp_sum(kk);
+    float rq = rsqrtf(qq + 1e-6f) * rsqrtf((float)Dk);
+    float rk = rsqrtf(kk + 1e-6f);
     float decay = expf(neg_a[h] * softplus_f(a + dt_bias[h]));
     float beta = sigmoid_f(b);
 
-    float o = 0.f;
-    if (j < Dv) {
-        float* S = state + (long long)h * Dk * Dv + j;
-        float col[GDN_DK_MAX];
-        float kv = 0.f;
+    // Rows [i0, i0 + rows) of column j belong to this thread.
+    int rows = (Dk + GDN_ROW_GROUPS - 1) / GDN_ROW_GROUPS;
+    int i0 = r * rows;
+    bool active = j < Dv;
+    float* S = state + (long long)h * Dk * Dv + j;
+    float col[GDN_ROWS_MAX];
+    float part = 0.f;
 #pragma unroll
-        for (int i = 0; i < GDN_DK_MAX; ++i) {
-            if (i < Dk) {
-                col[i] = S[(long long)i * Dv] * decay;
-                kv = fmaf(ks[i] * rk, col[i], kv);
-            }
-        }
-        float delta = beta * (v[j] - kv);
-#pragma unroll
-        for (int i = 0; i < GDN_DK_MAX; ++i) {
-            if (i < Dk) {
-                float s = fmaf(ks[i] * rk, delta, col[i]);
-                S[(long long)i * Dv] = s;
-                o = fmaf(qs[i] * rq, s, o);
-            }
+    for (int t = 0; t < GDN_ROWS_MAX; ++t) {
+        int i = i0 + t;
+        if (active && t < rows && i < Dk) {
+            col[t] = S[(long long)i * Dv] * decay;
+            part = fmaf(ks[i] * rk, col[t], part);
         }
     }
-    float r = rsqrtf(block_sum(j < Dv ? o * o : 0.f) / Dv + eps);
-    if (j < Dv) out[h * Dv + j] = o * r * norm_w[j] * silu_f(z[j]);
+    if (active) red[r][j] = part;
+    __syncthreads();
+    float kv = 0.f;
+    if (active)
+        for (int g = 0; g < blockDim.y; ++g) kv += red[g][j];
+    __syncthreads();
+    float delta = active ? beta * (v[j] - kv) : 0.f;
+    part = 0.f;
+#pragma unroll
+    for (int t = 0; t < GDN_ROWS_MAX; ++t) {
+        int i = i0 + t;
+        if (active && t < rows && i < Dk) {
+            float sv = fmaf(ks[i] * rk, delta, col[t]);
+            S[(long long)i * Dv] = sv;
+            part = fmaf(qs[i] * rq, sv, part);
+        }
+    }
+    if (active) red[r][j] = part;
+    __syncthreads();
+    float o = 0.f;
+    if (active)
+        for (int g = 0; g < blockDim.y; ++g) o += red[g][j];
+    if (r == 0 && active) osq[j] = o * o;
+    __syncthreads();
+    float ss = 0.f;
+    for (int c = lane; c < Dv; c += 32) ss += osq[c];
+    ss = warp_sum(ss);
+    float rn = rsqrtf(ss / Dv + eps);
+    if (r == 0 && active) out[h * Dv + j] = o * rn * norm_w[j] * silu_f(z[j]);
 }

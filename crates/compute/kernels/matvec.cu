@@ -9,21 +9,39 @@
 //   W: [E, 2I, K] with gate rows 0..I and up rows I..2I (the HF gate_up layout); h: [S, I].
 //   grid (ceil(I / 8), S), block 256: one warp per n computes the gate and up dot products together.
 
+// Loads per lane in flight before any is used: enough bytes in flight to cover HBM latency.
+#define MV_UNROLL 4
+
+__device__ __forceinline__ float dot8(uint4 p, float4 xa, float4 xb, float acc) {
+    acc = fmaf(bf16lo(p.x), xa.x, acc);
+    acc = fmaf(bf16hi(p.x), xa.y, acc);
+    acc = fmaf(bf16lo(p.y), xa.z, acc);
+    acc = fmaf(bf16hi(p.y), xa.w, acc);
+    acc = fmaf(bf16lo(p.z), xb.x, acc);
+    acc = fmaf(bf16hi(p.z), xb.y, acc);
+    acc = fmaf(bf16lo(p.w), xb.z, acc);
+    return fmaf(bf16hi(p.w), xb.w, acc);
+}
+
 __device__ __forceinline__ float dot_row(const bf16_t* __restrict__ w, const float* __restrict__ x, int K, int lane) {
     float acc = 0.f;
     if ((K & 7) == 0) {
-        for (int k = lane * 8; k < K; k += 256) {
-            uint4 p = *reinterpret_cast<const uint4*>(w + k);
-            float4 xa = *reinterpret_cast<const float4*>(x + k);
-            float4 xb = *reinterpret_cast<const float4*>(x + k + 4);
-            acc = fmaf(bf16lo(p.x), xa.x, acc);
-            acc = fmaf(bf16hi(p.x), xa.y, acc);
-            acc = fmaf(bf16lo(p.y), xa.z, acc);
-            acc = fmaf(bf16hi(p.y), xa.w, acc);
-            acc = fmaf(bf16lo(p.z), xb.x, acc);
-            acc = fmaf(bf16hi(p.z), xb.y, acc);
-            acc = fmaf(bf16lo(p.w), xb.z, acc);
-            acc = fmaf(bf16hi(p.w), xb.w, acc);
+        for (int base = lane * 8; base < K; base += 256 * MV_UNROLL) {
+            uint4 p[MV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < MV_UNROLL; ++u) {
+                int k = base + u * 256;
+                if (k < K) p[u] = __ldcs(reinterpret_cast<const uint4*>(w + k));
+            }
+#pragma unroll
+            for (int u = 0; u < MV_UNROLL; ++u) {
+                int k = base + u * 256;
+                if (k < K) {
+                    float4 xa = *reinterpret_cast<const float4*>(x + k);
+                    float4 xb = *reinterpret_cast<const float4*>(x + k + 4);
+                    acc = dot8(p[u], xa, xb, acc);
+                }
+            }
         }
     } else {
         for (int k = lane; k < K; k += 32) acc = fmaf(bf16f(w[k]), x[k], acc);

@@ -4,6 +4,7 @@
 //! that keep the checkpoint's dtype (bf16/f16/f32) and are usually memory-mapped. Kernels live in
 //! [`cpu`], one module per op family, each with its formula and layout in the module doc.
 
+pub mod cache;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;

@@ -17,7 +17,11 @@
 //! mapping, one [`AffineWeight`] per expert, no copies.
 //!
 //! Words are read as native `u32`, which equals the file's little-endian layout on every host
-//! this engine targets (x86-64, aarch64).
+//! this engine targets (x86-64, aarch64). Mapped words need not be 4-byte aligned (mlx-lm does
+//! not pad its safetensors headers, so whole shards can sit at an odd offset): they stay mapped,
+//! and a misaligned row is copied into a small scratch buffer when a kernel reads it.
+
+use std::borrow::Cow;
 
 use std::sync::Arc;
 
@@ -69,12 +73,13 @@ pub fn check_params(bits: u32, group_size: usize) -> Result<(), QuantError> {
 
 #[derive(Clone, Debug)]
 enum WordStorage {
-    /// A mapped file; the region is 4-byte aligned (checked at creation).
+    /// A mapped file, any alignment.
     Mapped(Arc<Mmap>),
     Owned(Arc<Vec<u32>>),
 }
 
-/// Packed `u32` words, memory-mapped or owned; `offset` and `len` count words.
+/// Packed `u32` words, memory-mapped or owned. `offset` counts bytes for `Mapped`, words for
+/// `Owned`; `len` counts words.
 #[derive(Clone, Debug)]
 pub struct PackedWords {
     storage: WordStorage,
@@ -83,16 +88,15 @@ pub struct PackedWords {
 }
 
 impl PackedWords {
-    /// `len` words of a mapped file from `byte_offset`; `None` when misaligned or out of range.
+    /// `len` words of a mapped file from `byte_offset` (any alignment); `None` when out of range.
     pub fn from_mmap(map: Arc<Mmap>, byte_offset: usize, len: usize) -> Option<PackedWords> {
         let end = byte_offset.checked_add(len.checked_mul(4)?)?;
-        let base = map.as_ptr() as usize;
-        if end > map.len() || !(base + byte_offset).is_multiple_of(4) {
+        if end > map.len() {
             return None;
         }
         Some(PackedWords {
             storage: WordStorage::Mapped(map),
-            offset: byte_offset / 4,
+            offset: byte_offset,
             len,
         })
     }
@@ -124,11 +128,45 @@ impl PackedWords {
         self.len == 0
     }
 
-    pub fn as_slice(&self) -> &[u32] {
+    /// Words `start..start + n` as a slice: borrowed when the storage is aligned, else copied
+    /// into `scratch`. Panics when out of range.
+    pub fn range<'a>(&'a self, start: usize, n: usize, scratch: &'a mut Vec<u32>) -> &'a [u32] {
+        assert!(start + n <= self.len, "PackedWords::range out of range");
         match &self.storage {
-            WordStorage::Owned(v) => &v[self.offset..self.offset + self.len],
+            WordStorage::Owned(v) => &v[self.offset + start..self.offset + start + n],
             WordStorage::Mapped(m) => {
-                bytemuck::cast_slice(&m[self.offset * 4..(self.offset + self.len) * 4])
+                let bytes = &m[self.offset + 4 * start..self.offset + 4 * (start + n)];
+                match bytemuck::try_cast_slice(bytes) {
+                    Ok(words) => words,
+                    Err(_) => {
+                        scratch.clear();
+                        scratch.extend(
+                            bytes
+                                .chunks_exact(4)
+                                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                        );
+                        scratch
+                    }
+                }
+            }
+        }
+    }
+
+    /// All words: borrowed when aligned, else a copy.
+    pub fn to_slice(&self) -> Cow<'_, [u32]> {
+        match &self.storage {
+            WordStorage::Owned(v) => Cow::Borrowed(&v[self.offset..self.offset + self.len]),
+            WordStorage::Mapped(m) => {
+                let bytes = &m[self.offset..self.offset + 4 * self.len];
+                match bytemuck::try_cast_slice(bytes) {
+                    Ok(words) => Cow::Borrowed(words),
+                    Err(_) => Cow::Owned(
+                        bytes
+                            .chunks_exact(4)
+                            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect(),
+                    ),
+                }
             }
         }
     }
@@ -137,9 +175,13 @@ impl PackedWords {
     /// shapes are validated at load).
     pub fn slice(&self, start: usize, len: usize) -> PackedWords {
         assert!(start + len <= self.len, "PackedWords::slice out of range");
+        let unit = match self.storage {
+            WordStorage::Mapped(_) => 4,
+            WordStorage::Owned(_) => 1,
+        };
         PackedWords {
             storage: self.storage.clone(),
-            offset: self.offset + start,
+            offset: self.offset + unit * start,
             len,
         }
     }
@@ -237,9 +279,22 @@ impl AffineWeight {
         self.inp / self.group_size
     }
 
-    /// All packed words, `[out, words_per_row]`.
-    pub fn words(&self) -> &[u32] {
-        self.words.as_slice()
+    /// All packed words, `[out, words_per_row]` (a copy only for a misaligned mapping).
+    pub fn words(&self) -> Cow<'_, [u32]> {
+        self.words.to_slice()
+    }
+
+    /// The packed words of row `r`: borrowed, or copied into `scratch` when misaligned.
+    #[inline]
+    pub fn row_words<'a>(&'a self, r: usize, scratch: &'a mut Vec<u32>) -> &'a [u32] {
+        self.rows_words(r, 1, scratch)
+    }
+
+    /// The packed words of rows `r0..r0 + n` (borrowed, or copied into `scratch`).
+    #[inline]
+    pub fn rows_words<'a>(&'a self, r0: usize, n: usize, scratch: &'a mut Vec<u32>) -> &'a [u32] {
+        let wpr = self.words_per_row();
+        self.words.range(r0 * wpr, n * wpr, scratch)
     }
 
     pub fn scales(&self) -> &Tensor {
@@ -290,8 +345,8 @@ impl AffineWeight {
         let mut s = vec![0.0f32; gpr];
         let mut b = vec![0.0f32; gpr];
         self.row_params(r, &mut s, &mut b);
-        let wpr = self.words_per_row();
-        unpack_row(&self.words()[r * wpr..(r + 1) * wpr], self.bits, out);
+        let mut scratch = vec![];
+        unpack_row(self.row_words(r, &mut scratch), self.bits, out);
         for (g, chunk) in out.chunks_exact_mut(self.group_size).enumerate() {
             for v in chunk.iter_mut() {
                 *v = *v * s[g] + b[g];
@@ -361,6 +416,41 @@ mod tests {
             &mut w[..2],
         );
         assert_eq!(w[0], 0x8765_4321);
+    }
+
+    #[test]
+    fn misaligned_mapped_words_read_like_owned_ones() {
+        let words: Vec<u32> = (0..24u32).map(|i| i.wrapping_mul(0x9E37_79B9)).collect();
+        let path = std::env::temp_dir().join(format!("deltamoe-words-{}", std::process::id()));
+        let mut bytes = vec![0xAAu8; 2];
+        bytes.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+        std::fs::write(&path, &bytes).unwrap();
+        let map = Arc::new(unsafe { Mmap::map(&std::fs::File::open(&path).unwrap()) }.unwrap());
+        std::fs::remove_file(&path).unwrap();
+        let mapped = PackedWords::from_mmap(map, 2, 24).unwrap();
+        assert!(PackedWords::from_mmap(mapped_map(&mapped), 4, 24).is_none());
+        assert_eq!(mapped.to_slice().as_ref(), &words[..]);
+        let mut scratch = vec![];
+        assert_eq!(
+            mapped.slice(8, 16).range(4, 8, &mut scratch),
+            &words[12..20]
+        );
+        let s = Tensor::from_f32(vec![3, 2], vec![0.5; 6]);
+        let a = AffineWeight::new(4, 32, 3, 64, mapped, s.clone(), s.clone()).unwrap();
+        let b =
+            AffineWeight::new(4, 32, 3, 64, PackedWords::from_vec(words), s.clone(), s).unwrap();
+        assert_eq!(a.dequantize(), b.dequantize());
+        assert_eq!(
+            a.rows(1, 2).row_words(1, &mut scratch),
+            b.rows(2, 1).row_words(0, &mut vec![])
+        );
+    }
+
+    fn mapped_map(w: &PackedWords) -> Arc<Mmap> {
+        match &w.storage {
+            WordStorage::Mapped(m) => m.clone(),
+            WordStorage::Owned(_) => unreachable!(),
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@ use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec};
+use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec, WeightFormat};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 use deltamoe_compute::{cpu, DType, Tensor};
@@ -75,8 +75,9 @@ fn matvec_and_swiglu_match_cpu() {
             n,
             k,
             bias: db.ptr(),
+            format: WeightFormat::Bf16,
         };
-        ops::matvec_bf16(&g, m, dx.ptr(), dy.ptr(), slots, di.ptr(), k).unwrap();
+        ops::matvec(&g, m, dx.ptr(), dy.ptr(), slots, di.ptr(), k).unwrap();
         let got = g.read(&dy, slots * n).unwrap();
         let mut want = vec![0.0; slots * n];
         for s in 0..slots {
@@ -97,8 +98,12 @@ fn matvec_and_swiglu_match_cpu() {
         if n % 2 == 0 || experts == 1 {
             let i = n / 2;
             let dh = g.zeros::<f32>(slots * i).unwrap();
-            ops::matvec_swiglu_bf16(&g, dw.ptr(), dx.ptr(), dh.ptr(), i, k, slots, di.ptr(), k)
-                .unwrap();
+            let m = Matvec {
+                n: 2 * i,
+                bias: 0,
+                ..m
+            };
+            ops::matvec_swiglu(&g, m, dx.ptr(), dh.ptr(), slots, di.ptr(), k).unwrap();
             let got = g.read(&dh, slots * i).unwrap();
             let mut want = vec![0.0; slots * i];
             for s in 0..slots {
@@ -115,6 +120,97 @@ fn matvec_and_swiglu_match_cpu() {
                 }
             }
             assert_close(&format!("swiglu {i}x{k} slots {slots}"), &got, &want, 1e-4);
+        }
+    }
+}
+
+/// Affine-quantized matvec and SwiGLU against the CPU's quantized matmul on the same words.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn affine_matvec_matches_cpu() {
+    use deltamoe_compute::cpu::quant::{qmatmul, quantize};
+    use deltamoe_compute::{AffineWeight, PackedWords};
+    let g = gpu();
+    let mut r = rng();
+    for &(bits, group, n, k, experts, slots) in &[
+        (4u32, 64usize, 37usize, 256usize, 3usize, 2usize),
+        (8, 32, 18, 96, 1, 1),
+        (2, 128, 9, 384, 2, 3),
+        (4, 32, 64, 2048, 1, 1),
+    ] {
+        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+        let q = quantize(&w, k, group, bits).unwrap();
+        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+        let (sb, bb) = (bf(&q.scales), bf(&q.biases));
+        let x = rand_vec(&mut r, slots * k, -1.0, 1.0);
+        let ids: Vec<i32> = (0..slots).map(|s| ((s * 5 + 1) % experts) as i32).collect();
+        let (dw, ds, dbi, dx, di) = (
+            g.upload(&q.words).unwrap(),
+            g.upload(&sb).unwrap(),
+            g.upload(&bb).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let fmt = WeightFormat::Affine {
+            bits,
+            group,
+            scales: ds.ptr(),
+            biases: dbi.ptr(),
+        };
+        let m = Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: 0,
+            format: fmt,
+        };
+        let dy = g.zeros::<f32>(slots * n).unwrap();
+        ops::matvec(&g, m, dx.ptr(), dy.ptr(), slots, di.ptr(), k).unwrap();
+        let (wpr, gpr) = (k * bits as usize / 32, k / group);
+        let expert = |e: usize| {
+            let t = |v: &[u16]| {
+                Tensor::from_half_bits(
+                    DType::BF16,
+                    vec![n, gpr],
+                    v[e * n * gpr..(e + 1) * n * gpr].to_vec(),
+                )
+            };
+            let words = PackedWords::from_vec(q.words[e * n * wpr..(e + 1) * n * wpr].to_vec());
+            AffineWeight::new(bits, group, n, k, words, t(&sb), t(&bb)).unwrap()
+        };
+        let mut want = vec![0.0; slots * n];
+        for s in 0..slots {
+            qmatmul(
+                &x[s * k..(s + 1) * k],
+                1,
+                &expert(ids[s] as usize),
+                &mut want[s * n..(s + 1) * n],
+            );
+        }
+        assert_close(
+            &format!("affine {bits}-bit g{group} {n}x{k}"),
+            &g.read(&dy, slots * n).unwrap(),
+            &want,
+            1e-4,
+        );
+        if n % 2 == 0 {
+            let i = n / 2;
+            let dh = g.zeros::<f32>(slots * i).unwrap();
+            ops::matvec_swiglu(&g, m, dx.ptr(), dh.ptr(), slots, di.ptr(), k).unwrap();
+            let want: Vec<f32> = (0..slots)
+                .flat_map(|s| {
+                    let y = &want[s * n..(s + 1) * n];
+                    (0..i)
+                        .map(move |j| y[j] * sigmoid(y[j]) * y[i + j])
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert_close(
+                &format!("affine swiglu {bits}-bit {i}x{k}"),
+                &g.read(&dh, slots * i).unwrap(),
+                &want,
+                1e-4,
+            );
         }
     }
 }
@@ -282,7 +378,7 @@ fn attention_decode_matches_cpu() {
             g.zeros::<f32>(hq * d).unwrap(),
             g.zeros::<f32>(hq * d).unwrap(),
         );
-        let splits = 16;
+        let splits = 64;
         let (po, pml) = (
             g.zeros::<f32>(hq * splits * d).unwrap(),
             g.zeros::<f32>(hq * splits * 2).unwrap(),

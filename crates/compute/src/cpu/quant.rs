@@ -29,6 +29,8 @@
 //! so the group's extreme value of larger magnitude is represented exactly. Scales and biases
 //! are returned in f32; the caller rounds them to the model dtype (as mlx does).
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use super::matmul::dot;
@@ -126,9 +128,19 @@ pub fn qmatmul(x: &[f32], t: usize, w: &AffineWeight, out: &mut [f32]) {
     let (gs, gpr) = (w.group_size(), w.groups_per_row());
     let xsum: Vec<f32> = x.chunks_exact(gs).map(|c| c.iter().sum()).collect();
     let kernel = RowKernel::select(w.bits());
-    let rows_per_task = n.div_ceil(rayon::current_num_threads() * 8).max(8);
-    let wpr = w.words_per_row();
-    let words = w.words();
+    // Tasks of at least ~32 KiB of weights (fork/join costs about a microsecond), at most about
+    // four per thread.
+    let row_bytes = w.words_per_row() * 4 + 2 * gpr * w.scales().dtype().size();
+    let rows_per_task = n
+        .div_ceil(rayon::current_num_threads() * 4)
+        .max((32 << 10) / row_bytes.max(1))
+        .max(1);
+    // Per-token x in the layout the row kernel reads (only the direct path uses it).
+    let xs: Vec<Cow<[f32]>> = if t <= SMALL_T {
+        x.chunks_exact(k).map(|xt| kernel.prepare(xt)).collect()
+    } else {
+        vec![]
+    };
     // [N, T] block per task, scattered to [T, N] below when T > 1.
     let mut tr = vec![0.0f32; if t == 1 { 0 } else { n * t }];
     let target: &mut [f32] = if t == 1 { out } else { &mut tr };
@@ -136,28 +148,36 @@ pub fn qmatmul(x: &[f32], t: usize, w: &AffineWeight, out: &mut [f32]) {
         .par_chunks_mut(rows_per_task * t)
         .enumerate()
         .for_each(|(blk, o)| {
-            let mut s = vec![0.0f32; gpr];
-            let mut b = vec![0.0f32; gpr];
-            let mut row = if t > SMALL_T { vec![0.0f32; k] } else { vec![] };
-            for (i, orow) in o.chunks_exact_mut(t).enumerate() {
-                let r = blk * rows_per_task + i;
-                w.row_params(r, &mut s, &mut b);
-                let wr = &words[r * wpr..(r + 1) * wpr];
-                if t > SMALL_T {
-                    unpack_row(wr, w.bits(), &mut row);
-                    for (g, c) in row.chunks_exact_mut(gs).enumerate() {
-                        c.iter_mut().for_each(|v| *v *= s[g]);
-                    }
+            // The block's scales and biases as f32 and its packed words as one slice.
+            let (r0, nr) = (blk * rows_per_task, o.len() / t);
+            let mut s = vec![0.0f32; nr * gpr];
+            let mut b = vec![0.0f32; nr * gpr];
+            w.scales().data().read_f32(r0 * gpr, &mut s);
+            w.biases().data().read_f32(r0 * gpr, &mut b);
+            let mut scratch = Vec::new();
+            let words = w.rows_words(r0, nr, &mut scratch);
+            if t <= SMALL_T {
+                for (tt, xt) in xs.iter().enumerate() {
+                    let xsum_t = &xsum[tt * gpr..(tt + 1) * gpr];
+                    kernel.run_rows(words, xt, xsum_t, &s, &b, gs, &mut o[tt..], t);
                 }
-                for (tt, ov) in orow.iter_mut().enumerate() {
-                    let xt = &x[tt * k..(tt + 1) * k];
-                    let main = if t > SMALL_T {
-                        dot(&row, xt)
-                    } else {
-                        kernel.run(wr, xt, &s, gs)
-                    };
-                    *ov = main + dot(&b, &xsum[tt * gpr..(tt + 1) * gpr]);
+                return;
+            }
+            let blk = Block {
+                words,
+                bits: w.bits(),
+                s: &s,
+                b: &b,
+                gs,
+            };
+            if kernel.fma() {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU has avx2 and fma (`RowKernel::Avx2` was selected).
+                unsafe {
+                    many_tokens_fma(&blk, x, &xsum, t, o)
                 }
+            } else {
+                many_tokens::<false>(&blk, x, &xsum, t, o)
             }
         });
     if t > 1 {
@@ -167,6 +187,84 @@ pub fn qmatmul(x: &[f32], t: usize, w: &AffineWeight, out: &mut [f32]) {
             }
         }
     }
+}
+
+/// A block of consecutive rows: packed words, f32 scales and biases.
+struct Block<'a> {
+    words: &'a [u32],
+    bits: u32,
+    s: &'a [f32],
+    b: &'a [f32],
+    gs: usize,
+}
+
+/// More than [`SMALL_T`] tokens: each row unpacked once to `q·s` in f32, then one dot product
+/// per token plus the bias term; `o` is the block's `[rows, T]` output.
+#[inline(always)]
+fn many_tokens<const FMA: bool>(blk: &Block, x: &[f32], xsum: &[f32], t: usize, o: &mut [f32]) {
+    let k = x.len() / t;
+    let (gs, gpr) = (blk.gs, k / blk.gs);
+    let wpr = k * blk.bits as usize / 32;
+    let mut row = vec![0.0f32; k];
+    for (i, orow) in o.chunks_exact_mut(t).enumerate() {
+        let wr = &blk.words[i * wpr..(i + 1) * wpr];
+        match blk.bits {
+            2 => unpack_pow2::<2>(wr, &mut row),
+            4 => unpack_pow2::<4>(wr, &mut row),
+            8 => unpack_pow2::<8>(wr, &mut row),
+            bits => unpack_row(wr, bits, &mut row),
+        }
+        let (si, bi) = (
+            &blk.s[i * gpr..(i + 1) * gpr],
+            &blk.b[i * gpr..(i + 1) * gpr],
+        );
+        for (g, c) in row.chunks_exact_mut(gs).enumerate() {
+            c.iter_mut().for_each(|v| *v *= si[g]);
+        }
+        for (tt, ov) in orow.iter_mut().enumerate() {
+            let xt = &x[tt * k..(tt + 1) * k];
+            *ov = dot8::<FMA>(&row, xt) + dot8::<FMA>(bi, &xsum[tt * gpr..(tt + 1) * gpr]);
+        }
+    }
+}
+
+/// Unpack a row of a power-of-two width (a fixed shift per value within a word, so the
+/// compiler vectorises it).
+#[inline(always)]
+fn unpack_pow2<const BITS: u32>(words: &[u32], out: &mut [f32]) {
+    let per = (32 / BITS) as usize;
+    let mask = (1u32 << BITS) - 1;
+    for (w, o) in words.iter().zip(out.chunks_exact_mut(per)) {
+        for (i, v) in o.iter_mut().enumerate() {
+            *v = ((w >> (i as u32 * BITS)) & mask) as f32;
+        }
+    }
+}
+
+/// [`many_tokens`] compiled for AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn many_tokens_fma(blk: &Block, x: &[f32], xsum: &[f32], t: usize, o: &mut [f32]) {
+    many_tokens::<true>(blk, x, xsum, t, o)
+}
+
+/// Dot product with 8 independent accumulators (fused multiply-adds with `FMA`, which must
+/// only be set where the CPU has them).
+#[inline(always)]
+fn dot8<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] = if FMA {
+                x[i].mul_add(y[i], acc[i])
+            } else {
+                acc[i] + x[i] * y[i]
+            };
+        }
+    }
+    acc.iter().sum::<f32>() + ra.iter().zip(rb).map(|(x, y)| x * y).sum::<f32>()
 }
 
 /// `Σ_g s_g · Σ_{k∈g} q_k·x_k` for one packed row, by bit width and CPU features.
@@ -186,14 +284,67 @@ impl RowKernel {
         RowKernel::Portable(bits)
     }
 
-    #[inline]
-    fn run(self, words: &[u32], x: &[f32], s: &[f32], gs: usize) -> f32 {
+    /// Whether the CPU has AVX2 + FMA (whatever the width).
+    fn fma(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return super::quant_x86::available();
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// `x` in the layout [`RowKernel::run`] reads.
+    fn prepare(self, x: &[f32]) -> Cow<'_, [f32]> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            RowKernel::Avx2(bits) => Cow::Owned(super::quant_x86::prepare_x(bits, x)),
+            RowKernel::Portable(_) => Cow::Borrowed(x),
+        }
+    }
+
+    /// For consecutive rows (`words`, `s`, `b` of the block, `xs = self.prepare(x)`, `xsum` the
+    /// per-group sums of x): `out[i·stride] = Σ_g s[i,g]·Σ q·x + Σ_g b[i,g]·xsum[g]`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_rows(
+        self,
+        words: &[u32],
+        xs: &[f32],
+        xsum: &[f32],
+        s: &[f32],
+        b: &[f32],
+        gs: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Avx2` is only selected when the CPU reports avx2 and fma; the slices are a
+            // validated AffineWeight's rows: `words` = rows·in·bits/32, `xs` = in,
+            // `s`, `b` = rows·in/gs, `xsum` = in/gs, `out` ≥ (rows−1)·stride + 1.
+            RowKernel::Avx2(bits) => unsafe {
+                super::quant_x86::rows_dot(bits, words, xs, xsum, s, b, gs, out, stride)
+            },
+            RowKernel::Portable(bits) => {
+                let gpr = xsum.len();
+                let wpr = xs.len() * bits as usize / 32;
+                let rows = s.len() / gpr.max(1);
+                for i in 0..rows {
+                    let (si, bi) = (&s[i * gpr..(i + 1) * gpr], &b[i * gpr..(i + 1) * gpr]);
+                    let wr = &words[i * wpr..(i + 1) * wpr];
+                    out[i * stride] = row_dot_portable(bits, wr, xs, si, gs) + dot(bi, xsum);
+                }
+            }
+        }
+    }
+
+    /// `xs` is `self.prepare(x)`.
+    #[cfg(test)]
+    fn run(self, words: &[u32], xs: &[f32], s: &[f32], gs: usize) -> f32 {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Avx2` is only selected when the CPU reports avx2 and fma; lengths are
-            // those of a validated AffineWeight row (`words` = in·bits/32, `x` = in, `s` = in/gs).
-            RowKernel::Avx2(bits) => unsafe { super::quant_x86::row_dot(bits, words, x, s, gs) },
-            RowKernel::Portable(bits) => row_dot_portable(bits, words, x, s, gs),
+            // those of a validated AffineWeight row (`words` = in·bits/32, `xs` = in, `s` = in/gs).
+            RowKernel::Avx2(bits) => unsafe { super::quant_x86::row_dot(bits, words, xs, s, gs) },
+            RowKernel::Portable(bits) => row_dot_portable(bits, words, xs, s, gs),
         }
     }
 }
@@ -330,9 +481,11 @@ mod tests {
                 let mut s = vec![0.0; w.groups_per_row()];
                 let mut b = vec![0.0; w.groups_per_row()];
                 w.row_params(1, &mut s, &mut b);
-                let wr = &w.words()[w.words_per_row()..2 * w.words_per_row()];
+                let mut scratch = vec![];
+                let wr = w.row_words(1, &mut scratch);
                 let a = row_dot_portable(bits, wr, &x, &s, gs);
-                let c = RowKernel::select(bits).run(wr, &x, &s, gs);
+                let kern = RowKernel::select(bits);
+                let c = kern.run(wr, &kern.prepare(&x), &s, gs);
                 assert!(
                     (a - c).abs() <= 1e-5 * a.abs().max(1.0),
                     "{bits}/{gs}: {a} vs {c}"

@@ -44,12 +44,17 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "sample.cu",
         include_str!("../../kernels/sample.cu"),
-        &["embed_bf16", "argmax_advance"],
+        &["embed_bf16", "embed_affine", "argmax_advance"],
     ),
     (
         "fill.cu",
         include_str!("../../kernels/fill.cu"),
-        &["fill_uniform_bf16", "fill_uniform_f32"],
+        &["fill_uniform_bf16", "fill_uniform_f32", "fill_random_u32"],
+    ),
+    (
+        "qmatvec.cu",
+        include_str!("../../kernels/qmatvec.cu"),
+        &["matvec_affine", "matvec_swiglu_affine"],
     ),
 ];
 
@@ -70,11 +75,8 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-fn cache_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("deltamoe").join("kernels"))
+fn cache_dir() -> PathBuf {
+    crate::cache::dir().join("kernels")
 }
 
 fn nvrtc_version() -> String {
@@ -97,9 +99,8 @@ fn ptx_for(file: &str, src: &str, arch: &'static str) -> Result<String> {
         opts.join(" ").as_bytes(),
         nvrtc_version().as_bytes(),
     ]);
-    let cached =
-        cache_dir().map(|d| d.join(format!("{}-{key:016x}.ptx", file.trim_end_matches(".cu"))));
-    if let Some(Ok(ptx)) = cached.as_ref().map(std::fs::read_to_string) {
+    let cached = cache_dir().join(format!("{}-{key:016x}.ptx", file.trim_end_matches(".cu")));
+    if let Ok(ptx) = std::fs::read_to_string(&cached) {
         return Ok(ptx);
     }
     let options = CompileOptions {
@@ -114,10 +115,8 @@ fn ptx_for(file: &str, src: &str, arch: &'static str) -> Result<String> {
             log: e.to_string().replace('\n', " | "),
         })?
         .to_src();
-    if let Some(path) = cached {
-        if let Some(dir) = path.parent() {
-            let _ = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, &ptx));
-        }
+    if let Some(dir) = cached.parent() {
+        let _ = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&cached, &ptx));
     }
     Ok(ptx)
 }
@@ -173,6 +172,29 @@ impl Kernels {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn affine_rows_per_warp_grows_with_rows() {
+        use super::super::ops::affine_rows_per_warp;
+        assert_eq!(affine_rows_per_warp(8 * 1024), 2);
+        assert_eq!(affine_rows_per_warp(248_320), 4);
+    }
+
+    #[test]
+    fn every_kernel_the_launchers_use_is_registered() {
+        let ops = include_str!("ops.rs");
+        let registered: Vec<&str> = super::FILES
+            .iter()
+            .flat_map(|f| f.2.iter().copied())
+            .collect();
+        for part in ops.split("kernels().get(\"").skip(1) {
+            let name = &part[..part.find('"').unwrap()];
+            assert!(
+                registered.contains(&name),
+                "kernel {name} is launched but not registered"
+            );
+        }
+    }
+
     #[test]
     fn cache_key_changes_with_any_part() {
         let a = super::fnv1a(&[b"src", b"compute_90"]);

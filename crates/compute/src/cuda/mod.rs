@@ -11,7 +11,9 @@ pub mod ops;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+};
 
 pub use kernels::Kernels;
 
@@ -213,6 +215,25 @@ impl Gpu {
         }
         self.sync()?;
         Ok(2.0 * bytes as f64 * reps as f64 / t0.elapsed().as_secs_f64())
+    }
+
+    /// A device timer event (see [`Gpu::mark`], [`Gpu::elapsed_ms`]).
+    pub fn timer(&self) -> Result<CudaEvent> {
+        self.ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver_err("creating an event"))
+    }
+
+    /// Record `ev` at the current point of the stream.
+    pub fn mark(&self, ev: &CudaEvent) -> Result<()> {
+        ev.record(&self.stream)
+            .map_err(driver_err("recording an event"))
+    }
+
+    /// Milliseconds between two recorded events (after they completed).
+    pub fn elapsed_ms(&self, a: &CudaEvent, b: &CudaEvent) -> Result<f32> {
+        a.elapsed_ms(b)
+            .map_err(driver_err("reading an event timer"))
     }
 
     pub fn sync(&self) -> Result<()> {

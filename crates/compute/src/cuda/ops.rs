@@ -19,19 +19,56 @@ fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
 
-/// Operands of a (possibly batched) bf16 matrix-vector product: W [E, N, K]; `ids` (device
-/// int[slots], 0: e = s) picks the matrix per slot; x_s = x + s·x_stride floats; optional
-/// f32 bias [E, N] (0: none).
+/// How a device matrix is stored.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightFormat {
+    /// bf16 `[E, N, K]`.
+    Bf16,
+    /// MLX affine: u32 words `[E, N, K·bits/32]`, bf16 scales and biases `[E, N, K/group]`.
+    Affine {
+        bits: u32,
+        group: usize,
+        scales: u64,
+        biases: u64,
+    },
+}
+
+/// Operands of a (possibly batched) matrix-vector product: W `[E, N, K]` at `w`; `ids`
+/// (device int[slots], 0: e = s) picks the matrix per slot; x_s = x + s·x_stride floats;
+/// optional f32 bias `[E, N]` (0: none).
 #[derive(Clone, Copy, Debug)]
 pub struct Matvec {
     pub w: u64,
     pub n: usize,
     pub k: usize,
     pub bias: u64,
+    pub format: WeightFormat,
+}
+
+/// Rows one warp of the affine kernels computes for `rows` output rows in one launch: 4 (each
+/// input value loaded serves four rows) when there are enough rows to keep every SM busy, else 2
+/// (more warps in flight for the small expert matrices of decode).
+pub fn affine_rows_per_warp(rows: usize) -> usize {
+    if rows >= 16_384 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The matvec kernels read x as float4s (bf16 rows only when K is a multiple of 8).
+fn check_stride(m: &Matvec, x_stride: usize) -> Result<()> {
+    let vector = matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8);
+    if vector && !x_stride.is_multiple_of(4) {
+        return Err(super::CudaError::Unsupported(format!(
+            "matvec input stride {x_stride} is not a multiple of 4"
+        )));
+    }
+    Ok(())
 }
 
 /// `y[s, :N] = W_e · x_s (+ bias_e)` for `slots` slots.
-pub fn matvec_bf16(
+pub fn matvec(
     g: &Gpu,
     m: Matvec,
     x: u64,
@@ -40,51 +77,113 @@ pub fn matvec_bf16(
     ids: u64,
     x_stride: usize,
 ) -> Result<()> {
-    let (n, w) = (m.n, m.w);
+    check_stride(&m, x_stride)?;
     let (n32, k32, xs) = (m.n as i32, m.k as i32, x_stride as i64);
-    let mut b = g.stream().launch_builder(g.kernels().get("matvec_bf16"));
-    b.arg(&w)
-        .arg(&x)
-        .arg(&y)
-        .arg(&n32)
-        .arg(&k32)
-        .arg(&ids)
-        .arg(&xs)
-        .arg(&m.bias);
-    // SAFETY: W holds (max id + 1)·N·K bf16, x holds slots·x_stride + K floats (K when
-    // x_stride is 0), y holds slots·N floats; the kernel bounds-checks rows against N.
-    unsafe { b.launch(cfg((blocks(n, 8), slots as u32), 256, 0)) }
-        .map_err(driver_err("matvec_bf16"))?;
+    let grid = (blocks(m.n, 8), slots as u32);
+    match m.format {
+        WeightFormat::Bf16 => {
+            let mut b = g.stream().launch_builder(g.kernels().get("matvec_bf16"));
+            b.arg(&m.w)
+                .arg(&x)
+                .arg(&y)
+                .arg(&n32)
+                .arg(&k32)
+                .arg(&ids)
+                .arg(&xs)
+                .arg(&m.bias);
+            // SAFETY: W holds (max id + 1)·N·K bf16, x holds slots·x_stride + K floats (K
+            // when x_stride is 0), y holds slots·N floats; rows are bounds-checked against N.
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_bf16"))?;
+        }
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => {
+            let (g32, b32) = (group as i32, bits as i32);
+            let rpw = affine_rows_per_warp(m.n * slots);
+            let grid = (blocks(m.n, 8 * rpw), slots as u32);
+            let r32 = rpw as i32;
+            let mut b = g.stream().launch_builder(g.kernels().get("matvec_affine"));
+            b.arg(&m.w)
+                .arg(&scales)
+                .arg(&biases)
+                .arg(&x)
+                .arg(&y)
+                .arg(&n32)
+                .arg(&k32)
+                .arg(&g32)
+                .arg(&b32)
+                .arg(&r32);
+            b.arg(&ids).arg(&xs).arg(&m.bias);
+            // SAFETY: as the bf16 case with words (max id + 1)·N·K·bits/32 u32 and scales,
+            // biases (max id + 1)·N·K/group bf16; bits ∈ {2, 4, 8} and group | K (checked at
+            // upload).
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_affine"))?;
+        }
+    }
     Ok(())
 }
 
-/// `h[s, :I] = silu(G_e x_s) ⊙ (U_e x_s)`; W: [E, 2I, K] bf16 (gate rows first).
-#[allow(clippy::too_many_arguments)]
-pub fn matvec_swiglu_bf16(
+/// `h[s, :I] = silu(G_e x_s) ⊙ (U_e x_s)` where W_e = `[gate (I rows) | up (I rows)]`, so
+/// `m.n = 2I`. No bias.
+pub fn matvec_swiglu(
     g: &Gpu,
-    w: u64,
+    m: Matvec,
     x: u64,
     h: u64,
-    i: usize,
-    k: usize,
     slots: usize,
     ids: u64,
     x_stride: usize,
 ) -> Result<()> {
-    let (i32_, k32, xs) = (i as i32, k as i32, x_stride as i64);
-    let mut b = g
-        .stream()
-        .launch_builder(g.kernels().get("matvec_swiglu_bf16"));
-    b.arg(&w)
-        .arg(&x)
-        .arg(&h)
-        .arg(&i32_)
-        .arg(&k32)
-        .arg(&ids)
-        .arg(&xs);
-    // SAFETY: as matvec_bf16 with 2I rows per expert and h of slots·I floats.
-    unsafe { b.launch(cfg((blocks(i, 8), slots as u32), 256, 0)) }
-        .map_err(driver_err("matvec_swiglu_bf16"))?;
+    check_stride(&m, x_stride)?;
+    let i = m.n / 2;
+    let (i32_, k32, xs) = (i as i32, m.k as i32, x_stride as i64);
+    let grid = (blocks(i, 8), slots as u32);
+    match m.format {
+        WeightFormat::Bf16 => {
+            let mut b = g
+                .stream()
+                .launch_builder(g.kernels().get("matvec_swiglu_bf16"));
+            b.arg(&m.w)
+                .arg(&x)
+                .arg(&h)
+                .arg(&i32_)
+                .arg(&k32)
+                .arg(&ids)
+                .arg(&xs);
+            // SAFETY: as `matvec` with 2I rows per expert and h of slots·I floats.
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_bf16"))?;
+        }
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => {
+            let (g32, b32) = (group as i32, bits as i32);
+            let rpw = affine_rows_per_warp(m.n * slots);
+            let grid = (blocks(i, 8 * rpw / 2), slots as u32);
+            let r32 = rpw as i32;
+            let mut b = g
+                .stream()
+                .launch_builder(g.kernels().get("matvec_swiglu_affine"));
+            b.arg(&m.w)
+                .arg(&scales)
+                .arg(&biases)
+                .arg(&x)
+                .arg(&h)
+                .arg(&i32_)
+                .arg(&k32)
+                .arg(&g32)
+                .arg(&b32)
+                .arg(&r32);
+            b.arg(&ids).arg(&xs);
+            // SAFETY: as `matvec`'s affine case with 2I rows per expert.
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_affine"))?;
+        }
+    }
     Ok(())
 }
 
@@ -109,7 +208,7 @@ pub fn add_rmsnorm(
         .arg(&h32)
         .arg(&eps);
     // SAFETY: x, delta, out hold rows·h floats, scale h floats.
-    unsafe { b.launch(cfg((rows as u32, 1), 256, 0)) }.map_err(driver_err("add_rmsnorm"))?;
+    unsafe { b.launch(cfg((rows as u32, 1), 1024, 0)) }.map_err(driver_err("add_rmsnorm"))?;
     Ok(())
 }
 
@@ -147,6 +246,10 @@ pub struct GdnDims {
 
 /// Largest key head dim `gdn_step` supports (`GDN_DK_MAX` in gdn.cu).
 pub const GDN_DK_MAX: usize = 128;
+/// Largest value head dim `gdn_step` supports (`GDN_DV_MAX` in gdn.cu).
+pub const GDN_DV_MAX: usize = 128;
+/// Row groups per head in `gdn_step` (`GDN_ROW_GROUPS` in gdn.cu).
+const GDN_ROW_GROUPS: u32 = 8;
 
 /// Delta-rule step + gated RMSNorm for every value head (see gdn.cu).
 #[allow(clippy::too_many_arguments)]
@@ -172,10 +275,16 @@ pub fn gdn_step(
         .arg(&norm_w)
         .arg(&out);
     b.arg(&hk).arg(&hv).arg(&dk).arg(&dv).arg(&eps);
-    let threads = (d.dv.max(d.dk).div_ceil(32) * 32) as u32;
-    // SAFETY: dk ≤ GDN_DK_MAX (checked at upload); state holds hv·dk·dv floats, out hv·dv,
-    // proj the fused projection (conv dim + hv·dv + 2·hv floats), mixed the conv dim.
-    unsafe { b.launch(cfg((d.hv as u32, 1), threads, 0)) }.map_err(driver_err("gdn_step"))?;
+    let cols = (d.dv.div_ceil(32) * 32) as u32;
+    let launch = LaunchConfig {
+        grid_dim: (d.hv as u32, 1, 1),
+        block_dim: (cols, GDN_ROW_GROUPS, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: dk ≤ GDN_DK_MAX and dv ≤ GDN_DV_MAX (checked at upload); state holds hv·dk·dv
+    // floats, out hv·dv, proj the fused projection (conv dim + hv·dv + 2·hv floats), mixed the
+    // conv dim.
+    unsafe { b.launch(launch) }.map_err(driver_err("gdn_step"))?;
     Ok(())
 }
 
@@ -187,6 +296,9 @@ pub struct AttnDims {
     pub d: usize,
     pub rotary: usize,
 }
+
+/// Most split-K partitions `attn_combine` merges (`ATTN_MAX_SPLITS` in attention.cu).
+pub const ATTN_MAX_SPLITS: usize = 256;
 
 /// Largest head dim the attention kernels support (`ATTN_DMAX` in attention.cu).
 pub const ATTN_DMAX: usize = 256;
@@ -246,6 +358,11 @@ pub fn attn_decode(
     a: AttnDims,
     splits: usize,
 ) -> Result<()> {
+    if splits > ATTN_MAX_SPLITS {
+        return Err(super::CudaError::Unsupported(format!(
+            "{splits} attention splits exceed {ATTN_MAX_SPLITS}"
+        )));
+    }
     let (hq, hkv, d, s) = (a.hq as i32, a.hkv as i32, a.d as i32, splits as i32);
     let scale = 1.0f32 / (a.d as f32).sqrt();
     let mut b = g.stream().launch_builder(g.kernels().get("attn_partial"));
@@ -297,7 +414,7 @@ pub fn router_topk(
         .arg(&w)
         .arg(&sg);
     // SAFETY: e ≤ 1024 and k ≤ 32 (checked at upload); logits hold e (+1) floats.
-    unsafe { b.launch(cfg((1, 1), 256, 0)) }.map_err(driver_err("router_topk"))?;
+    unsafe { b.launch(cfg((1, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
     Ok(())
 }
 
@@ -337,6 +454,33 @@ pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize) -> Result<()>
     Ok(())
 }
 
+/// `x = table[*tok]` as f32 (bf16 rows converted, affine rows dequantized), width `h`.
+pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize) -> Result<()> {
+    let WeightFormat::Affine {
+        bits,
+        group,
+        scales,
+        biases,
+    } = m.format
+    else {
+        return embed_bf16(g, m.w, tok, x, h);
+    };
+    let (h32, g32, b32) = (h as i32, group as i32, bits as i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("embed_affine"));
+    b.arg(&m.w)
+        .arg(&scales)
+        .arg(&biases)
+        .arg(&tok)
+        .arg(&x)
+        .arg(&h32)
+        .arg(&g32)
+        .arg(&b32);
+    // SAFETY: *tok < vocab (checked by the engine before it is written); the table holds
+    // vocab rows of h values; x holds h floats.
+    unsafe { b.launch(cfg((blocks(h, 256), 1), 256, 0)) }.map_err(driver_err("embed_affine"))?;
+    Ok(())
+}
+
 /// `*tok = argmax(logits[..v])`, `*pos += 1`.
 pub fn argmax_advance(g: &Gpu, logits: u64, v: usize, tok: u64, pos: u64) -> Result<()> {
     let v32 = v as i32;
@@ -344,6 +488,19 @@ pub fn argmax_advance(g: &Gpu, logits: u64, v: usize, tok: u64, pos: u64) -> Res
     b.arg(&logits).arg(&v32).arg(&tok).arg(&pos);
     // SAFETY: logits hold v floats; tok and pos one int each.
     unsafe { b.launch(cfg((1, 1), 1024, 0)) }.map_err(driver_err("argmax_advance"))?;
+    Ok(())
+}
+
+/// Fill `n` u32 words at `out` with random bits (synthetic packed weights).
+pub fn fill_random_u32(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
+    let n64 = n as i64;
+    let mut b = g
+        .stream()
+        .launch_builder(g.kernels().get("fill_random_u32"));
+    b.arg(&out).arg(&n64).arg(&seed);
+    // SAFETY: out holds n u32; grid-stride loop bounded by n.
+    unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
+        .map_err(driver_err("fill_random_u32"))?;
     Ok(())
 }
 

@@ -146,13 +146,19 @@ impl ConvertOptions {
 
     /// Spec of a linear module (normalised path), before the divisibility check.
     pub fn spec_for(&self, module: &str) -> Option<QuantSpec> {
-        let mut spec = Some(self.default_spec());
+        self.resolve(module).0
+    }
+
+    /// The spec and whether a rule (the router rule or `--bits-for`) chose it; like mlx-lm,
+    /// the config gets an entry for every rule-chosen module, even one equal to the default.
+    fn resolve(&self, module: &str) -> (Option<QuantSpec>, bool) {
+        let mut spec = (Some(self.default_spec()), false);
         if module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate") {
-            spec = Some(ROUTER_SPEC);
+            spec = (Some(ROUTER_SPEC), true);
         }
         for r in &self.rules {
             if r.matches(module) {
-                spec = r.spec;
+                spec = (r.spec, true);
             }
         }
         spec
@@ -251,9 +257,8 @@ impl Plan {
         dtype: &'static str,
     ) {
         let (rows, cols) = flat2d(&shape);
-        let spec = opts
-            .spec_for(module)
-            .filter(|s| cols.is_multiple_of(s.group_size));
+        let (spec, explicit) = opts.resolve(module);
+        let spec = spec.filter(|s| cols.is_multiple_of(s.group_size));
         let Some(spec) = spec else {
             self.dense += 1;
             let out = self.push(format!("{out_module}.weight"), dtype, shape);
@@ -266,7 +271,7 @@ impl Plan {
             return;
         };
         self.quantized += 1;
-        if spec != opts.default_spec() {
+        if explicit || spec != opts.default_spec() {
             self.overrides.insert(out_module.to_string(), spec);
         }
         let lead = &shape[..shape.len() - 1];

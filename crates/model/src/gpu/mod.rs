@@ -1,17 +1,19 @@
 //! The Qwen3 hybrid model's decode step on CUDA.
 //!
-//! Weights are uploaded once from a loaded [`Qwen3Hybrid`] as bf16 (f16/f32 checkpoints are
-//! rounded to bf16 on upload) with the projections that read the same input fused into one
-//! matrix: GDN `[qkv | z | b | a]` (Qwen3-Next's per-key-head packing is reordered to this),
-//! attention `[q/gate | k | v]`, MoE router `[router | shared_expert_gate]`, and each expert's
-//! `[gate | up]`. Norm scales, conv kernels, `−exp(A_log)` and `dt_bias` stay f32.
+//! Weights are uploaded once from a loaded [`Qwen3Hybrid`]: dense ones as bf16 (f16/f32
+//! checkpoints rounded to bf16), MLX affine 2/4/8-bit ones kept quantized (u32 words, bf16
+//! scales and biases; 3/5/6-bit, which pack across words, are dequantized to bf16). Projections
+//! that read the same input are fused into one matrix: GDN `[qkv | z | b | a]` (Qwen3-Next's
+//! per-key-head packing reordered by row runs), attention `[q/gate | k | v]`, MoE router
+//! `[router | shared_expert_gate]`, and each expert's `[gate | up]`. Norm scales, conv kernels,
+//! `−exp(A_log)` and `dt_bias` stay f32; activations are f32 throughout.
 //!
 //! One token's step (see [`GpuModel::enqueue_step`]) runs every op on the GPU: embedding,
 //! add+RMSNorm, fused projections, the GDN conv and delta-rule kernels, attention prep and
-//! split-K decode, router top-k, batched expert SwiGLU and down projections, combine, final
-//! norm, lm_head and argmax. The token id and position live in device memory, so the step is
-//! captured once per sequence into a CUDA graph and replayed; the only host↔device traffic per
-//! generated token is the token id.
+//! split-K decode, router top-k, batched expert SwiGLU and down projections (all K experts in
+//! one launch each), combine, final norm, lm_head and argmax. The token id and position live in
+//! device memory, so the step is captured once per sequence into a CUDA graph and replayed; the
+//! only host↔device traffic per greedy token is the token id.
 
 mod synthetic;
 
@@ -19,19 +21,21 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
-use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec, ATTN_DMAX, GDN_DK_MAX};
+use deltamoe_compute::cuda::ops::{
+    self, AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX, GDN_DK_MAX, GDN_DV_MAX,
+};
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 use deltamoe_compute::dtype::f32_to_bf16;
-use deltamoe_compute::TensorData;
+use deltamoe_compute::{AffineWeight, TensorData};
 
 use crate::layers::gdn::InProj;
-use crate::layers::{DenseSource, Linear, Mlp};
+use crate::layers::{DenseSource, Linear, LinearWeight, Mlp};
 use crate::qwen3_hybrid::{Ffn, Mixer, Qwen3Hybrid};
 
 type Result<T> = std::result::Result<T, CudaError>;
 
 /// Split-K partitions of the attention decode.
-const ATTN_SPLITS: usize = 16;
+const ATTN_SPLITS: usize = 64;
 
 /// bf16 bits of a tensor (rounded from f16/f32; quantized weights dequantized).
 fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
@@ -43,48 +47,124 @@ fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
     }
 }
 
-/// Rows of several `[n_i, K]` matrices stacked into one bf16 matrix.
-fn stack<W: DenseSource + ?Sized>(parts: &[&W]) -> Vec<u16> {
-    parts.iter().flat_map(|t| bf16_bits(*t)).collect()
-}
-
-/// A device matrix with its geometry and optional bias.
+/// A device matrix (or a stack of same-shaped matrices, e.g. experts) with its per-matrix
+/// geometry and optional bias.
 pub(crate) struct DevMat {
-    w: DevBuf<u16>,
+    w: DevWeights,
     n: usize,
     k: usize,
     bias: Option<DevBuf<f32>>,
 }
 
+pub(crate) enum DevWeights {
+    Bf16(DevBuf<u16>),
+    Affine {
+        words: DevBuf<u32>,
+        scales: DevBuf<u16>,
+        biases: DevBuf<u16>,
+        bits: u32,
+        group: usize,
+    },
+}
+
+/// Bits the quantized CUDA kernels read (MLX's 3 and 6 bits pack across words: dequantized).
+const GPU_BITS: [u32; 3] = [2, 4, 8];
+
 impl DevMat {
+    /// bf16 rows `bits` as `[·, n, k]`.
     fn new(g: &Gpu, bits: &[u16], n: usize, k: usize, bias: Option<Vec<f32>>) -> Result<DevMat> {
         let bias = bias.map(|b| g.upload(&b)).transpose()?;
         Ok(DevMat {
-            w: g.upload(bits)?,
+            w: DevWeights::Bf16(g.upload(bits)?),
             n,
             k,
             bias,
         })
     }
 
+    /// `parts` stacked by rows, read as matrices of `n` rows: kept quantized when every part is
+    /// affine with the same bits (2/4/8) and group, else bf16 (dequantized where needed).
+    fn stack(
+        g: &Gpu,
+        parts: &[&LinearWeight],
+        n: usize,
+        k: usize,
+        bias: Option<Vec<f32>>,
+    ) -> Result<DevMat> {
+        let affine: Option<Vec<&AffineWeight>> = parts.iter().map(|p| p.as_affine()).collect();
+        let uniform = affine.and_then(|a| {
+            let (bits, group) = (a[0].bits(), a[0].group_size());
+            let same = a
+                .iter()
+                .all(|w| w.bits() == bits && w.group_size() == group);
+            (same && GPU_BITS.contains(&bits)).then_some((bits, group, a))
+        });
+        let Some((bits, group, a)) = uniform else {
+            let dense: Vec<u16> = parts.iter().flat_map(|p| bf16_bits(*p)).collect();
+            return DevMat::new(g, &dense, n, k, bias);
+        };
+        let words: Vec<u32> = a.iter().flat_map(|w| w.words().into_owned()).collect();
+        let scales: Vec<u16> = a.iter().flat_map(|w| bf16_bits(w.scales())).collect();
+        let biases: Vec<u16> = a.iter().flat_map(|w| bf16_bits(w.biases())).collect();
+        let bias = bias.map(|b| g.upload(&b)).transpose()?;
+        let w = DevWeights::Affine {
+            words: g.upload(&words)?,
+            scales: g.upload(&scales)?,
+            biases: g.upload(&biases)?,
+            bits,
+            group,
+        };
+        Ok(DevMat { w, n, k, bias })
+    }
+
     fn of(g: &Gpu, l: &Linear) -> Result<DevMat> {
         let [n, k] = l.weight.shape();
-        DevMat::new(g, &bf16_bits(&l.weight), n, k, l.bias.clone())
+        DevMat::stack(g, &[&l.weight], n, k, l.bias.clone())
     }
 
     fn mv(&self) -> Matvec {
+        let bias = self.bias.as_ref().map_or(0, |b| b.ptr());
+        let (w, format) = match &self.w {
+            DevWeights::Bf16(b) => (b.ptr(), WeightFormat::Bf16),
+            DevWeights::Affine {
+                words,
+                scales,
+                biases,
+                bits,
+                group,
+            } => (
+                words.ptr(),
+                WeightFormat::Affine {
+                    bits: *bits,
+                    group: *group,
+                    scales: scales.ptr(),
+                    biases: biases.ptr(),
+                },
+            ),
+        };
         Matvec {
-            w: self.w.ptr(),
+            w,
             n: self.n,
             k: self.k,
-            bias: self.bias.as_ref().map_or(0, |b| b.ptr()),
+            bias,
+            format,
+        }
+    }
+
+    /// Bytes one matrix of the stack occupies.
+    fn bytes(&self) -> usize {
+        match &self.w {
+            DevWeights::Bf16(_) => self.n * self.k * 2,
+            DevWeights::Affine { bits, group, .. } => {
+                self.n * self.k * *bits as usize / 8 + 2 * 2 * self.n * self.k / group
+            }
         }
     }
 }
 
 /// `[gate | up]` rows of an MLP, then its down projection.
-fn gate_up_bits(m: &Mlp) -> Vec<u16> {
-    stack(&[&m.gate.weight, &m.up.weight])
+fn gate_up(m: &Mlp) -> [&LinearWeight; 2] {
+    [&m.gate.weight, &m.up.weight]
 }
 
 pub(crate) enum GpuMixer {
@@ -107,6 +187,7 @@ pub(crate) enum GpuMixer {
     },
 }
 
+#[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
 pub(crate) enum GpuFfn {
     Dense {
         gate_up: DevMat,
@@ -174,7 +255,7 @@ pub struct GpuModel {
     top_k: usize,
     num_experts: usize,
     norm_topk: bool,
-    embed: DevBuf<u16>,
+    embed: DevMat,
     lm_head: DevMat,
     final_norm: DevBuf<f32>,
     inv_freq: DevBuf<f32>,
@@ -190,31 +271,34 @@ fn upload_mixer(g: &Gpu, m: &Mixer, hidden: usize) -> Result<GpuMixer> {
     Ok(match m {
         Mixer::Linear(l) => {
             let s = l.shape;
-            if s.k_dim > GDN_DK_MAX || s.v_dim > 1024 {
+            if s.k_dim > GDN_DK_MAX || s.v_dim > GDN_DV_MAX {
                 return Err(unsupported(format!(
-                    "GDN head dims {}/{} exceed the CUDA kernel limits ({GDN_DK_MAX}/1024)",
+                    "GDN head dims {}/{} exceed the CUDA kernel limits ({GDN_DK_MAX}/{GDN_DV_MAX})",
                     s.k_dim, s.v_dim
                 )));
             }
             let conv_dim = l.conv_w.len() / l.conv_kernel;
-            let bits = match &l.proj {
-                InProj::Split { qkv, z, b, a } => {
-                    stack(&[&qkv.weight, &z.weight, &b.weight, &a.weight])
-                }
+            let n = conv_dim + s.n_v_heads * s.v_dim + 2 * s.n_v_heads;
+            let proj = match &l.proj {
+                InProj::Split { qkv, z, b, a } => DevMat::stack(
+                    g,
+                    &[&qkv.weight, &z.weight, &b.weight, &a.weight],
+                    n,
+                    hidden,
+                    None,
+                )?,
                 InProj::Packed { qkvz, ba } => {
-                    let (qkvz_rows, ba_rows) =
-                        packed_row_order(s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
-                    let (qkvz, ba) = (qkvz.weight.to_dense(), ba.weight.to_dense());
-                    [
-                        bf16_bits(&qkvz.gather_rows(&qkvz_rows)),
-                        bf16_bits(&ba.gather_rows(&ba_rows)),
-                    ]
-                    .concat()
+                    let (qkvz_runs, ba_runs) =
+                        packed_runs(s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
+                    let parts: Vec<LinearWeight> = row_runs(&qkvz.weight, &qkvz_runs)
+                        .into_iter()
+                        .chain(row_runs(&ba.weight, &ba_runs))
+                        .collect();
+                    DevMat::stack(g, &parts.iter().collect::<Vec<_>>(), n, hidden, None)?
                 }
             };
-            let n = conv_dim + s.n_v_heads * s.v_dim + 2 * s.n_v_heads;
             GpuMixer::Linear {
-                proj: DevMat::new(g, &bits, n, hidden, None)?,
+                proj,
                 conv_w: g.upload(&l.conv_w)?,
                 neg_a: g.upload(&l.neg_a)?,
                 dt_bias: g.upload(&l.dt_bias)?,
@@ -232,7 +316,6 @@ fn upload_mixer(g: &Gpu, m: &Mixer, hidden: usize) -> Result<GpuMixer> {
         }
         Mixer::Full(a) => {
             let ws = [&a.q_proj, &a.k_proj, &a.v_proj];
-            let bits = stack(&ws.map(|l| &l.weight));
             let n = ws.iter().map(|l| l.out_features()).sum();
             let bias = if a.q_proj.bias.is_some() {
                 Some(
@@ -248,7 +331,7 @@ fn upload_mixer(g: &Gpu, m: &Mixer, hidden: usize) -> Result<GpuMixer> {
                 None
             };
             GpuMixer::Full {
-                proj: DevMat::new(g, &bits, n, hidden, bias)?,
+                proj: DevMat::stack(g, &ws.map(|l| &l.weight), n, hidden, bias)?,
                 qn: g.upload(&a.q_norm)?,
                 kn: g.upload(&a.k_norm)?,
                 out: DevMat::of(g, &a.o_proj)?,
@@ -257,30 +340,41 @@ fn upload_mixer(g: &Gpu, m: &Mixer, hidden: usize) -> Result<GpuMixer> {
     })
 }
 
-/// Row orders that turn Qwen3-Next's per-key-head groups `[q | k | v | z] × Hk` and
+/// Rows `start..start + len` of a weight.
+pub(crate) type RowRun = (usize, usize);
+
+/// Row runs that turn Qwen3-Next's per-key-head groups `[q | k | v | z] × Hk` and
 /// `[b | a] × Hk` into `[q (all heads) | k | v | z]` and `[b | a]`.
-pub(crate) fn packed_row_order(
+pub(crate) fn packed_runs(
     hk: usize,
     hv: usize,
     dk: usize,
     dv: usize,
-) -> (Vec<usize>, Vec<usize>) {
+) -> (Vec<RowRun>, Vec<RowRun>) {
     let r = hv / hk;
     let rv = r * dv;
     let group = 2 * dk + 2 * rv;
-    let sect = |off: usize, len: usize| {
-        (0..hk).flat_map(move |h| (h * group + off)..(h * group + off + len))
-    };
-    let qkvz: Vec<usize> = sect(0, dk)
+    let sect = |off: usize, len: usize| (0..hk).map(move |h| (h * group + off, len));
+    let qkvz = sect(0, dk)
         .chain(sect(dk, dk))
         .chain(sect(2 * dk, rv))
         .chain(sect(2 * dk + rv, rv))
         .collect();
-    let ba: Vec<usize> = (0..hk)
-        .flat_map(|h| (h * 2 * r)..(h * 2 * r + r))
-        .chain((0..hk).flat_map(|h| (h * 2 * r + r)..(h * 2 * r + 2 * r)))
+    let ba = (0..hk)
+        .map(|h| (h * 2 * r, r))
+        .chain((0..hk).map(|h| (h * 2 * r + r, r)))
         .collect();
     (qkvz, ba)
+}
+
+/// Row runs of a weight, each a view sharing its storage (quantized weights stay quantized).
+fn row_runs(w: &LinearWeight, runs: &[(usize, usize)]) -> Vec<LinearWeight> {
+    runs.iter()
+        .map(|&(start, len)| match w {
+            LinearWeight::Dense(t) => LinearWeight::Dense(t.narrow(start, len)),
+            LinearWeight::Affine(a) => LinearWeight::Affine(Box::new(a.rows(start, len))),
+        })
+        .collect()
 }
 
 fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
@@ -288,7 +382,7 @@ fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
         Ffn::Dense(m) => {
             let i = m.gate.out_features();
             GpuFfn::Dense {
-                gate_up: DevMat::new(g, &gate_up_bits(m), 2 * i, hidden, None)?,
+                gate_up: DevMat::stack(g, &gate_up(m), 2 * i, hidden, None)?,
                 down: DevMat::of(g, &m.down)?,
             }
         }
@@ -300,24 +394,20 @@ fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
                     m.top_k
                 )));
             }
-            let gu: Vec<u16> = m.experts.iter().flat_map(gate_up_bits).collect();
-            let down: Vec<u16> = m
-                .experts
-                .iter()
-                .flat_map(|x| bf16_bits(&x.down.weight))
-                .collect();
+            let gu: Vec<&LinearWeight> = m.experts.iter().flat_map(gate_up).collect();
+            let down: Vec<&LinearWeight> = m.experts.iter().map(|x| &x.down.weight).collect();
             let si = m.shared.gate.out_features();
             GpuFfn::Moe {
-                router: DevMat::new(
+                router: DevMat::stack(
                     g,
-                    &stack(&[&m.router.weight, &m.shared_gate.weight]),
+                    &[&m.router.weight, &m.shared_gate.weight],
                     e + 1,
                     hidden,
                     None,
                 )?,
-                experts_gu: DevMat::new(g, &gu, 2 * i, hidden, None)?,
-                experts_down: DevMat::new(g, &down, hidden, i, None)?,
-                shared_gu: DevMat::new(g, &gate_up_bits(&m.shared), 2 * si, hidden, None)?,
+                experts_gu: DevMat::stack(g, &gu, 2 * i, hidden, None)?,
+                experts_down: DevMat::stack(g, &down, hidden, i, None)?,
+                shared_gu: DevMat::stack(g, &gate_up(&m.shared), 2 * si, hidden, None)?,
                 shared_down: DevMat::of(g, &m.shared.down)?,
             }
         }
@@ -348,8 +438,8 @@ impl GpuModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embed = g.upload(&bf16_bits(&model.embed))?;
-        let lm_head = DevMat::new(g, &bf16_bits(&model.lm_head), c.vocab_size, h, None)?;
+        let embed = DevMat::stack(g, &[&model.embed], c.vocab_size, h, None)?;
+        let lm_head = DevMat::stack(g, &[&model.lm_head], c.vocab_size, h, None)?;
         let scratch = Scratch::new(g, c, &layers)?;
         Ok(GpuModel {
             hidden: h,
@@ -491,8 +581,8 @@ impl GpuModel {
     /// mixers, router, top-k and shared experts, lm_head), the GDN states (read and written)
     /// and the KV caches.
     pub fn bytes_per_token(&self, ctx: usize) -> usize {
-        let mat = |m: &DevMat| m.n * m.k * 2;
-        let mut b = self.hidden * 2 + mat(&self.lm_head);
+        let mat = |m: &DevMat| m.bytes();
+        let mut b = mat(&self.embed) / self.vocab + mat(&self.lm_head);
         for l in &self.layers {
             b += match &l.mixer {
                 GpuMixer::Linear {
@@ -521,6 +611,50 @@ impl GpuModel {
         b
     }
 
+    /// Mixer kind of each layer: "gdn" or "attention".
+    pub fn layer_kinds(&self) -> Vec<&'static str> {
+        self.layers
+            .iter()
+            .map(|l| match l.mixer {
+                GpuMixer::Linear { .. } => "gdn",
+                GpuMixer::Full { .. } => "attention",
+            })
+            .collect()
+    }
+
+    /// Run one step eagerly (no graph) with a device timer around each layer: milliseconds per
+    /// layer, and for the embedding + head together. Advances the sequence like [`Self::step`].
+    pub fn profile_step(&mut self, seq: &mut GpuSeq, tok: u32) -> Result<(Vec<f32>, f32)> {
+        let g = self.gpu.clone();
+        g.write(&mut seq.tok, &[tok as i32])?;
+        let marks: Vec<_> = (0..self.layers.len() + 3)
+            .map(|_| g.timer())
+            .collect::<Result<_>>()?;
+        g.mark(&marks[0])?;
+        ops::embed(
+            &g,
+            self.embed.mv(),
+            seq.tok.ptr(),
+            self.scratch.x.ptr(),
+            self.hidden,
+        )?;
+        g.mark(&marks[1])?;
+        for i in 0..self.layers.len() {
+            self.enqueue_layer(seq, i)?;
+            g.mark(&marks[i + 2])?;
+        }
+        self.enqueue_head(seq)?;
+        g.mark(&marks[self.layers.len() + 2])?;
+        g.sync()?;
+        seq.host_pos += 1;
+        let ms = |a: usize, b: usize| g.elapsed_ms(&marks[a], &marks[b]);
+        let layers = (0..self.layers.len())
+            .map(|i| ms(i + 1, i + 2))
+            .collect::<Result<Vec<_>>>()?;
+        let other = ms(0, 1)? + ms(self.layers.len() + 1, self.layers.len() + 2)?;
+        Ok((layers, other))
+    }
+
     /// The logits of the last step, `[vocab]`.
     pub fn logits(&self) -> Result<Vec<f32>> {
         self.gpu.read(&self.scratch.logits, self.vocab)
@@ -528,11 +662,28 @@ impl GpuModel {
 
     /// Enqueue one token's forward pass on the stream (eagerly or into a capture).
     fn enqueue_step(&self, seq: &GpuSeq) -> Result<()> {
+        let s = &self.scratch;
+        ops::embed(
+            &self.gpu,
+            self.embed.mv(),
+            seq.tok.ptr(),
+            s.x.ptr(),
+            self.hidden,
+        )?;
+        for i in 0..self.layers.len() {
+            self.enqueue_layer(seq, i)?;
+        }
+        self.enqueue_head(seq)
+    }
+
+    /// Layer `i`: the previous sublayer's output (in `delta`) joins the residual, then the
+    /// mixer and the ffn run; the ffn's output is left in `delta`.
+    fn enqueue_layer(&self, seq: &GpuSeq, i: usize) -> Result<()> {
         let g = &*self.gpu;
         let s = &self.scratch;
         let (h, eps) = (self.hidden, self.eps);
-        ops::embed_bf16(g, self.embed.ptr(), seq.tok.ptr(), s.x.ptr(), h)?;
-        for (i, l) in self.layers.iter().enumerate() {
+        let l = &self.layers[i];
+        {
             let delta = if i == 0 { 0 } else { s.delta.ptr() };
             ops::add_rmsnorm(
                 g,
@@ -558,7 +709,7 @@ impl GpuModel {
                 } => {
                     let (conv, rec) = (seq.conv[i].as_ref(), seq.rec[i].as_ref());
                     let (conv, rec) = (conv.map_or(0, |b| b.ptr()), rec.map_or(0, |b| b.ptr()));
-                    ops::matvec_bf16(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
+                    ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
                     ops::gdn_conv_step(
                         g,
                         s.proj.ptr(),
@@ -580,12 +731,12 @@ impl GpuModel {
                         *dims,
                         eps,
                     )?;
-                    ops::matvec_bf16(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
+                    ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
                 }
                 GpuMixer::Full { proj, qn, kn, out } => {
                     let kc = seq.k_cache[i].as_ref().map_or(0, |b| b.ptr());
                     let vc = seq.v_cache[i].as_ref().map_or(0, |b| b.ptr());
-                    ops::matvec_bf16(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
+                    ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
                     ops::attn_prep(
                         g,
                         s.proj.ptr(),
@@ -612,7 +763,7 @@ impl GpuModel {
                         self.attn,
                         ATTN_SPLITS,
                     )?;
-                    ops::matvec_bf16(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
+                    ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
                 }
             }
             ops::add_rmsnorm(
@@ -627,18 +778,8 @@ impl GpuModel {
             )?;
             match &l.ffn {
                 GpuFfn::Dense { gate_up, down } => {
-                    ops::matvec_swiglu_bf16(
-                        g,
-                        gate_up.w.ptr(),
-                        s.normed.ptr(),
-                        s.h.ptr(),
-                        gate_up.n / 2,
-                        h,
-                        1,
-                        0,
-                        0,
-                    )?;
-                    ops::matvec_bf16(g, down.mv(), s.h.ptr(), s.delta.ptr(), 1, 0, 0)?;
+                    ops::matvec_swiglu(g, gate_up.mv(), s.normed.ptr(), s.h.ptr(), 1, 0, 0)?;
+                    ops::matvec(g, down.mv(), s.h.ptr(), s.delta.ptr(), 1, 0, 0)?;
                 }
                 GpuFfn::Moe {
                     router,
@@ -648,7 +789,7 @@ impl GpuModel {
                     shared_down,
                 } => {
                     let (k, i_e) = (self.top_k, experts_gu.n / 2);
-                    ops::matvec_bf16(g, router.mv(), s.normed.ptr(), s.router.ptr(), 1, 0, 0)?;
+                    ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), 1, 0, 0)?;
                     ops::router_topk(
                         g,
                         s.router.ptr(),
@@ -660,18 +801,16 @@ impl GpuModel {
                         s.weights.ptr(),
                         s.sg.ptr(),
                     )?;
-                    ops::matvec_swiglu_bf16(
+                    ops::matvec_swiglu(
                         g,
-                        experts_gu.w.ptr(),
+                        experts_gu.mv(),
                         s.normed.ptr(),
                         s.h.ptr(),
-                        i_e,
-                        h,
                         k,
                         s.ids.ptr(),
                         0,
                     )?;
-                    ops::matvec_bf16(
+                    ops::matvec(
                         g,
                         experts_down.mv(),
                         s.h.ptr(),
@@ -680,18 +819,8 @@ impl GpuModel {
                         s.ids.ptr(),
                         i_e,
                     )?;
-                    ops::matvec_swiglu_bf16(
-                        g,
-                        shared_gu.w.ptr(),
-                        s.normed.ptr(),
-                        s.hs.ptr(),
-                        shared_gu.n / 2,
-                        h,
-                        1,
-                        0,
-                        0,
-                    )?;
-                    ops::matvec_bf16(g, shared_down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
+                    ops::matvec_swiglu(g, shared_gu.mv(), s.normed.ptr(), s.hs.ptr(), 1, 0, 0)?;
+                    ops::matvec(g, shared_down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
                     ops::moe_combine(
                         g,
                         s.y.ptr(),
@@ -705,6 +834,14 @@ impl GpuModel {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Final norm, lm_head and the greedy token.
+    fn enqueue_head(&self, seq: &GpuSeq) -> Result<()> {
+        let g = &*self.gpu;
+        let s = &self.scratch;
+        let (h, eps) = (self.hidden, self.eps);
         ops::add_rmsnorm(
             g,
             s.x.ptr(),
@@ -715,7 +852,7 @@ impl GpuModel {
             h,
             eps,
         )?;
-        ops::matvec_bf16(
+        ops::matvec(
             g,
             self.lm_head.mv(),
             s.normed.ptr(),
@@ -778,9 +915,13 @@ impl Scratch {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn packed_row_order_matches_the_cpu_unpacking() {
+    fn packed_runs_match_the_cpu_unpacking() {
         // hk 2, hv 4 (r 2), dk 1, dv 1: group = [q, k, v0, v1, z0, z1] per key head.
-        let (qkvz, ba) = super::packed_row_order(2, 4, 1, 1);
+        let rows = |runs: Vec<(usize, usize)>| -> Vec<usize> {
+            runs.into_iter().flat_map(|(s, l)| s..s + l).collect()
+        };
+        let (qkvz, ba) = super::packed_runs(2, 4, 1, 1);
+        let (qkvz, ba) = (rows(qkvz), rows(ba));
         assert_eq!(qkvz, vec![0, 6, 1, 7, 2, 3, 8, 9, 4, 5, 10, 11]);
         assert_eq!(ba, vec![0, 1, 4, 5, 2, 3, 6, 7]);
     }

@@ -1,5 +1,5 @@
-//! A model of any config with random bf16 weights made directly in device memory (no host
-//! copy, no files): what `deltamoe bench` measures real shapes with.
+//! A model of any config with random weights made directly in device memory (no host copy, no
+//! files), bf16 or MLX affine-quantized: what `deltamoe bench` measures real shapes with.
 
 use std::sync::Arc;
 
@@ -7,13 +7,15 @@ use deltamoe_compute::cpu::rope::Rope;
 use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
-use super::{DevMat, GpuFfn, GpuLayer, GpuMixer, GpuModel, Result, Scratch};
+use super::{DevMat, DevWeights, GpuFfn, GpuLayer, GpuMixer, GpuModel, Result, Scratch};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 
-/// Fills buffers with seeded uniform values, a new seed per buffer.
+/// Fills buffers with seeded uniform values, a new seed per buffer. Matrices are bf16, or
+/// affine-quantized with `(bits, group)` when `quant` is set.
 struct Filler<'a> {
     g: &'a Gpu,
     seed: u64,
+    quant: Option<(u32, usize)>,
 }
 
 impl Filler<'_> {
@@ -25,12 +27,45 @@ impl Filler<'_> {
         self.seed
     }
 
-    /// `count` stacked `[n, k]` bf16 matrices, uniform in ±1/sqrt(k).
-    fn mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
-        let w: DevBuf<u16> = self.g.zeros(count * n * k)?;
+    /// `len` bf16 values uniform in ±1/sqrt(k).
+    fn bf16(&mut self, len: usize, k: usize) -> Result<DevBuf<u16>> {
+        let w: DevBuf<u16> = self.g.zeros(len)?;
         let a = 1.0 / (k as f32).sqrt();
         let seed = self.next_seed();
-        ops::fill_uniform(self.g, w.ptr(), count * n * k, true, seed, -a, a)?;
+        ops::fill_uniform(self.g, w.ptr(), len, true, seed, -a, a)?;
+        Ok(w)
+    }
+
+    /// `count` stacked `[n, k]` matrices with values of magnitude about 1/sqrt(k): random bits
+    /// for quantized weights, with scales and biases that keep w = q·s + b in that range.
+    fn mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
+        let Some((bits, group)) = self.quant else {
+            let w = DevWeights::Bf16(self.bf16(count * n * k, k)?);
+            return Ok(DevMat {
+                w,
+                n,
+                k,
+                bias: None,
+            });
+        };
+        let g = self.g;
+        let words: DevBuf<u32> = g.zeros(count * n * k * bits as usize / 32)?;
+        let seed = self.next_seed();
+        ops::fill_random_u32(g, words.ptr(), words.len(), seed)?;
+        let a = 1.0 / (k as f32).sqrt();
+        let step = 2.0 * a / ((1u32 << bits) - 1) as f32;
+        let groups = count * n * k / group;
+        let (scales, biases): (DevBuf<u16>, DevBuf<u16>) = (g.zeros(groups)?, g.zeros(groups)?);
+        let (s1, s2) = (self.next_seed(), self.next_seed());
+        ops::fill_uniform(g, scales.ptr(), groups, true, s1, 0.5 * step, 1.5 * step)?;
+        ops::fill_uniform(g, biases.ptr(), groups, true, s2, -1.5 * a, -0.5 * a)?;
+        let w = DevWeights::Affine {
+            words,
+            scales,
+            biases,
+            bits,
+            group,
+        };
         Ok(DevMat {
             w,
             n,
@@ -48,10 +83,16 @@ impl Filler<'_> {
 }
 
 impl GpuModel {
-    /// Random weights of config `c` on `gpu`.
-    pub fn synthetic(c: &ModelConfig, gpu: Arc<Gpu>, seed: u64) -> Result<GpuModel> {
+    /// Random weights of config `c` on `gpu`: bf16, or affine-quantized matrices with
+    /// `quant = Some((bits, group))` (norms, conv and gates stay f32, the embedding bf16).
+    pub fn synthetic(
+        c: &ModelConfig,
+        gpu: Arc<Gpu>,
+        seed: u64,
+        quant: Option<(u32, usize)>,
+    ) -> Result<GpuModel> {
         let g = &*gpu;
-        let mut f = Filler { g, seed };
+        let mut f = Filler { g, seed, quant };
         let h = c.hidden_size;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -115,7 +156,12 @@ impl GpuModel {
                 ffn,
             });
         }
-        let embed = f.mats(1, c.vocab_size, h)?.w;
+        let embed = DevMat {
+            w: DevWeights::Bf16(f.bf16(c.vocab_size * h, h)?),
+            n: c.vocab_size,
+            k: h,
+            bias: None,
+        };
         let lm_head = f.mats(1, c.vocab_size, h)?;
         let final_norm = f.vec(h, 0.5, 1.5)?;
         let inv_freq = g.upload(Rope::new(c.rotary_dim, c.rope_theta).inv_freq())?;

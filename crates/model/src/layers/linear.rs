@@ -15,7 +15,8 @@ use crate::weights::WeightStore;
 #[derive(Clone, Debug)]
 pub enum LinearWeight {
     Dense(Tensor),
-    Affine(AffineWeight),
+    /// Boxed: keeps `LinearWeight` (and every layer holding several) the size of a `Tensor`.
+    Affine(Box<AffineWeight>),
 }
 
 impl From<Tensor> for LinearWeight {
@@ -26,7 +27,7 @@ impl From<Tensor> for LinearWeight {
 
 impl From<AffineWeight> for LinearWeight {
     fn from(w: AffineWeight) -> Self {
-        LinearWeight::Affine(w)
+        LinearWeight::Affine(Box::new(w))
     }
 }
 
@@ -34,7 +35,7 @@ impl LinearWeight {
     /// `{prefix}.weight` as `[out, inp]`: quantized when `{prefix}.scales` exists, else dense.
     pub fn load(store: &WeightStore, prefix: &str, out: usize, inp: usize) -> Result<Self> {
         match load_affine(store, prefix, &[], out, inp)? {
-            Some(mut w) => Ok(LinearWeight::Affine(w.remove(0))),
+            Some(mut w) => Ok(LinearWeight::Affine(Box::new(w.remove(0)))),
             None => Ok(LinearWeight::Dense(
                 store.get(&format!("{prefix}.weight"), &[out, inp])?,
             )),
@@ -51,7 +52,7 @@ impl LinearWeight {
         inp: usize,
     ) -> Result<Vec<Self>> {
         if let Some(ws) = load_affine(store, prefix, &[n], out, inp)? {
-            return Ok(ws.into_iter().map(LinearWeight::Affine).collect());
+            return Ok(ws.into_iter().map(LinearWeight::from).collect());
         }
         let t = store.get(&format!("{prefix}.weight"), &[n, out, inp])?;
         Ok((0..n)
@@ -96,7 +97,7 @@ impl LinearWeight {
     pub fn as_affine(&self) -> Option<&AffineWeight> {
         match self {
             LinearWeight::Dense(_) => None,
-            LinearWeight::Affine(w) => Some(w),
+            LinearWeight::Affine(w) => Some(w.as_ref()),
         }
     }
 

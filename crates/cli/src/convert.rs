@@ -1,0 +1,93 @@
+//! `convert`: quantize an HF checkpoint into an MLX affine-quantized one (mlx-lm layout), tensor
+//! by tensor with bounded memory. Policy and output format: `deltamoe_model::convert`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use deltamoe_model::convert::{convert, BitsRule, ConvertOptions, DEFAULT_SHARD_BYTES};
+use deltamoe_model::Qwen3Hybrid;
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Args)]
+pub struct ConvertArgs {
+    /// Source model directory (HF layout, bf16/f16/f32).
+    #[arg(long)]
+    model: PathBuf,
+    /// Output directory (created; must not exist or be empty).
+    #[arg(long)]
+    out: PathBuf,
+    /// Default bits per weight: 2, 3, 4, 5, 6 or 8.
+    #[arg(long, default_value_t = 4)]
+    bits: u32,
+    /// Weights per scale/bias group: 32, 64 or 128.
+    #[arg(long, default_value_t = 64)]
+    group_size: usize,
+    /// Per-module override PATTERN=BITS[:GROUP] or PATTERN=none (keep the model dtype);
+    /// repeatable, the last match wins. PATTERN is a glob over module paths such as
+    /// model.layers.3.mlp.switch_mlp.down_proj, matching whole dot-separated suffixes:
+    /// e.g. `lm_head=8`, `switch_mlp.*=2`, `mlp.gate=none`.
+    #[arg(long = "bits-for", value_name = "PATTERN=N")]
+    bits_for: Vec<String>,
+    /// Largest output shard in MiB.
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES >> 20)]
+    shard_mib: u64,
+}
+
+pub fn run(a: ConvertArgs) -> Result<()> {
+    if !a.model.is_dir() {
+        bail!(
+            "--model {}: not a directory; point it at an HF model directory",
+            a.model.display()
+        );
+    }
+    if a.shard_mib == 0 {
+        bail!("--shard-mib must be at least 1");
+    }
+    let mut opts = ConvertOptions::new(a.bits, a.group_size);
+    opts.max_shard_bytes = a.shard_mib << 20;
+    for r in &a.bits_for {
+        opts.rules
+            .push(BitsRule::parse(r, a.group_size).map_err(anyhow::Error::msg)?);
+    }
+    let t0 = Instant::now();
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {wide_msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let report = convert(&a.model, &a.out, &opts, &mut |p| {
+        bar.set_length(p.total);
+        bar.set_position(p.done);
+        bar.set_message(p.tensor.to_string());
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    // The output must load: every shape against the config, every quantized tensor against the
+    // quantization block.
+    Qwen3Hybrid::load(&a.out).with_context(|| {
+        format!(
+            "--out {}: the converted checkpoint does not load",
+            a.out.display()
+        )
+    })?;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    eprintln!(
+        "converted {} -> {} in {:.1} s: {} tensors -> {} ({} linears quantized, {} kept dense), {:.1} MiB -> {:.1} MiB in {} shard(s); copied {}",
+        a.model.display(),
+        a.out.display(),
+        t0.elapsed().as_secs_f64(),
+        report.tensors_in,
+        report.tensors_out,
+        report.quantized_modules,
+        report.dense_modules,
+        mib(report.bytes_in),
+        mib(report.bytes_out),
+        report.shards,
+        if report.copied.is_empty() { "nothing".to_string() } else { report.copied.join(", ") },
+    );
+    Ok(())
+}

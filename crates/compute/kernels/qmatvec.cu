@@ -1,0 +1,156 @@
+// Matrix-vector products on MLX affine-quantized weights (bits 2, 4 or 8), activations f32.
+//
+// Layout per matrix [N, K]: words u32 [N, K·bits/32], values LSB-first (value i of a word is
+// (w >> (i·bits)) & (2^bits − 1)); scales, biases bf16 [N, K/G] for groups of G consecutive
+// weights (G a power of two, 32 to 128); w = q·scale + bias. Stacked experts: [E, N, …].
+// FMA dequant form per word: acc += scale·Σ q·x + bias·Σ x (one word never spans two groups).
+// x must be 16-byte aligned (device buffers are).
+//
+// matvec_affine: y[s, n] = Σ_k W_e[n, k] x_s[k] (+ bias_vec[e·N + n]); e = ids ? ids[s] : s;
+//   x_s = x + s·x_stride (x_stride a multiple of 4). grid (ceil(N/32), S), block 256: a warp per
+//   4 rows, lanes on consecutive words.
+// matvec_swiglu_affine: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
+//   first). grid (ceil(I/16), S), block 256: a warp per 2 outputs (4 rows).
+
+// Words per lane and row in flight before any is used.
+#define QMV_UNROLL 4
+// Most rows a warp computes together (each input value loaded then serves them all): the host
+// picks 4 for large matrices and 1 for small ones, where more warps beat fewer loads.
+#define QMV_ROWS 4
+
+// Rows `rows[0..R)` (R ≤ QMV_ROWS valid: `nrows`) of one matrix against x, FMA dequant form.
+// Lane l reads words l, l + 32, … of each row (128 contiguous bytes per warp load); the V = 32/BITS
+// inputs of a word are loaded once (float4s) and used for every row. Group of word w is
+// (w·V) >> gshift. Returns the warp-summed dot products in every lane.
+template <int BITS, int R>
+__device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
+                                const bf16_t* __restrict__ B, const long long* rows, int nrows,
+                                const float* __restrict__ x, int K, int gshift, int lane,
+                                float out[R]) {
+    const int V = 32 / BITS;
+    const unsigned int mask = (1u << BITS) - 1u;
+    const int nw = K / V;
+    const long long gpr = K >> gshift;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    for (int base = lane; base < nw; base += 32 * QMV_UNROLL) {
+        unsigned int p[QMV_UNROLL][R];
+#pragma unroll
+        for (int u = 0; u < QMV_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                int wi = base + 32 * u;
+                p[u][r] = (wi < nw && r < nrows) ? __ldcs(W + rows[r] * nw + wi) : 0u;
+            }
+#pragma unroll
+        for (int u = 0; u < QMV_UNROLL; ++u) {
+            int wi = base + 32 * u;
+            if (wi >= nw) break;
+            int k = wi * V, g = k >> gshift;
+            float xv[V];
+            float xs = 0.f;
+#pragma unroll
+            for (int c = 0; c < V / 4; ++c) {
+                float4 f = *reinterpret_cast<const float4*>(x + k + 4 * c);
+                xv[4 * c] = f.x;
+                xv[4 * c + 1] = f.y;
+                xv[4 * c + 2] = f.z;
+                xv[4 * c + 3] = f.w;
+                xs += (f.x + f.y) + (f.z + f.w);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (r < nrows) {
+                    float qx = 0.f;
+#pragma unroll
+                    for (int i = 0; i < V; ++i) {
+                        // 2^23 + q is exact in f32, so OR-ing q into 0x4B000000 and subtracting
+                        // 2^23 converts q without the slower integer conversion.
+                        float qf = __uint_as_float(((p[u][r] >> (i * BITS)) & mask) | 0x4B000000u) - 8388608.0f;
+                        qx = fmaf(qf, xv[i], qx);
+                    }
+                    long long gi = rows[r] * gpr + g;
+                    acc[r] = fmaf(bf16f(S[gi]), qx, fmaf(bf16f(B[gi]), xs, acc[r]));
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// grid (ceil(N / (8·R)), S), block 256: warp w of block b computes rows (b·8 + w)·R + 0..R of
+// slot blockIdx.y.
+template <int BITS, int R>
+__device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
+                                float* y, int N, int K, int G, const int* ids, long long x_stride,
+                                const float* bias) {
+    int row0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+    int lane = threadIdx.x & 31;
+    int s = blockIdx.y;
+    if (row0 >= N) return;
+    long long e = ids ? ids[s] : s;
+    int nrows = min(R, N - row0);
+    long long rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rows[r] = e * N + row0 + r;
+    float out[R];
+    dot_rows_affine<BITS, R>(W, S, B, rows, nrows, x + s * x_stride, K, __ffs(G) - 1, lane, out);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (lane == r && r < nrows) y[(long long)s * N + row0 + r] = out[r] + (bias ? bias[rows[r]] : 0.f);
+}
+
+// grid (ceil(I / (8·R/2)), S), block 256: warp w computes outputs n0..n0+R/2 from their gate and
+// up rows together.
+template <int BITS, int R>
+__device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
+                                float* h, int I, int K, int G, const int* ids, long long x_stride) {
+    const int NPW = R / 2;
+    int n0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * NPW;
+    int lane = threadIdx.x & 31;
+    int s = blockIdx.y;
+    if (n0 >= I) return;
+    long long e = ids ? ids[s] : s;
+    int nn = min(NPW, I - n0);
+    long long rows[R];
+#pragma unroll
+    for (int r = 0; r < NPW; ++r) {
+        int n = n0 + (r < nn ? r : 0);
+        rows[r] = e * 2LL * I + n;
+        rows[NPW + r] = e * 2LL * I + I + n;
+    }
+    float out[R];
+    dot_rows_affine<BITS, R>(W, S, B, rows, R, x + s * x_stride, K, __ffs(G) - 1, lane, out);
+#pragma unroll
+    for (int r = 0; r < NPW; ++r)
+        if (lane == r && r < nn) h[(long long)s * I + n0 + r] = silu_f(out[r]) * out[NPW + r];
+}
+
+#define QMV_DISPATCH(F, ...)                                          \
+    if (rows == 4) {                                                  \
+        if (bits == 4) F<4, 4>(__VA_ARGS__);                          \
+        else if (bits == 8) F<8, 4>(__VA_ARGS__);                     \
+        else F<2, 4>(__VA_ARGS__);                                    \
+    } else {                                                          \
+        if (bits == 4) F<4, 2>(__VA_ARGS__);                          \
+        else if (bits == 8) F<8, 2>(__VA_ARGS__);                     \
+        else F<2, 2>(__VA_ARGS__);                                    \
+    }
+
+// rows: rows per warp, 4 or 2 (see QMV_ROWS).
+extern "C" __global__ void matvec_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
+                                         const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                         float* __restrict__ y, int N, int K, int G, int bits, int rows,
+                                         const int* __restrict__ ids, long long x_stride,
+                                         const float* __restrict__ bias) {
+    QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, bias)
+}
+
+extern "C" __global__ void matvec_swiglu_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
+                                                const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                float* __restrict__ h, int I, int K, int G, int bits, int rows,
+                                                const int* __restrict__ ids, long long x_stride) {
+    QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride)
+}

@@ -1,0 +1,314 @@
+//! `convert` (HF checkpoint → MLX affine-quantized, mlx-lm layout).
+//!
+//! 1. For the settings of the committed mlx-lm fixtures, our output is the same checkpoint
+//!    mlx-lm's converter wrote (every tensor's name, dtype, shape and bytes, and the config's
+//!    quantization block), so the transformers reference of that fixture applies to it.
+//! 2. For mixed settings no fixture covers (2/3/6/8 bits, group 32/64, a module kept dense, many
+//!    small shards) the reference is computed here: the source checkpoint with every weight that
+//!    convert quantizes replaced by its dequantized values (and norms by the bf16-rounded `1 + w`
+//!    minus 1), written in the *HF* layout as f32 and run by deltamoe's f32 engine, which the
+//!    golden tests validate against transformers at ~1e-5. The reference thus shares none of
+//!    convert's renaming, stacking, norm shifting or conv reshaping, only the quantization
+//!    (itself checked bit for bit against mlx in deltamoe-compute's tests).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use deltamoe_compute::cpu::quant::quantize;
+use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
+use deltamoe_model::convert::{convert, BitsRule, ConvertOptions};
+use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid, WeightStore};
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+/// Every tensor of a checkpoint directory: name → (dtype, shape, bytes).
+fn tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if !(name.starts_with("model") && name.ends_with(".safetensors")) {
+            continue;
+        }
+        let bytes = std::fs::read(&p).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        for (n, t) in st.tensors() {
+            out.insert(
+                n,
+                (
+                    format!("{:?}", t.dtype()),
+                    t.shape().to_vec(),
+                    t.data().to_vec(),
+                ),
+            );
+        }
+    }
+    out
+}
+
+fn quant_block(dir: &Path) -> serde_json::Value {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(v["quantization"], v["quantization_config"]);
+    v["quantization"].clone()
+}
+
+fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn ids(st: &SafeTensors, name: &str) -> Vec<u32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+/// Max error relative to max|ref| and argmax agreement, asserted at 5e-3 and 98%.
+fn compare(name: &str, got: &[f32], want: &[f32], vocab: usize) {
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let am = |r: &[f32]| {
+        r.iter()
+            .enumerate()
+            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
+    };
+    let rows = want.len() / vocab;
+    let agree = got
+        .chunks_exact(vocab)
+        .zip(want.chunks_exact(vocab))
+        .filter(|(a, b)| am(a) == am(b))
+        .count();
+    eprintln!(
+        "{name}: max err {:.2e} of max|ref|, argmax {agree}/{rows}",
+        err / max_ref
+    );
+    assert_eq!(got.len(), want.len());
+    assert!(err <= 5e-3 * max_ref, "{name}: {err} > 5e-3 * {max_ref}");
+    assert!(agree * 100 >= rows * 98, "{name}: argmax {agree}/{rows}");
+}
+
+fn logits(model: &Qwen3Hybrid, tokens: &[u32]) -> Vec<f32> {
+    let mut st = model.new_state();
+    model.forward(tokens, &mut st, Logits::All).unwrap()
+}
+
+#[test]
+fn output_is_identical_to_mlx_lm_convert() {
+    for (src, bits, gs, mlx) in [
+        ("qwen3_5_moe", 4, 32, "mlx_qwen3_5_moe_q4"),
+        ("qwen3_next", 4, 32, "mlx_qwen3_next_q4"),
+        ("qwen3_5_moe", 8, 64, "mlx_qwen3_5_moe_q8"),
+    ] {
+        let out = tempfile::tempdir().unwrap();
+        let dst = out.path().join("m");
+        let mut calls = 0;
+        let report = convert(
+            &fixture(src),
+            &dst,
+            &ConvertOptions::new(bits, gs),
+            &mut |p| {
+                assert!(p.done <= p.total && !p.tensor.is_empty());
+                calls += 1;
+            },
+        )
+        .unwrap();
+        assert!(calls > 0 && report.shards == 1, "{report:?}");
+        let (ours, theirs) = (tensors(&dst), tensors(&fixture(mlx)));
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            theirs.keys().collect::<Vec<_>>(),
+            "{mlx}: tensor names"
+        );
+        for (k, v) in &ours {
+            assert!(
+                v == &theirs[k],
+                "{mlx}: tensor {k} differs (dtype/shape/bytes)"
+            );
+        }
+        assert_eq!(quant_block(&dst), quant_block(&fixture(mlx)), "{mlx}");
+        // Hence the fixture's transformers reference applies.
+        let model = Qwen3Hybrid::load(&dst).unwrap();
+        let bytes = std::fs::read(fixture(mlx).join("reference.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let want = f32s(&st, "prompt0.logits");
+        let got = logits(&model, &ids(&st, "prompt0.tokens"));
+        compare(&format!("convert {src} {bits}/{gs}"), &got, &want, 512);
+        assert!(dst.join("config.json").exists());
+        if fixture(src).join("tokenizer.json").exists() {
+            assert!(report.copied.contains(&"tokenizer.json".to_string()));
+        }
+    }
+}
+
+/// The module path convert quantizes an HF tensor as (per-expert weights are stacked).
+fn module_of(name: &str) -> Option<String> {
+    let m = name.strip_suffix(".weight")?;
+    if let Some((mlp, rest)) = m.split_once(".experts.") {
+        let proj = rest.split('.').nth(1)?;
+        return Some(format!("{mlp}.switch_mlp.{proj}"));
+    }
+    Some(m.to_string())
+}
+
+/// The HF checkpoint with what convert would store, dequantized, as f32 in HF layout.
+fn fake_quantized_copy(src: &Path, opts: &ConvertOptions, dst: &Path) {
+    let store = WeightStore::open(src).unwrap();
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
+    let mut quantized = 0;
+    for name in store.names() {
+        let shape = store.shape_of(name).unwrap();
+        let mut v = store.get(name, &shape).unwrap().to_f32_vec();
+        let cols = *shape.last().unwrap();
+        let is_linear = shape.len() == 2 && !name.contains("conv1d");
+        let spec = if is_linear {
+            opts.spec_for(&module_of(name).unwrap())
+                .filter(|s| cols.is_multiple_of(s.group_size))
+        } else {
+            None
+        };
+        if let Some(s) = spec {
+            quantized += 1;
+            let q = quantize(&v, cols, s.group_size, s.bits).unwrap();
+            let round = |x: f32| bf16_to_f32(f32_to_bf16(x));
+            let mut row = vec![0.0f32; cols];
+            for (r, out) in v.chunks_exact_mut(cols).enumerate() {
+                let wpr = cols * s.bits as usize / 32;
+                deltamoe_compute::quant::unpack_row(
+                    &q.words[r * wpr..(r + 1) * wpr],
+                    s.bits,
+                    &mut row,
+                );
+                for (k, o) in out.iter_mut().enumerate() {
+                    let g = r * (cols / s.group_size) + k / s.group_size;
+                    *o = row[k] * round(q.scales[g]) + round(q.biases[g]);
+                }
+            }
+        } else if shape.len() == 1 && name.contains("norm.weight") && !name.contains("linear_attn")
+        {
+            // Stored as bf16(1 + w) by convert; the HF engine adds 1 again.
+            v.iter_mut()
+                .for_each(|x| *x = bf16_to_f32(f32_to_bf16(*x + 1.0)) - 1.0);
+        }
+        data.push((
+            name.to_string(),
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+    }
+    assert!(quantized > 20);
+    std::fs::create_dir_all(dst).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (n.clone(), v.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
+    std::fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
+}
+
+#[test]
+fn mixed_bits_sharded_output_matches_the_f32_engine_on_fake_quantized_weights() {
+    let mut opts = ConvertOptions::new(2, 32);
+    for r in [
+        "switch_mlp.*=3",
+        "shared_expert.*=6:64",
+        "lm_head=8:64",
+        "model.embed_tokens=4",
+        "layers.5.*=none",
+    ] {
+        opts.rules.push(BitsRule::parse(r, 32).unwrap());
+    }
+    opts.max_shard_bytes = 100 << 10;
+    let src = fixture("qwen3_next");
+    let tmp = tempfile::tempdir().unwrap();
+    let (dst, fake) = (tmp.path().join("q"), tmp.path().join("f"));
+    let report = convert(&src, &dst, &opts, &mut |_| {}).unwrap();
+    assert!(report.shards > 3, "{report:?}");
+    assert!(report.dense_modules > 0 && report.quantized_modules > 0);
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dst.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        index["weight_map"]["model.layers.0.mlp.switch_mlp.down_proj.scales"]
+            .as_str()
+            .unwrap()
+            .starts_with("model-0000")
+    );
+    let q = quant_block(&dst);
+    assert_eq!(q["bits"], 2);
+    assert_eq!(q["lm_head"]["bits"], 8);
+    assert_eq!(q["model.layers.0.mlp.switch_mlp.gate_proj"]["bits"], 3);
+    assert!(q.get("model.layers.5.self_attn.q_proj").is_none());
+    let st = WeightStore::open(&dst).unwrap();
+    assert!(st
+        .words("model.layers.5.linear_attn.in_proj_qkvz.weight")
+        .is_none());
+    assert!(st
+        .words("model.layers.4.linear_attn.in_proj_qkvz.weight")
+        .is_some());
+
+    fake_quantized_copy(&src, &opts, &fake);
+    let cfg = ModelConfig::from_dir(&src).unwrap();
+    let reference = Qwen3Hybrid::load(&fake).unwrap();
+    let model = Qwen3Hybrid::load(&dst).unwrap();
+    let bytes = std::fs::read(src.join("reference.safetensors")).unwrap();
+    let refst = SafeTensors::deserialize(&bytes).unwrap();
+    for p in ["prompt0", "prompt1"] {
+        let toks = ids(&refst, &format!("{p}.tokens"));
+        compare(
+            &format!("mixed-bit qwen3_next {p}"),
+            &logits(&model, &toks),
+            &logits(&reference, &toks),
+            cfg.vocab_size,
+        );
+    }
+}
+
+#[test]
+fn bad_inputs_are_one_line_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |src: &Path, dst: &Path, o: ConvertOptions| {
+        convert(src, dst, &o, &mut |_| {}).unwrap_err().to_string()
+    };
+    let e = run(
+        &fixture("mlx_qwen3_next_q4"),
+        &tmp.path().join("a"),
+        ConvertOptions::new(4, 64),
+    );
+    assert!(e.contains("already an mlx-lm"), "{e}");
+    let e = run(
+        &fixture("qwen3_next"),
+        &tmp.path().join("b"),
+        ConvertOptions::new(7, 64),
+    );
+    assert!(
+        e.contains("--bits 7") && e.contains("bits 7 is not supported"),
+        "{e}"
+    );
+    std::fs::write(tmp.path().join("x"), b"").unwrap();
+    let e = run(
+        &fixture("qwen3_next"),
+        tmp.path(),
+        ConvertOptions::new(4, 64),
+    );
+    assert!(e.contains("--out") && e.contains("not empty"), "{e}");
+}
