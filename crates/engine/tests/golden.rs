@@ -5,12 +5,11 @@
 
 mod common;
 
-use common::{check_logits, fixtures, prompts};
+use common::{check_logits, fixtures, greedy, prompts};
 
 use deltamoe_engine::chat::{ChatMessage, ChatTemplate};
-use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
-use deltamoe_engine::{generate, Engine, GenerateRequest};
+use deltamoe_engine::Engine;
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 #[test]
@@ -39,14 +38,7 @@ fn greedy_continuations_equal_transformers_generate() {
     for dir in fixtures() {
         let mut engine = Engine::new(Qwen3Hybrid::load(&dir).unwrap());
         for (i, p) in prompts(&dir).iter().enumerate() {
-            let req = GenerateRequest {
-                prompt: &p.tokens,
-                max_tokens: p.greedy.len(),
-                sampling: SamplingParams::default(),
-                eos: &[],
-                prefill_chunk: None,
-            };
-            let (out, _) = generate(&mut engine, &req, |_| Ok(true)).unwrap();
+            let out = greedy(&mut engine, p);
             assert_eq!(out, p.greedy, "{} prompt{i}", dir.display());
         }
     }

@@ -9,10 +9,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{check_logits, fixtures, prompts};
+use common::{check_logits, fixtures, greedy, prompts};
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_engine::sampler::SamplingParams;
-use deltamoe_engine::{generate, Engine, GenerateRequest};
+use deltamoe_engine::Engine;
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 fn engine(dir: &std::path::Path, gpu: &Arc<Gpu>) -> Engine {
@@ -36,14 +35,7 @@ fn cuda_logits_and_greedy_match_transformers() {
                 &p.logits,
                 vocab,
             );
-            let req = GenerateRequest {
-                prompt: &p.tokens,
-                max_tokens: p.greedy.len(),
-                sampling: SamplingParams::default(),
-                eos: &[],
-                prefill_chunk: None,
-            };
-            let (out, _) = generate(&mut e, &req, |_| Ok(true)).unwrap();
+            let out = greedy(&mut e, p);
             assert_eq!(out, p.greedy, "cuda greedy {} prompt{i}", dir.display());
         }
     }

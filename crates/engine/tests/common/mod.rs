@@ -97,3 +97,17 @@ pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) {
         "{name}: argmax agreement {agree}/{rows}"
     );
 }
+
+/// Greedy continuation of `p.tokens` for as many tokens as the reference has, no EOS stop.
+pub fn greedy(engine: &mut deltamoe_engine::Engine, p: &Prompt) -> Vec<u32> {
+    let req = deltamoe_engine::GenerateRequest {
+        prompt: &p.tokens,
+        max_tokens: p.greedy.len(),
+        sampling: deltamoe_engine::sampler::SamplingParams::default(),
+        eos: &[],
+        prefill_chunk: None,
+    };
+    deltamoe_engine::generate(engine, &req, |_| Ok(true))
+        .unwrap()
+        .0
+}

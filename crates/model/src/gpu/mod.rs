@@ -414,7 +414,42 @@ fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
     })
 }
 
+/// The device weights a [`GpuModel`] is assembled from.
+pub(crate) struct Parts {
+    pub embed: DevMat,
+    pub lm_head: DevMat,
+    pub final_norm: DevBuf<f32>,
+    pub inv_freq: DevBuf<f32>,
+    pub layers: Vec<GpuLayer>,
+}
+
 impl GpuModel {
+    /// A model of config `c` from its device weights, with scratch buffers sized for it.
+    pub(crate) fn assemble(c: &crate::ModelConfig, gpu: Arc<Gpu>, p: Parts) -> Result<GpuModel> {
+        let scratch = Scratch::new(&gpu, c, &p.layers)?;
+        Ok(GpuModel {
+            hidden: c.hidden_size,
+            vocab: c.vocab_size,
+            eps: c.rms_norm_eps,
+            attn: AttnDims {
+                hq: c.num_heads,
+                hkv: c.num_kv_heads,
+                d: c.head_dim,
+                rotary: c.rotary_dim,
+            },
+            top_k: c.experts_per_token,
+            num_experts: c.num_experts,
+            norm_topk: c.norm_topk_prob,
+            embed: p.embed,
+            lm_head: p.lm_head,
+            final_norm: p.final_norm,
+            inv_freq: p.inv_freq,
+            layers: p.layers,
+            scratch,
+            gpu,
+        })
+    }
+
     /// Upload `model` to `gpu`.
     pub fn upload(model: &Qwen3Hybrid, gpu: Arc<Gpu>) -> Result<GpuModel> {
         let c = model.config();
@@ -440,28 +475,14 @@ impl GpuModel {
             .collect::<Result<Vec<_>>>()?;
         let embed = DevMat::stack(g, &[&model.embed], c.vocab_size, h, None)?;
         let lm_head = DevMat::stack(g, &[&model.lm_head], c.vocab_size, h, None)?;
-        let scratch = Scratch::new(g, c, &layers)?;
-        Ok(GpuModel {
-            hidden: h,
-            vocab: c.vocab_size,
-            eps: c.rms_norm_eps,
-            attn: AttnDims {
-                hq: c.num_heads,
-                hkv: c.num_kv_heads,
-                d: c.head_dim,
-                rotary: c.rotary_dim,
-            },
-            top_k: c.experts_per_token,
-            num_experts: c.num_experts,
-            norm_topk: c.norm_topk_prob,
+        let parts = Parts {
             embed,
             lm_head,
             final_norm: g.upload(&model.final_norm)?,
             inv_freq: g.upload(model.rope.inv_freq())?,
             layers,
-            scratch,
-            gpu,
-        })
+        };
+        GpuModel::assemble(c, gpu.clone(), parts)
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {

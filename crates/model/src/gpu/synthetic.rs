@@ -4,10 +4,10 @@
 use std::sync::Arc;
 
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims};
+use deltamoe_compute::cuda::ops::{self, GdnDims};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
-use super::{DevMat, DevWeights, GpuFfn, GpuLayer, GpuMixer, GpuModel, Result, Scratch};
+use super::{DevMat, DevWeights, GpuFfn, GpuLayer, GpuMixer, GpuModel, Parts, Result};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 
 /// Fills buffers with seeded uniform values, a new seed per buffer. Matrices are bf16, or
@@ -165,28 +165,17 @@ impl GpuModel {
         let lm_head = f.mats(1, c.vocab_size, h)?;
         let final_norm = f.vec(h, 0.5, 1.5)?;
         let inv_freq = g.upload(Rope::new(c.rotary_dim, c.rope_theta).inv_freq())?;
-        let scratch = Scratch::new(g, c, &layers)?;
         g.sync()?;
-        Ok(GpuModel {
-            hidden: h,
-            vocab: c.vocab_size,
-            eps: c.rms_norm_eps,
-            attn: AttnDims {
-                hq: c.num_heads,
-                hkv: c.num_kv_heads,
-                d: c.head_dim,
-                rotary: c.rotary_dim,
+        GpuModel::assemble(
+            c,
+            gpu.clone(),
+            Parts {
+                embed,
+                lm_head,
+                final_norm,
+                inv_freq,
+                layers,
             },
-            top_k: c.experts_per_token,
-            num_experts: c.num_experts,
-            norm_topk: c.norm_topk_prob,
-            embed,
-            lm_head,
-            final_norm,
-            inv_freq,
-            layers,
-            scratch,
-            gpu,
-        })
+        )
     }
 }
