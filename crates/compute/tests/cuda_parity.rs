@@ -137,6 +137,7 @@ fn affine_matvec_matches_cpu() {
         (8, 32, 18, 96, 1, 1),
         (2, 128, 9, 384, 2, 3),
         (4, 32, 64, 2048, 1, 1),
+        (2, 32, 11, 96, 1, 2),
     ] {
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
         let q = quantize(&w, k, group, bits).unwrap();
