@@ -177,7 +177,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     let t1 = Instant::now();
     let mut tok = 1u32;
     for _ in 0..a.gen_len {
-        tok = engine.decode_greedy(id, tok)?;
+        tok = engine.decode_next(id, tok)?;
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let (prefill_tps, decode_tps) = (a.prompt_len as f64 / prefill_s, a.gen_len as f64 / decode_s);

@@ -4,7 +4,13 @@
 // embed_bf16: x[i] = table[tok[0], i]. table: [V, H] bf16. grid ceil(H/256), block 256.
 // embed_affine: x[i] = q[tok, i]·scale + bias for an MLX affine table (words u32 [V, H·bits/32],
 //   scales and biases bf16 [V, H/G]; bits 2, 4 or 8). grid ceil(H/256), block 256.
-// argmax_advance: tok[0] = argmax(logits[0..V]) (lowest index on ties); pos[0] += 1. grid 1, block 1024.
+// sample_advance: tok[0] picked from logits[0..V] with the sampling parameters in `params`
+//   (u32: [temperature bits, top_k, top_p bits, min_p bits, seed lo, seed hi, step]): the argmax
+//   (lowest index on ties) when temperature ≤ 0; else with z = (l − max)/T: keep the top_k largest z (0: all), then the
+//   smallest set of largest z holding top_p of their mass, then z ≥ ln(min_p) (min-p relative to
+//   the most likely token), and draw u·Σ e^z with u uniform from (seed, step) over the kept tokens
+//   in index order. Thresholds are found by bisection on z. step += 1, pos[0] += 1.
+//   grid 1, block 1024.
 
 extern "C" __global__ void embed_bf16(const bf16_t* __restrict__ table, const int* __restrict__ tok,
                                       float* __restrict__ x, int H) {
@@ -25,11 +31,33 @@ extern "C" __global__ void embed_affine(const unsigned int* __restrict__ words, 
     x[i] = fmaf(q, bf16f(sc[g]), bf16f(bi[g]));
 }
 
-extern "C" __global__ void argmax_advance(const float* __restrict__ logits, int V, int* __restrict__ tok,
-                                          int* __restrict__ pos) {
-    __shared__ float bv_s[32];
-    __shared__ int bi_s[32];
+#define SAMPLE_BISECT 32
+
+// Σ over kept tokens (z ≥ t) of e^z, or their count when `count`.
+__device__ float kept_sum(const float* __restrict__ logits, int V, float m, float inv_t, float t, bool count) {
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        float z = (logits[i] - m) * inv_t;
+        if (z >= t) acc += count ? 1.f : expf(z);
+    }
+    return block_sum(acc);
+}
+
+__device__ __forceinline__ float uniform_u01(unsigned long long seed, unsigned long long i) {
+    unsigned long long z = seed + (i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+extern "C" __global__ void sample_advance(const float* __restrict__ logits, int V, unsigned int* __restrict__ params,
+                                          int* __restrict__ tok, int* __restrict__ pos) {
+    __shared__ float scan[32];
+    __shared__ int found;
     int t = threadIdx.x;
+    float temp = __uint_as_float(params[0]);
+    // Max and its (lowest) index.
     float bv = NEG_INF;
     int bi = V;
     for (int i = t; i < V; i += blockDim.x) {
@@ -41,16 +69,100 @@ extern "C" __global__ void argmax_advance(const float* __restrict__ logits, int 
         int oi = __shfl_xor_sync(0xffffffffu, bi, o);
         if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
     }
-    if ((t & 31) == 0) { bv_s[t >> 5] = bv; bi_s[t >> 5] = bi; }
+    __shared__ float mv[32];
+    __shared__ int mi[32];
+    if ((t & 31) == 0) { mv[t >> 5] = bv; mi[t >> 5] = bi; }
     __syncthreads();
     if (t == 0) {
         int nw = (blockDim.x + 31) >> 5;
         for (int i = 1; i < nw; ++i)
-            if (bv_s[i] > bv_s[0] || (bv_s[i] == bv_s[0] && bi_s[i] < bi_s[0])) {
-                bv_s[0] = bv_s[i];
-                bi_s[0] = bi_s[i];
+            if (mv[i] > mv[0] || (mv[i] == mv[0] && mi[i] < mi[0])) { mv[0] = mv[i]; mi[0] = mi[i]; }
+        found = mi[0];
+    }
+    __syncthreads();
+    float m = mv[0];
+    int best = found;
+    __syncthreads();
+    if (!(temp > 0.f)) {
+        if (t == 0) { tok[0] = best; pos[0] += 1; }
+        return;
+    }
+    float inv_t = 1.f / temp;
+    unsigned int top_k = params[1];
+    float top_p = __uint_as_float(params[2]);
+    float min_p = __uint_as_float(params[3]);
+    unsigned long long seed = (unsigned long long)params[4] | ((unsigned long long)params[5] << 32);
+    unsigned int step = params[6];
+    // Lowest z present bounds the bisections.
+    float zmin = 0.f;
+    for (int i = t; i < V; i += blockDim.x) zmin = fminf(zmin, (logits[i] - m) * inv_t);
+    zmin = -block_max(-zmin);
+    float thr = zmin;
+    if (top_k > 0 && top_k < (unsigned int)V) {
+        // Largest threshold keeping at least top_k tokens.
+        float lo = zmin, hi = 0.f;
+        for (int it = 0; it < SAMPLE_BISECT; ++it) {
+            float mid = 0.5f * (lo + hi);
+            if (kept_sum(logits, V, m, inv_t, mid, true) >= (float)top_k) lo = mid; else hi = mid;
+        }
+        thr = lo;
+    }
+    if (top_p < 1.f) {
+        float total = kept_sum(logits, V, m, inv_t, thr, false);
+        float lo = thr, hi = 0.f;
+        for (int it = 0; it < SAMPLE_BISECT; ++it) {
+            float mid = 0.5f * (lo + hi);
+            if (kept_sum(logits, V, m, inv_t, mid, false) >= top_p * total) lo = mid; else hi = mid;
+        }
+        thr = lo;
+    }
+    if (min_p > 0.f) thr = fmaxf(thr, logf(min_p));
+    // Each thread sums a contiguous run of indices; a block scan finds the run holding u.
+    int per = (V + blockDim.x - 1) / blockDim.x;
+    int i0 = t * per, i1 = min(V, i0 + per);
+    float mine = 0.f;
+    for (int i = i0; i < i1; ++i) {
+        float z = (logits[i] - m) * inv_t;
+        if (z >= thr) mine += expf(z);
+    }
+    float incl = mine;
+    int lane = t & 31, w = t >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        float n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+    }
+    if (lane == 31) scan[w] = incl;
+    if (t == 0) found = -1;
+    __syncthreads();
+    if (w == 0) {
+        float v = lane < ((blockDim.x + 31) >> 5) ? scan[lane] : 0.f;
+        for (int o = 1; o < 32; o <<= 1) {
+            float n = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += n;
+        }
+        scan[lane] = v;
+    }
+    __syncthreads();
+    float before = (w > 0 ? scan[w - 1] : 0.f) + incl - mine;
+    float total = scan[((blockDim.x + 31) >> 5) - 1];
+    float u = uniform_u01(seed, step) * total;
+    if (mine > 0.f && u >= before && u < before + mine) {
+        float c = before;
+        int pick = -1;
+        for (int i = i0; i < i1; ++i) {
+            float z = (logits[i] - m) * inv_t;
+            if (z >= thr) {
+                pick = i;
+                c += expf(z);
+                if (u < c) break;
             }
-        tok[0] = bi_s[0];
+        }
+        found = pick;
+    }
+    __syncthreads();
+    if (t == 0) {
+        tok[0] = found >= 0 ? found : best;
+        params[6] = step + 1;
         pos[0] += 1;
     }
 }

@@ -7,7 +7,7 @@ use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec, WeightFormat};
+use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec, SampleParams, WeightFormat};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 use deltamoe_compute::{cpu, DType, Tensor};
@@ -572,11 +572,98 @@ fn router_combine_embed_argmax_match_cpu() {
     logits[200_001] = 5.0;
     logits[7] = 5.0;
     let dl = g.upload(&logits).unwrap();
-    ops::argmax_advance(&g, dl.ptr(), logits.len(), tok.ptr(), pos.ptr()).unwrap();
+    let greedy = g.upload(&SampleParams::default().words(0)).unwrap();
+    ops::sample_advance(
+        &g,
+        dl.ptr(),
+        logits.len(),
+        greedy.ptr(),
+        tok.ptr(),
+        pos.ptr(),
+    )
+    .unwrap();
     assert_eq!(
         g.read(&tok, 1).unwrap()[0],
         7,
         "argmax takes the lowest index on ties"
     );
     assert_eq!(g.read(&pos, 1).unwrap()[0], 6);
+}
+
+/// Draws from the GPU sampler against the CPU's filtered softmax: top-k, top-p and min-p keep
+/// exactly the expected tokens, frequencies follow the probabilities, and a seed repeats.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sampling_follows_the_filtered_softmax() {
+    let g = gpu();
+    let v = 1000;
+    let mut logits = vec![-10.0f32; v];
+    for (i, l) in [(3usize, 2.0f32), (42, 1.5), (500, 1.0), (999, 0.0)] {
+        logits[i] = l;
+    }
+    let dl = g.upload(&logits).unwrap();
+    let (tok, pos) = (g.zeros::<i32>(1).unwrap(), g.zeros::<i32>(1).unwrap());
+    let draw = |p: SampleParams, n: usize| -> Vec<usize> {
+        let params = g.upload(&p.words(0)).unwrap();
+        (0..n)
+            .map(|_| {
+                ops::sample_advance(&g, dl.ptr(), v, params.ptr(), tok.ptr(), pos.ptr()).unwrap();
+                g.read(&tok, 1).unwrap()[0] as usize
+            })
+            .collect()
+    };
+    let base = SampleParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 11,
+    };
+    let n = 3000;
+    // top-k 3 at temperature 1: exactly {3, 42, 500} with softmax weights.
+    let got = draw(SampleParams { top_k: 3, ..base }, n);
+    let z: f32 = [2.0f32, 1.5, 1.0].iter().map(|l| l.exp()).sum();
+    for (t, l) in [(3usize, 2.0f32), (42, 1.5), (500, 1.0)] {
+        let f = got.iter().filter(|&&x| x == t).count() as f32 / n as f32;
+        assert!(
+            (f - l.exp() / z).abs() < 0.035,
+            "top-k: token {t} drawn {f}, want {}",
+            l.exp() / z
+        );
+    }
+    assert!(
+        got.iter().all(|t| [3, 42, 500].contains(t)),
+        "top-k kept another token"
+    );
+    // top-p 0.6 keeps the smallest most-likely set holding 60% of the mass: {3, 42}.
+    let mut p = logits.clone();
+    deltamoe_compute::cpu::act::softmax(&mut p);
+    assert!(p[3] < 0.6 && p[3] + p[42] >= 0.6);
+    assert!(draw(SampleParams { top_p: 0.6, ..base }, 500)
+        .iter()
+        .all(|t| [3, 42].contains(t)));
+    // min-p 0.5 keeps p ≥ p_max / 2 after the temperature: {3, 42} at T = 1 (z = 0, −0.5 ≥ ln 0.5),
+    // only {3} at T = 0.5 (token 42's z becomes −1).
+    let got = draw(SampleParams { min_p: 0.5, ..base }, 500);
+    assert!(got.iter().all(|t| [3, 42].contains(t)) && got.contains(&42));
+    let got = draw(
+        SampleParams {
+            min_p: 0.5,
+            temperature: 0.5,
+            ..base
+        },
+        200,
+    );
+    assert!(got.iter().all(|&t| t == 3));
+    // Same seed, same draws; temperature 0 is the argmax.
+    assert_eq!(draw(base, 50), draw(base, 50));
+    assert!(draw(
+        SampleParams {
+            temperature: 0.0,
+            ..base
+        },
+        5
+    )
+    .iter()
+    .all(|&t| t == 3));
 }

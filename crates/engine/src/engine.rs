@@ -6,12 +6,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use deltamoe_compute::cuda::ops::SampleParams;
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_model::gpu::{GpuModel, GpuSeq};
 use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
 
 use crate::error::{EngineError, Result};
-use crate::sampler::argmax;
+use crate::sampler::{argmax, SamplingParams};
 use crate::sequence::{SeqId, Sequence};
 
 /// Per-sequence state on the engine's backend.
@@ -183,9 +184,34 @@ impl Engine {
             .collect()
     }
 
-    /// Feed one token and return the most likely next token. On CUDA only the two token ids
-    /// cross between host and device.
-    pub fn decode_greedy(&mut self, id: SeqId, tok: u32) -> Result<u32> {
+    /// Use `p` to pick this sequence's tokens on the device, when the backend can (CUDA: greedy,
+    /// temperature, top-k, top-p, min-p; returns true). The CPU picks only greedily itself
+    /// (returns false; the caller samples from the logits).
+    pub fn set_device_sampling(&mut self, id: SeqId, p: &SamplingParams) -> Result<bool> {
+        let seq = self
+            .sequences
+            .get_mut(&id)
+            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
+        match (&mut seq.state, &self.gpu) {
+            (SeqState::Cuda(st), Some(g)) => {
+                let dp = SampleParams {
+                    temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+                    top_k: p.top_k as u32,
+                    top_p: p.top_p,
+                    min_p: p.min_p,
+                    seed: p.seed,
+                };
+                g.set_sampling(st, dp).map_err(cuda_err)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Feed one token and return the next one as the backend picks it: on CUDA with the
+    /// sequence's device sampling parameters (greedy unless [`Self::set_device_sampling`] set
+    /// others) so only the two token ids cross between host and device; on the CPU greedily.
+    pub fn decode_next(&mut self, id: SeqId, tok: u32) -> Result<u32> {
         self.check(id, &[tok])?;
         let seq = self
             .sequences

@@ -68,13 +68,25 @@ fn run(
     let mut sampler = Sampler::new(req.sampling.clone());
     let mut history = req.prompt.to_vec();
     let mut out = Vec::new();
+    // Where the backend can choose tokens itself (CUDA: greedy or sampled on the GPU; the CPU:
+    // greedy), only token ids cross; a repetition penalty needs the history, so the host samples.
+    let no_penalty = req.sampling.repetition_penalty == 1.0;
+    let on_device = no_penalty && engine.set_device_sampling(id, &req.sampling)?;
+    let backend_picks = on_device || (no_penalty && req.sampling.is_greedy());
     let t0 = Instant::now();
-    let mut logits = engine.prefill(id, req.prompt, req.prefill_chunk, Logits::Last)?;
+    let mut logits = Vec::new();
+    let mut next: Option<u32> = None;
+    match req.prompt.split_last() {
+        Some((&last, head)) if on_device => {
+            if !head.is_empty() {
+                engine.prefill(id, head, req.prefill_chunk, Logits::Last)?;
+            }
+            next = Some(engine.decode_next(id, last)?);
+        }
+        _ => logits = engine.prefill(id, req.prompt, req.prefill_chunk, Logits::Last)?,
+    }
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    // Greedy without penalties: the argmax is taken where the logits are (on the GPU there).
-    let fast_greedy = req.sampling.is_greedy() && req.sampling.repetition_penalty == 1.0;
-    let mut next: Option<u32> = None;
     while out.len() < req.max_tokens {
         let tok = match next.take() {
             Some(t) => t,
@@ -89,8 +101,8 @@ fn run(
         if !on_token(tok)? || out.len() == req.max_tokens {
             break;
         }
-        if fast_greedy {
-            next = Some(engine.decode_greedy(id, tok)?);
+        if backend_picks {
+            next = Some(engine.decode_next(id, tok)?);
         } else {
             logits = engine.decode(&[(id, tok)])?.pop().unwrap_or_default();
         }

@@ -40,3 +40,49 @@ fn cuda_logits_and_greedy_match_transformers() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_sampling_is_seeded_and_top_k_1_is_greedy() {
+    use deltamoe_engine::sampler::SamplingParams;
+    use deltamoe_engine::{generate, GenerateRequest};
+    let gpu = Arc::new(Gpu::new(0).unwrap());
+    let dir = fixtures()
+        .into_iter()
+        .find(|d| d.ends_with("qwen3_5_moe"))
+        .unwrap();
+    let mut e = engine(&dir, &gpu);
+    let p = &prompts(&dir)[0];
+    let mut run = |sampling: SamplingParams| {
+        let req = GenerateRequest {
+            prompt: &p.tokens,
+            max_tokens: p.greedy.len(),
+            sampling,
+            eos: &[],
+            prefill_chunk: None,
+        };
+        generate(&mut e, &req, |_| Ok(true)).unwrap().0
+    };
+    let hot = SamplingParams {
+        temperature: 1.5,
+        top_k: 50,
+        top_p: 0.95,
+        seed: 3,
+        ..Default::default()
+    };
+    let (a, b) = (run(hot.clone()), run(hot.clone()));
+    assert_eq!(a, b, "same seed, same tokens");
+    assert_ne!(
+        a,
+        run(SamplingParams {
+            seed: 4,
+            ..hot.clone()
+        }),
+        "another seed draws otherwise"
+    );
+    assert_eq!(
+        run(SamplingParams { top_k: 1, ..hot }),
+        p.greedy,
+        "top-k 1 is greedy"
+    );
+}

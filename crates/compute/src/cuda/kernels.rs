@@ -44,7 +44,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "sample.cu",
         include_str!("../../kernels/sample.cu"),
-        &["embed_bf16", "embed_affine", "argmax_advance"],
+        &["embed_bf16", "embed_affine", "sample_advance"],
     ),
     (
         "fill.cu",

@@ -481,16 +481,6 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize) -> Result<()> {
     Ok(())
 }
 
-/// `*tok = argmax(logits[..v])`, `*pos += 1`.
-pub fn argmax_advance(g: &Gpu, logits: u64, v: usize, tok: u64, pos: u64) -> Result<()> {
-    let v32 = v as i32;
-    let mut b = g.stream().launch_builder(g.kernels().get("argmax_advance"));
-    b.arg(&logits).arg(&v32).arg(&tok).arg(&pos);
-    // SAFETY: logits hold v floats; tok and pos one int each.
-    unsafe { b.launch(cfg((1, 1), 1024, 0)) }.map_err(driver_err("argmax_advance"))?;
-    Ok(())
-}
-
 /// Fill `n` u32 words at `out` with random bits (synthetic packed weights).
 pub fn fill_random_u32(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
     let n64 = n as i64;
@@ -525,5 +515,52 @@ pub fn fill_uniform(
     // SAFETY: out holds n elements of the named type; grid-stride loop bounded by n.
     unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
         .map_err(driver_err(name))?;
+    Ok(())
+}
+
+/// Device sampling parameters as `sample_advance` reads them (7 u32, see sample.cu).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SampleParams {
+    /// ≤ 0: greedy.
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: u32,
+    /// 1: off.
+    pub top_p: f32,
+    /// 0: off.
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl SampleParams {
+    /// The device words, with the draw counter at `step`.
+    pub fn words(&self, step: u32) -> [u32; 7] {
+        [
+            self.temperature.to_bits(),
+            self.top_k,
+            self.top_p.to_bits(),
+            self.min_p.to_bits(),
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+            step,
+        ]
+    }
+}
+
+/// `*tok` = a token drawn from `logits[..v]` with the parameters at `params` (see
+/// [`SampleParams::words`]; greedy when the temperature is ≤ 0), `*pos += 1`.
+pub fn sample_advance(
+    g: &Gpu,
+    logits: u64,
+    v: usize,
+    params: u64,
+    tok: u64,
+    pos: u64,
+) -> Result<()> {
+    let v32 = v as i32;
+    let mut b = g.stream().launch_builder(g.kernels().get("sample_advance"));
+    b.arg(&logits).arg(&v32).arg(&params).arg(&tok).arg(&pos);
+    // SAFETY: logits hold v floats, params 7 u32, tok and pos one int each.
+    unsafe { b.launch(cfg((1, 1), 1024, 0)) }.map_err(driver_err("sample_advance"))?;
     Ok(())
 }

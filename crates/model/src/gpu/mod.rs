@@ -16,156 +16,24 @@
 //! only host↔device traffic per greedy token is the token id.
 
 mod synthetic;
+mod upload;
+
+pub(crate) use upload::{DevMat, DevWeights};
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
-use deltamoe_compute::cuda::ops::{
-    self, AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX, GDN_DK_MAX, GDN_DV_MAX,
-};
+use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, ATTN_DMAX};
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
-use deltamoe_compute::dtype::f32_to_bf16;
-use deltamoe_compute::{AffineWeight, TensorData};
 
-use crate::layers::gdn::InProj;
-use crate::layers::{DenseSource, Linear, LinearWeight, Mlp};
-use crate::qwen3_hybrid::{Ffn, Mixer, Qwen3Hybrid};
+use crate::qwen3_hybrid::Qwen3Hybrid;
+use upload::{upload_ffn, upload_mixer};
 
 type Result<T> = std::result::Result<T, CudaError>;
 
 /// Split-K partitions of the attention decode.
 const ATTN_SPLITS: usize = 64;
-
-/// bf16 bits of a tensor (rounded from f16/f32; quantized weights dequantized).
-fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
-    let t = w.dense();
-    match t.data() {
-        TensorData::BF16(s) => s.iter().map(|v| v.to_bits()).collect(),
-        TensorData::F16(s) => s.iter().map(|v| f32_to_bf16(v.to_f32())).collect(),
-        TensorData::F32(s) => s.iter().map(|&v| f32_to_bf16(v)).collect(),
-    }
-}
-
-/// A device matrix (or a stack of same-shaped matrices, e.g. experts) with its per-matrix
-/// geometry and optional bias.
-pub(crate) struct DevMat {
-    w: DevWeights,
-    n: usize,
-    k: usize,
-    bias: Option<DevBuf<f32>>,
-}
-
-pub(crate) enum DevWeights {
-    Bf16(DevBuf<u16>),
-    Affine {
-        words: DevBuf<u32>,
-        scales: DevBuf<u16>,
-        biases: DevBuf<u16>,
-        bits: u32,
-        group: usize,
-    },
-}
-
-/// Bits the quantized CUDA kernels read (MLX's 3 and 6 bits pack across words: dequantized).
-const GPU_BITS: [u32; 3] = [2, 4, 8];
-
-impl DevMat {
-    /// bf16 rows `bits` as `[·, n, k]`.
-    fn new(g: &Gpu, bits: &[u16], n: usize, k: usize, bias: Option<Vec<f32>>) -> Result<DevMat> {
-        let bias = bias.map(|b| g.upload(&b)).transpose()?;
-        Ok(DevMat {
-            w: DevWeights::Bf16(g.upload(bits)?),
-            n,
-            k,
-            bias,
-        })
-    }
-
-    /// `parts` stacked by rows, read as matrices of `n` rows: kept quantized when every part is
-    /// affine with the same bits (2/4/8) and group, else bf16 (dequantized where needed).
-    fn stack(
-        g: &Gpu,
-        parts: &[&LinearWeight],
-        n: usize,
-        k: usize,
-        bias: Option<Vec<f32>>,
-    ) -> Result<DevMat> {
-        let affine: Option<Vec<&AffineWeight>> = parts.iter().map(|p| p.as_affine()).collect();
-        let uniform = affine.and_then(|a| {
-            let (bits, group) = (a[0].bits(), a[0].group_size());
-            let same = a
-                .iter()
-                .all(|w| w.bits() == bits && w.group_size() == group);
-            (same && GPU_BITS.contains(&bits)).then_some((bits, group, a))
-        });
-        let Some((bits, group, a)) = uniform else {
-            let dense: Vec<u16> = parts.iter().flat_map(|p| bf16_bits(*p)).collect();
-            return DevMat::new(g, &dense, n, k, bias);
-        };
-        let words: Vec<u32> = a.iter().flat_map(|w| w.words().into_owned()).collect();
-        let scales: Vec<u16> = a.iter().flat_map(|w| bf16_bits(w.scales())).collect();
-        let biases: Vec<u16> = a.iter().flat_map(|w| bf16_bits(w.biases())).collect();
-        let bias = bias.map(|b| g.upload(&b)).transpose()?;
-        let w = DevWeights::Affine {
-            words: g.upload(&words)?,
-            scales: g.upload(&scales)?,
-            biases: g.upload(&biases)?,
-            bits,
-            group,
-        };
-        Ok(DevMat { w, n, k, bias })
-    }
-
-    fn of(g: &Gpu, l: &Linear) -> Result<DevMat> {
-        let [n, k] = l.weight.shape();
-        DevMat::stack(g, &[&l.weight], n, k, l.bias.clone())
-    }
-
-    fn mv(&self) -> Matvec {
-        let bias = self.bias.as_ref().map_or(0, |b| b.ptr());
-        let (w, format) = match &self.w {
-            DevWeights::Bf16(b) => (b.ptr(), WeightFormat::Bf16),
-            DevWeights::Affine {
-                words,
-                scales,
-                biases,
-                bits,
-                group,
-            } => (
-                words.ptr(),
-                WeightFormat::Affine {
-                    bits: *bits,
-                    group: *group,
-                    scales: scales.ptr(),
-                    biases: biases.ptr(),
-                },
-            ),
-        };
-        Matvec {
-            w,
-            n: self.n,
-            k: self.k,
-            bias,
-            format,
-        }
-    }
-
-    /// Bytes one matrix of the stack occupies.
-    fn bytes(&self) -> usize {
-        match &self.w {
-            DevWeights::Bf16(_) => self.n * self.k * 2,
-            DevWeights::Affine { bits, group, .. } => {
-                self.n * self.k * *bits as usize / 8 + 2 * 2 * self.n * self.k / group
-            }
-        }
-    }
-}
-
-/// `[gate | up]` rows of an MLP, then its down projection.
-fn gate_up(m: &Mlp) -> [&LinearWeight; 2] {
-    [&m.gate.weight, &m.up.weight]
-}
 
 pub(crate) enum GpuMixer {
     Linear {
@@ -239,6 +107,8 @@ pub struct GpuSeq {
     v_cache: Vec<Option<DevBuf<f32>>>,
     tok: DevBuf<i32>,
     pos: DevBuf<i32>,
+    /// Sampling parameters read by the step's last kernel (see `ops::SampleParams`).
+    sampling: DevBuf<u32>,
     /// Tokens processed (mirrors the device counter).
     pub host_pos: usize,
     max_ctx: usize,
@@ -265,153 +135,6 @@ pub struct GpuModel {
 
 fn unsupported(msg: String) -> CudaError {
     CudaError::Unsupported(msg)
-}
-
-fn upload_mixer(g: &Gpu, m: &Mixer, hidden: usize) -> Result<GpuMixer> {
-    Ok(match m {
-        Mixer::Linear(l) => {
-            let s = l.shape;
-            if s.k_dim > GDN_DK_MAX || s.v_dim > GDN_DV_MAX {
-                return Err(unsupported(format!(
-                    "GDN head dims {}/{} exceed the CUDA kernel limits ({GDN_DK_MAX}/{GDN_DV_MAX})",
-                    s.k_dim, s.v_dim
-                )));
-            }
-            let conv_dim = l.conv_w.len() / l.conv_kernel;
-            let n = conv_dim + s.n_v_heads * s.v_dim + 2 * s.n_v_heads;
-            let proj = match &l.proj {
-                InProj::Split { qkv, z, b, a } => DevMat::stack(
-                    g,
-                    &[&qkv.weight, &z.weight, &b.weight, &a.weight],
-                    n,
-                    hidden,
-                    None,
-                )?,
-                InProj::Packed { qkvz, ba } => {
-                    let (qkvz_runs, ba_runs) =
-                        packed_runs(s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
-                    let parts: Vec<LinearWeight> = row_runs(&qkvz.weight, &qkvz_runs)
-                        .into_iter()
-                        .chain(row_runs(&ba.weight, &ba_runs))
-                        .collect();
-                    DevMat::stack(g, &parts.iter().collect::<Vec<_>>(), n, hidden, None)?
-                }
-            };
-            GpuMixer::Linear {
-                proj,
-                conv_w: g.upload(&l.conv_w)?,
-                neg_a: g.upload(&l.neg_a)?,
-                dt_bias: g.upload(&l.dt_bias)?,
-                norm_w: g.upload(&l.norm_w)?,
-                out: DevMat::of(g, &l.out_proj)?,
-                dims: GdnDims {
-                    hk: s.n_k_heads,
-                    hv: s.n_v_heads,
-                    dk: s.k_dim,
-                    dv: s.v_dim,
-                },
-                conv_dim,
-                kernel: l.conv_kernel,
-            }
-        }
-        Mixer::Full(a) => {
-            let ws = [&a.q_proj, &a.k_proj, &a.v_proj];
-            let n = ws.iter().map(|l| l.out_features()).sum();
-            let bias = if a.q_proj.bias.is_some() {
-                Some(
-                    ws.iter()
-                        .flat_map(|l| {
-                            l.bias
-                                .clone()
-                                .unwrap_or_else(|| vec![0.0; l.out_features()])
-                        })
-                        .collect(),
-                )
-            } else {
-                None
-            };
-            GpuMixer::Full {
-                proj: DevMat::stack(g, &ws.map(|l| &l.weight), n, hidden, bias)?,
-                qn: g.upload(&a.q_norm)?,
-                kn: g.upload(&a.k_norm)?,
-                out: DevMat::of(g, &a.o_proj)?,
-            }
-        }
-    })
-}
-
-/// Rows `start..start + len` of a weight.
-pub(crate) type RowRun = (usize, usize);
-
-/// Row runs that turn Qwen3-Next's per-key-head groups `[q | k | v | z] × Hk` and
-/// `[b | a] × Hk` into `[q (all heads) | k | v | z]` and `[b | a]`.
-pub(crate) fn packed_runs(
-    hk: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
-) -> (Vec<RowRun>, Vec<RowRun>) {
-    let r = hv / hk;
-    let rv = r * dv;
-    let group = 2 * dk + 2 * rv;
-    let sect = |off: usize, len: usize| (0..hk).map(move |h| (h * group + off, len));
-    let qkvz = sect(0, dk)
-        .chain(sect(dk, dk))
-        .chain(sect(2 * dk, rv))
-        .chain(sect(2 * dk + rv, rv))
-        .collect();
-    let ba = (0..hk)
-        .map(|h| (h * 2 * r, r))
-        .chain((0..hk).map(|h| (h * 2 * r + r, r)))
-        .collect();
-    (qkvz, ba)
-}
-
-/// Row runs of a weight, each a view sharing its storage (quantized weights stay quantized).
-fn row_runs(w: &LinearWeight, runs: &[(usize, usize)]) -> Vec<LinearWeight> {
-    runs.iter()
-        .map(|&(start, len)| match w {
-            LinearWeight::Dense(t) => LinearWeight::Dense(t.narrow(start, len)),
-            LinearWeight::Affine(a) => LinearWeight::Affine(Box::new(a.rows(start, len))),
-        })
-        .collect()
-}
-
-fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
-    Ok(match f {
-        Ffn::Dense(m) => {
-            let i = m.gate.out_features();
-            GpuFfn::Dense {
-                gate_up: DevMat::stack(g, &gate_up(m), 2 * i, hidden, None)?,
-                down: DevMat::of(g, &m.down)?,
-            }
-        }
-        Ffn::Moe(m) => {
-            let (e, i) = (m.experts.len(), m.experts[0].gate.out_features());
-            if e > 1024 || m.top_k > 32 {
-                return Err(unsupported(format!(
-                    "{e} experts / top-{} exceed the CUDA router limits (1024 / 32)",
-                    m.top_k
-                )));
-            }
-            let gu: Vec<&LinearWeight> = m.experts.iter().flat_map(gate_up).collect();
-            let down: Vec<&LinearWeight> = m.experts.iter().map(|x| &x.down.weight).collect();
-            let si = m.shared.gate.out_features();
-            GpuFfn::Moe {
-                router: DevMat::stack(
-                    g,
-                    &[&m.router.weight, &m.shared_gate.weight],
-                    e + 1,
-                    hidden,
-                    None,
-                )?,
-                experts_gu: DevMat::stack(g, &gu, 2 * i, hidden, None)?,
-                experts_down: DevMat::stack(g, &down, hidden, i, None)?,
-                shared_gu: DevMat::stack(g, &gate_up(&m.shared), 2 * si, hidden, None)?,
-                shared_down: DevMat::of(g, &m.shared.down)?,
-            }
-        }
-    })
 }
 
 /// The device weights a [`GpuModel`] is assembled from.
@@ -522,6 +245,7 @@ impl GpuModel {
             v_cache,
             tok: g.zeros(1)?,
             pos: g.zeros(1)?,
+            sampling: g.zeros(7)?,
             host_pos: 0,
             max_ctx,
             graph: None,
@@ -545,8 +269,9 @@ impl GpuModel {
             * 4
     }
 
-    /// Run one token: `tok` fed at the sequence's position. Returns the greedy next token; the
-    /// logits stay on the device (see [`GpuModel::logits`]).
+    /// Run one token: `tok` fed at the sequence's position. Returns the next token as the
+    /// sequence's sampling parameters pick it (greedy by default); the logits stay on the device
+    /// (see [`GpuModel::logits`]).
     pub fn step(&mut self, seq: &mut GpuSeq, tok: u32) -> Result<u32> {
         if seq.host_pos >= seq.max_ctx {
             return Err(unsupported(format!(
@@ -582,6 +307,11 @@ impl GpuModel {
         }
         seq.host_pos += 1;
         Ok(g.read(&seq.tok, 1)?[0] as u32)
+    }
+
+    /// How the step picks the sequence's next token (the draw counter restarts at 0).
+    pub fn set_sampling(&self, seq: &mut GpuSeq, p: ops::SampleParams) -> Result<()> {
+        self.gpu.write(&mut seq.sampling, &p.words(0))
     }
 
     /// Move the sequence to position `pos` without running tokens (benchmarks measure decode
@@ -858,7 +588,7 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Final norm, lm_head and the greedy token.
+    /// Final norm, lm_head and the next token (greedy or sampled on the device).
     fn enqueue_head(&self, seq: &GpuSeq) -> Result<()> {
         let g = &*self.gpu;
         let s = &self.scratch;
@@ -882,7 +612,14 @@ impl GpuModel {
             0,
             0,
         )?;
-        ops::argmax_advance(g, s.logits.ptr(), self.vocab, seq.tok.ptr(), seq.pos.ptr())
+        ops::sample_advance(
+            g,
+            s.logits.ptr(),
+            self.vocab,
+            seq.sampling.ptr(),
+            seq.tok.ptr(),
+            seq.pos.ptr(),
+        )
     }
 }
 
@@ -930,20 +667,5 @@ impl Scratch {
             ys: g.zeros(h)?,
             logits: g.zeros(c.vocab_size)?,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn packed_runs_match_the_cpu_unpacking() {
-        // hk 2, hv 4 (r 2), dk 1, dv 1: group = [q, k, v0, v1, z0, z1] per key head.
-        let rows = |runs: Vec<(usize, usize)>| -> Vec<usize> {
-            runs.into_iter().flat_map(|(s, l)| s..s + l).collect()
-        };
-        let (qkvz, ba) = super::packed_runs(2, 4, 1, 1);
-        let (qkvz, ba) = (rows(qkvz), rows(ba));
-        assert_eq!(qkvz, vec![0, 6, 1, 7, 2, 3, 8, 9, 4, 5, 10, 11]);
-        assert_eq!(ba, vec![0, 1, 4, 5, 2, 3, 6, 7]);
     }
 }
