@@ -53,7 +53,7 @@ pub struct BenchArgs {
     /// Group size for --bits.
     #[arg(long, default_value_t = 64)]
     group_size: usize,
-    /// Prompt length for the CPU prefill measurement.
+    /// Prompt length for the prefill measurement.
     #[arg(long, default_value_t = 128)]
     prompt_len: usize,
     /// Decode steps timed per measurement.
@@ -259,6 +259,16 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         t0.elapsed().as_secs_f64()
     );
     println!("hbm      device copy {:.0} GB/s (read + write)", bw / 1e9);
+    // Prefill runs the prompt token by token through the decode graph until GPU prefill lands.
+    let prompt_len = a.prompt_len.min(max_pos.saturating_sub(1)).max(1);
+    let mut seq = model.new_seq(prompt_len + 1)?;
+    let t = Instant::now();
+    let mut tok = 1u32;
+    for _ in 0..prompt_len {
+        tok = model.step(&mut seq, tok)?;
+    }
+    let prefill_tps = prompt_len as f64 / t.elapsed().as_secs_f64();
+    println!("prefill  {prompt_len} tokens, token by token: {prefill_tps:.1} tok/s");
     let contexts: Vec<usize> = a
         .contexts
         .iter()
@@ -297,9 +307,10 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         rows.push(json!({"context": ctx, "tok_s": 1.0 / secs, "ms_per_token": secs * 1e3, "bytes_per_token": bytes,
                          "fraction_of_bandwidth": frac, "eager_ms_by_kind": per_kind}));
     }
-    Ok(
-        json!({"model": name, "backend": "cuda", "device": gpu.name(), "copy_bandwidth_bytes_s": bw, "decode": rows}),
-    )
+    Ok(json!({
+        "model": name, "backend": "cuda", "device": gpu.name(), "copy_bandwidth_bytes_s": bw,
+        "prefill_tokens": prompt_len, "prefill_tok_s": prefill_tps, "decode": rows,
+    }))
 }
 
 /// Matvec throughput at real decode shapes: (name, rows N, cols K, matrices per launch).
