@@ -2,14 +2,16 @@
 //
 // router_topk: logits [E] (+ logits[E] = shared-expert gate logit when has_shared_gate).
 //   p = softmax(logits[0..E]); the K largest (ties to the lower index) → ids [K], w [K]
-//   (divided by their sum when renorm); sg = sigmoid(logits[E]). grid 1, block 32 (one warp).
+//   (divided by their sum when renorm); sg = sigmoid(logits[E]); when shared_slot ≥ 0 the shared
+//   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
+//   grid 1, block 32 (one warp).
 //   E ≤ 1024, K ≤ 32.
 //
 // moe_combine: delta[i] = Σ_k w[k] · y[k, i] + (ys ? sg · ys[i] : 0). y: [K, H]. grid ceil(H/256), block 256.
 
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
-                                       int has_shared_gate, int* __restrict__ ids, float* __restrict__ w,
-                                       float* __restrict__ sg) {
+                                       int has_shared_gate, int shared_slot, int* __restrict__ ids,
+                                       float* __restrict__ w, float* __restrict__ sg) {
     __shared__ float p[1024];
     int lane = threadIdx.x;
     float mx = NEG_INF;
@@ -46,7 +48,14 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
         __syncwarp();
     }
     if (lane < K) w[lane] = renorm ? chosen / total : chosen;
-    if (lane == 0 && has_shared_gate) sg[0] = sigmoid_f(logits[E]);
+    if (lane == 0 && has_shared_gate) {
+        float g = sigmoid_f(logits[E]);
+        sg[0] = g;
+        if (shared_slot >= 0) {
+            ids[K] = shared_slot;
+            w[K] = g;
+        }
+    }
 }
 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,

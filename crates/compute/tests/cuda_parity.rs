@@ -479,23 +479,27 @@ fn router_combine_embed_argmax_match_cpu() {
     ] {
         let logits = rand_vec(&mut r, e + 1, -3.0, 3.0);
         let dl = g.upload(&logits).unwrap();
+        // One slot more for the shared expert, stacked at index e.
         let (ids, w, sg) = (
-            g.zeros::<i32>(k).unwrap(),
-            g.zeros::<f32>(k).unwrap(),
+            g.zeros::<i32>(k + 1).unwrap(),
+            g.zeros::<f32>(k + 1).unwrap(),
             g.zeros::<f32>(1).unwrap(),
         );
-        ops::router_topk(
-            &g,
-            dl.ptr(),
-            e,
-            k,
+        let route = ops::Route {
+            experts: e,
+            top_k: k,
             renorm,
-            true,
-            ids.ptr(),
-            w.ptr(),
-            sg.ptr(),
-        )
-        .unwrap();
+            shared_gate: true,
+            shared_slot: Some(e),
+        };
+        ops::router_topk(&g, dl.ptr(), route, ids.ptr(), w.ptr(), sg.ptr()).unwrap();
+        assert_eq!(g.read(&ids, k + 1).unwrap()[k], e as i32, "shared slot id");
+        assert_close(
+            "shared slot weight",
+            &g.read(&w, k + 1).unwrap()[k..],
+            &[sigmoid(logits[e])],
+            1e-6,
+        );
         let mut p = logits[..e].to_vec();
         deltamoe_compute::cpu::act::softmax(&mut p);
         let mut idx: Vec<usize> = (0..e).collect();

@@ -86,3 +86,31 @@ fn cuda_sampling_is_seeded_and_top_k_1_is_greedy() {
         "top-k 1 is greedy"
     );
 }
+
+/// The fixtures' shared experts differ in size from their routed experts; real models' do not,
+/// and then the shared expert runs stacked with the routed ones. Check that path against the CPU
+/// engine on the same (synthetic bf16) weights.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_with_stacked_shared_expert_matches_cpu() {
+    use deltamoe_compute::DType;
+    use deltamoe_model::{ModelConfig, WeightStore};
+    let cfg = r#"{"model_type": "qwen3_5_moe_text", "vocab_size": 1000, "hidden_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+        "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "max_position_embeddings": 512}"#;
+    let config = || ModelConfig::from_json_str(cfg, std::path::Path::new("inline")).unwrap();
+    let load =
+        || Qwen3Hybrid::from_store(config(), &WeightStore::synthetic(DType::BF16, 5)).unwrap();
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 1000).collect();
+    let mut cpu = Engine::new(load());
+    let id = cpu.add_sequence().unwrap();
+    let want = cpu.prefill(id, &tokens, None, Logits::All).unwrap();
+    let gpu = Arc::new(Gpu::new(0).unwrap());
+    let mut e = Engine::new_cuda(load(), gpu, 512).unwrap();
+    let id = e.add_sequence().unwrap();
+    let got = e.prefill(id, &tokens, None, Logits::All).unwrap();
+    check_logits("stacked shared expert", &got, &want, 1000);
+}

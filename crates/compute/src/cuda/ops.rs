@@ -389,31 +389,42 @@ pub fn attn_decode(
     Ok(())
 }
 
-/// Softmax + top-k over `e` router logits (plus the shared-expert gate logit at index e when
-/// `shared_gate`): ids [k], weights [k], sg [1].
-#[allow(clippy::too_many_arguments)]
-pub fn router_topk(
-    g: &Gpu,
-    logits: u64,
-    e: usize,
-    k: usize,
-    renorm: bool,
-    shared_gate: bool,
-    ids: u64,
-    w: u64,
-    sg: u64,
-) -> Result<()> {
-    let (e32, k32, rn, hs) = (e as i32, k as i32, renorm as i32, shared_gate as i32);
+/// Routing of one token for [`router_topk`].
+#[derive(Clone, Copy, Debug)]
+pub struct Route {
+    /// Routed experts.
+    pub experts: usize,
+    pub top_k: usize,
+    /// Divide the top-k weights by their sum.
+    pub renorm: bool,
+    /// The logits hold the shared-expert gate logit at index `experts`.
+    pub shared_gate: bool,
+    /// Index of the shared expert in the stacked expert weights, when it is stacked there.
+    pub shared_slot: Option<usize>,
+}
+
+/// Softmax + top-k over the router logits: ids [k], weights [k], sg [1] = sigmoid(shared
+/// gate logit); with a shared slot also ids[k] = slot, weights[k] = sg.
+pub fn router_topk(g: &Gpu, logits: u64, r: Route, ids: u64, w: u64, sg: u64) -> Result<()> {
+    let (e32, k32, rn, hs) = (
+        r.experts as i32,
+        r.top_k as i32,
+        r.renorm as i32,
+        r.shared_gate as i32,
+    );
+    let slot = r.shared_slot.map_or(-1, |s| s as i32);
     let mut b = g.stream().launch_builder(g.kernels().get("router_topk"));
     b.arg(&logits)
         .arg(&e32)
         .arg(&k32)
         .arg(&rn)
         .arg(&hs)
+        .arg(&slot)
         .arg(&ids)
         .arg(&w)
         .arg(&sg);
-    // SAFETY: e ≤ 1024 and k ≤ 32 (checked at upload); logits hold e (+1) floats.
+    // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold experts (+1)
+    // floats; ids and w hold top_k (+1 with a shared slot) entries.
     unsafe { b.launch(cfg((1, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
     Ok(())
 }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
-use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, ATTN_DMAX};
+use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Route, ATTN_DMAX};
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
 use crate::qwen3_hybrid::Qwen3Hybrid;
@@ -61,12 +61,13 @@ pub(crate) enum GpuFfn {
         gate_up: DevMat,
         down: DevMat,
     },
+    /// Routed experts stacked `[E (+1), …]`; `shared` holds the shared expert's `[gate | up]`
+    /// and down when it could not be stacked as expert E.
     Moe {
         router: DevMat,
         experts_gu: DevMat,
         experts_down: DevMat,
-        shared_gu: DevMat,
-        shared_down: DevMat,
+        shared: Option<(DevMat, DevMat)>,
     },
 }
 
@@ -349,13 +350,12 @@ impl GpuModel {
                     router,
                     experts_gu,
                     experts_down,
-                    shared_gu,
-                    shared_down,
+                    shared,
                 } => {
+                    let slots = self.top_k + shared.is_none() as usize;
                     mat(router)
-                        + self.top_k * (mat(experts_gu) + mat(experts_down))
-                        + mat(shared_gu)
-                        + mat(shared_down)
+                        + slots * (mat(experts_gu) + mat(experts_down))
+                        + shared.as_ref().map_or(0, |(gu, d)| mat(gu) + mat(d))
                 }
             };
         }
@@ -536,18 +536,22 @@ impl GpuModel {
                     router,
                     experts_gu,
                     experts_down,
-                    shared_gu,
-                    shared_down,
+                    shared,
                 } => {
-                    let (k, i_e) = (self.top_k, experts_gu.n / 2);
+                    let i_e = experts_gu.n / 2;
+                    let slots = self.top_k + shared.is_none() as usize;
+                    let route = Route {
+                        experts: self.num_experts,
+                        top_k: self.top_k,
+                        renorm: self.norm_topk,
+                        shared_gate: true,
+                        shared_slot: shared.is_none().then_some(self.num_experts),
+                    };
                     ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), 1, 0, 0)?;
                     ops::router_topk(
                         g,
                         s.router.ptr(),
-                        self.num_experts,
-                        k,
-                        self.norm_topk,
-                        true,
+                        route,
                         s.ids.ptr(),
                         s.weights.ptr(),
                         s.sg.ptr(),
@@ -557,7 +561,7 @@ impl GpuModel {
                         experts_gu.mv(),
                         s.normed.ptr(),
                         s.h.ptr(),
-                        k,
+                        slots,
                         s.ids.ptr(),
                         0,
                     )?;
@@ -566,20 +570,26 @@ impl GpuModel {
                         experts_down.mv(),
                         s.h.ptr(),
                         s.y.ptr(),
-                        k,
+                        slots,
                         s.ids.ptr(),
                         i_e,
                     )?;
-                    ops::matvec_swiglu(g, shared_gu.mv(), s.normed.ptr(), s.hs.ptr(), 1, 0, 0)?;
-                    ops::matvec(g, shared_down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
+                    let (ys, sg) = match shared {
+                        Some((gu, down)) => {
+                            ops::matvec_swiglu(g, gu.mv(), s.normed.ptr(), s.hs.ptr(), 1, 0, 0)?;
+                            ops::matvec(g, down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
+                            (s.ys.ptr(), s.sg.ptr())
+                        }
+                        None => (0, 0),
+                    };
                     ops::moe_combine(
                         g,
                         s.y.ptr(),
                         s.weights.ptr(),
-                        s.ys.ptr(),
-                        s.sg.ptr(),
+                        ys,
+                        sg,
                         s.delta.ptr(),
-                        k,
+                        slots,
                         h,
                     )?;
                 }
@@ -636,16 +646,17 @@ impl Scratch {
             match &l.ffn {
                 GpuFfn::Dense { gate_up, .. } => inter = inter.max(gate_up.n / 2),
                 GpuFfn::Moe {
-                    experts_gu,
-                    shared_gu,
-                    ..
+                    experts_gu, shared, ..
                 } => {
-                    inter = inter.max(experts_gu.n / 2 * c.experts_per_token);
-                    shared_inter = shared_inter.max(shared_gu.n / 2);
+                    inter = inter.max(experts_gu.n / 2 * (c.experts_per_token + 1));
+                    if let Some((gu, _)) = shared {
+                        shared_inter = shared_inter.max(gu.n / 2);
+                    }
                 }
             }
         }
-        let k = c.experts_per_token.max(1);
+        // Room for the shared expert stacked as one more slot.
+        let k = c.experts_per_token + 1;
         let qd = c.num_heads * c.head_dim;
         Ok(Scratch {
             x: g.zeros(h)?,

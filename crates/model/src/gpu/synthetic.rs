@@ -140,12 +140,19 @@ impl GpuModel {
                         c.moe_intermediate_size,
                         c.shared_expert_intermediate_size,
                     );
+                    // As on upload: a shared expert of the experts' shape is stacked as expert E.
+                    let stacked = sn == n;
+                    let shared = if stacked {
+                        None
+                    } else {
+                        Some((f.mats(1, 2 * sn, h)?, f.mats(1, h, sn)?))
+                    };
+                    let count = e + stacked as usize;
                     GpuFfn::Moe {
                         router: f.mats(1, e + 1, h)?,
-                        experts_gu: f.mats(e, 2 * n, h)?,
-                        experts_down: f.mats(e, h, n)?,
-                        shared_gu: f.mats(1, 2 * sn, h)?,
-                        shared_down: f.mats(1, h, sn)?,
+                        experts_gu: f.mats(count, 2 * n, h)?,
+                        experts_down: f.mats(count, h, n)?,
+                        shared,
                     }
                 }
             };

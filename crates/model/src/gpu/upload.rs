@@ -257,6 +257,17 @@ fn row_runs(w: &LinearWeight, runs: &[(usize, usize)]) -> Vec<LinearWeight> {
         .collect()
 }
 
+/// Whether two weights are stored alike (both dense, or affine with the same bits and group).
+fn same_format(a: &LinearWeight, b: &LinearWeight) -> bool {
+    match (a, b) {
+        (LinearWeight::Dense(_), LinearWeight::Dense(_)) => true,
+        (LinearWeight::Affine(x), LinearWeight::Affine(y)) => {
+            x.bits() == y.bits() && x.group_size() == y.group_size()
+        }
+        _ => false,
+    }
+}
+
 pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
     Ok(match f {
         Ffn::Dense(m) => {
@@ -274,9 +285,22 @@ pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
                     m.top_k
                 )));
             }
-            let gu: Vec<&LinearWeight> = m.experts.iter().flat_map(gate_up).collect();
-            let down: Vec<&LinearWeight> = m.experts.iter().map(|x| &x.down.weight).collect();
             let si = m.shared.gate.out_features();
+            // The shared expert joins the routed ones as one more stacked expert when it has
+            // their shape and storage format: then it runs in the same launches.
+            let stack_shared =
+                si == i && same_format(&m.shared.gate.weight, &m.experts[0].gate.weight);
+            let mlps = m.experts.iter().chain(stack_shared.then_some(&m.shared));
+            let gu: Vec<&LinearWeight> = mlps.clone().flat_map(gate_up).collect();
+            let down: Vec<&LinearWeight> = mlps.map(|x| &x.down.weight).collect();
+            let shared = if stack_shared {
+                None
+            } else {
+                Some((
+                    DevMat::stack(g, &gate_up(&m.shared), 2 * si, hidden, None)?,
+                    DevMat::of(g, &m.shared.down)?,
+                ))
+            };
             GpuFfn::Moe {
                 router: DevMat::stack(
                     g,
@@ -287,8 +311,7 @@ pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
                 )?,
                 experts_gu: DevMat::stack(g, &gu, 2 * i, hidden, None)?,
                 experts_down: DevMat::stack(g, &down, hidden, i, None)?,
-                shared_gu: DevMat::stack(g, &gate_up(&m.shared), 2 * si, hidden, None)?,
-                shared_down: DevMat::of(g, &m.shared.down)?,
+                shared,
             }
         }
     })
