@@ -357,6 +357,8 @@ fn attention_decode_matches_cpu() {
         (4usize, 2usize, 32usize, 8usize, 37usize),
         (16, 2, 256, 64, 70),
         (3, 1, 48, 16, 5),
+        // More than GQA_MAX q heads per kv head (as Qwen3.5-397B): the ungrouped kernel.
+        (32, 2, 256, 64, 45),
     ] {
         let rope = Rope::new(rot, 1e6);
         let (qn, kn) = (rand_vec(&mut r, d, 0.5, 1.5), rand_vec(&mut r, d, 0.5, 1.5));
