@@ -11,8 +11,10 @@
 //!    convert's renaming, stacking, norm shifting or conv reshaping, only the quantization
 //!    (itself checked bit for bit against mlx in deltamoe-compute's tests).
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
@@ -20,11 +22,7 @@ use deltamoe_model::convert::{convert, BitsRule, ConvertOptions};
 use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid, WeightStore};
 use safetensors::SafeTensors;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
-}
+use common::{check_logits, f32s, fixture, ids};
 
 /// Every tensor of a checkpoint directory: name → (dtype, shape, bytes).
 fn tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
@@ -56,51 +54,6 @@ fn quant_block(dir: &Path) -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(v["quantization"], v["quantization_config"]);
     v["quantization"].clone()
-}
-
-fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
-    st.tensor(name)
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
-fn ids(st: &SafeTensors, name: &str) -> Vec<u32> {
-    st.tensor(name)
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect()
-}
-
-/// Max error relative to max|ref| and argmax agreement, asserted at 5e-3 and 98%.
-fn compare(name: &str, got: &[f32], want: &[f32], vocab: usize) {
-    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    let am = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
-    };
-    let rows = want.len() / vocab;
-    let agree = got
-        .chunks_exact(vocab)
-        .zip(want.chunks_exact(vocab))
-        .filter(|(a, b)| am(a) == am(b))
-        .count();
-    eprintln!(
-        "{name}: max err {:.2e} of max|ref|, argmax {agree}/{rows}",
-        err / max_ref
-    );
-    assert_eq!(got.len(), want.len());
-    assert!(err <= 5e-3 * max_ref, "{name}: {err} > 5e-3 * {max_ref}");
-    assert!(agree * 100 >= rows * 98, "{name}: argmax {agree}/{rows}");
 }
 
 fn logits(model: &Qwen3Hybrid, tokens: &[u32]) -> Vec<f32> {
@@ -148,7 +101,7 @@ fn output_is_identical_to_mlx_lm_convert() {
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let want = f32s(&st, "prompt0.logits");
         let got = logits(&model, &ids(&st, "prompt0.tokens"));
-        compare(&format!("convert {src} {bits}/{gs}"), &got, &want, 512);
+        check_logits(&format!("convert {src} {bits}/{gs}"), &got, &want, 512);
         assert!(dst.join("config.json").exists());
         if fixture(src).join("tokenizer.json").exists() {
             assert!(report.copied.contains(&"tokenizer.json".to_string()));
@@ -274,7 +227,7 @@ fn mixed_bits_sharded_output_matches_the_f32_engine_on_fake_quantized_weights() 
     let refst = SafeTensors::deserialize(&bytes).unwrap();
     for p in ["prompt0", "prompt1"] {
         let toks = ids(&refst, &format!("{p}.tokens"));
-        compare(
+        check_logits(
             &format!("mixed-bit qwen3_next {p}"),
             &logits(&model, &toks),
             &logits(&reference, &toks),

@@ -4,16 +4,14 @@
 //! (pure decode and chunks of 37). Tolerance 5e-3·max|ref| and ≥ 98% argmax agreement, as for
 //! the HF fixtures. Also: bad checkpoints fail with one-line errors naming the tensor.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use deltamoe_model::{Layout, Logits, Qwen3Hybrid, WeightStore};
 use safetensors::SafeTensors;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
-}
+use common::{check_logits, f32s, fixture, ids};
 
 fn mlx_fixtures() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(fixture(""))
@@ -32,15 +30,6 @@ fn mlx_fixtures() -> Vec<PathBuf> {
     v
 }
 
-fn tensor<T>(st: &SafeTensors, name: &str, width: usize, f: impl Fn(&[u8]) -> T) -> Vec<T> {
-    st.tensor(name)
-        .unwrap()
-        .data()
-        .chunks_exact(width)
-        .map(f)
-        .collect()
-}
-
 /// `(tokens, logits)` of prompt0 and prompt1.
 fn prompts(dir: &Path) -> Vec<(Vec<u32>, Vec<f32>)> {
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
@@ -48,49 +37,11 @@ fn prompts(dir: &Path) -> Vec<(Vec<u32>, Vec<f32>)> {
     (0..2)
         .map(|i| {
             (
-                tensor(&st, &format!("prompt{i}.tokens"), 8, |c| {
-                    i64::from_le_bytes(c.try_into().unwrap()) as u32
-                }),
-                tensor(&st, &format!("prompt{i}.logits"), 4, |c| {
-                    f32::from_le_bytes(c.try_into().unwrap())
-                }),
+                ids(&st, &format!("prompt{i}.tokens")),
+                f32s(&st, &format!("prompt{i}.logits")),
             )
         })
         .collect()
-}
-
-/// Asserts the tolerance; returns the relative max error.
-pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
-    assert_eq!(got.len(), want.len(), "{name}: logits length");
-    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let max_err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    let argmax = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
-    };
-    let rows = want.len() / vocab;
-    let agree = got
-        .chunks_exact(vocab)
-        .zip(want.chunks_exact(vocab))
-        .filter(|(a, b)| argmax(a) == argmax(b))
-        .count();
-    eprintln!(
-        "{name}: max err {max_err:.2e} of max|ref| {max_ref:.3} ({:.2e}), argmax {agree}/{rows}",
-        max_err / max_ref
-    );
-    assert!(
-        max_err <= 5e-3 * max_ref,
-        "{name}: max err {max_err} > 5e-3 * {max_ref}"
-    );
-    assert!(
-        agree * 100 >= rows * 98,
-        "{name}: argmax agreement {agree}/{rows}"
-    );
-    max_err / max_ref
 }
 
 fn run(model: &Qwen3Hybrid, tokens: &[u32], chunk: usize) -> Vec<f32> {
