@@ -2,57 +2,12 @@
 //! a tokenizer and a ChatML template). Chat reads stdin, which is a pipe here, so the line
 //! editor falls back to plain line reading.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+mod common;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
-}
+use common::{expect_error, fixture, run_with_stdin};
 
 fn moe() -> String {
     fixture("qwen3_5_moe").to_string_lossy().into_owned()
-}
-
-/// Runs the binary with `stdin` piped in; returns (success, stdout, stderr).
-fn run(args: &[&str], stdin: &str) -> (bool, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_deltamoe"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// Runs and expects failure with a single `error:` line containing every needle.
-fn expect_error(args: &[&str], needles: &[&str]) {
-    let (ok, _, err) = run(args, "");
-    assert!(!ok, "{args:?} should fail");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
-    assert_eq!(lines.len(), 1, "{args:?}: expected one error line: {err}");
-    for n in needles {
-        assert!(
-            lines[0].contains(n),
-            "{args:?}: `{n}` not in `{}`",
-            lines[0]
-        );
-    }
 }
 
 /// `key=value` from a line of `k=v` pairs.
@@ -70,7 +25,7 @@ fn perplexity_prints_ppl_tokens_and_windows() {
     std::fs::write(&text, &body).unwrap();
     let t = text.to_str().unwrap();
     let m = moe();
-    let (ok, out, err) = run(
+    let (ok, out, err) = run_with_stdin(
         &["perplexity", "--model", &m, "--text", t, "--ctx", "16"],
         "",
     );
@@ -91,7 +46,7 @@ fn perplexity_prints_ppl_tokens_and_windows() {
 
     // One big window scores all tokens but the first (the windows of 16 may have dropped a
     // one-token tail).
-    let (ok, out, err) = run(&["perplexity", "--model", &m, "--text", t], "");
+    let (ok, out, err) = run_with_stdin(&["perplexity", "--model", &m, "--text", t], "");
     assert!(ok, "{err}");
     assert_eq!(field(out.trim(), "windows"), "1");
     let all: usize = field(out.trim(), "tokens").parse().unwrap();
@@ -160,7 +115,7 @@ fn chat_reuses_the_sequence_and_resets() {
         "Be terse.",
     ];
     let input = "hello\nhow are you?\n/reset\nhello\n/bogus\n/quit\nnever read\n";
-    let (ok, out, err) = run(&args, input);
+    let (ok, out, err) = run_with_stdin(&args, input);
     assert!(ok, "{err}");
     assert!(!err.contains("panicked"), "{err}");
     let p = prefills(&err);
@@ -193,7 +148,7 @@ fn chat_streams_replies_and_ends_at_eof() {
         "--temperature",
         "0",
     ];
-    let (ok, out, err) = run(&args, "Once upon a time\nand then?\n");
+    let (ok, out, err) = run_with_stdin(&args, "Once upon a time\nand then?\n");
     assert!(ok, "{err}");
     let p = prefills(&err);
     assert_eq!(p.len(), 2, "{err}");

@@ -1,56 +1,11 @@
 //! The `deltamoe` binary end to end: outputs on a fixture, and one-line errors (non-zero exit,
 //! no panic) for each kind of bad input.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
-}
+use std::path::Path;
 
-/// A writable copy of a fixture directory.
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(fixture(name)).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, d.path().join(p.file_name().unwrap())).unwrap();
-    }
-    d
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_deltamoe"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// Runs and expects failure with a single `error:` line containing every needle.
-fn expect_error(args: &[&str], needles: &[&str]) {
-    let (ok, _, err) = run(args);
-    assert!(!ok, "{args:?} should fail");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
-    assert_eq!(
-        lines.len(),
-        1,
-        "{args:?}: expected one error line, got: {err}"
-    );
-    for n in needles {
-        assert!(
-            lines[0].contains(n),
-            "{args:?}: `{n}` not in `{}`",
-            lines[0]
-        );
-    }
-}
+use common::{copy_fixture, expect_error, fixture, run};
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");

@@ -1,40 +1,8 @@
 //! `deltamoe convert` and `deltamoe info` on quantized checkpoints, end to end through the binary.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_deltamoe"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn expect_error(args: &[&str], needles: &[&str]) {
-    let (ok, _, err) = run(args);
-    assert!(!ok, "{args:?} should fail");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
-    assert_eq!(lines.len(), 1, "{args:?}: {err}");
-    for n in needles {
-        assert!(
-            lines[0].contains(n),
-            "{args:?}: `{n}` not in `{}`",
-            lines[0]
-        );
-    }
-}
+use common::{expect_error, fixture, run};
 
 #[test]
 fn convert_then_info_and_score() {
