@@ -30,6 +30,10 @@ pub struct Engine {
     next_id: u64,
 }
 
+fn no_such_sequence(id: SeqId) -> EngineError {
+    EngineError::Input(format!("sequence {} does not exist", id.0))
+}
+
 fn cuda_err(e: deltamoe_compute::cuda::CudaError) -> EngineError {
     EngineError::Input(format!("cuda: {e}"))
 }
@@ -110,7 +114,7 @@ impl Engine {
         let seq = self
             .sequences
             .get(&id)
-            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
+            .ok_or_else(|| no_such_sequence(id))?;
         let vocab = self.model.config().vocab_size;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Input(format!(
@@ -148,7 +152,7 @@ impl Engine {
         let seq = self
             .sequences
             .get_mut(&id)
-            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
+            .ok_or_else(|| no_such_sequence(id))?;
         let mut out = Vec::new();
         match (&mut seq.state, gpu) {
             (SeqState::Cpu(st), _) => {
@@ -191,7 +195,7 @@ impl Engine {
         let seq = self
             .sequences
             .get_mut(&id)
-            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
+            .ok_or_else(|| no_such_sequence(id))?;
         match (&mut seq.state, &self.gpu) {
             (SeqState::Cuda(st), Some(g)) => {
                 let dp = SampleParams {
@@ -216,7 +220,7 @@ impl Engine {
         let seq = self
             .sequences
             .get_mut(&id)
-            .ok_or_else(|| EngineError::Input(format!("sequence {} does not exist", id.0)))?;
+            .ok_or_else(|| no_such_sequence(id))?;
         let next = match (&mut seq.state, &mut self.gpu) {
             (SeqState::Cuda(st), Some(g)) => g.step(st, tok).map_err(cuda_err)?,
             (SeqState::Cpu(st), _) => argmax(&self.model.forward(&[tok], st, Logits::Last)?) as u32,

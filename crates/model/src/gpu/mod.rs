@@ -434,185 +434,170 @@ impl GpuModel {
         let s = &self.scratch;
         let (h, eps) = (self.hidden, self.eps);
         let l = &self.layers[i];
-        {
-            let delta = if i == 0 { 0 } else { s.delta.ptr() };
-            ops::add_rmsnorm(
-                g,
-                s.x.ptr(),
-                delta,
-                l.input_norm.ptr(),
-                s.normed.ptr(),
-                1,
-                h,
-                eps,
-            )?;
-            match &l.mixer {
-                GpuMixer::Linear {
-                    proj,
-                    conv_w,
-                    neg_a,
-                    dt_bias,
-                    norm_w,
-                    out,
-                    dims,
-                    conv_dim,
-                    kernel,
-                } => {
-                    let (conv, rec) = (seq.conv[i].as_ref(), seq.rec[i].as_ref());
-                    let (conv, rec) = (conv.map_or(0, |b| b.ptr()), rec.map_or(0, |b| b.ptr()));
-                    ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
-                    ops::gdn_conv_step(
-                        g,
-                        s.proj.ptr(),
-                        conv,
-                        conv_w.ptr(),
-                        s.mixed.ptr(),
-                        *conv_dim,
-                        *kernel,
-                    )?;
-                    ops::gdn_step(
-                        g,
-                        s.mixed.ptr(),
-                        s.proj.ptr(),
-                        rec,
-                        neg_a.ptr(),
-                        dt_bias.ptr(),
-                        norm_w.ptr(),
-                        s.mix_out.ptr(),
-                        *dims,
-                        eps,
-                    )?;
-                    ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
-                }
-                GpuMixer::Full { proj, qn, kn, out } => {
-                    let kc = seq.k_cache[i].as_ref().map_or(0, |b| b.ptr());
-                    let vc = seq.v_cache[i].as_ref().map_or(0, |b| b.ptr());
-                    ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
-                    ops::attn_prep(
-                        g,
-                        s.proj.ptr(),
-                        qn.ptr(),
-                        kn.ptr(),
-                        self.inv_freq.ptr(),
-                        s.q.ptr(),
-                        kc,
-                        vc,
-                        seq.pos.ptr(),
-                        self.attn,
-                        eps,
-                    )?;
-                    ops::attn_decode(
-                        g,
-                        s.q.ptr(),
-                        kc,
-                        vc,
-                        seq.pos.ptr(),
-                        s.part_o.ptr(),
-                        s.part_ml.ptr(),
-                        s.proj.ptr(),
-                        s.mix_out.ptr(),
-                        self.attn,
-                        ATTN_SPLITS,
-                    )?;
-                    ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
-                }
+        let delta = if i == 0 { 0 } else { s.delta.ptr() };
+        self.add_norm(delta, l.input_norm.ptr())?;
+        match &l.mixer {
+            GpuMixer::Linear {
+                proj,
+                conv_w,
+                neg_a,
+                dt_bias,
+                norm_w,
+                out,
+                dims,
+                conv_dim,
+                kernel,
+            } => {
+                let (conv, rec) = (seq.conv[i].as_ref(), seq.rec[i].as_ref());
+                let (conv, rec) = (conv.map_or(0, |b| b.ptr()), rec.map_or(0, |b| b.ptr()));
+                ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
+                ops::gdn_conv_step(
+                    g,
+                    s.proj.ptr(),
+                    conv,
+                    conv_w.ptr(),
+                    s.mixed.ptr(),
+                    *conv_dim,
+                    *kernel,
+                )?;
+                ops::gdn_step(
+                    g,
+                    s.mixed.ptr(),
+                    s.proj.ptr(),
+                    rec,
+                    neg_a.ptr(),
+                    dt_bias.ptr(),
+                    norm_w.ptr(),
+                    s.mix_out.ptr(),
+                    *dims,
+                    eps,
+                )?;
+                ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
             }
-            ops::add_rmsnorm(
-                g,
-                s.x.ptr(),
-                s.delta.ptr(),
-                l.post_norm.ptr(),
-                s.normed.ptr(),
-                1,
-                h,
-                eps,
-            )?;
-            match &l.ffn {
-                GpuFfn::Dense { gate_up, down } => {
-                    ops::matvec_swiglu(g, gate_up.mv(), s.normed.ptr(), s.h.ptr(), 1, 0, 0)?;
-                    ops::matvec(g, down.mv(), s.h.ptr(), s.delta.ptr(), 1, 0, 0)?;
-                }
-                GpuFfn::Moe {
-                    router,
-                    experts_gu,
-                    experts_down,
-                    shared,
-                } => {
-                    let i_e = experts_gu.n / 2;
-                    let slots = self.top_k + shared.is_none() as usize;
-                    let route = Route {
-                        experts: self.num_experts,
-                        top_k: self.top_k,
-                        renorm: self.norm_topk,
-                        shared_gate: true,
-                        shared_slot: shared.is_none().then_some(self.num_experts),
-                    };
-                    ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), 1, 0, 0)?;
-                    ops::router_topk(
-                        g,
-                        s.router.ptr(),
-                        route,
-                        s.ids.ptr(),
-                        s.weights.ptr(),
-                        s.sg.ptr(),
-                    )?;
-                    ops::matvec_swiglu(
-                        g,
-                        experts_gu.mv(),
-                        s.normed.ptr(),
-                        s.h.ptr(),
-                        slots,
-                        s.ids.ptr(),
-                        0,
-                    )?;
-                    ops::matvec(
-                        g,
-                        experts_down.mv(),
-                        s.h.ptr(),
-                        s.y.ptr(),
-                        slots,
-                        s.ids.ptr(),
-                        i_e,
-                    )?;
-                    let (ys, sg) = match shared {
-                        Some((gu, down)) => {
-                            ops::matvec_swiglu(g, gu.mv(), s.normed.ptr(), s.hs.ptr(), 1, 0, 0)?;
-                            ops::matvec(g, down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
-                            (s.ys.ptr(), s.sg.ptr())
-                        }
-                        None => (0, 0),
-                    };
-                    ops::moe_combine(
-                        g,
-                        s.y.ptr(),
-                        s.weights.ptr(),
-                        ys,
-                        sg,
-                        s.delta.ptr(),
-                        slots,
-                        h,
-                    )?;
-                }
+            GpuMixer::Full { proj, qn, kn, out } => {
+                let kc = seq.k_cache[i].as_ref().map_or(0, |b| b.ptr());
+                let vc = seq.v_cache[i].as_ref().map_or(0, |b| b.ptr());
+                ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
+                ops::attn_prep(
+                    g,
+                    s.proj.ptr(),
+                    qn.ptr(),
+                    kn.ptr(),
+                    self.inv_freq.ptr(),
+                    s.q.ptr(),
+                    kc,
+                    vc,
+                    seq.pos.ptr(),
+                    self.attn,
+                    eps,
+                )?;
+                ops::attn_decode(
+                    g,
+                    s.q.ptr(),
+                    kc,
+                    vc,
+                    seq.pos.ptr(),
+                    s.part_o.ptr(),
+                    s.part_ml.ptr(),
+                    s.proj.ptr(),
+                    s.mix_out.ptr(),
+                    self.attn,
+                    ATTN_SPLITS,
+                )?;
+                ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
+            }
+        }
+        self.add_norm(s.delta.ptr(), l.post_norm.ptr())?;
+        match &l.ffn {
+            GpuFfn::Dense { gate_up, down } => {
+                ops::matvec_swiglu(g, gate_up.mv(), s.normed.ptr(), s.h.ptr(), 1, 0, 0)?;
+                ops::matvec(g, down.mv(), s.h.ptr(), s.delta.ptr(), 1, 0, 0)?;
+            }
+            GpuFfn::Moe {
+                router,
+                experts_gu,
+                experts_down,
+                shared,
+            } => {
+                let i_e = experts_gu.n / 2;
+                let slots = self.top_k + shared.is_none() as usize;
+                let route = Route {
+                    experts: self.num_experts,
+                    top_k: self.top_k,
+                    renorm: self.norm_topk,
+                    shared_gate: true,
+                    shared_slot: shared.is_none().then_some(self.num_experts),
+                };
+                ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), 1, 0, 0)?;
+                ops::router_topk(
+                    g,
+                    s.router.ptr(),
+                    route,
+                    s.ids.ptr(),
+                    s.weights.ptr(),
+                    s.sg.ptr(),
+                )?;
+                ops::matvec_swiglu(
+                    g,
+                    experts_gu.mv(),
+                    s.normed.ptr(),
+                    s.h.ptr(),
+                    slots,
+                    s.ids.ptr(),
+                    0,
+                )?;
+                ops::matvec(
+                    g,
+                    experts_down.mv(),
+                    s.h.ptr(),
+                    s.y.ptr(),
+                    slots,
+                    s.ids.ptr(),
+                    i_e,
+                )?;
+                let (ys, sg) = match shared {
+                    Some((gu, down)) => {
+                        ops::matvec_swiglu(g, gu.mv(), s.normed.ptr(), s.hs.ptr(), 1, 0, 0)?;
+                        ops::matvec(g, down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
+                        (s.ys.ptr(), s.sg.ptr())
+                    }
+                    None => (0, 0),
+                };
+                ops::moe_combine(
+                    g,
+                    s.y.ptr(),
+                    s.weights.ptr(),
+                    ys,
+                    sg,
+                    s.delta.ptr(),
+                    slots,
+                    h,
+                )?;
             }
         }
         Ok(())
+    }
+
+    /// `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.
+    fn add_norm(&self, delta: u64, scale: u64) -> Result<()> {
+        let s = &self.scratch;
+        ops::add_rmsnorm(
+            &self.gpu,
+            s.x.ptr(),
+            delta,
+            scale,
+            s.normed.ptr(),
+            1,
+            self.hidden,
+            self.eps,
+        )
     }
 
     /// Final norm, lm_head and the next token (greedy or sampled on the device).
     fn enqueue_head(&self, seq: &GpuSeq) -> Result<()> {
         let g = &*self.gpu;
         let s = &self.scratch;
-        let (h, eps) = (self.hidden, self.eps);
-        ops::add_rmsnorm(
-            g,
-            s.x.ptr(),
-            s.delta.ptr(),
-            self.final_norm.ptr(),
-            s.normed.ptr(),
-            1,
-            h,
-            eps,
-        )?;
+        self.add_norm(s.delta.ptr(), self.final_norm.ptr())?;
         ops::matvec(
             g,
             self.lm_head.mv(),
