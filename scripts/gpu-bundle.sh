@@ -11,7 +11,8 @@ cargo test --release --no-run --message-format=json 2>/dev/null \
 import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_parity", "golden_cuda"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_parity", "cuda_gdn_chunk", "golden_cuda"):
         shutil.copy(m["executable"], ".gpu/" + m["target"]["name"])
 '
+strip .gpu/*
 ls -la .gpu

@@ -62,6 +62,9 @@ pub struct BenchArgs {
     /// Context lengths for the CUDA decode measurements.
     #[arg(long, value_delimiter = ',', default_values_t = [128usize, 4096, 32768])]
     contexts: Vec<usize>,
+    /// Sequences decoded together per step on CUDA (batched decode; tok/s counts all of them).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize])]
+    batch: Vec<usize>,
     /// Backend.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
@@ -177,7 +180,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     let t1 = Instant::now();
     let mut tok = 1u32;
     for _ in 0..a.gen_len {
-        tok = engine.decode_next(id, tok)?;
+        tok = engine.step(&[(id, tok)])?[0];
     }
     let decode_s = t1.elapsed().as_secs_f64();
     let (prefill_tps, decode_tps) = (a.prompt_len as f64 / prefill_s, a.gen_len as f64 / decode_s);
@@ -198,22 +201,23 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     }))
 }
 
-/// Device milliseconds per step by layer kind (summed over layers; "other" is embedding and
-/// head), averaged over a few eager steps.
+/// Device milliseconds per step by part (summed over layers: "gdn" and "attention" mixers,
+/// "ffn" the MoE or MLP blocks, "other" embedding and head), averaged over a few eager steps.
 fn layer_times(
     model: &mut GpuModel,
-    seq: &mut deltamoe_model::gpu::GpuSeq,
-    tok: u32,
+    seqs: &mut [deltamoe_model::gpu::GpuSeq],
+    toks: &[u32],
 ) -> Result<Vec<(String, f32)>> {
     let kinds = model.layer_kinds();
     let mut sums: Vec<(String, f32)> = Vec::new();
     let reps = 5;
     for _ in 0..reps {
-        let (layers, other) = model.profile_step(seq, tok)?;
+        let mut rows: Vec<_> = seqs.iter_mut().zip(toks.iter().copied()).collect();
+        let (layers, other) = model.profile_step(&mut rows)?;
         let entries = kinds
             .iter()
-            .map(|k| k.to_string())
             .zip(layers)
+            .flat_map(|(k, (mixer, ffn))| [(k.to_string(), mixer), ("ffn".to_string(), ffn)])
             .chain([("other".to_string(), other)]);
         for (k, ms) in entries {
             match sums.iter_mut().find(|(n, _)| *n == k) {
@@ -223,6 +227,63 @@ fn layer_times(
         }
     }
     Ok(sums)
+}
+
+/// Decode `b` sequences together at context `ctx`: tok/s over all of them, bytes per step
+/// and fraction of the copy bandwidth; with one sequence also the eager time per layer kind.
+fn decode_at(model: &mut GpuModel, ctx: usize, b: usize, gen_len: usize, bw: f64) -> Result<Value> {
+    let mut seqs = (0..b)
+        .map(|_| model.new_seq())
+        .collect::<Result<Vec<_>, _>>()?;
+    for s in &mut seqs {
+        model.set_position(s, ctx.saturating_sub(1))?;
+    }
+    let mut toks = vec![1u32; b];
+    let step =
+        |model: &mut GpuModel, seqs: &mut [deltamoe_model::gpu::GpuSeq], toks: &mut Vec<u32>| {
+            let mut rows: Vec<_> = seqs.iter_mut().zip(toks.iter().copied()).collect();
+            *toks = model.step_batch(&mut rows)?;
+            anyhow::Ok(())
+        };
+    for _ in 0..3 {
+        step(model, &mut seqs, &mut toks)?;
+    }
+    let t = Instant::now();
+    for _ in 0..gen_len {
+        step(model, &mut seqs, &mut toks)?;
+    }
+    let secs = t.elapsed().as_secs_f64() / gen_len as f64;
+    let bytes = model.bytes_per_token(ctx);
+    let frac = bytes as f64 / secs / bw;
+    let tok_s = b as f64 / secs;
+    if b == 1 {
+        println!(
+            "decode   context {ctx:>6}: {tok_s:8.1} tok/s  {:7.3} ms/token  {:6.2} GB read/token  {:5.1}% of measured bandwidth",
+            secs * 1e3,
+            bytes as f64 / 1e9,
+            frac * 100.0
+        );
+    } else {
+        println!(
+            "decode   context {ctx:>6}, batch {b:>3}: {tok_s:8.1} tok/s in all  {:7.3} ms/step",
+            secs * 1e3
+        );
+    }
+    let mut row = json!({"context": ctx, "batch": b, "tok_s": tok_s, "ms_per_step": secs * 1e3,
+                         "bytes_per_token": bytes, "fraction_of_bandwidth": frac});
+    {
+        let per_kind = layer_times(model, &mut seqs, &toks)?;
+        let shown: Vec<String> = per_kind
+            .iter()
+            .map(|(k, ms)| format!("{k} {ms:.3} ms"))
+            .collect();
+        println!("         per step, eager with timers: {}", shown.join(", "));
+        row["eager_ms_by_kind"] = json!(per_kind);
+    }
+    for s in seqs {
+        model.release(s);
+    }
+    Ok(row)
 }
 
 fn run_cuda(a: &BenchArgs) -> Result<Value> {
@@ -259,53 +320,32 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         t0.elapsed().as_secs_f64()
     );
     println!("hbm      device copy {:.0} GB/s (read + write)", bw / 1e9);
-    // Prefill runs the prompt token by token through the decode graph until GPU prefill lands.
     let prompt_len = a.prompt_len.min(max_pos.saturating_sub(1)).max(1);
-    let mut seq = model.new_seq(prompt_len + 1)?;
-    let t = Instant::now();
-    let mut tok = 1u32;
-    for _ in 0..prompt_len {
-        tok = model.step(&mut seq, tok)?;
-    }
-    let prefill_tps = prompt_len as f64 / t.elapsed().as_secs_f64();
-    println!("prefill  {prompt_len} tokens, token by token: {prefill_tps:.1} tok/s");
     let contexts: Vec<usize> = a
         .contexts
         .iter()
         .copied()
         .filter(|&c| c + a.gen_len + 16 <= max_pos)
         .collect();
-    let max_ctx = contexts.iter().max().copied().unwrap_or(0) + a.gen_len + 16;
+    let max_ctx =
+        (contexts.iter().max().copied().unwrap_or(0) + a.gen_len + 16).max(prompt_len + 1);
+    let max_batch = a.batch.iter().copied().max().unwrap_or(1).max(1);
+    model.reserve(max_batch, max_ctx)?;
+    // Prefill runs the prompt token by token through the decode graph until GPU prefill lands.
+    let mut seq = model.new_seq()?;
+    let t = Instant::now();
+    let mut tok = 1u32;
+    for _ in 0..prompt_len {
+        tok = model.step(&mut seq, tok)?;
+    }
+    let prefill_tps = prompt_len as f64 / t.elapsed().as_secs_f64();
+    model.release(seq);
+    println!("prefill  {prompt_len} tokens, token by token: {prefill_tps:.1} tok/s");
     let mut rows = Vec::new();
     for &ctx in &contexts {
-        let mut seq = model.new_seq(max_ctx)?;
-        model.set_position(&mut seq, ctx.saturating_sub(1))?;
-        let mut tok = 1u32;
-        for _ in 0..3 {
-            tok = model.step(&mut seq, tok)?;
+        for &b in &a.batch {
+            rows.push(decode_at(&mut model, ctx, b.max(1), a.gen_len, bw)?);
         }
-        let t = Instant::now();
-        for _ in 0..a.gen_len {
-            tok = model.step(&mut seq, tok)?;
-        }
-        let secs = t.elapsed().as_secs_f64() / a.gen_len as f64;
-        let bytes = model.bytes_per_token(ctx);
-        let frac = bytes as f64 / secs / bw;
-        println!(
-            "decode   context {ctx:>6}: {:8.1} tok/s  {:7.3} ms/token  {:6.2} GB read/token  {:5.1}% of measured bandwidth",
-            1.0 / secs,
-            secs * 1e3,
-            bytes as f64 / 1e9,
-            frac * 100.0
-        );
-        let per_kind = layer_times(&mut model, &mut seq, tok)?;
-        let shown: Vec<String> = per_kind
-            .iter()
-            .map(|(k, ms)| format!("{k} {ms:.3} ms"))
-            .collect();
-        println!("         per step, eager with timers: {}", shown.join(", "));
-        rows.push(json!({"context": ctx, "tok_s": 1.0 / secs, "ms_per_token": secs * 1e3, "bytes_per_token": bytes,
-                         "fraction_of_bandwidth": frac, "eager_ms_by_kind": per_kind}));
     }
     Ok(json!({
         "model": name, "backend": "cuda", "device": gpu.name(), "copy_bandwidth_bytes_s": bw,
@@ -338,6 +378,12 @@ fn run_matvec() -> Result<Value> {
         let x = g.zeros::<f32>(k * slots)?;
         ops::fill_uniform(g, x.ptr(), k * slots, false, 7, -1.0, 1.0)?;
         let y = g.zeros::<f32>(n * slots)?;
+        let ids = g.upload(&(0..slots as i32).collect::<Vec<_>>())?;
+        let sl = if slots > 1 {
+            ops::Slots::experts(slots, ids.ptr(), k, 1)
+        } else {
+            ops::Slots::one()
+        };
         for bits in [16u32, 8, 4, 2] {
             let elems = copies * slots * n * k;
             let (buf_w, buf_s): (cuda::DevBuf<u32>, cuda::DevBuf<u16>) = if bits == 16 {
@@ -375,28 +421,12 @@ fn run_matvec() -> Result<Value> {
             };
             let reps = 200;
             for c in 0..copies {
-                ops::matvec(
-                    g,
-                    m_of(c),
-                    x.ptr(),
-                    y.ptr(),
-                    slots,
-                    0,
-                    if slots > 1 { k } else { 0 },
-                )?;
+                ops::matvec(g, m_of(c), x.ptr(), y.ptr(), sl)?;
             }
             g.sync()?;
             let t = Instant::now();
             for r in 0..reps {
-                ops::matvec(
-                    g,
-                    m_of(r % copies),
-                    x.ptr(),
-                    y.ptr(),
-                    slots,
-                    0,
-                    if slots > 1 { k } else { 0 },
-                )?;
+                ops::matvec(g, m_of(r % copies), x.ptr(), y.ptr(), sl)?;
             }
             g.sync()?;
             let secs = t.elapsed().as_secs_f64() / reps as f64;

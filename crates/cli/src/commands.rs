@@ -134,7 +134,7 @@ pub fn engine_for(model: Qwen3Hybrid, device: Device) -> Result<Engine> {
     }
     let t0 = Instant::now();
     let gpu = Arc::new(cuda::Gpu::new(0).context("--device cuda")?);
-    let engine = Engine::new_cuda(model, gpu, DEFAULT_CUDA_CONTEXT)?;
+    let engine = Engine::new_cuda(model, gpu, DEFAULT_CUDA_CONTEXT, 1)?;
     eprintln!(
         "backend: {}, weights uploaded in {:.2} s",
         engine.backend_name(),

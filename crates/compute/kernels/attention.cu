@@ -1,29 +1,37 @@
-// Gated full attention, decode (one new token at position pos = *pos_ptr).
+// Gated full attention, decode: one new token for each of B sequences. Row b's sequence is in
+// slot slots[b]: its caches at k_cache/v_cache + slots[b]·T·Hkv·D ([T, Hkv, D], T the context
+// per slot) and its position (the new token's) at pos[slots[b]]. Per row b:
+// proj_b = proj + b·P = [per head (q_h (D) | gate_h (D)) × Hq | k (Hkv·D) | v (Hkv·D)];
+// q: [B, Hq, D]; out: [B, Hq·D]; part_o: [B, Hq, S, D]; part_ml: [B, Hq, S, 2].
 //
-// The layer's fused projection gives proj = [per head (q_h (D) | gate_h (D)) × Hq | k (Hkv·D) | v (Hkv·D)].
-//
-// attn_prep: grid Hq + 2·Hkv blocks, block D threads (multiple of 32, ≤ 1024).
+// attn_prep: grid (Hq + 2·Hkv, B), block D threads (multiple of 32, ≤ 1024).
 //   Blocks < Hq: q_h = rope(rmsnorm(q_h) · qn) → q [Hq, D].
 //   Next Hkv blocks: k_h = rope(rmsnorm(k_h) · kn) → k_cache[pos, h]; last Hkv blocks: v_h → v_cache[pos, h].
 //   rope: NeoX on dims < R (pairs i, i + R/2), angle pos · inv_freq[i]. Caches: [max_ctx, Hkv, D].
 //
-// attn_partial: grid (Hq, S splits), block 128 (4 warps). Split s covers positions
+// attn_partial: grid (Hq, S splits, B), block 128 (4 warps). Split s covers positions
 //   [s·c, min((s+1)·c, L)) with L = pos + 1, c = ceil(L / S). Each warp takes runs of ATTN_POS
 //   positions (every 4th run), keeps an online softmax (max m, sum l, acc), and the block merges
 //   its warps into
 //   part_ml[h, s] = (m, l) and part_o[h, s, :] = acc (unnormalised). Kv head = h / (Hq / Hkv). D ≤ 256.
 //
-// attn_combine: grid Hq, block D (rounded up to 32): merges the S ≤ ATTN_MAX_SPLITS partials and
+// attn_combine: grid (Hq, B), block D (rounded up to 32): merges the S ≤ ATTN_MAX_SPLITS partials and
 //   multiplies by sigmoid(gate_h) → out [Hq·D].
 
 extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float* __restrict__ qn,
                                      const float* __restrict__ kn, const float* __restrict__ inv_freq,
                                      float* __restrict__ q_out, float* __restrict__ k_cache,
-                                     float* __restrict__ v_cache, const int* __restrict__ pos_ptr,
-                                     int Hq, int Hkv, int D, int R, float eps) {
+                                     float* __restrict__ v_cache, const int* __restrict__ pos_arr,
+                                     int Hq, int Hkv, int D, int R, float eps,
+                                     const int* __restrict__ slots, long long P, long long T) {
     extern __shared__ float sh[];
     int b = blockIdx.x, i = threadIdx.x;
-    int pos = *pos_ptr;
+    int row = blockIdx.y, slot = slots[row];
+    int pos = pos_arr[slot];
+    proj += row * P;
+    q_out += (long long)row * Hq * D;
+    k_cache += slot * T * Hkv * D;
+    v_cache += slot * T * Hkv * D;
     const float* src;
     float* dst;
     const float* scale = nullptr;
@@ -66,15 +74,22 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
 #define ATTN_POS 4
 
 extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ k_cache,
-                                        const float* __restrict__ v_cache, const int* __restrict__ pos_ptr,
+                                        const float* __restrict__ v_cache, const int* __restrict__ pos_arr,
                                         float* __restrict__ part_o, float* __restrict__ part_ml,
-                                        int Hq, int Hkv, int D, int S, float scale) {
+                                        int Hq, int Hkv, int D, int S, float scale,
+                                        const int* __restrict__ slots, long long T) {
     __shared__ float wm[4], wl[4];
     __shared__ float wacc[4][ATTN_DMAX];
     int h = blockIdx.x, s = blockIdx.y;
+    int b = blockIdx.z, slot = slots[b];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kvh = h / (Hq / Hkv);
-    int L = *pos_ptr + 1;
+    int L = pos_arr[slot] + 1;
+    q += (long long)b * Hq * D;
+    k_cache += slot * T * Hkv * D;
+    v_cache += slot * T * Hkv * D;
+    part_o += (long long)b * Hq * S * D;
+    part_ml += (long long)b * Hq * S * 2;
     int c = (L + S - 1) / S;
     int start = s * c, end = min(L, start + c);
     const int PER = ATTN_DMAX / 32;
@@ -155,9 +170,14 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const float* __restrict__ proj, float* __restrict__ out,
-                                        int D, int S) {
+                                        int D, int S, int Hq, long long P) {
     __shared__ float wts[ATTN_MAX_SPLITS];
     int h = blockIdx.x, d = threadIdx.x;
+    int row = blockIdx.y;
+    part_o += (long long)row * Hq * S * D;
+    part_ml += (long long)row * Hq * S * 2;
+    proj += row * P;
+    out += (long long)row * Hq * D;
     const float* ml = part_ml + (long long)h * S * 2;
     // Split weights e^{m_s − M} once per block, in shared memory; empty splits weigh 0.
     float mloc = NEG_INF;

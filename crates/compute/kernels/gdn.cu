@@ -1,11 +1,15 @@
-// Gated DeltaNet decode step (one token), f32 state.
+// Gated DeltaNet decode step (one token for each of B sequences), f32 state.
 //
-// The layer's fused input projection gives proj = [qkv (C = 2·Hk·Dk + Hv·Dv) | z (Hv·Dv) | b (Hv) | a (Hv)].
+// The layer's fused input projection gives, per batch row b, proj_b = proj + b·P with
+// proj_b = [qkv (C = 2·Hk·Dk + Hv·Dv) | z (Hv·Dv) | b (Hv) | a (Hv)]. Row b's sequence keeps its
+// states in slot slots[b] of the layer's state arrays; mixed: [B, C]; out: [B, Hv·Dv].
 //
-// gdn_conv_step: mixed[c] = silu(Σ_{j<K-1} w[c, j] · state[j, c] + w[c, K-1] · proj[c]), then the
-//   conv state [K-1, C] (oldest first) shifts by one and takes proj[c]. w: [C, K]. grid ceil(C/256), block 256.
+// gdn_conv_step: mixed_b[c] = silu(Σ_{j<K-1} w[c, j] · st[j, c] + w[c, K-1] · proj_b[c]), then the
+//   conv state st = conv + slots[b]·(K-1)·C, [K-1, C] oldest first, shifts by one and takes
+//   proj_b[c]. w: [C, K]. grid (ceil(C/256), B), block 256.
 //
-// gdn_step: one block per value head h, block (Dv rounded up to 32) × GDN_ROW_GROUPS threads;
+// gdn_step: one block per (value head h, row b), block (Dv rounded up to 32) × GDN_ROW_GROUPS threads;
+//   state S_h of row b at state + (slots[b]·Hv + h)·Dk·Dv;
 //   kh = h / (Hv / Hk); q, k = l2norm(mixed q/k of kh) (eps 1e-6), q ·= 1/sqrt(Dk); v = mixed v of h;
 //   g = neg_a[h] · softplus(a[h] + dt_bias[h]); β = sigmoid(b[h]); state S_h: [Dk, Dv].
 //   Thread (j, r) keeps rows r·⌈Dk/R⌉… of column j of S_h in registers: S ← e^g S;
@@ -19,9 +23,13 @@
 
 extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* __restrict__ state,
                                          const float* __restrict__ w, float* __restrict__ mixed,
-                                         int C, int K) {
+                                         int C, int K, const int* __restrict__ slots, long long P) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
+    int row = blockIdx.y;
+    proj += row * P;
+    mixed += (long long)row * C;
+    state += (long long)slots[row] * (K - 1) * C;
     const float* wc = w + (long long)c * K;
     float x = proj[c];
     float acc = wc[K - 1] * x;
@@ -34,7 +42,8 @@ extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* 
 extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restrict__ mixed, const float* __restrict__ proj,
                                     float* __restrict__ state, const float* __restrict__ neg_a,
                                     const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
-                                    float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float eps) {
+                                    float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float eps,
+                                    const int* __restrict__ slots, long long P) {
     __shared__ float qs[GDN_DK_MAX];
     __shared__ float ks[GDN_DK_MAX];
     __shared__ float red[GDN_ROW_GROUPS][GDN_DV_MAX];
@@ -43,6 +52,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
     int tid = r * blockDim.x + j, nt = blockDim.x * blockDim.y;
     int kh = h / (Hv / Hk);
     int C = 2 * Hk * Dk + Hv * Dv;
+    int row = blockIdx.y;
+    mixed += (long long)row * C;
+    proj += row * P;
+    out += (long long)row * Hv * Dv;
+    state += (long long)slots[row] * Hv * Dk * Dv;
     const float* q = mixed + kh * Dk;
     const float* k = mixed + Hk * Dk + kh * Dk;
     const float* v = mixed + 2 * Hk * Dk + h * Dv;

@@ -1,13 +1,18 @@
 // Matrix-vector products for decode, weights bf16 row-major, activations f32.
 //
 // matvec_bf16: y[s, n] = Σ_k W_e[n, k] · x_s[k] (+ bias[e·N + n] when bias is given)
-//   W: [E, N, K] bf16 (E = 1 for a plain matrix); e = ids ? ids[s] : s.
-//   x_s = x + s · x_stride (x_stride 0: every slot reads the same x); y: [S, N].
-//   grid (ceil(N / 8), S), block 256: one warp per output row; 16-byte weight loads when K % 8 == 0.
+//   W: [E, N, K] bf16 (E = 1 for a plain matrix); e = ids ? ids[s] : 0.
+//   x_s = x + (s / x_div) · x_stride (x_stride 0: every slot reads the same x); y: [S, N].
+//   Slots are a batch of rows through one matrix (ids null, x_div 1), K experts of one token
+//   (ids, x_stride 0), or K experts of each of several tokens (x_div K).
+//   grid (S, ceil(N / 8)), block 256: one warp per output row; the slots of one row block are
+//   adjacent blocks, so a matrix read by several slots is mostly served from L2.
+//   16-byte weight loads when K % 8 == 0.
 //
 // matvec_swiglu_bf16: h[s, n] = silu(Σ_k G_e[n, k] x_s[k]) · Σ_k U_e[n, k] x_s[k]
 //   W: [E, 2I, K] with gate rows 0..I and up rows I..2I (the HF gate_up layout); h: [S, I].
-//   grid (ceil(I / 8), S), block 256: one warp per n computes the gate and up dot products together.
+//   Slots and inputs as matvec_bf16. grid (S, ceil(I / 8)), block 256: one warp per n computes
+//   the gate and up dot products together.
 
 // Loads per lane in flight before any is used: enough bytes in flight to cover HBM latency.
 #define MV_UNROLL 4
@@ -51,29 +56,29 @@ __device__ __forceinline__ float dot_row(const bf16_t* __restrict__ w, const flo
 
 extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                        float* __restrict__ y, int N, int K,
-                                       const int* __restrict__ ids, long long x_stride,
+                                       const int* __restrict__ ids, long long x_stride, int x_div,
                                        const float* __restrict__ bias) {
-    int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int row = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
-    int s = blockIdx.y;
+    int s = blockIdx.x;
     if (row >= N) return;
-    long long e = ids ? ids[s] : s;
+    long long e = ids ? ids[s] : 0;
     const bf16_t* w = W + (e * N + row) * (long long)K;
-    float acc = dot_row(w, x + s * x_stride, K, lane);
+    float acc = dot_row(w, x + (s / x_div) * x_stride, K, lane);
     if (bias) acc += bias[e * N + row];
     if (lane == 0) y[(long long)s * N + row] = acc;
 }
 
 extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               float* __restrict__ h, int I, int K,
-                                              const int* __restrict__ ids, long long x_stride) {
-    int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+                                              const int* __restrict__ ids, long long x_stride, int x_div) {
+    int n = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
-    int s = blockIdx.y;
+    int s = blockIdx.x;
     if (n >= I) return;
-    long long e = ids ? ids[s] : s;
+    long long e = ids ? ids[s] : 0;
     const bf16_t* base = W + e * 2LL * I * K;
-    const float* xs = x + s * x_stride;
+    const float* xs = x + (s / x_div) * x_stride;
     float g = dot_row(base + (long long)n * K, xs, K, lane);
     float u = dot_row(base + (long long)(I + n) * K, xs, K, lane);
     if (lane == 0) h[(long long)s * I + n] = silu_f(g) * u;

@@ -1,19 +1,26 @@
-// MoE routing and combine, decode (one token).
+// MoE routing and combine, decode (one token for each of B rows).
 //
-// router_topk: logits [E] (+ logits[E] = shared-expert gate logit when has_shared_gate).
+// router_topk: per row b, logits_b = logits + b·L: [E] (+ logits_b[E] = shared-expert gate logit
+//   when has_shared_gate); outputs ids_b = ids + b·KS, w_b = w + b·KS, sg[b], KS = K + (shared_slot ≥ 0).
 //   p = softmax(logits[0..E]); the K largest (ties to the lower index) → ids [K], w [K]
 //   (divided by their sum when renorm); sg = sigmoid(logits[E]); when shared_slot ≥ 0 the shared
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
-//   grid 1, block 32 (one warp).
+//   grid B, block 32 (one warp per row).
 //   E ≤ 1024, K ≤ 32.
 //
-// moe_combine: delta[i] = Σ_k w[k] · y[k, i] + (ys ? sg · ys[i] : 0). y: [K, H]. grid ceil(H/256), block 256.
+// moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0).
+//   y: [B, K, H]; w: [B, K]; ys, delta: [B, H]. grid (ceil(H/256), B), block 256.
 
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
-                                       float* __restrict__ w, float* __restrict__ sg) {
+                                       float* __restrict__ w, float* __restrict__ sg, long long L) {
     __shared__ float p[1024];
     int lane = threadIdx.x;
+    int row = blockIdx.x, KS = K + (shared_slot >= 0);
+    logits += row * L;
+    ids += row * KS;
+    w += row * KS;
+    sg += row;
     float mx = NEG_INF;
     for (int e = lane; e < E; e += 32) mx = fmaxf(mx, logits[e]);
     mx = warp_max(mx);
@@ -63,6 +70,14 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
                                        float* __restrict__ delta, int K, int H) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= H) return;
+    int row = blockIdx.y;
+    y += (long long)row * K * H;
+    w += row * K;
+    if (ys) {
+        ys += (long long)row * H;
+        sg += row;
+    }
+    delta += (long long)row * H;
     float acc = 0.f;
     for (int k = 0; k < K; ++k) acc = fmaf(w[k], y[(long long)k * H + i], acc);
     if (ys) acc = fmaf(sg[0], ys[i], acc);

@@ -6,11 +6,11 @@
 // FMA dequant form per word: acc += scale·Σ q·x + bias·Σ x (one word never spans two groups).
 // x must be 16-byte aligned (device buffers are).
 //
-// matvec_affine: y[s, n] = Σ_k W_e[n, k] x_s[k] (+ bias_vec[e·N + n]); e = ids ? ids[s] : s;
-//   x_s = x + s·x_stride (x_stride a multiple of 4). grid (ceil(N/32), S), block 256: a warp per
-//   4 rows, lanes on consecutive words.
+// matvec_affine: y[s, n] = Σ_k W_e[n, k] x_s[k] (+ bias_vec[e·N + n]); e = ids ? ids[s] : 0;
+//   x_s = x + (s / x_div)·x_stride (x_stride a multiple of 4); slots as in matvec.cu.
+//   grid (S, ceil(N/(8·R))), block 256: a warp per R rows, lanes on consecutive words.
 // matvec_swiglu_affine: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
-//   first). grid (ceil(I/16), S), block 256: a warp per 2 outputs (4 rows).
+//   first). grid (S, ceil(I/(8·R/2))), block 256: a warp per R/2 outputs (R rows).
 
 // Words per lane and row in flight before any is used.
 #define QMV_UNROLL 4
@@ -80,23 +80,23 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
     for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
-// grid (ceil(N / (8·R)), S), block 256: warp w of block b computes rows (b·8 + w)·R + 0..R of
-// slot blockIdx.y.
+// grid (S, ceil(N / (8·R))), block 256: warp w of block (s, b) computes rows (b·8 + w)·R + 0..R
+// of slot s.
 template <int BITS, int R>
 __device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
                                 float* y, int N, int K, int G, const int* ids, long long x_stride,
-                                const float* bias) {
-    int row0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;
+                                int x_div, const float* bias) {
+    int row0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * R;
     int lane = threadIdx.x & 31;
-    int s = blockIdx.y;
+    int s = blockIdx.x;
     if (row0 >= N) return;
-    long long e = ids ? ids[s] : s;
+    long long e = ids ? ids[s] : 0;
     int nrows = min(R, N - row0);
     long long rows[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) rows[r] = e * N + row0 + r;
     float out[R];
-    dot_rows_affine<BITS, R>(W, S, B, rows, nrows, x + s * x_stride, K, __ffs(G) - 1, lane, out);
+    dot_rows_affine<BITS, R>(W, S, B, rows, nrows, x + (s / x_div) * x_stride, K, __ffs(G) - 1, lane, out);
 #pragma unroll
     for (int r = 0; r < R; ++r)
         if (lane == r && r < nrows) y[(long long)s * N + row0 + r] = out[r] + (bias ? bias[rows[r]] : 0.f);
@@ -106,13 +106,14 @@ __device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf
 // up rows together.
 template <int BITS, int R>
 __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
-                                float* h, int I, int K, int G, const int* ids, long long x_stride) {
+                                float* h, int I, int K, int G, const int* ids, long long x_stride,
+                                int x_div) {
     const int NPW = R / 2;
-    int n0 = (blockIdx.x * 8 + (threadIdx.x >> 5)) * NPW;
+    int n0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * NPW;
     int lane = threadIdx.x & 31;
-    int s = blockIdx.y;
+    int s = blockIdx.x;
     if (n0 >= I) return;
-    long long e = ids ? ids[s] : s;
+    long long e = ids ? ids[s] : 0;
     int nn = min(NPW, I - n0);
     long long rows[R];
 #pragma unroll
@@ -122,7 +123,7 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
         rows[NPW + r] = e * 2LL * I + I + n;
     }
     float out[R];
-    dot_rows_affine<BITS, R>(W, S, B, rows, R, x + s * x_stride, K, __ffs(G) - 1, lane, out);
+    dot_rows_affine<BITS, R>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, __ffs(G) - 1, lane, out);
 #pragma unroll
     for (int r = 0; r < NPW; ++r)
         if (lane == r && r < nn) h[(long long)s * I + n0 + r] = silu_f(out[r]) * out[NPW + r];
@@ -143,14 +144,14 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
 extern "C" __global__ void matvec_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                          const bf16_t* __restrict__ B, const float* __restrict__ x,
                                          float* __restrict__ y, int N, int K, int G, int bits, int rows,
-                                         const int* __restrict__ ids, long long x_stride,
+                                         const int* __restrict__ ids, long long x_stride, int x_div,
                                          const float* __restrict__ bias) {
-    QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, bias)
+    QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias)
 }
 
 extern "C" __global__ void matvec_swiglu_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                                 const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                 float* __restrict__ h, int I, int K, int G, int bits, int rows,
-                                                const int* __restrict__ ids, long long x_stride) {
-    QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride)
+                                                const int* __restrict__ ids, long long x_stride, int x_div) {
+    QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride, x_div)
 }

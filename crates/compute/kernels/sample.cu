@@ -1,21 +1,23 @@
-// Token embedding and greedy sampling for decode; the token id and the position live in device
-// memory so a captured graph replays them.
+// Token embedding and sampling for decode, for a batch of B rows; the token ids, positions and
+// sampling parameters live in device memory so a captured graph replays them.
 //
-// embed_bf16: x[i] = table[tok[0], i]. table: [V, H] bf16. grid ceil(H/256), block 256.
-// embed_affine: x[i] = q[tok, i]·scale + bias for an MLX affine table (words u32 [V, H·bits/32],
-//   scales and biases bf16 [V, H/G]; bits 2, 4 or 8). grid ceil(H/256), block 256.
-// sample_advance: tok[0] picked from logits[0..V] with the sampling parameters in `params`
+// embed_bf16: x[b, i] = table[tok[b], i]. table: [V, H] bf16. grid (ceil(H/256), B), block 256.
+// embed_affine: x[b, i] = q[tok[b], i]·scale + bias for an MLX affine table (words u32
+//   [V, H·bits/32], scales and biases bf16 [V, H/G]; bits 2, 4 or 8). grid (ceil(H/256), B), block 256.
+// sample_advance: row b (grid B, one block each) belongs to the sequence in slot s = slots[b]; with
+//   its parameters params + 7·s and logits + b·V it writes tok[b] and advances pos[s].
+//   The token is picked from logits[0..V] with the sampling parameters
 //   (u32: [temperature bits, top_k, top_p bits, min_p bits, seed lo, seed hi, step]): the argmax
 //   (lowest index on ties) when temperature ≤ 0; else with z = (l − max)/T: keep the top_k largest z (0: all), then the
 //   smallest set of largest z holding top_p of their mass, then z ≥ ln(min_p) (min-p relative to
 //   the most likely token), and draw u·Σ e^z with u uniform from (seed, step) over the kept tokens
-//   in index order. Thresholds are found by bisection on z. step += 1, pos[0] += 1.
-//   grid 1, block 1024.
+//   in index order. Thresholds are found by bisection on z. step += 1, pos += 1. block 1024.
 
 extern "C" __global__ void embed_bf16(const bf16_t* __restrict__ table, const int* __restrict__ tok,
                                       float* __restrict__ x, int H) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < H) x[i] = bf16f(table[(long long)tok[0] * H + i]);
+    int b = blockIdx.y;
+    if (i < H) x[(long long)b * H + i] = bf16f(table[(long long)tok[b] * H + i]);
 }
 
 extern "C" __global__ void embed_affine(const unsigned int* __restrict__ words, const bf16_t* __restrict__ sc,
@@ -23,7 +25,9 @@ extern "C" __global__ void embed_affine(const unsigned int* __restrict__ words, 
                                         float* __restrict__ x, int H, int G, int bits) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= H) return;
-    long long row = tok[0];
+    int b = blockIdx.y;
+    long long row = tok[b];
+    x += (long long)b * H;
     int per = 32 / bits;
     unsigned int w = words[row * (H / per) + i / per];
     float q = (float)((w >> ((i % per) * bits)) & ((1u << bits) - 1u));
@@ -52,10 +56,16 @@ __device__ __forceinline__ float uniform_u01(unsigned long long seed, unsigned l
 }
 
 extern "C" __global__ void sample_advance(const float* __restrict__ logits, int V, unsigned int* __restrict__ params,
-                                          int* __restrict__ tok, int* __restrict__ pos) {
+                                          int* __restrict__ tok, int* __restrict__ pos,
+                                          const int* __restrict__ slots) {
     __shared__ float scan[32];
     __shared__ int found;
     int t = threadIdx.x;
+    int row = blockIdx.x, slot = slots[row];
+    logits += (long long)row * V;
+    params += 7LL * slot;
+    tok += row;
+    pos += slot;
     float temp = __uint_as_float(params[0]);
     // Max and its (lowest) index.
     float bv = NEG_INF;

@@ -7,7 +7,9 @@ use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Matvec, SampleParams, WeightFormat};
+use deltamoe_compute::cuda::ops::{
+    self, AttnDims, Batch, GdnDims, Matvec, SampleParams, Slots, WeightFormat,
+};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 use deltamoe_compute::{cpu, DType, Tensor};
@@ -77,7 +79,14 @@ fn matvec_and_swiglu_match_cpu() {
             bias: db.ptr(),
             format: WeightFormat::Bf16,
         };
-        ops::matvec(&g, m, dx.ptr(), dy.ptr(), slots, di.ptr(), k).unwrap();
+        ops::matvec(
+            &g,
+            m,
+            dx.ptr(),
+            dy.ptr(),
+            Slots::experts(slots, di.ptr(), k, 1),
+        )
+        .unwrap();
         let got = g.read(&dy, slots * n).unwrap();
         let mut want = vec![0.0; slots * n];
         for s in 0..slots {
@@ -103,7 +112,14 @@ fn matvec_and_swiglu_match_cpu() {
                 bias: 0,
                 ..m
             };
-            ops::matvec_swiglu(&g, m, dx.ptr(), dh.ptr(), slots, di.ptr(), k).unwrap();
+            ops::matvec_swiglu(
+                &g,
+                m,
+                dx.ptr(),
+                dh.ptr(),
+                Slots::experts(slots, di.ptr(), k, 1),
+            )
+            .unwrap();
             let got = g.read(&dh, slots * i).unwrap();
             let mut want = vec![0.0; slots * i];
             for s in 0..slots {
@@ -166,7 +182,14 @@ fn affine_matvec_matches_cpu() {
             format: fmt,
         };
         let dy = g.zeros::<f32>(slots * n).unwrap();
-        ops::matvec(&g, m, dx.ptr(), dy.ptr(), slots, di.ptr(), k).unwrap();
+        ops::matvec(
+            &g,
+            m,
+            dx.ptr(),
+            dy.ptr(),
+            Slots::experts(slots, di.ptr(), k, 1),
+        )
+        .unwrap();
         let (wpr, gpr) = (k * bits as usize / 32, k / group);
         let expert = |e: usize| {
             let t = |v: &[u16]| {
@@ -197,7 +220,14 @@ fn affine_matvec_matches_cpu() {
         if n % 2 == 0 {
             let i = n / 2;
             let dh = g.zeros::<f32>(slots * i).unwrap();
-            ops::matvec_swiglu(&g, m, dx.ptr(), dh.ptr(), slots, di.ptr(), k).unwrap();
+            ops::matvec_swiglu(
+                &g,
+                m,
+                dx.ptr(),
+                dh.ptr(),
+                Slots::experts(slots, di.ptr(), k, 1),
+            )
+            .unwrap();
             let want: Vec<f32> = (0..slots)
                 .flat_map(|s| {
                     let y = &want[s * n..(s + 1) * n];
@@ -238,6 +268,99 @@ fn add_rmsnorm_matches_cpu() {
     assert_close("add_rmsnorm", &g.read(&out, rows * h).unwrap(), &sum, 1e-5);
 }
 
+/// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids) and the
+/// experts of several tokens (ids, groups of `x_div` slots per input row), bf16 and affine.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matvec_slot_forms_match_cpu() {
+    use deltamoe_compute::cpu::quant::quantize;
+    let g = gpu();
+    let mut r = rng();
+    let (n, k, experts, rows, per_row) = (45usize, 128usize, 3usize, 11usize, 2usize);
+    let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+    let x = rand_vec(&mut r, rows * k, -1.0, 1.0);
+    let ids: Vec<i32> = (0..rows * per_row)
+        .map(|s| ((s * 2 + 1) % experts) as i32)
+        .collect();
+    let (dx, di) = (g.upload(&x).unwrap(), g.upload(&ids).unwrap());
+    let bits: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
+    let q = quantize(&w, k, 64, 4).unwrap();
+    let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+    let (dw, dq, ds, db) = (
+        g.upload(&bits).unwrap(),
+        g.upload(&q.words).unwrap(),
+        g.upload(&bf(&q.scales)).unwrap(),
+        g.upload(&bf(&q.biases)).unwrap(),
+    );
+    // Dequantized weights as the affine kernel sees them.
+    let deq: Vec<f32> = (0..experts * n * k)
+        .map(|i| {
+            let (row, col) = (i / k, i % k);
+            let word = q.words[row * k / 8 + col / 8];
+            let v = ((word >> ((col % 8) * 4)) & 15) as f32;
+            let gi = row * (k / 64) + col / 64;
+            v * bf16_to_f32(f32_to_bf16(q.scales[gi])) + bf16_to_f32(f32_to_bf16(q.biases[gi]))
+        })
+        .collect();
+    let dense: Vec<f32> = bits.iter().map(|&b| bf16_to_f32(b)).collect();
+    let forms = [
+        (
+            "bf16",
+            &dense,
+            Matvec {
+                w: dw.ptr(),
+                n,
+                k,
+                bias: 0,
+                format: WeightFormat::Bf16,
+            },
+        ),
+        (
+            "affine 4-bit",
+            &deq,
+            Matvec {
+                w: dq.ptr(),
+                n,
+                k,
+                bias: 0,
+                format: WeightFormat::Affine {
+                    bits: 4,
+                    group: 64,
+                    scales: ds.ptr(),
+                    biases: db.ptr(),
+                },
+            },
+        ),
+    ];
+    let dot = |wt: &[f32], e: usize, row: usize, xr: &[f32]| -> f32 {
+        (0..k).map(|c| wt[(e * n + row) * k + c] * xr[c]).sum()
+    };
+    for (name, wt, m) in forms {
+        let dy = g.zeros::<f32>(rows * per_row * n).unwrap();
+        ops::matvec(&g, m, dx.ptr(), dy.ptr(), Slots::rows(rows, k)).unwrap();
+        let want: Vec<f32> = (0..rows * n)
+            .map(|i| dot(wt, 0, i % n, &x[i / n * k..(i / n + 1) * k]))
+            .collect();
+        assert_close(
+            &format!("{name} rows"),
+            &g.read(&dy, rows * n).unwrap(),
+            &want,
+            1e-5,
+        );
+        let sl = Slots::experts(rows * per_row, di.ptr(), k, per_row);
+        ops::matvec(&g, m, dx.ptr(), dy.ptr(), sl).unwrap();
+        let want: Vec<f32> = (0..rows * per_row * n)
+            .map(|i| {
+                let s = i / n;
+                let xr = &x[s / per_row * k..(s / per_row + 1) * k];
+                dot(wt, ids[s] as usize, i % n, xr)
+            })
+            .collect();
+        let got = g.read(&dy, rows * per_row * n).unwrap();
+        assert_close(&format!("{name} experts per row"), &got, &want, 1e-5);
+    }
+}
+
 /// A random GDN layer step: CPU reference (conv → l2norm → gates → recurrent → gated norm)
 /// against gdn_conv_step + gdn_step, over several tokens so the states carry.
 #[test]
@@ -265,6 +388,11 @@ fn gdn_decode_matches_cpu() {
             g.upload(&dt_bias).unwrap(),
             g.upload(&norm_w).unwrap(),
         );
+        let slot0 = g.upload(&[0i32]).unwrap();
+        let one_row = Batch {
+            rows: 1,
+            slots: slot0.ptr(),
+        };
         let dconv = g.zeros::<f32>((kern - 1) * c).unwrap();
         let drec = g.zeros::<f32>(hv * dk * dv).unwrap();
         let (dmixed, dout) = (g.zeros::<f32>(c).unwrap(), g.zeros::<f32>(vd).unwrap());
@@ -282,11 +410,13 @@ fn gdn_decode_matches_cpu() {
             ops::gdn_conv_step(
                 &g,
                 dproj.ptr(),
+                proj.len(),
                 dconv.ptr(),
                 dcw.ptr(),
                 dmixed.ptr(),
                 c,
                 kern,
+                one_row,
             )
             .unwrap();
             let dims = GdnDims { hk, hv, dk, dv };
@@ -294,6 +424,7 @@ fn gdn_decode_matches_cpu() {
                 &g,
                 dmixed.ptr(),
                 dproj.ptr(),
+                proj.len(),
                 drec.ptr(),
                 dna.ptr(),
                 ddt.ptr(),
@@ -301,6 +432,7 @@ fn gdn_decode_matches_cpu() {
                 dout.ptr(),
                 dims,
                 1e-6,
+                one_row,
             )
             .unwrap();
 
@@ -391,9 +523,15 @@ fn attention_decode_matches_cpu() {
             let proj = rand_vec(&mut r, hq * 2 * d + 2 * hkv * d, -1.0, 1.0);
             let dproj = g.upload(&proj).unwrap();
             let dpos = g.upload(&[pos as i32]).unwrap();
+            let slot0 = g.upload(&[0i32]).unwrap();
+            let one_row = Batch {
+                rows: 1,
+                slots: slot0.ptr(),
+            };
             ops::attn_prep(
                 &g,
                 dproj.ptr(),
+                proj.len(),
                 dqn.ptr(),
                 dkn.ptr(),
                 dfreq.ptr(),
@@ -403,6 +541,8 @@ fn attention_decode_matches_cpu() {
                 dpos.ptr(),
                 a,
                 1e-6,
+                one_row,
+                steps,
             )
             .unwrap();
             ops::attn_decode(
@@ -414,9 +554,12 @@ fn attention_decode_matches_cpu() {
                 po.ptr(),
                 pml.ptr(),
                 dproj.ptr(),
+                proj.len(),
                 dout.ptr(),
                 a,
                 splits,
+                one_row,
+                steps,
             )
             .unwrap();
 
@@ -494,7 +637,7 @@ fn router_combine_embed_argmax_match_cpu() {
             shared_gate: true,
             shared_slot: Some(e),
         };
-        ops::router_topk(&g, dl.ptr(), route, ids.ptr(), w.ptr(), sg.ptr()).unwrap();
+        ops::router_topk(&g, dl.ptr(), e + 1, route, ids.ptr(), w.ptr(), sg.ptr(), 1).unwrap();
         assert_eq!(g.read(&ids, k + 1).unwrap()[k], e as i32, "shared slot id");
         assert_close(
             "shared slot weight",
@@ -549,6 +692,7 @@ fn router_combine_embed_argmax_match_cpu() {
             delta.ptr(),
             k,
             h,
+            1,
         )
         .unwrap();
         let wv = g.read(&w, k).unwrap();
@@ -568,7 +712,7 @@ fn router_combine_embed_argmax_match_cpu() {
         g.upload(&[5i32]).unwrap(),
         g.zeros::<f32>(h).unwrap(),
     );
-    ops::embed_bf16(&g, dt.ptr(), tok.ptr(), x.ptr(), h).unwrap();
+    ops::embed_bf16(&g, dt.ptr(), tok.ptr(), x.ptr(), h, 1).unwrap();
     let want: Vec<f32> = table[417 * h..418 * h]
         .iter()
         .map(|&b| bf16_to_f32(b))
@@ -579,6 +723,11 @@ fn router_combine_embed_argmax_match_cpu() {
     logits[7] = 5.0;
     let dl = g.upload(&logits).unwrap();
     let greedy = g.upload(&SampleParams::default().words(0)).unwrap();
+    let slot0 = g.upload(&[0i32]).unwrap();
+    let one_row = Batch {
+        rows: 1,
+        slots: slot0.ptr(),
+    };
     ops::sample_advance(
         &g,
         dl.ptr(),
@@ -586,6 +735,7 @@ fn router_combine_embed_argmax_match_cpu() {
         greedy.ptr(),
         tok.ptr(),
         pos.ptr(),
+        one_row,
     )
     .unwrap();
     assert_eq!(
@@ -609,11 +759,17 @@ fn sampling_follows_the_filtered_softmax() {
     }
     let dl = g.upload(&logits).unwrap();
     let (tok, pos) = (g.zeros::<i32>(1).unwrap(), g.zeros::<i32>(1).unwrap());
+    let slot0 = g.upload(&[0i32]).unwrap();
+    let one_row = Batch {
+        rows: 1,
+        slots: slot0.ptr(),
+    };
     let draw = |p: SampleParams, n: usize| -> Vec<usize> {
         let params = g.upload(&p.words(0)).unwrap();
         (0..n)
             .map(|_| {
-                ops::sample_advance(&g, dl.ptr(), v, params.ptr(), tok.ptr(), pos.ptr()).unwrap();
+                ops::sample_advance(&g, dl.ptr(), v, params.ptr(), tok.ptr(), pos.ptr(), one_row)
+                    .unwrap();
                 g.read(&tok, 1).unwrap()[0] as usize
             })
             .collect()

@@ -14,6 +14,9 @@ pub enum EngineError {
     Tokenizer(String),
     #[error("{0}")]
     Input(String),
+    /// Every sequence slot is taken; retry when one is released.
+    #[error("{0}")]
+    Capacity(String),
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

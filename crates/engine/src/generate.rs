@@ -7,7 +7,7 @@ use deltamoe_model::Logits;
 
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::SamplingParams;
 
 #[derive(Clone, Debug)]
 pub struct GenerateRequest<'a> {
@@ -65,47 +65,30 @@ fn run(
         prompt_tokens: req.prompt.len(),
         ..Default::default()
     };
-    let mut sampler = Sampler::new(req.sampling.clone());
-    let mut history = req.prompt.to_vec();
-    let mut out = Vec::new();
-    // Where the backend can choose tokens itself (CUDA: greedy or sampled on the GPU; the CPU:
-    // greedy), only token ids cross; a repetition penalty needs the history, so the host samples.
-    let no_penalty = req.sampling.repetition_penalty == 1.0;
-    let on_device = no_penalty && engine.set_device_sampling(id, &req.sampling)?;
-    let backend_picks = on_device || (no_penalty && req.sampling.is_greedy());
+    engine.set_sampling(id, &req.sampling)?;
+    let Some((&last, head)) = req.prompt.split_last() else {
+        return Err(crate::EngineError::Input(
+            "the prompt is empty: give at least one token".into(),
+        ));
+    };
     let t0 = Instant::now();
-    let mut logits = Vec::new();
-    let mut next: Option<u32> = None;
-    match req.prompt.split_last() {
-        Some((&last, head)) if on_device => {
-            if !head.is_empty() {
-                engine.prefill(id, head, req.prefill_chunk, Logits::Last)?;
-            }
-            next = Some(engine.decode_next(id, last)?);
-        }
-        _ => logits = engine.prefill(id, req.prompt, req.prefill_chunk, Logits::Last)?,
+    if !head.is_empty() {
+        engine.prefill(id, head, req.prefill_chunk, Logits::Last)?;
     }
+    let mut next = engine.step(&[(id, last)])?[0];
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
+    let mut out = Vec::new();
     while out.len() < req.max_tokens {
-        let tok = match next.take() {
-            Some(t) => t,
-            None => sampler.sample(&logits, &history),
-        };
-        if req.eos.contains(&tok) {
+        if req.eos.contains(&next) {
             stats.hit_eos = true;
             break;
         }
-        out.push(tok);
-        history.push(tok);
-        if !on_token(tok)? || out.len() == req.max_tokens {
+        out.push(next);
+        if !on_token(next)? || out.len() == req.max_tokens {
             break;
         }
-        if backend_picks {
-            next = Some(engine.decode_next(id, tok)?);
-        } else {
-            logits = engine.decode(&[(id, tok)])?.pop().unwrap_or_default();
-        }
+        next = engine.step(&[(id, next)])?[0];
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated = out.len();

@@ -2,6 +2,7 @@
 //! states). Sequences are independent; the engine may hold many.
 
 use crate::engine::SeqState;
+use crate::sampler::Sampler;
 
 /// Identifies a sequence within an [`crate::Engine`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -13,4 +14,7 @@ pub struct Sequence {
     pub tokens: Vec<u32>,
     /// Model state on the engine's backend.
     pub state: SeqState,
+    /// Picks the sequence's tokens in [`crate::Engine::step`] (on the host; on CUDA only when a
+    /// repetition penalty needs the history).
+    pub sampler: Sampler,
 }

@@ -45,6 +45,26 @@ fn greedy_continuations_equal_transformers_generate() {
 }
 
 #[test]
+fn batched_steps_equal_single_sequence_greedy() {
+    for dir in fixtures() {
+        let mut e = Engine::new(Qwen3Hybrid::load(&dir).unwrap());
+        let ps = prompts(&dir);
+        let rows: Vec<&common::Prompt> = ps.iter().chain(ps.iter()).collect();
+        for (i, out) in common::greedy_batched(&mut e, &rows, 3).iter().enumerate() {
+            assert_eq!(out, &rows[i].greedy, "{} row {i}", dir.display());
+        }
+    }
+}
+
+#[test]
+fn snapshot_restore_resumes_identically() {
+    for dir in fixtures() {
+        let mut e = Engine::new(Qwen3Hybrid::load(&dir).unwrap());
+        common::check_snapshot_resume(&mut e, &prompts(&dir)[0]);
+    }
+}
+
+#[test]
 fn sequences_are_independent() {
     // Interleaving two sequences' decode steps gives each the logits it gets alone.
     let dir = fixtures()

@@ -93,6 +93,20 @@ impl Qwen3Hybrid {
     }
 
     /// Fresh per-sequence state: empty KV caches, zero conv and recurrent states.
+    /// Bytes of state (f32) one sequence holds after `ctx` tokens.
+    pub fn state_bytes(&self, ctx: usize) -> usize {
+        let c = self.config();
+        let kv = 2 * ctx * c.num_kv_heads * c.head_dim;
+        self.layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Linear(g) => g.conv_state_len() + g.recurrent_state_len(),
+                Mixer::Full(_) => kv,
+            })
+            .sum::<usize>()
+            * 4
+    }
+
     pub fn new_state(&self) -> SequenceState {
         let layers = self
             .layers

@@ -22,6 +22,16 @@ const FILES: &[(&str, &str, &[&str])] = &[
         &["matvec_bf16", "matvec_swiglu_bf16"],
     ),
     (
+        "matvec_rows.cu",
+        include_str!("../../kernels/matvec_rows.cu"),
+        &[
+            "matvec_rows_bf16",
+            "swiglu_rows_bf16",
+            "matvec_rows_affine",
+            "swiglu_rows_affine",
+        ],
+    ),
+    (
         "norm.cu",
         include_str!("../../kernels/norm.cu"),
         &["add_rmsnorm"],
@@ -50,6 +60,11 @@ const FILES: &[(&str, &str, &[&str])] = &[
         "fill.cu",
         include_str!("../../kernels/fill.cu"),
         &["fill_uniform_bf16", "fill_uniform_f32", "fill_random_u32"],
+    ),
+    (
+        "gdn_chunk.cu",
+        include_str!("../../kernels/gdn_chunk.cu"),
+        &["gdn_chunk_prep", "gdn_chunk_state32", "gdn_chunk_state64"],
     ),
     (
         "qmatvec.cu",
@@ -181,12 +196,15 @@ mod tests {
 
     #[test]
     fn every_kernel_the_launchers_use_is_registered() {
-        let ops = include_str!("ops.rs");
+        let launchers = [include_str!("ops.rs"), include_str!("gdn_chunk.rs")];
         let registered: Vec<&str> = super::FILES
             .iter()
             .flat_map(|f| f.2.iter().copied())
             .collect();
-        for part in ops.split("kernels().get(\"").skip(1) {
+        for part in launchers
+            .iter()
+            .flat_map(|src| src.split("kernels().get(\"").skip(1))
+        {
             let name = &part[..part.find('"').unwrap()];
             assert!(
                 registered.contains(&name),

@@ -6,6 +6,7 @@
 //! files in `crates/compute/kernels/`, compiled by NVRTC for the device's compute capability and
 //! cached on disk (see [`kernels`]). Launch wrappers are in [`ops`].
 
+pub mod gdn_chunk;
 pub mod kernels;
 pub mod ops;
 
@@ -27,6 +28,9 @@ pub enum CudaError {
     Compile { file: String, log: String },
     #[error("{0}")]
     Unsupported(String),
+    /// Every reserved slot is in use.
+    #[error("{0}")]
+    Full(String),
 }
 
 pub type Result<T> = std::result::Result<T, CudaError>;
@@ -176,10 +180,49 @@ impl Gpu {
 
     /// Overwrite the start of `dst` with `data`.
     pub fn write<T: DeviceRepr>(&self, dst: &mut DevBuf<T>, data: &[T]) -> Result<()> {
-        let mut view = dst.slice.slice_mut(0..data.len());
+        self.write_at(dst, 0, data)
+    }
+
+    /// Overwrite `dst[at..at + data.len()]` with `data`.
+    pub fn write_at<T: DeviceRepr>(
+        &self,
+        dst: &mut DevBuf<T>,
+        at: usize,
+        data: &[T],
+    ) -> Result<()> {
+        let mut view = dst.slice.slice_mut(at..at + data.len());
         self.stream
             .memcpy_htod(data, &mut view)
             .map_err(driver_err("copying to the device"))
+    }
+
+    /// Zero `dst[at..at + n]`.
+    pub fn zero_range<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        dst: &mut DevBuf<T>,
+        at: usize,
+        n: usize,
+    ) -> Result<()> {
+        let mut view = dst.slice.slice_mut(at..at + n);
+        self.stream
+            .memset_zeros(&mut view)
+            .map_err(driver_err("zeroing device memory"))
+    }
+
+    /// Copy `src[from..from + n]` to `dst[to..to + n]` on the device (in stream order).
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &DevBuf<T>,
+        from: usize,
+        dst: &mut DevBuf<T>,
+        to: usize,
+        n: usize,
+    ) -> Result<()> {
+        let view = src.slice.slice(from..from + n);
+        let mut out = dst.slice.slice_mut(to..to + n);
+        self.stream
+            .memcpy_dtod(&view, &mut out)
+            .map_err(driver_err("copying on the device"))
     }
 
     /// Copy the first `n` elements of `src` to the host (waits for the stream).
@@ -188,8 +231,18 @@ impl Gpu {
         src: &DevBuf<T>,
         n: usize,
     ) -> Result<Vec<T>> {
+        self.read_at(src, 0, n)
+    }
+
+    /// Copy `src[at..at + n]` to the host (waits for the stream).
+    pub fn read_at<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &DevBuf<T>,
+        at: usize,
+        n: usize,
+    ) -> Result<Vec<T>> {
         let mut out = vec![T::default(); n];
-        let view = src.slice.slice(0..n);
+        let view = src.slice.slice(at..at + n);
         self.stream
             .memcpy_dtoh(&view, &mut out)
             .map_err(driver_err("copying from the device"))?;

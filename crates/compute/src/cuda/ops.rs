@@ -33,9 +33,8 @@ pub enum WeightFormat {
     },
 }
 
-/// Operands of a (possibly batched) matrix-vector product: W `[E, N, K]` at `w`; `ids`
-/// (device int[slots], 0: e = s) picks the matrix per slot; x_s = x + s·x_stride floats;
-/// optional f32 bias `[E, N]` (0: none).
+/// Operands of a matrix-vector product: W `[E, N, K]` at `w`; optional f32 bias `[E, N]`
+/// (0: none). [`Slots`] says which matrix and input row each output slot uses.
 #[derive(Clone, Copy, Debug)]
 pub struct Matvec {
     pub w: u64,
@@ -43,6 +42,53 @@ pub struct Matvec {
     pub k: usize,
     pub bias: u64,
     pub format: WeightFormat,
+}
+
+/// The outputs of one matvec launch: slot s (of `n`) multiplies matrix `ids[s]` (device
+/// int[n]; matrix 0 when `ids` is 0) by input row `s / x_div` at `x + row·x_stride` floats, and
+/// writes output row s.
+#[derive(Clone, Copy, Debug)]
+pub struct Slots {
+    pub n: usize,
+    pub ids: u64,
+    pub x_stride: usize,
+    pub x_div: usize,
+}
+
+impl Slots {
+    /// One vector through matrix 0.
+    pub fn one() -> Slots {
+        Slots::rows(1, 0)
+    }
+
+    /// `n` input rows of `x_stride` floats, each through matrix 0.
+    pub fn rows(n: usize, x_stride: usize) -> Slots {
+        Slots {
+            n,
+            ids: 0,
+            x_stride,
+            x_div: 1,
+        }
+    }
+
+    /// `n` slots picking their matrices by `ids`; groups of `x_div` consecutive slots share an
+    /// input row (x_stride 0: all share one).
+    pub fn experts(n: usize, ids: u64, x_stride: usize, x_div: usize) -> Slots {
+        Slots {
+            n,
+            ids,
+            x_stride,
+            x_div: x_div.max(1),
+        }
+    }
+}
+
+/// Rows of a batched decode step: row b belongs to the sequence whose state is in slot
+/// `slots[b]` (device int[rows]).
+#[derive(Clone, Copy, Debug)]
+pub struct Batch {
+    pub rows: usize,
+    pub slots: u64,
 }
 
 /// Rows one warp of the affine kernels computes for `rows` output rows in one launch: 4 (each
@@ -67,19 +113,65 @@ fn check_stride(m: &Matvec, x_stride: usize) -> Result<()> {
     Ok(())
 }
 
-/// `y[s, :N] = W_e · x_s (+ bias_e)` for `slots` slots.
-pub fn matvec(
-    g: &Gpu,
-    m: Matvec,
-    x: u64,
-    y: u64,
-    slots: usize,
-    ids: u64,
-    x_stride: usize,
-) -> Result<()> {
-    check_stride(&m, x_stride)?;
-    let (n32, k32, xs) = (m.n as i32, m.k as i32, x_stride as i64);
-    let grid = (blocks(m.n, 8), slots as u32);
+/// Whether `sl` is a batch of rows through one matrix that the `*_rows` kernels (each weight
+/// load serving several rows) take.
+fn batched_rows(m: &Matvec, sl: &Slots) -> bool {
+    let vector = matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8);
+    sl.n > 1 && sl.ids == 0 && sl.x_div == 1 && sl.x_stride >= m.k && vector
+}
+
+/// Rows the `*_rows` kernels serve per weight load (`MV_VECS` in matvec_rows.cu).
+const MV_VECS: usize = 8;
+
+/// A batch of rows through one matrix (see [`batched_rows`]): `y[b] = W x_b (+ bias)`, or
+/// `h[b] = silu(G x_b) ⊙ U x_b` when `swiglu`.
+fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> Result<()> {
+    let out_rows = if swiglu { m.n / 2 } else { m.n };
+    let (n32, k32, b32, xs) = (out_rows as i32, m.k as i32, sl.n as i32, sl.x_stride as i64);
+    let grid = (blocks(sl.n, MV_VECS), blocks(out_rows, 8));
+    let name = match (m.format, swiglu) {
+        (WeightFormat::Bf16, false) => "matvec_rows_bf16",
+        (WeightFormat::Bf16, true) => "swiglu_rows_bf16",
+        (WeightFormat::Affine { .. }, false) => "matvec_rows_affine",
+        (WeightFormat::Affine { .. }, true) => "swiglu_rows_affine",
+    };
+    let (g32, bits32, scales, biases) = match m.format {
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => (group as i32, bits as i32, scales, biases),
+        WeightFormat::Bf16 => (0, 0, 0, 0),
+    };
+    let mut b = g.stream().launch_builder(g.kernels().get(name));
+    b.arg(&m.w);
+    if let WeightFormat::Affine { .. } = m.format {
+        b.arg(&scales).arg(&biases).arg(&x).arg(&y).arg(&n32).arg(&k32);
+        b.arg(&g32).arg(&bits32);
+    } else {
+        b.arg(&x).arg(&y).arg(&n32).arg(&k32);
+    }
+    b.arg(&b32).arg(&xs);
+    if !swiglu {
+        b.arg(&m.bias);
+    }
+    // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU), x holds n rows of
+    // x_stride ≥ K floats (16-byte aligned: x_stride % 4 == 0, checked), y holds n·N floats (n·I
+    // for SwiGLU); rows and batch rows are bounds-checked in the kernel.
+    unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
+    Ok(())
+}
+
+/// `y[s, :N] = W_e · x_s (+ bias_e)` for every slot of `sl`.
+pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
+    check_stride(&m, sl.x_stride)?;
+    if batched_rows(&m, &sl) {
+        return matvec_rows(g, m, x, y, sl, false);
+    }
+    let (n32, k32, xs, xd) = (m.n as i32, m.k as i32, sl.x_stride as i64, sl.x_div as i32);
+    let (slots, ids) = (sl.n, sl.ids);
+    let grid = (slots as u32, blocks(m.n, 8));
     match m.format {
         WeightFormat::Bf16 => {
             let mut b = g.stream().launch_builder(g.kernels().get("matvec_bf16"));
@@ -90,9 +182,10 @@ pub fn matvec(
                 .arg(&k32)
                 .arg(&ids)
                 .arg(&xs)
+                .arg(&xd)
                 .arg(&m.bias);
-            // SAFETY: W holds (max id + 1)·N·K bf16, x holds slots·x_stride + K floats (K
-            // when x_stride is 0), y holds slots·N floats; rows are bounds-checked against N.
+            // SAFETY: W holds (max id + 1)·N·K bf16, x holds (slots / x_div)·x_stride + K
+            // floats, y holds slots·N floats; rows are bounds-checked against N.
             unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_bf16"))?;
         }
         WeightFormat::Affine {
@@ -103,7 +196,7 @@ pub fn matvec(
         } => {
             let (g32, b32) = (group as i32, bits as i32);
             let rpw = affine_rows_per_warp(m.n * slots);
-            let grid = (blocks(m.n, 8 * rpw), slots as u32);
+            let grid = (slots as u32, blocks(m.n, 8 * rpw));
             let r32 = rpw as i32;
             let mut b = g.stream().launch_builder(g.kernels().get("matvec_affine"));
             b.arg(&m.w)
@@ -116,7 +209,7 @@ pub fn matvec(
                 .arg(&g32)
                 .arg(&b32)
                 .arg(&r32);
-            b.arg(&ids).arg(&xs).arg(&m.bias);
+            b.arg(&ids).arg(&xs).arg(&xd).arg(&m.bias);
             // SAFETY: as the bf16 case with words (max id + 1)·N·K·bits/32 u32 and scales,
             // biases (max id + 1)·N·K/group bf16; bits ∈ {2, 4, 8} and group | K (checked at
             // upload).
@@ -127,20 +220,16 @@ pub fn matvec(
 }
 
 /// `h[s, :I] = silu(G_e x_s) ⊙ (U_e x_s)` where W_e = `[gate (I rows) | up (I rows)]`, so
-/// `m.n = 2I`. No bias.
-pub fn matvec_swiglu(
-    g: &Gpu,
-    m: Matvec,
-    x: u64,
-    h: u64,
-    slots: usize,
-    ids: u64,
-    x_stride: usize,
-) -> Result<()> {
-    check_stride(&m, x_stride)?;
+/// `m.n = 2I`, for every slot of `sl`. No bias.
+pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()> {
+    check_stride(&m, sl.x_stride)?;
+    if batched_rows(&m, &sl) {
+        return matvec_rows(g, m, x, h, sl, true);
+    }
     let i = m.n / 2;
-    let (i32_, k32, xs) = (i as i32, m.k as i32, x_stride as i64);
-    let grid = (blocks(i, 8), slots as u32);
+    let (i32_, k32, xs, xd) = (i as i32, m.k as i32, sl.x_stride as i64, sl.x_div as i32);
+    let (slots, ids) = (sl.n, sl.ids);
+    let grid = (slots as u32, blocks(i, 8));
     match m.format {
         WeightFormat::Bf16 => {
             let mut b = g
@@ -152,7 +241,8 @@ pub fn matvec_swiglu(
                 .arg(&i32_)
                 .arg(&k32)
                 .arg(&ids)
-                .arg(&xs);
+                .arg(&xs)
+                .arg(&xd);
             // SAFETY: as `matvec` with 2I rows per expert and h of slots·I floats.
             unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_bf16"))?;
         }
@@ -164,7 +254,7 @@ pub fn matvec_swiglu(
         } => {
             let (g32, b32) = (group as i32, bits as i32);
             let rpw = affine_rows_per_warp(m.n * slots);
-            let grid = (blocks(i, 8 * rpw / 2), slots as u32);
+            let grid = (slots as u32, blocks(i, 8 * rpw / 2));
             let r32 = rpw as i32;
             let mut b = g
                 .stream()
@@ -179,7 +269,7 @@ pub fn matvec_swiglu(
                 .arg(&g32)
                 .arg(&b32)
                 .arg(&r32);
-            b.arg(&ids).arg(&xs);
+            b.arg(&ids).arg(&xs).arg(&xd);
             // SAFETY: as `matvec`'s affine case with 2I rows per expert.
             unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_affine"))?;
         }
@@ -212,26 +302,34 @@ pub fn add_rmsnorm(
     Ok(())
 }
 
-/// Conv1d step + SiLU over `c` channels with kernel `k`; state [k−1, c] updated.
+/// Conv1d step + SiLU over `c` channels with kernel `k` for each row of `bt`: input row b at
+/// `proj + b·proj_stride` floats, output `mixed [rows, c]`, state `[slots, k−1, c]` updated.
+#[allow(clippy::too_many_arguments)]
 pub fn gdn_conv_step(
     g: &Gpu,
     proj: u64,
+    proj_stride: usize,
     state: u64,
     w: u64,
     mixed: u64,
     c: usize,
     k: usize,
+    bt: Batch,
 ) -> Result<()> {
-    let (c32, k32) = (c as i32, k as i32);
+    let (c32, k32, ps) = (c as i32, k as i32, proj_stride as i64);
     let mut b = g.stream().launch_builder(g.kernels().get("gdn_conv_step"));
     b.arg(&proj)
         .arg(&state)
         .arg(&w)
         .arg(&mixed)
         .arg(&c32)
-        .arg(&k32);
-    // SAFETY: proj and mixed hold ≥ c floats, state (k−1)·c, w c·k.
-    unsafe { b.launch(cfg((blocks(c, 256), 1), 256, 0)) }.map_err(driver_err("gdn_conv_step"))?;
+        .arg(&k32)
+        .arg(&bt.slots)
+        .arg(&ps);
+    // SAFETY: proj holds rows·proj_stride floats (≥ c each), mixed rows·c, state (max slot + 1)
+    // ·(k−1)·c, w c·k; slots holds rows ints.
+    unsafe { b.launch(cfg((blocks(c, 256), bt.rows as u32), 256, 0)) }
+        .map_err(driver_err("gdn_conv_step"))?;
     Ok(())
 }
 
@@ -251,12 +349,13 @@ pub const GDN_DV_MAX: usize = 128;
 /// Row groups per head in `gdn_step` (`GDN_ROW_GROUPS` in gdn.cu).
 const GDN_ROW_GROUPS: u32 = 8;
 
-/// Delta-rule step + gated RMSNorm for every value head (see gdn.cu).
+/// Delta-rule step + gated RMSNorm for every value head of every row of `bt` (see gdn.cu).
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_step(
     g: &Gpu,
     mixed: u64,
     proj: u64,
+    proj_stride: usize,
     state: u64,
     neg_a: u64,
     dt_bias: u64,
@@ -264,8 +363,10 @@ pub fn gdn_step(
     out: u64,
     d: GdnDims,
     eps: f32,
+    bt: Batch,
 ) -> Result<()> {
     let (hk, hv, dk, dv) = (d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
+    let ps = proj_stride as i64;
     let mut b = g.stream().launch_builder(g.kernels().get("gdn_step"));
     b.arg(&mixed)
         .arg(&proj)
@@ -275,15 +376,16 @@ pub fn gdn_step(
         .arg(&norm_w)
         .arg(&out);
     b.arg(&hk).arg(&hv).arg(&dk).arg(&dv).arg(&eps);
+    b.arg(&bt.slots).arg(&ps);
     let cols = (d.dv.div_ceil(32) * 32) as u32;
     let launch = LaunchConfig {
-        grid_dim: (d.hv as u32, 1, 1),
+        grid_dim: (d.hv as u32, bt.rows as u32, 1),
         block_dim: (cols, GDN_ROW_GROUPS, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: dk ≤ GDN_DK_MAX and dv ≤ GDN_DV_MAX (checked at upload); state holds hv·dk·dv
-    // floats, out hv·dv, proj the fused projection (conv dim + hv·dv + 2·hv floats), mixed the
-    // conv dim.
+    // SAFETY: dk ≤ GDN_DK_MAX and dv ≤ GDN_DV_MAX (checked at upload); state holds
+    // (max slot + 1)·hv·dk·dv floats, out rows·hv·dv, proj rows fused projections (conv dim +
+    // hv·dv + 2·hv floats each, proj_stride apart), mixed rows·conv dim.
     unsafe { b.launch(launch) }.map_err(driver_err("gdn_step"))?;
     Ok(())
 }
@@ -303,11 +405,13 @@ pub const ATTN_MAX_SPLITS: usize = 256;
 /// Largest head dim the attention kernels support (`ATTN_DMAX` in attention.cu).
 pub const ATTN_DMAX: usize = 256;
 
-/// q/k norm + RoPE, q out, k and v appended to the caches at `*pos`.
+/// Per row of `bt`: q/k norm + RoPE, q out, k and v appended to the slot's caches (of `ctx`
+/// positions) at `pos[slot]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attn_prep(
     g: &Gpu,
     proj: u64,
+    proj_stride: usize,
     qn: u64,
     kn: u64,
     inv_freq: u64,
@@ -317,8 +421,11 @@ pub fn attn_prep(
     pos: u64,
     a: AttnDims,
     eps: f32,
+    bt: Batch,
+    ctx: usize,
 ) -> Result<()> {
     let (hq, hkv, d, r) = (a.hq as i32, a.hkv as i32, a.d as i32, a.rotary as i32);
+    let (ps, t) = (proj_stride as i64, ctx as i64);
     let mut b = g.stream().launch_builder(g.kernels().get("attn_prep"));
     b.arg(&proj)
         .arg(&qn)
@@ -329,12 +436,14 @@ pub fn attn_prep(
         .arg(&v_cache)
         .arg(&pos);
     b.arg(&hq).arg(&hkv).arg(&d).arg(&r).arg(&eps);
+    b.arg(&bt.slots).arg(&ps).arg(&t);
     let threads = (a.d.div_ceil(32) * 32) as u32;
-    // SAFETY: caches hold max_ctx·hkv·d floats and *pos < max_ctx (the engine checks the
-    // context before each step); dynamic shared memory holds d floats.
+    // SAFETY: caches hold (max slot + 1)·ctx·hkv·d floats and pos[slot] < ctx (the engine
+    // checks the context before each step); q holds rows·hq·d floats; dynamic shared memory
+    // holds d floats.
     unsafe {
         b.launch(cfg(
-            ((a.hq + 2 * a.hkv) as u32, 1),
+            ((a.hq + 2 * a.hkv) as u32, bt.rows as u32),
             threads,
             (a.d * 4) as u32,
         ))
@@ -343,7 +452,8 @@ pub fn attn_prep(
     Ok(())
 }
 
-/// Split-K attention over positions 0..=*pos into `splits` partials, then the gated combine.
+/// Per row of `bt`: split-K attention over positions 0..=pos[slot] of the slot's caches into
+/// `splits` partials, then the gated combine (gates from the row's projection).
 #[allow(clippy::too_many_arguments)]
 pub fn attn_decode(
     g: &Gpu,
@@ -354,9 +464,12 @@ pub fn attn_decode(
     part_o: u64,
     part_ml: u64,
     proj: u64,
+    proj_stride: usize,
     out: u64,
     a: AttnDims,
     splits: usize,
+    bt: Batch,
+    ctx: usize,
 ) -> Result<()> {
     if splits > ATTN_MAX_SPLITS {
         return Err(super::CudaError::Unsupported(format!(
@@ -365,6 +478,7 @@ pub fn attn_decode(
     }
     let (hq, hkv, d, s) = (a.hq as i32, a.hkv as i32, a.d as i32, splits as i32);
     let scale = 1.0f32 / (a.d as f32).sqrt();
+    let (ps, t) = (proj_stride as i64, ctx as i64);
     let mut b = g.stream().launch_builder(g.kernels().get("attn_partial"));
     b.arg(&q)
         .arg(&k_cache)
@@ -373,19 +487,28 @@ pub fn attn_decode(
         .arg(&part_o)
         .arg(&part_ml);
     b.arg(&hq).arg(&hkv).arg(&d).arg(&s).arg(&scale);
-    // SAFETY: part_o holds hq·splits·d floats, part_ml hq·splits·2; d ≤ ATTN_DMAX.
-    unsafe { b.launch(cfg((a.hq as u32, splits as u32), 128, 0)) }
-        .map_err(driver_err("attn_partial"))?;
+    b.arg(&bt.slots).arg(&t);
+    let launch = LaunchConfig {
+        grid_dim: (a.hq as u32, splits as u32, bt.rows as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: part_o holds rows·hq·splits·d floats, part_ml rows·hq·splits·2; d ≤ ATTN_DMAX;
+    // caches and positions as in `attn_prep`.
+    unsafe { b.launch(launch) }.map_err(driver_err("attn_partial"))?;
     let mut b = g.stream().launch_builder(g.kernels().get("attn_combine"));
     b.arg(&part_o)
         .arg(&part_ml)
         .arg(&proj)
         .arg(&out)
         .arg(&d)
-        .arg(&s);
+        .arg(&s)
+        .arg(&hq)
+        .arg(&ps);
     let threads = (a.d.div_ceil(32) * 32) as u32;
-    // SAFETY: out holds hq·d floats; proj is the fused projection holding the gates.
-    unsafe { b.launch(cfg((a.hq as u32, 1), threads, 0)) }.map_err(driver_err("attn_combine"))?;
+    // SAFETY: out holds rows·hq·d floats; proj holds rows fused projections with the gates.
+    unsafe { b.launch(cfg((a.hq as u32, bt.rows as u32), threads, 0)) }
+        .map_err(driver_err("attn_combine"))?;
     Ok(())
 }
 
@@ -403,9 +526,20 @@ pub struct Route {
     pub shared_slot: Option<usize>,
 }
 
-/// Softmax + top-k over the router logits: ids [k], weights [k], sg [1] = sigmoid(shared
-/// gate logit); with a shared slot also ids[k] = slot, weights[k] = sg.
-pub fn router_topk(g: &Gpu, logits: u64, r: Route, ids: u64, w: u64, sg: u64) -> Result<()> {
+/// Per row (of `rows`, logits `logit_stride` floats apart): softmax + top-k over the router
+/// logits: ids [k], weights [k], sg [1] = sigmoid(shared gate logit); with a shared slot also
+/// ids[k] = slot, weights[k] = sg. Row b's ids and weights start at b·(k + shared slot).
+#[allow(clippy::too_many_arguments)]
+pub fn router_topk(
+    g: &Gpu,
+    logits: u64,
+    logit_stride: usize,
+    r: Route,
+    ids: u64,
+    w: u64,
+    sg: u64,
+    rows: usize,
+) -> Result<()> {
     let (e32, k32, rn, hs) = (
         r.experts as i32,
         r.top_k as i32,
@@ -413,6 +547,7 @@ pub fn router_topk(g: &Gpu, logits: u64, r: Route, ids: u64, w: u64, sg: u64) ->
         r.shared_gate as i32,
     );
     let slot = r.shared_slot.map_or(-1, |s| s as i32);
+    let ls = logit_stride as i64;
     let mut b = g.stream().launch_builder(g.kernels().get("router_topk"));
     b.arg(&logits)
         .arg(&e32)
@@ -422,14 +557,15 @@ pub fn router_topk(g: &Gpu, logits: u64, r: Route, ids: u64, w: u64, sg: u64) ->
         .arg(&slot)
         .arg(&ids)
         .arg(&w)
-        .arg(&sg);
-    // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold experts (+1)
-    // floats; ids and w hold top_k (+1 with a shared slot) entries.
-    unsafe { b.launch(cfg((1, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
+        .arg(&sg)
+        .arg(&ls);
+    // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold rows rows of
+    // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows.
+    unsafe { b.launch(cfg((rows as u32, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
     Ok(())
 }
 
-/// `delta = Σ_k w_k y_k (+ sg · ys)` over width `h`.
+/// Per row (of `rows`): `delta = Σ_k w_k y_k (+ sg · ys)` over width `h`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_combine(
     g: &Gpu,
@@ -440,6 +576,7 @@ pub fn moe_combine(
     delta: u64,
     k: usize,
     h: usize,
+    rows: usize,
 ) -> Result<()> {
     let (k32, h32) = (k as i32, h as i32);
     let mut b = g.stream().launch_builder(g.kernels().get("moe_combine"));
@@ -450,23 +587,27 @@ pub fn moe_combine(
         .arg(&delta)
         .arg(&k32)
         .arg(&h32);
-    // SAFETY: y holds k·h floats, delta and ys h floats.
-    unsafe { b.launch(cfg((blocks(h, 256), 1), 256, 0)) }.map_err(driver_err("moe_combine"))?;
+    // SAFETY: y holds rows·k·h floats, w rows·k, delta and ys rows·h floats, sg rows.
+    unsafe { b.launch(cfg((blocks(h, 256), rows as u32), 256, 0)) }
+        .map_err(driver_err("moe_combine"))?;
     Ok(())
 }
 
-/// `x = table[*tok]` (bf16 → f32) for width `h`.
-pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize) -> Result<()> {
+/// `x[b] = table[tok[b]]` (bf16 → f32) for width `h`, `rows` rows.
+pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize, rows: usize) -> Result<()> {
     let h32 = h as i32;
     let mut b = g.stream().launch_builder(g.kernels().get("embed_bf16"));
     b.arg(&table).arg(&tok).arg(&x).arg(&h32);
-    // SAFETY: *tok < vocab (checked by the engine before it is written), x holds h floats.
-    unsafe { b.launch(cfg((blocks(h, 256), 1), 256, 0)) }.map_err(driver_err("embed_bf16"))?;
+    // SAFETY: tok[b] < vocab (checked by the engine before it is written), x holds rows·h
+    // floats.
+    unsafe { b.launch(cfg((blocks(h, 256), rows as u32), 256, 0)) }
+        .map_err(driver_err("embed_bf16"))?;
     Ok(())
 }
 
-/// `x = table[*tok]` as f32 (bf16 rows converted, affine rows dequantized), width `h`.
-pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize) -> Result<()> {
+/// `x[b] = table[tok[b]]` as f32 (bf16 rows converted, affine rows dequantized), width `h`,
+/// `rows` rows.
+pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Result<()> {
     let WeightFormat::Affine {
         bits,
         group,
@@ -474,7 +615,7 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize) -> Result<()> {
         biases,
     } = m.format
     else {
-        return embed_bf16(g, m.w, tok, x, h);
+        return embed_bf16(g, m.w, tok, x, h, rows);
     };
     let (h32, g32, b32) = (h as i32, group as i32, bits as i32);
     let mut b = g.stream().launch_builder(g.kernels().get("embed_affine"));
@@ -486,9 +627,10 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize) -> Result<()> {
         .arg(&h32)
         .arg(&g32)
         .arg(&b32);
-    // SAFETY: *tok < vocab (checked by the engine before it is written); the table holds
-    // vocab rows of h values; x holds h floats.
-    unsafe { b.launch(cfg((blocks(h, 256), 1), 256, 0)) }.map_err(driver_err("embed_affine"))?;
+    // SAFETY: tok[b] < vocab (checked by the engine before it is written); the table holds
+    // vocab rows of h values; x holds rows·h floats.
+    unsafe { b.launch(cfg((blocks(h, 256), rows as u32), 256, 0)) }
+        .map_err(driver_err("embed_affine"))?;
     Ok(())
 }
 
@@ -558,8 +700,9 @@ impl SampleParams {
     }
 }
 
-/// `*tok` = a token drawn from `logits[..v]` with the parameters at `params` (see
-/// [`SampleParams::words`]; greedy when the temperature is ≤ 0), `*pos += 1`.
+/// Per row b of `bt` (slot s): `tok[b]` = a token drawn from `logits[b, ..v]` with the
+/// parameters at `params + 7·s` (see [`SampleParams::words`]; greedy when the temperature is
+/// ≤ 0), `pos[s] += 1`.
 pub fn sample_advance(
     g: &Gpu,
     logits: u64,
@@ -567,11 +710,18 @@ pub fn sample_advance(
     params: u64,
     tok: u64,
     pos: u64,
+    bt: Batch,
 ) -> Result<()> {
     let v32 = v as i32;
     let mut b = g.stream().launch_builder(g.kernels().get("sample_advance"));
-    b.arg(&logits).arg(&v32).arg(&params).arg(&tok).arg(&pos);
-    // SAFETY: logits hold v floats, params 7 u32, tok and pos one int each.
-    unsafe { b.launch(cfg((1, 1), 1024, 0)) }.map_err(driver_err("sample_advance"))?;
+    b.arg(&logits)
+        .arg(&v32)
+        .arg(&params)
+        .arg(&tok)
+        .arg(&pos)
+        .arg(&bt.slots);
+    // SAFETY: logits hold rows·v floats, params (max slot + 1)·7 u32, pos (max slot + 1) ints,
+    // tok and slots rows ints.
+    unsafe { b.launch(cfg((bt.rows as u32, 1), 1024, 0)) }.map_err(driver_err("sample_advance"))?;
     Ok(())
 }

@@ -111,3 +111,76 @@ pub fn greedy(engine: &mut deltamoe_engine::Engine, p: &Prompt) -> Vec<u32> {
         .unwrap()
         .0
 }
+
+/// Greedy continuations of several prompts decoded together: sequence i joins the batched
+/// steps `i * stagger` steps after the first, so rows sit at different positions. Returns each
+/// prompt's generated tokens (as many as its `greedy`).
+pub fn greedy_batched(
+    engine: &mut deltamoe_engine::Engine,
+    ps: &[&Prompt],
+    stagger: usize,
+) -> Vec<Vec<u32>> {
+    use deltamoe_model::Logits;
+    let ids: Vec<_> = ps.iter().map(|_| engine.add_sequence().unwrap()).collect();
+    let mut next: Vec<u32> = Vec::new();
+    for (p, &id) in ps.iter().zip(&ids) {
+        let (&last, head) = p.tokens.split_last().unwrap();
+        if !head.is_empty() {
+            engine.prefill(id, head, None, Logits::Last).unwrap();
+        }
+        next.push(last);
+    }
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); ps.len()];
+    for step in 0.. {
+        if out.iter().zip(ps).all(|(o, p)| o.len() == p.greedy.len()) {
+            break;
+        }
+        let rows: Vec<usize> = (0..ps.len())
+            .filter(|&i| step >= i * stagger && out[i].len() < ps[i].greedy.len())
+            .collect();
+        let batch: Vec<_> = rows.iter().map(|&i| (ids[i], next[i])).collect();
+        if batch.is_empty() {
+            continue;
+        }
+        let picked = engine.step(&batch).unwrap();
+        for (&i, t) in rows.iter().zip(picked) {
+            out[i].push(t);
+            next[i] = t;
+        }
+    }
+    for id in ids {
+        engine.remove_sequence(id);
+    }
+    out
+}
+
+/// Prefill the first half of a prompt, snapshot, decode greedily; then restore the snapshot
+/// into a new sequence and decode again: both runs must give the same tokens and logits.
+pub fn check_snapshot_resume(engine: &mut deltamoe_engine::Engine, p: &Prompt) {
+    use deltamoe_model::Logits;
+    let half = p.tokens.len() / 2;
+    let id = engine.add_sequence().unwrap();
+    engine
+        .prefill(id, &p.tokens[..half], None, Logits::Last)
+        .unwrap();
+    let snap = engine.snapshot(id).unwrap();
+    assert_eq!(snap.tokens(), &p.tokens[..half]);
+    let run = |engine: &mut deltamoe_engine::Engine, id| {
+        let logits = engine
+            .prefill(id, &p.tokens[half..], None, Logits::Last)
+            .unwrap();
+        let mut toks = vec![engine.step(&[(id, 1)]).unwrap()[0]];
+        for _ in 0..5 {
+            toks.push(engine.step(&[(id, *toks.last().unwrap())]).unwrap()[0]);
+        }
+        (logits, toks)
+    };
+    let first = run(engine, id);
+    engine.remove_sequence(id);
+    let again = engine.restore(&snap).unwrap();
+    assert_eq!(engine.sequence(again).unwrap().tokens, &p.tokens[..half]);
+    let second = run(engine, again);
+    engine.remove_sequence(again);
+    assert_eq!(first.1, second.1, "tokens after restore");
+    assert_eq!(first.0, second.0, "logits after restore");
+}

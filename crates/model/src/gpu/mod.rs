@@ -8,32 +8,40 @@
 //! `[router | shared_expert_gate]`, and each expert's `[gate | up]`. Norm scales, conv kernels,
 //! `−exp(A_log)` and `dt_bias` stay f32; activations are f32 throughout.
 //!
-//! One token's step (see [`GpuModel::enqueue_step`]) runs every op on the GPU: embedding,
-//! add+RMSNorm, fused projections, the GDN conv and delta-rule kernels, attention prep and
-//! split-K decode, router top-k, batched expert SwiGLU and down projections (all K experts in
-//! one launch each), combine, final norm, lm_head and argmax. The token id and position live in
-//! device memory, so the step is captured once per sequence into a CUDA graph and replayed; the
-//! only host↔device traffic per greedy token is the token id.
+//! A decode step (see [`GpuModel::enqueue_step`]) feeds one token to each of B sequences and
+//! runs every op on the GPU with a batch dimension: embedding, add+RMSNorm, fused projections,
+//! the GDN conv and delta-rule kernels, attention prep and split-K decode, router top-k, expert
+//! SwiGLU and down projections (all K experts of all B rows in one launch each), combine, final
+//! norm, lm_head and sampling. Sequence state lives in a pool of slots ([`pool`]); the token ids
+//! and slot indices of a step live in device memory, so the step is captured once per batch size
+//! into a CUDA graph and replayed; the only host↔device traffic per token is its id and slot.
 
+mod pool;
 mod synthetic;
 mod upload;
 
+pub use pool::{GpuSeq, GpuSnapshot};
 pub(crate) use upload::{DevMat, DevWeights};
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
-use deltamoe_compute::cuda::ops::{self, AttnDims, GdnDims, Route, ATTN_DMAX};
+use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Route, Slots, ATTN_DMAX};
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
+use crate::config::ModelConfig;
 use crate::qwen3_hybrid::Qwen3Hybrid;
+use pool::Pool;
 use upload::{upload_ffn, upload_mixer};
 
 type Result<T> = std::result::Result<T, CudaError>;
 
 /// Split-K partitions of the attention decode.
 const ATTN_SPLITS: usize = 64;
+
+/// Most rows one batched step runs; the engine splits larger batches.
+pub const MAX_BATCH: usize = 32;
 
 pub(crate) enum GpuMixer {
     Linear {
@@ -78,7 +86,7 @@ pub(crate) struct GpuLayer {
     ffn: GpuFfn,
 }
 
-/// Activations shared by every sequence's step (steps run one at a time on one stream).
+/// Activations of a step, `rows` rows each (steps run one at a time on one stream).
 struct Scratch {
     x: DevBuf<f32>,
     normed: DevBuf<f32>,
@@ -100,22 +108,6 @@ struct Scratch {
     logits: DevBuf<f32>,
 }
 
-/// A sequence's state on the device, and its captured step.
-pub struct GpuSeq {
-    conv: Vec<Option<DevBuf<f32>>>,
-    rec: Vec<Option<DevBuf<f32>>>,
-    k_cache: Vec<Option<DevBuf<f32>>>,
-    v_cache: Vec<Option<DevBuf<f32>>>,
-    tok: DevBuf<i32>,
-    pos: DevBuf<i32>,
-    /// Sampling parameters read by the step's last kernel (see `ops::SampleParams`).
-    sampling: DevBuf<u32>,
-    /// Tokens processed (mirrors the device counter).
-    pub host_pos: usize,
-    max_ctx: usize,
-    graph: Option<CudaGraph>,
-}
-
 /// The model on a GPU.
 pub struct GpuModel {
     gpu: Arc<Gpu>,
@@ -131,7 +123,16 @@ pub struct GpuModel {
     final_norm: DevBuf<f32>,
     inv_freq: DevBuf<f32>,
     layers: Vec<GpuLayer>,
+    cfg: ModelConfig,
+    /// Rows the scratch holds (the largest batch a step takes).
+    rows: usize,
     scratch: Scratch,
+    pool: Option<Pool>,
+    /// A step's inputs: token ids `[rows]` (overwritten with the next tokens), then slot
+    /// indices `[rows]`.
+    io: DevBuf<i32>,
+    /// The captured step per batch size (index B − 1).
+    graphs: Vec<Option<CudaGraph>>,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -150,7 +151,7 @@ pub(crate) struct Parts {
 impl GpuModel {
     /// A model of config `c` from its device weights, with scratch buffers sized for it.
     pub(crate) fn assemble(c: &crate::ModelConfig, gpu: Arc<Gpu>, p: Parts) -> Result<GpuModel> {
-        let scratch = Scratch::new(&gpu, c, &p.layers)?;
+        let scratch = Scratch::new(&gpu, c, &p.layers, 1)?;
         Ok(GpuModel {
             hidden: c.hidden_size,
             vocab: c.vocab_size,
@@ -169,9 +170,28 @@ impl GpuModel {
             final_norm: p.final_norm,
             inv_freq: p.inv_freq,
             layers: p.layers,
+            cfg: c.clone(),
+            rows: 1,
             scratch,
+            pool: None,
+            io: gpu.zeros(2)?,
+            graphs: Vec::new(),
             gpu,
         })
+    }
+
+    /// Size the scratch for batches of `rows` rows.
+    fn set_rows(&mut self, rows: usize) -> Result<()> {
+        self.graphs.clear();
+        self.scratch = Scratch::new(&self.gpu, &self.cfg, &self.layers, rows)?;
+        self.io = self.gpu.zeros(2 * rows)?;
+        self.rows = rows;
+        Ok(())
+    }
+
+    /// Most sequences one [`Self::step_batch`] takes.
+    pub fn max_batch(&self) -> usize {
+        self.rows
     }
 
     /// Upload `model` to `gpu`.
@@ -213,120 +233,69 @@ impl GpuModel {
         &self.gpu
     }
 
-    /// A fresh sequence with room for `max_ctx` tokens.
-    pub fn new_seq(&self, max_ctx: usize) -> Result<GpuSeq> {
-        let g = &*self.gpu;
-        let a = self.attn;
-        let (mut conv, mut rec, mut k_cache, mut v_cache) = (vec![], vec![], vec![], vec![]);
-        for l in &self.layers {
-            match &l.mixer {
-                GpuMixer::Linear {
-                    dims,
-                    conv_dim,
-                    kernel,
-                    ..
-                } => {
-                    conv.push(Some(g.zeros((kernel - 1) * conv_dim)?));
-                    rec.push(Some(g.zeros(dims.hv * dims.dk * dims.dv)?));
-                    k_cache.push(None);
-                    v_cache.push(None);
-                }
-                GpuMixer::Full { .. } => {
-                    conv.push(None);
-                    rec.push(None);
-                    k_cache.push(Some(g.zeros(max_ctx * a.hkv * a.d)?));
-                    v_cache.push(Some(g.zeros(max_ctx * a.hkv * a.d)?));
-                }
+    /// Feed one token to each sequence (at most [`Self::max_batch`] of them, each once) as one
+    /// batched step. Returns each one's next token as its sampling parameters pick it (greedy by
+    /// default); the logits stay on the device (see [`GpuModel::logits`]).
+    pub fn step_batch(&mut self, rows: &mut [(&mut GpuSeq, u32)]) -> Result<Vec<u32>> {
+        let b = rows.len();
+        if b == 0 || b > self.rows {
+            return Err(unsupported(format!(
+                "a step takes 1 to {} sequences, not {b}",
+                self.rows
+            )));
+        }
+        let ctx = self.pool()?.ctx;
+        let mut io = vec![0i32; 2 * self.rows];
+        for (i, (seq, tok)) in rows.iter().enumerate() {
+            if seq.pos >= ctx {
+                return Err(unsupported(format!(
+                    "the sequence is full: {ctx} tokens is its context"
+                )));
             }
-        }
-        Ok(GpuSeq {
-            conv,
-            rec,
-            k_cache,
-            v_cache,
-            tok: g.zeros(1)?,
-            pos: g.zeros(1)?,
-            sampling: g.zeros(7)?,
-            host_pos: 0,
-            max_ctx,
-            graph: None,
-        })
-    }
-
-    /// Bytes of device state per sequence at `max_ctx` tokens.
-    pub fn seq_bytes(&self, max_ctx: usize) -> usize {
-        self.layers
-            .iter()
-            .map(|l| match &l.mixer {
-                GpuMixer::Linear {
-                    dims,
-                    conv_dim,
-                    kernel,
-                    ..
-                } => (kernel - 1) * conv_dim + dims.hv * dims.dk * dims.dv,
-                GpuMixer::Full { .. } => 2 * max_ctx * self.attn.hkv * self.attn.d,
-            })
-            .sum::<usize>()
-            * 4
-    }
-
-    /// Run one token: `tok` fed at the sequence's position. Returns the next token as the
-    /// sequence's sampling parameters pick it (greedy by default); the logits stay on the device
-    /// (see [`GpuModel::logits`]).
-    pub fn step(&mut self, seq: &mut GpuSeq, tok: u32) -> Result<u32> {
-        if seq.host_pos >= seq.max_ctx {
-            return Err(unsupported(format!(
-                "the sequence is full: {} tokens is its context",
-                seq.max_ctx
-            )));
-        }
-        if tok as usize >= self.vocab {
-            return Err(unsupported(format!(
-                "token id {tok} is out of range: vocab_size is {}",
-                self.vocab
-            )));
+            if *tok as usize >= self.vocab {
+                return Err(unsupported(format!(
+                    "token id {tok} is out of range: vocab_size is {}",
+                    self.vocab
+                )));
+            }
+            if rows[..i].iter().any(|(s, _)| s.slot == seq.slot) {
+                return Err(unsupported("a sequence appears twice in one step".into()));
+            }
+            io[i] = *tok as i32;
+            io[self.rows + i] = seq.slot as i32;
         }
         let g = self.gpu.clone();
-        g.write(&mut seq.tok, &[tok as i32])?;
-        if seq.graph.is_none() {
+        g.write(&mut self.io, &io)?;
+        if self.graphs.len() < b {
+            self.graphs.resize_with(b, || None);
+        }
+        if self.graphs[b - 1].is_none() {
             let stream = g.stream();
             stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| unsupported(format!("graph capture: {e}")))?;
-            let r = self.enqueue_step(seq);
+            let r = self.enqueue_step(b);
             let graph = stream
                 .end_capture(CUgraphInstantiate_flags(0))
                 .map_err(|e| unsupported(format!("graph capture: {e}")))?;
             r?;
-            seq.graph = graph;
+            self.graphs[b - 1] = graph;
         }
-        match &seq.graph {
+        match &self.graphs[b - 1] {
             Some(graph) => graph
                 .launch()
                 .map_err(|e| unsupported(format!("graph launch: {e}")))?,
-            None => self.enqueue_step(seq)?,
+            None => self.enqueue_step(b)?,
         }
-        seq.host_pos += 1;
-        Ok(g.read(&seq.tok, 1)?[0] as u32)
+        for (seq, _) in rows.iter_mut() {
+            seq.pos += 1;
+        }
+        Ok(g.read(&self.io, b)?.into_iter().map(|t| t as u32).collect())
     }
 
-    /// How the step picks the sequence's next token (the draw counter restarts at 0).
-    pub fn set_sampling(&self, seq: &mut GpuSeq, p: ops::SampleParams) -> Result<()> {
-        self.gpu.write(&mut seq.sampling, &p.words(0))
-    }
-
-    /// Move the sequence to position `pos` without running tokens (benchmarks measure decode
-    /// at a context length this way; the skipped KV entries hold zeros).
-    pub fn set_position(&self, seq: &mut GpuSeq, pos: usize) -> Result<()> {
-        if pos >= seq.max_ctx {
-            return Err(unsupported(format!(
-                "position {pos} is past the sequence's context {}",
-                seq.max_ctx
-            )));
-        }
-        self.gpu.write(&mut seq.pos, &[pos as i32])?;
-        seq.host_pos = pos;
-        Ok(())
+    /// One sequence's step: [`Self::step_batch`] with one row.
+    pub fn step(&mut self, seq: &mut GpuSeq, tok: u32) -> Result<u32> {
+        Ok(self.step_batch(&mut [(seq, tok)])?[0])
     }
 
     /// Bytes one decode step reads at context `ctx`: the active weights (embedding row,
@@ -373,145 +342,224 @@ impl GpuModel {
             .collect()
     }
 
-    /// Run one step eagerly (no graph) with a device timer around each layer: milliseconds per
-    /// layer, and for the embedding + head together. Advances the sequence like [`Self::step`].
-    pub fn profile_step(&mut self, seq: &mut GpuSeq, tok: u32) -> Result<(Vec<f32>, f32)> {
-        let g = self.gpu.clone();
-        g.write(&mut seq.tok, &[tok as i32])?;
-        let marks: Vec<_> = (0..self.layers.len() + 3)
-            .map(|_| g.timer())
-            .collect::<Result<_>>()?;
-        g.mark(&marks[0])?;
-        ops::embed(
-            &g,
-            self.embed.mv(),
-            seq.tok.ptr(),
-            self.scratch.x.ptr(),
-            self.hidden,
-        )?;
-        g.mark(&marks[1])?;
-        for i in 0..self.layers.len() {
-            self.enqueue_layer(seq, i)?;
-            g.mark(&marks[i + 2])?;
+    /// Run one batched step eagerly (no graph) with device timers: milliseconds per layer for
+    /// its mixer (with the norm before it) and its ffn (with the norm before it), and for the
+    /// embedding + head together. Advances the sequences like [`Self::step_batch`] (their next
+    /// tokens are not returned).
+    pub fn profile_step(
+        &mut self,
+        rows: &mut [(&mut GpuSeq, u32)],
+    ) -> Result<(Vec<(f32, f32)>, f32)> {
+        let b = rows.len();
+        if b == 0 || b > self.rows {
+            return Err(unsupported(format!("profile 1 to {} rows, not {b}", self.rows)));
         }
-        self.enqueue_head(seq)?;
-        g.mark(&marks[self.layers.len() + 2])?;
+        let g = self.gpu.clone();
+        let mut io = vec![0i32; 2 * self.rows];
+        for (i, (seq, tok)) in rows.iter().enumerate() {
+            io[i] = *tok as i32;
+            io[self.rows + i] = seq.slot as i32;
+        }
+        g.write(&mut self.io, &io)?;
+        let n = self.layers.len();
+        let marks: Vec<_> = (0..2 * n + 3).map(|_| g.timer()).collect::<Result<_>>()?;
+        g.mark(&marks[0])?;
+        ops::embed(&g, self.embed.mv(), self.io.ptr(), self.scratch.x.ptr(), self.hidden, b)?;
+        g.mark(&marks[1])?;
+        for i in 0..n {
+            self.enqueue_mixer(i, b)?;
+            g.mark(&marks[2 * i + 2])?;
+            self.enqueue_ffn(i, b)?;
+            g.mark(&marks[2 * i + 3])?;
+        }
+        self.enqueue_head(b)?;
+        g.mark(&marks[2 * n + 2])?;
         g.sync()?;
-        seq.host_pos += 1;
+        for (seq, _) in rows.iter_mut() {
+            seq.pos += 1;
+        }
         let ms = |a: usize, b: usize| g.elapsed_ms(&marks[a], &marks[b]);
-        let layers = (0..self.layers.len())
-            .map(|i| ms(i + 1, i + 2))
+        let layers = (0..n)
+            .map(|i| Ok((ms(2 * i + 1, 2 * i + 2)?, ms(2 * i + 2, 2 * i + 3)?)))
             .collect::<Result<Vec<_>>>()?;
-        let other = ms(0, 1)? + ms(self.layers.len() + 1, self.layers.len() + 2)?;
+        let other = ms(0, 1)? + ms(2 * n + 1, 2 * n + 2)?;
         Ok((layers, other))
     }
 
-    /// The logits of the last step, `[vocab]`.
-    pub fn logits(&self) -> Result<Vec<f32>> {
-        self.gpu.read(&self.scratch.logits, self.vocab)
+    /// The logits of row `row` of the last step, `[vocab]`.
+    pub fn logits(&self, row: usize) -> Result<Vec<f32>> {
+        self.gpu
+            .read_at(&self.scratch.logits, row * self.vocab, self.vocab)
     }
 
-    /// Enqueue one token's forward pass on the stream (eagerly or into a capture).
-    fn enqueue_step(&self, seq: &GpuSeq) -> Result<()> {
+    /// The rows of a `b`-row step.
+    fn batch(&self, b: usize) -> Batch {
+        Batch {
+            rows: b,
+            slots: self.io.at(self.rows),
+        }
+    }
+
+    /// Enqueue a `b`-row step on the stream (eagerly or into a capture).
+    fn enqueue_step(&self, b: usize) -> Result<()> {
         let s = &self.scratch;
         ops::embed(
             &self.gpu,
             self.embed.mv(),
-            seq.tok.ptr(),
+            self.io.ptr(),
             s.x.ptr(),
             self.hidden,
+            b,
         )?;
         for i in 0..self.layers.len() {
-            self.enqueue_layer(seq, i)?;
+            self.enqueue_layer(i, b)?;
         }
-        self.enqueue_head(seq)
+        self.enqueue_head(b)
     }
 
-    /// Layer `i`: the previous sublayer's output (in `delta`) joins the residual, then the
-    /// mixer and the ffn run; the ffn's output is left in `delta`.
-    fn enqueue_layer(&self, seq: &GpuSeq, i: usize) -> Result<()> {
-        let g = &*self.gpu;
-        let s = &self.scratch;
-        let (h, eps) = (self.hidden, self.eps);
-        let l = &self.layers[i];
-        let delta = if i == 0 { 0 } else { s.delta.ptr() };
-        self.add_norm(delta, l.input_norm.ptr())?;
-        match &l.mixer {
-            GpuMixer::Linear {
-                proj,
-                conv_w,
-                neg_a,
-                dt_bias,
-                norm_w,
-                out,
-                dims,
-                conv_dim,
-                kernel,
-            } => {
-                let (conv, rec) = (seq.conv[i].as_ref(), seq.rec[i].as_ref());
-                let (conv, rec) = (conv.map_or(0, |b| b.ptr()), rec.map_or(0, |b| b.ptr()));
-                ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
-                ops::gdn_conv_step(
-                    g,
-                    s.proj.ptr(),
-                    conv,
-                    conv_w.ptr(),
-                    s.mixed.ptr(),
-                    *conv_dim,
-                    *kernel,
-                )?;
-                ops::gdn_step(
-                    g,
-                    s.mixed.ptr(),
-                    s.proj.ptr(),
-                    rec,
-                    neg_a.ptr(),
-                    dt_bias.ptr(),
-                    norm_w.ptr(),
-                    s.mix_out.ptr(),
-                    *dims,
-                    eps,
-                )?;
-                ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
-            }
-            GpuMixer::Full { proj, qn, kn, out } => {
-                let kc = seq.k_cache[i].as_ref().map_or(0, |b| b.ptr());
-                let vc = seq.v_cache[i].as_ref().map_or(0, |b| b.ptr());
-                ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), 1, 0, 0)?;
-                ops::attn_prep(
-                    g,
-                    s.proj.ptr(),
-                    qn.ptr(),
-                    kn.ptr(),
-                    self.inv_freq.ptr(),
-                    s.q.ptr(),
-                    kc,
-                    vc,
-                    seq.pos.ptr(),
-                    self.attn,
-                    eps,
-                )?;
-                ops::attn_decode(
-                    g,
-                    s.q.ptr(),
-                    kc,
-                    vc,
-                    seq.pos.ptr(),
-                    s.part_o.ptr(),
-                    s.part_ml.ptr(),
-                    s.proj.ptr(),
-                    s.mix_out.ptr(),
-                    self.attn,
-                    ATTN_SPLITS,
-                )?;
-                ops::matvec(g, out.mv(), s.mix_out.ptr(), s.delta.ptr(), 1, 0, 0)?;
-            }
+    /// Layer `i` for `b` rows: the previous sublayer's output (in `delta`) joins the residual,
+    /// then the mixer and the ffn run; the ffn's output is left in `delta`.
+    fn enqueue_layer(&self, i: usize, b: usize) -> Result<()> {
+        self.enqueue_mixer(i, b)?;
+        self.enqueue_ffn(i, b)
+    }
+
+    /// The residual add + input norm and the mixer of layer `i`.
+    fn enqueue_mixer(&self, i: usize, b: usize) -> Result<()> {
+        let delta = if i == 0 { 0 } else { self.scratch.delta.ptr() };
+        self.add_norm(delta, self.layers[i].input_norm.ptr(), b)?;
+        match &self.layers[i].mixer {
+            GpuMixer::Linear { .. } => self.enqueue_gdn(i, b),
+            GpuMixer::Full { .. } => self.enqueue_attention(i, b),
         }
-        self.add_norm(s.delta.ptr(), l.post_norm.ptr())?;
-        match &l.ffn {
+    }
+
+    /// The residual add + post norm and the ffn of layer `i`.
+    fn enqueue_ffn(&self, i: usize, b: usize) -> Result<()> {
+        let l = &self.layers[i];
+        self.add_norm(self.scratch.delta.ptr(), l.post_norm.ptr(), b)?;
+        self.enqueue_ffn_only(&l.ffn, b)
+    }
+
+    fn enqueue_gdn(&self, i: usize, b: usize) -> Result<()> {
+        let GpuMixer::Linear {
+            proj,
+            conv_w,
+            neg_a,
+            dt_bias,
+            norm_w,
+            out,
+            dims,
+            conv_dim,
+            kernel,
+        } = &self.layers[i].mixer
+        else {
+            return Err(unsupported(format!("layer {i} is not a GDN layer")));
+        };
+        let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
+        let (conv, rec) = (pool.conv[i].as_ref(), pool.rec[i].as_ref());
+        let (conv, rec) = (conv.map_or(0, |x| x.ptr()), rec.map_or(0, |x| x.ptr()));
+        let bt = self.batch(b);
+        let x_rows = Slots::rows(b, self.hidden);
+        ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), x_rows)?;
+        ops::gdn_conv_step(
+            g,
+            s.proj.ptr(),
+            proj.n,
+            conv,
+            conv_w.ptr(),
+            s.mixed.ptr(),
+            *conv_dim,
+            *kernel,
+            bt,
+        )?;
+        ops::gdn_step(
+            g,
+            s.mixed.ptr(),
+            s.proj.ptr(),
+            proj.n,
+            rec,
+            neg_a.ptr(),
+            dt_bias.ptr(),
+            norm_w.ptr(),
+            s.mix_out.ptr(),
+            *dims,
+            self.eps,
+            bt,
+        )?;
+        ops::matvec(
+            g,
+            out.mv(),
+            s.mix_out.ptr(),
+            s.delta.ptr(),
+            Slots::rows(b, out.k),
+        )
+    }
+
+    fn enqueue_attention(&self, i: usize, b: usize) -> Result<()> {
+        let GpuMixer::Full { proj, qn, kn, out } = &self.layers[i].mixer else {
+            return Err(unsupported(format!("layer {i} is not an attention layer")));
+        };
+        let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
+        let kc = pool.k_cache[i].as_ref().map_or(0, |x| x.ptr());
+        let vc = pool.v_cache[i].as_ref().map_or(0, |x| x.ptr());
+        let bt = self.batch(b);
+        let x_rows = Slots::rows(b, self.hidden);
+        ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), x_rows)?;
+        ops::attn_prep(
+            g,
+            s.proj.ptr(),
+            proj.n,
+            qn.ptr(),
+            kn.ptr(),
+            self.inv_freq.ptr(),
+            s.q.ptr(),
+            kc,
+            vc,
+            pool.pos.ptr(),
+            self.attn,
+            self.eps,
+            bt,
+            pool.ctx,
+        )?;
+        ops::attn_decode(
+            g,
+            s.q.ptr(),
+            kc,
+            vc,
+            pool.pos.ptr(),
+            s.part_o.ptr(),
+            s.part_ml.ptr(),
+            s.proj.ptr(),
+            proj.n,
+            s.mix_out.ptr(),
+            self.attn,
+            ATTN_SPLITS,
+            bt,
+            pool.ctx,
+        )?;
+        ops::matvec(
+            g,
+            out.mv(),
+            s.mix_out.ptr(),
+            s.delta.ptr(),
+            Slots::rows(b, out.k),
+        )
+    }
+
+    fn enqueue_ffn_only(&self, ffn: &GpuFfn, b: usize) -> Result<()> {
+        let (g, s, h) = (&*self.gpu, &self.scratch, self.hidden);
+        let x_rows = Slots::rows(b, h);
+        match ffn {
             GpuFfn::Dense { gate_up, down } => {
-                ops::matvec_swiglu(g, gate_up.mv(), s.normed.ptr(), s.h.ptr(), 1, 0, 0)?;
-                ops::matvec(g, down.mv(), s.h.ptr(), s.delta.ptr(), 1, 0, 0)?;
+                ops::matvec_swiglu(g, gate_up.mv(), s.normed.ptr(), s.h.ptr(), x_rows)?;
+                ops::matvec(
+                    g,
+                    down.mv(),
+                    s.h.ptr(),
+                    s.delta.ptr(),
+                    Slots::rows(b, down.k),
+                )
             }
             GpuFfn::Moe {
                 router,
@@ -520,7 +568,7 @@ impl GpuModel {
                 shared,
             } => {
                 let i_e = experts_gu.n / 2;
-                let slots = self.top_k + shared.is_none() as usize;
+                let per_row = self.top_k + shared.is_none() as usize;
                 let route = Route {
                     experts: self.num_experts,
                     top_k: self.top_k,
@@ -528,37 +576,27 @@ impl GpuModel {
                     shared_gate: true,
                     shared_slot: shared.is_none().then_some(self.num_experts),
                 };
-                ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), 1, 0, 0)?;
+                let (ids, n) = (s.ids.ptr(), b * per_row);
+                ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), x_rows)?;
                 ops::router_topk(
                     g,
                     s.router.ptr(),
+                    router.n,
                     route,
-                    s.ids.ptr(),
+                    ids,
                     s.weights.ptr(),
                     s.sg.ptr(),
+                    b,
                 )?;
-                ops::matvec_swiglu(
-                    g,
-                    experts_gu.mv(),
-                    s.normed.ptr(),
-                    s.h.ptr(),
-                    slots,
-                    s.ids.ptr(),
-                    0,
-                )?;
-                ops::matvec(
-                    g,
-                    experts_down.mv(),
-                    s.h.ptr(),
-                    s.y.ptr(),
-                    slots,
-                    s.ids.ptr(),
-                    i_e,
-                )?;
+                let gu_slots = Slots::experts(n, ids, h, per_row);
+                ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
+                let down_slots = Slots::experts(n, ids, i_e, 1);
+                ops::matvec(g, experts_down.mv(), s.h.ptr(), s.y.ptr(), down_slots)?;
                 let (ys, sg) = match shared {
                     Some((gu, down)) => {
-                        ops::matvec_swiglu(g, gu.mv(), s.normed.ptr(), s.hs.ptr(), 1, 0, 0)?;
-                        ops::matvec(g, down.mv(), s.hs.ptr(), s.ys.ptr(), 1, 0, 0)?;
+                        ops::matvec_swiglu(g, gu.mv(), s.normed.ptr(), s.hs.ptr(), x_rows)?;
+                        let rows = Slots::rows(b, down.k);
+                        ops::matvec(g, down.mv(), s.hs.ptr(), s.ys.ptr(), rows)?;
                         (s.ys.ptr(), s.sg.ptr())
                     }
                     None => (0, 0),
@@ -570,16 +608,16 @@ impl GpuModel {
                     ys,
                     sg,
                     s.delta.ptr(),
-                    slots,
+                    per_row,
                     h,
-                )?;
+                    b,
+                )
             }
         }
-        Ok(())
     }
 
-    /// `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.
-    fn add_norm(&self, delta: u64, scale: u64) -> Result<()> {
+    /// For `b` rows: `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.
+    fn add_norm(&self, delta: u64, scale: u64, b: usize) -> Result<()> {
         let s = &self.scratch;
         ops::add_rmsnorm(
             &self.gpu,
@@ -587,39 +625,32 @@ impl GpuModel {
             delta,
             scale,
             s.normed.ptr(),
-            1,
+            b,
             self.hidden,
             self.eps,
         )
     }
 
-    /// Final norm, lm_head and the next token (greedy or sampled on the device).
-    fn enqueue_head(&self, seq: &GpuSeq) -> Result<()> {
-        let g = &*self.gpu;
-        let s = &self.scratch;
-        self.add_norm(s.delta.ptr(), self.final_norm.ptr())?;
-        ops::matvec(
-            g,
-            self.lm_head.mv(),
-            s.normed.ptr(),
-            s.logits.ptr(),
-            1,
-            0,
-            0,
-        )?;
+    /// Final norm, lm_head and each row's next token (greedy or sampled on the device).
+    fn enqueue_head(&self, b: usize) -> Result<()> {
+        let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
+        self.add_norm(s.delta.ptr(), self.final_norm.ptr(), b)?;
+        let rows = Slots::rows(b, self.hidden);
+        ops::matvec(g, self.lm_head.mv(), s.normed.ptr(), s.logits.ptr(), rows)?;
         ops::sample_advance(
             g,
             s.logits.ptr(),
             self.vocab,
-            seq.sampling.ptr(),
-            seq.tok.ptr(),
-            seq.pos.ptr(),
+            pool.sampling.ptr(),
+            self.io.ptr(),
+            pool.pos.ptr(),
+            self.batch(b),
         )
     }
 }
 
 impl Scratch {
-    fn new(g: &Gpu, c: &crate::ModelConfig, layers: &[GpuLayer]) -> Result<Scratch> {
+    fn new(g: &Gpu, c: &ModelConfig, layers: &[GpuLayer], rows: usize) -> Result<Scratch> {
         let h = c.hidden_size;
         let mut proj = 0;
         let mut inter = 0;
@@ -643,25 +674,26 @@ impl Scratch {
         // Room for the shared expert stacked as one more slot.
         let k = c.experts_per_token + 1;
         let qd = c.num_heads * c.head_dim;
+        let r = rows;
         Ok(Scratch {
-            x: g.zeros(h)?,
-            normed: g.zeros(h)?,
-            delta: g.zeros(h)?,
-            proj: g.zeros(proj)?,
-            mixed: g.zeros(c.conv_dim())?,
-            mix_out: g.zeros(qd.max(c.linear_value_size()))?,
-            q: g.zeros(qd)?,
-            part_o: g.zeros(c.num_heads * ATTN_SPLITS * c.head_dim)?,
-            part_ml: g.zeros(c.num_heads * ATTN_SPLITS * 2)?,
-            router: g.zeros(c.num_experts + 1)?,
-            ids: g.zeros(k)?,
-            weights: g.zeros(k)?,
-            sg: g.zeros(1)?,
-            h: g.zeros(inter)?,
-            y: g.zeros(k * h)?,
-            hs: g.zeros(shared_inter)?,
-            ys: g.zeros(h)?,
-            logits: g.zeros(c.vocab_size)?,
+            x: g.zeros(r * h)?,
+            normed: g.zeros(r * h)?,
+            delta: g.zeros(r * h)?,
+            proj: g.zeros(r * proj)?,
+            mixed: g.zeros(r * c.conv_dim())?,
+            mix_out: g.zeros(r * qd.max(c.linear_value_size()))?,
+            q: g.zeros(r * qd)?,
+            part_o: g.zeros(r * c.num_heads * ATTN_SPLITS * c.head_dim)?,
+            part_ml: g.zeros(r * c.num_heads * ATTN_SPLITS * 2)?,
+            router: g.zeros(r * (c.num_experts + 1))?,
+            ids: g.zeros(r * k)?,
+            weights: g.zeros(r * k)?,
+            sg: g.zeros(r)?,
+            h: g.zeros(r * inter)?,
+            y: g.zeros(r * k * h)?,
+            hs: g.zeros(r * shared_inter)?,
+            ys: g.zeros(r * h)?,
+            logits: g.zeros(r * c.vocab_size)?,
         })
     }
 }
