@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use deltamoe_engine::chat::ChatTemplate;
 use deltamoe_engine::generation_config::GenerationDefaults;
-use deltamoe_engine::sampler::Sampler;
+use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{Engine, SeqId};
 use deltamoe_model::Logits;
@@ -46,7 +46,7 @@ struct Session<'t> {
     conv: Conversation,
     tpl: ChatTemplate,
     tok: &'t TextTokenizer,
-    sampler: Sampler,
+    sampling: SamplingParams,
     eos: Vec<u32>,
     max_tokens: usize,
 }
@@ -96,14 +96,19 @@ impl Session<'_> {
                 }
                 stats.diverged = matches!(plan, TurnPlan::Restart { diverged: true, .. });
                 let s = self.engine.add_sequence()?;
+                self.engine.set_sampling(s, &self.sampling)?;
                 self.seq = Some(s);
                 s
             }
         };
         let t0 = Instant::now();
-        let mut logits = self
-            .engine
-            .prefill(seq, plan.tokens(), None, Logits::Last)?;
+        let Some((&last, head)) = plan.tokens().split_last() else {
+            bail!("chat: the turn added no tokens to the prompt");
+        };
+        if !head.is_empty() {
+            self.engine.prefill(seq, head, None, Logits::Last)?;
+        }
+        let mut next = self.engine.step(&[(seq, last)])?[0];
         stats.prefill_secs = t0.elapsed().as_secs_f64();
         self.conv.apply(&plan);
         let max_pos = self.engine.model().config().max_position_embeddings;
@@ -111,7 +116,7 @@ impl Session<'_> {
         let mut reply = Vec::new();
         let t1 = Instant::now();
         while reply.len() < self.max_tokens {
-            let id = self.sampler.sample(&logits, self.conv.fed());
+            let id = next;
             if self.eos.contains(&id) {
                 stats.hit_eos = true;
                 break;
@@ -125,8 +130,7 @@ impl Session<'_> {
             if reply.len() == self.max_tokens || self.conv.fed().len() >= max_pos {
                 break;
             }
-            let mut next = self.engine.decode(&[(seq, id)])?;
-            logits = next.pop().context("chat: decode returned no logits")?;
+            next = self.engine.step(&[(seq, id)])?[0];
             self.conv.push_fed(id);
         }
         stats.decode_secs = t1.elapsed().as_secs_f64();
@@ -171,7 +175,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         conv: Conversation::new(a.system.clone()),
         tpl,
         tok: &tok,
-        sampler: Sampler::new(sampling(&a.sampling, &defaults)?),
+        sampling: sampling(&a.sampling, &defaults)?,
         eos,
         max_tokens: a.max_tokens,
     };

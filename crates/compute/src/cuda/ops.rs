@@ -120,15 +120,18 @@ fn batched_rows(m: &Matvec, sl: &Slots) -> bool {
     sl.n > 1 && sl.ids == 0 && sl.x_div == 1 && sl.x_stride >= m.k && vector
 }
 
-/// Rows the `*_rows` kernels serve per weight load (`MV_VECS` in matvec_rows.cu).
+/// Input rows the `*_rows` kernels serve per weight load (`MV_VECS` in matvec_rows.cu).
 const MV_VECS: usize = 8;
+/// Weight rows a warp of the `*_rows` kernels computes (`MV_ROWS` in matvec_rows.cu).
+const MV_ROWS: usize = 4;
 
 /// A batch of rows through one matrix (see [`batched_rows`]): `y[b] = W x_b (+ bias)`, or
 /// `h[b] = silu(G x_b) ⊙ U x_b` when `swiglu`.
 fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> Result<()> {
     let out_rows = if swiglu { m.n / 2 } else { m.n };
     let (n32, k32, b32, xs) = (out_rows as i32, m.k as i32, sl.n as i32, sl.x_stride as i64);
-    let grid = (blocks(sl.n, MV_VECS), blocks(out_rows, 8));
+    let per_warp = if swiglu { MV_ROWS / 2 } else { MV_ROWS };
+    let grid = (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp));
     let name = match (m.format, swiglu) {
         (WeightFormat::Bf16, false) => "matvec_rows_bf16",
         (WeightFormat::Bf16, true) => "swiglu_rows_bf16",
