@@ -6,12 +6,15 @@ cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu
 cargo build --release --bin deltamoe
 cp target/release/deltamoe .gpu/
+# The HTTP load test client, for scripts/loadtest.sh --bin .gpu/deltamoe --client .gpu/loadtest.
+cargo build --release -p deltamoe-server --example loadtest
+cp target/release/examples/loadtest .gpu/
 cargo test --release --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_parity", "cuda_gdn_chunk", "golden_cuda"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_parity", "cuda_gdn_chunk", "golden_cuda", "http"):
         shutil.copy(m["executable"], ".gpu/" + m["target"]["name"])
 '
 strip .gpu/*

@@ -8,6 +8,7 @@ mod embedded;
 mod info;
 mod npy;
 mod perplexity;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,6 +45,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Quantize an HF checkpoint to MLX affine 2-8 bit weights (loads in deltamoe and mlx-lm).
     Convert(convert::ConvertArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 /// Where to run.
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

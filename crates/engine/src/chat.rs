@@ -129,6 +129,20 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        let msgs = serde_json::to_value(messages)
+            .map_err(|e| EngineError::Input(format!("cannot serialise chat messages: {e}")))?;
+        self.render_json(ctx, msgs, add_generation_prompt)
+    }
+
+    /// Like [`render_with`](Self::render_with) with messages given as JSON objects, so fields
+    /// beyond role and content (`tool_calls`, `tool_call_id`, `reasoning_content`, content
+    /// parts) reach the template as they are.
+    pub fn render_json(
+        &self,
+        ctx: Json,
+        messages: Json,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let mut vars = match ctx {
             Json::Object(m) => m,
             Json::Null => serde_json::Map::new(),
@@ -143,9 +157,7 @@ impl ChatTemplate {
                 vars.entry(key).or_insert_with(|| Json::String(t.clone()));
             }
         }
-        let msgs = serde_json::to_value(messages)
-            .map_err(|e| EngineError::Input(format!("cannot serialise chat messages: {e}")))?;
-        vars.insert("messages".into(), msgs);
+        vars.insert("messages".into(), messages);
         vars.insert("add_generation_prompt".into(), add_generation_prompt.into());
         let tmpl = self.env.get_template(NAME).map_err(render_err)?;
         tmpl.render(Value::from_serialize(&vars))

@@ -1,0 +1,148 @@
+//! `serve`: the OpenAI-compatible HTTP server (crates/server) on a model directory.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use deltamoe_compute::cuda;
+use deltamoe_engine::{Engine, EngineError};
+use deltamoe_model::Qwen3Hybrid;
+use deltamoe_server::{EngineFactory, Server, ServerOptions};
+
+use crate::{Device, ModelArgs};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Sequences decoded together; on CUDA their state is reserved up front.
+    #[arg(long, default_value_t = 4)]
+    max_seqs: usize,
+    /// Requests that may wait for a sequence; more are answered 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Tokens per sequence, prompt plus reply (default: 32768 on CUDA, the model's maximum on
+    /// the CPU; never more than the model's maximum).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Memory for prompt cache snapshots, in MiB (0: no prompt reuse).
+    #[arg(long, default_value_t = 1024)]
+    prompt_cache_mb: usize,
+    /// Also store a prompt cache snapshot every N prompt tokens (0: only after the prompt and
+    /// at the end of each reply).
+    #[arg(long, default_value_t = 1024)]
+    checkpoint_every: usize,
+    /// Prompt tokens per prefill pass; decoding sequences step between passes.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Largest request body, in MiB.
+    #[arg(long, default_value_t = 8)]
+    max_body_mb: usize,
+    /// Model name clients use (default: the model directory's name).
+    #[arg(long)]
+    api_name: Option<String>,
+}
+
+/// Tokens of KV cache each CUDA sequence gets unless --ctx says otherwise.
+const DEFAULT_CUDA_CONTEXT: usize = 32768;
+
+/// True when `device` resolves to CUDA; `cuda` without a usable GPU is an error.
+fn use_cuda(device: Device) -> Result<bool> {
+    let reason = cuda::unavailable_reason();
+    match (device, reason) {
+        (Device::Cpu, _) => Ok(false),
+        (Device::Cuda, Some(why)) => bail!("--device cuda: {why}; use --device cpu"),
+        (Device::Cuda, None) | (Device::Auto, None) => Ok(true),
+        (Device::Auto, Some(_)) => Ok(false),
+    }
+}
+
+/// Builds the engine on the server's engine thread.
+fn factory(
+    dir: std::path::PathBuf,
+    cuda: bool,
+    ctx: Option<usize>,
+    max_seqs: usize,
+) -> EngineFactory {
+    Box::new(move || {
+        let model = Qwen3Hybrid::load(&dir)?;
+        if !cuda {
+            return Ok(Engine::new(model));
+        }
+        let gpu =
+            cuda::Gpu::new(0).map_err(|e| EngineError::Input(format!("--device cuda: {e}")))?;
+        let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
+        Engine::new_cuda(model, Arc::new(gpu), ctx, max_seqs)
+    })
+}
+
+fn options(a: &ServeArgs, name: String) -> Result<ServerOptions> {
+    if a.max_seqs == 0 {
+        bail!("--max-seqs must be at least 1");
+    }
+    if a.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    Ok(ServerOptions {
+        api_name: name,
+        max_seqs: a.max_seqs,
+        max_queue: a.max_queue,
+        max_context: a.ctx,
+        prompt_cache_bytes: a.prompt_cache_mb << 20,
+        checkpoint_every: a.checkpoint_every,
+        prefill_chunk: a.prefill_chunk,
+        max_body_bytes: a.max_body_mb.max(1) << 20,
+    })
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let dir = a.model.dir()?;
+    if !dir.is_dir() {
+        bail!(
+            "--model {}: not a directory; point it at a model directory",
+            dir.display()
+        );
+    }
+    let name = match (&a.api_name, &a.model.model) {
+        (Some(n), _) => n.clone(),
+        (None, None) => "deltamoe-tiny".to_string(),
+        (None, Some(_)) => dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "deltamoe".into()),
+    };
+    let opts = options(&a, name)?;
+    let cuda = use_cuda(a.model.device)?;
+    let server = Server::start(&dir, factory(dir.clone(), cuda, a.ctx, a.max_seqs), opts)
+        .with_context(|| format!("serving {}", dir.display()))?;
+    eprintln!("{}", server.describe());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(listen(&a.host, a.port, server))
+}
+
+async fn listen(host: &str, port: u16, server: Server) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .with_context(|| {
+            format!("cannot listen on {host}:{port}; pick another --port or --host")
+        })?;
+    let addr: SocketAddr = listener.local_addr()?;
+    eprintln!("listening on http://{addr} (OpenAI API at http://{addr}/v1); Ctrl-C stops");
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("shutting down: finishing the requests in flight");
+    };
+    deltamoe_server::serve(listener, server.router(), shutdown).await?;
+    Ok(())
+}

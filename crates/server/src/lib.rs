@@ -1,0 +1,233 @@
+//! An OpenAI-compatible HTTP server over a deltamoe [`Engine`]: chat and text completions
+//! (JSON or server-sent events), continuous batching on a dedicated engine thread, prompt
+//! reuse from state snapshots, admission limits and Prometheus metrics.
+//!
+//! The engine is built and used on its own thread (it may not be `Send` on CUDA); the HTTP
+//! handlers talk to it through channels.
+
+pub mod api;
+pub mod metrics;
+pub mod output;
+pub mod parse;
+pub mod prefix_cache;
+pub mod request;
+pub mod routes;
+pub mod scheduler;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use deltamoe_engine::chat::ChatTemplate;
+use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::tokenizer::TextTokenizer;
+use deltamoe_engine::{Engine, EngineError};
+
+use crate::metrics::Metrics;
+use crate::request::{unix_now, ModelInfo};
+use crate::routes::App;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+
+/// Builds the engine on the engine thread.
+pub type EngineFactory = Box<dyn FnOnce() -> Result<Engine, EngineError> + Send>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("{0}: no tokenizer.json; the server needs the model's tokenizer")]
+    NoTokenizer(PathBuf),
+    #[error("cannot start the engine thread: {0}")]
+    Thread(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// How the server runs.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// The model name clients use.
+    pub api_name: String,
+    /// Sequences running at once (on CUDA also capped by the engine's free slots).
+    pub max_seqs: usize,
+    /// Requests that may wait for a sequence; more get 429.
+    pub max_queue: usize,
+    /// Tokens per sequence (prompt plus generated); default the engine's context.
+    pub max_context: Option<usize>,
+    /// Prompt cache budget in bytes (0 disables prompt reuse).
+    pub prompt_cache_bytes: usize,
+    /// A prompt cache checkpoint every this many prompt tokens (0: only at the ends).
+    pub checkpoint_every: usize,
+    /// Prompt tokens per prefill pass and per scheduler iteration.
+    pub prefill_chunk: usize,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            api_name: "deltamoe".into(),
+            max_seqs: 4,
+            max_queue: 64,
+            max_context: None,
+            prompt_cache_bytes: 1 << 30,
+            checkpoint_every: 1024,
+            prefill_chunk: 256,
+            max_body_bytes: 8 << 20,
+        }
+    }
+}
+
+/// What the engine thread reports once the engine is built.
+struct EngineFacts {
+    max_context: usize,
+    max_seqs: usize,
+    eos: Vec<u32>,
+    vocab_size: usize,
+    backend: String,
+    sequence_bytes: usize,
+}
+
+/// A started server: the engine thread runs; [`Server::router`] serves HTTP.
+pub struct Server {
+    app: Arc<App>,
+    facts: EngineFacts,
+    _engine_thread: JoinHandle<()>,
+}
+
+impl Server {
+    /// Reads the tokenizer, chat template and generation defaults of `model_dir`, builds the
+    /// engine on its own thread with `factory`, and starts scheduling.
+    pub fn start(
+        model_dir: &Path,
+        factory: EngineFactory,
+        opts: ServerOptions,
+    ) -> Result<Server, ServerError> {
+        let tokenizer = TextTokenizer::from_dir(model_dir)?
+            .ok_or_else(|| ServerError::NoTokenizer(model_dir.to_path_buf()))?;
+        let template = ChatTemplate::from_dir(model_dir)?;
+        let metrics = Arc::new(Metrics::default());
+        let alive = Arc::new(AtomicBool::new(true));
+        let (jobs, facts, thread) = spawn_engine(factory, &opts, metrics.clone(), alive.clone())?;
+        let defaults = GenerationDefaults::from_dir(model_dir, &facts.eos)?;
+        let mut stop_ids = defaults.eos_token_ids.clone();
+        let template_eos = template.as_ref().and_then(|t| t.eos_token());
+        stop_ids.extend(template_eos.and_then(|t| tokenizer.token_id(t)));
+        let info = ModelInfo {
+            name: opts.api_name.clone(),
+            tokenizer,
+            template,
+            stop_ids,
+            sampling: defaults.sampling.unwrap_or_default(),
+            max_context: facts.max_context,
+            vocab_size: facts.vocab_size,
+            created: unix_now(),
+        };
+        let app = Arc::new(App {
+            info,
+            jobs,
+            metrics,
+            load: Arc::new(AtomicUsize::new(0)),
+            max_load: facts.max_seqs + opts.max_queue,
+            max_body: opts.max_body_bytes,
+            alive,
+        });
+        Ok(Server {
+            app,
+            facts,
+            _engine_thread: thread,
+        })
+    }
+
+    /// The HTTP routes.
+    pub fn router(&self) -> axum::Router {
+        routes::router(self.app.clone())
+    }
+
+    /// One line: backend, context, sequences and their state memory.
+    pub fn describe(&self) -> String {
+        let f = &self.facts;
+        format!(
+            "model {} on {}: context {} tokens, {} sequences at once (state up to {:.1} MiB each), {} more may wait",
+            self.app.info.name,
+            f.backend,
+            f.max_context,
+            f.max_seqs,
+            f.sequence_bytes as f64 / (1 << 20) as f64,
+            self.app.max_load - f.max_seqs,
+        )
+    }
+}
+
+type Spawned = (mpsc::Sender<scheduler::Job>, EngineFacts, JoinHandle<()>);
+
+/// Starts the engine thread and waits until the engine is built.
+fn spawn_engine(
+    factory: EngineFactory,
+    opts: &ServerOptions,
+    metrics: Arc<Metrics>,
+    alive: Arc<AtomicBool>,
+) -> Result<Spawned, ServerError> {
+    let (jobs_tx, jobs_rx) = mpsc::channel();
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let opts = opts.clone();
+    let thread = std::thread::Builder::new()
+        .name("deltamoe-engine".into())
+        .spawn(move || {
+            let engine = match factory() {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let facts = engine_facts(&engine, &opts);
+            let cfg = SchedulerConfig {
+                max_seqs: facts.max_seqs,
+                prefill_chunk: opts.prefill_chunk.max(1),
+                checkpoint_every: opts.checkpoint_every,
+                cache_bytes: opts.prompt_cache_bytes,
+                max_context: facts.max_context,
+            };
+            let _ = ready_tx.send(Ok(facts));
+            Scheduler::new(engine, cfg, jobs_rx, metrics).run();
+            alive.store(false, Ordering::Release);
+        })
+        .map_err(|e| ServerError::Thread(e.to_string()))?;
+    let facts = ready_rx
+        .recv()
+        .map_err(|_| ServerError::Thread("the engine thread ended while starting".into()))??;
+    Ok((jobs_tx, facts, thread))
+}
+
+fn engine_facts(engine: &Engine, opts: &ServerOptions) -> EngineFacts {
+    let config = engine.model().config();
+    let ctx = engine.max_context();
+    let max_seqs = match engine.free_sequences() {
+        Some(free) => opts.max_seqs.min(free),
+        None => opts.max_seqs,
+    };
+    EngineFacts {
+        max_context: opts.max_context.map_or(ctx, |c| c.min(ctx)),
+        max_seqs: max_seqs.max(1),
+        eos: config.eos_token_ids.clone(),
+        vocab_size: config.vocab_size,
+        backend: engine.backend_name(),
+        sequence_bytes: engine.sequence_bytes(),
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` completes; requests in flight finish first.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
