@@ -1,10 +1,12 @@
 //! `bench`: prefill and decode throughput for a model directory, a config.json or a named real
 //! shape with synthetic random weights (no files needed), optionally written as JSON.
 //!
-//! On the CPU it times one prefill of `--prompt-len` tokens and `--gen-len` decode steps. On
-//! CUDA it measures the device's copy bandwidth, then decode tok/s at each `--contexts` length
-//! (graph replays after moving the sequence to that position), the bytes one step reads and
-//! the achieved fraction of the measured bandwidth.
+//! On the CPU it times one prefill of the first `--prompt-len` tokens and `--gen-len` decode
+//! steps. On CUDA it measures the device's copy bandwidth, then prefill tok/s at each
+//! `--prompt-len` (GPU prefill, passes of up to 4096 tokens) with a model-FLOPs utilisation
+//! estimate, then decode tok/s at each `--contexts` length (graph replays after moving the
+//! sequence to that position), the bytes one step reads and the achieved fraction of the
+//! measured bandwidth.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -53,9 +55,9 @@ pub struct BenchArgs {
     /// Group size for --bits.
     #[arg(long, default_value_t = 64)]
     group_size: usize,
-    /// Prompt length for the prefill measurement.
-    #[arg(long, default_value_t = 128)]
-    prompt_len: usize,
+    /// Prompt lengths for the prefill measurements (the CPU measures the first).
+    #[arg(long, value_delimiter = ',', default_values_t = [512usize])]
+    prompt_len: Vec<usize>,
     /// Decode steps timed per measurement.
     #[arg(long, default_value_t = 32)]
     gen_len: usize,
@@ -110,7 +112,7 @@ fn synthetic_config(a: &BenchArgs) -> Result<Option<(ModelConfig, String)>> {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    if a.prompt_len == 0 || a.gen_len == 0 {
+    if a.prompt_len.contains(&0) || a.prompt_len.is_empty() || a.gen_len == 0 {
         bail!("--prompt-len and --gen-len must be at least 1");
     }
     if a.matvec {
@@ -168,7 +170,8 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
         }
     };
     let vocab = model.config().vocab_size as u32;
-    let prompt: Vec<u32> = (0..a.prompt_len as u32)
+    let prompt_len = a.prompt_len[0];
+    let prompt: Vec<u32> = (0..prompt_len as u32)
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
     let mut engine = crate::commands::engine_for(model, Device::Cpu)?;
@@ -183,20 +186,20 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
         tok = engine.step(&[(id, tok)])?[0];
     }
     let decode_s = t1.elapsed().as_secs_f64();
-    let (prefill_tps, decode_tps) = (a.prompt_len as f64 / prefill_s, a.gen_len as f64 / decode_s);
+    let (prefill_tps, decode_tps) = (prompt_len as f64 / prefill_s, a.gen_len as f64 / decode_s);
     println!("model    {name}");
     println!("backend  cpu, {threads} threads");
     println!(
         "prefill  {} tokens in {:.3} s: {:.1} tok/s",
-        a.prompt_len, prefill_s, prefill_tps
+        prompt_len, prefill_s, prefill_tps
     );
     println!(
         "decode   {} tokens at context {}: {:.3} s: {:.2} tok/s",
-        a.gen_len, a.prompt_len, decode_s, decode_tps
+        a.gen_len, prompt_len, decode_s, decode_tps
     );
     Ok(json!({
         "model": name, "backend": "cpu", "threads": threads,
-        "prompt_len": a.prompt_len, "prefill_s": prefill_s, "prefill_tok_s": prefill_tps,
+        "prompt_len": prompt_len, "prefill_s": prefill_s, "prefill_tok_s": prefill_tps,
         "gen_len": a.gen_len, "decode_s": decode_s, "decode_tok_s": decode_tps,
     }))
 }
@@ -320,7 +323,12 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         t0.elapsed().as_secs_f64()
     );
     println!("hbm      device copy {:.0} GB/s (read + write)", bw / 1e9);
-    let prompt_len = a.prompt_len.min(max_pos.saturating_sub(1)).max(1);
+    let lens: Vec<usize> = a
+        .prompt_len
+        .iter()
+        .map(|&l| l.min(max_pos.saturating_sub(1)).max(1))
+        .collect();
+    let prompt_max = lens.iter().copied().max().unwrap_or(1);
     let contexts: Vec<usize> = a
         .contexts
         .iter()
@@ -328,19 +336,10 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         .filter(|&c| c + a.gen_len + 16 <= max_pos)
         .collect();
     let max_ctx =
-        (contexts.iter().max().copied().unwrap_or(0) + a.gen_len + 16).max(prompt_len + 1);
+        (contexts.iter().max().copied().unwrap_or(0) + a.gen_len + 16).max(prompt_max + 1);
     let max_batch = a.batch.iter().copied().max().unwrap_or(1).max(1);
     model.reserve(max_batch, max_ctx)?;
-    // Prefill runs the prompt token by token through the decode graph until GPU prefill lands.
-    let mut seq = model.new_seq()?;
-    let t = Instant::now();
-    let mut tok = 1u32;
-    for _ in 0..prompt_len {
-        tok = model.step(&mut seq, tok)?;
-    }
-    let prefill_tps = prompt_len as f64 / t.elapsed().as_secs_f64();
-    model.release(seq);
-    println!("prefill  {prompt_len} tokens, token by token: {prefill_tps:.1} tok/s");
+    let prefill = prefill_at(&mut model, &lens)?;
     let mut rows = Vec::new();
     for &ctx in &contexts {
         for &b in &a.batch {
@@ -349,8 +348,54 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     }
     Ok(json!({
         "model": name, "backend": "cuda", "device": gpu.name(), "copy_bandwidth_bytes_s": bw,
-        "prefill_tokens": prompt_len, "prefill_tok_s": prefill_tps, "decode": rows,
+        "prefill": prefill, "decode": rows,
     }))
+}
+
+/// Dense bf16 tensor-core peak of one H200 (SXM), FLOP/s: the MFU denominator.
+const PEAK_BF16_FLOPS: f64 = 989e12;
+
+/// GPU prefill of a prompt of each length (one warm-up pass first): tok/s and the model-FLOPs
+/// utilisation 2·active params·T / time / [`PEAK_BF16_FLOPS`] (attention's own FLOPs not
+/// counted).
+fn prefill_at(model: &mut GpuModel, lens: &[usize]) -> Result<Vec<Value>> {
+    use deltamoe_model::gpu::{GdnPrefill, PREFILL_MAX_ROWS};
+    let vocab = model.vocab_size() as u32;
+    let flops_per_token = 2.0 * model.active_params() as f64;
+    let mut seq = model.new_seq()?;
+    let warm: Vec<u32> = (0..64).map(|i| (i * 7919 + 13) % vocab).collect();
+    model.prefill(&mut seq, &warm, Logits::Last, PREFILL_MAX_ROWS)?;
+    model.release(seq);
+    let mut rows = Vec::new();
+    for &len in lens {
+        let prompt: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        for (mode, label) in [
+            (GdnPrefill::Recurrent, "gdn f32 recurrent"),
+            (GdnPrefill::Chunked, "gdn bf16 chunked"),
+        ] {
+            model.set_prefill_gdn(mode);
+            let mut seq = model.new_seq()?;
+            let t = Instant::now();
+            model.prefill(&mut seq, &prompt, Logits::Last, PREFILL_MAX_ROWS)?;
+            let secs = t.elapsed().as_secs_f64();
+            model.release(seq);
+            let tok_s = len as f64 / secs;
+            let mfu = flops_per_token * tok_s / PEAK_BF16_FLOPS;
+            println!(
+                "prefill  {len:>6} tokens, {label:17}: {tok_s:9.1} tok/s  {secs:8.3} s  MFU {:5.2}% (2 x {:.2} B active params/token, peak {:.0} TFLOP/s dense bf16, H200)",
+                mfu * 100.0,
+                flops_per_token / 2e9,
+                PEAK_BF16_FLOPS / 1e12
+            );
+            rows.push(
+                json!({"tokens": len, "gdn": label, "tok_s": tok_s, "seconds": secs,
+                             "mfu": mfu, "active_params": flops_per_token / 2.0,
+                             "peak_flops": PEAK_BF16_FLOPS}),
+            );
+        }
+    }
+    model.set_prefill_gdn(GdnPrefill::default());
+    Ok(rows)
 }
 
 /// Matvec throughput at real decode shapes: (name, rows N, cols K, matrices per launch).

@@ -8,6 +8,8 @@
 //   Blocks < Hq: q_h = rope(rmsnorm(q_h) · qn) → q [Hq, D].
 //   Next Hkv blocks: k_h = rope(rmsnorm(k_h) · kn) → k_cache[pos, h]; last Hkv blocks: v_h → v_cache[pos, h].
 //   rope: NeoX on dims < R (pairs i, i + R/2), angle pos · inv_freq[i]. Caches: [max_ctx, Hkv, D].
+//   row_pos ≠ 0 (prefill: every row in the same slot, consecutive tokens): row b's position is
+//   pos[slot] + b instead of pos[slot].
 //
 // attn_partial: grid (Hq, S splits, B), block 128 (4 warps). Split s covers positions
 //   [s·c, min((s+1)·c, L)) with L = pos + 1, c = ceil(L / S). Each warp takes runs of ATTN_POS
@@ -23,11 +25,11 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
                                      float* __restrict__ q_out, float* __restrict__ k_cache,
                                      float* __restrict__ v_cache, const int* __restrict__ pos_arr,
                                      int Hq, int Hkv, int D, int R, float eps,
-                                     const int* __restrict__ slots, long long P, long long T) {
+                                     const int* __restrict__ slots, long long P, long long T, int row_pos) {
     extern __shared__ float sh[];
     int b = blockIdx.x, i = threadIdx.x;
     int row = blockIdx.y, slot = slots[row];
-    int pos = pos_arr[slot];
+    int pos = pos_arr[slot] + (row_pos ? row : 0);
     proj += row * P;
     q_out += (long long)row * Hq * D;
     k_cache += slot * T * Hkv * D;

@@ -265,12 +265,7 @@ impl Engine {
                 }
             }
             (SeqState::Cuda(st), Some(g)) => {
-                for (i, &t) in tokens.iter().enumerate() {
-                    g.step_batch(&mut [(&mut *st, t)]).map_err(cuda_err)?;
-                    if which == Logits::All || i + 1 == tokens.len() {
-                        out.extend_from_slice(&g.logits(0).map_err(cuda_err)?);
-                    }
-                }
+                out = g.prefill(st, tokens, which, chunk).map_err(cuda_err)?;
             }
             (SeqState::Cuda(_), None) => return Err(wrong_backend()),
         }

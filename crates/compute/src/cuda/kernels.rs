@@ -29,6 +29,20 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "swiglu_rows_bf16",
             "matvec_rows_affine",
             "swiglu_rows_affine",
+            "grouped_rows_bf16",
+            "grouped_swiglu_bf16",
+            "grouped_rows_affine",
+            "grouped_swiglu_affine",
+        ],
+    ),
+    (
+        "mma_rows.cu",
+        include_str!("../../kernels/mma_rows.cu"),
+        &[
+            "mma_rows_bf16",
+            "mma_rows_affine",
+            "mma_swiglu_bf16",
+            "mma_swiglu_affine",
         ],
     ),
     (
@@ -65,6 +79,19 @@ const FILES: &[(&str, &str, &[&str])] = &[
         "gdn_chunk.cu",
         include_str!("../../kernels/gdn_chunk.cu"),
         &["gdn_chunk_prep", "gdn_chunk_state32", "gdn_chunk_state64"],
+    ),
+    (
+        "prefill.cu",
+        include_str!("../../kernels/prefill.cu"),
+        &[
+            "gdn_conv_rows",
+            "gdn_conv_state",
+            "gdn_pack",
+            "gated_rmsnorm_rows",
+            "gdn_rec_rows",
+            "attn_prefill",
+            "moe_group",
+        ],
     ),
     (
         "qmatvec.cu",
@@ -196,7 +223,11 @@ mod tests {
 
     #[test]
     fn every_kernel_the_launchers_use_is_registered() {
-        let launchers = [include_str!("ops.rs"), include_str!("gdn_chunk.rs")];
+        let launchers = [
+            include_str!("ops.rs"),
+            include_str!("gdn_chunk.rs"),
+            include_str!("prefill.rs"),
+        ];
         let registered: Vec<&str> = super::FILES
             .iter()
             .flat_map(|f| f.2.iter().copied())

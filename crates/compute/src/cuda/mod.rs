@@ -9,6 +9,7 @@
 pub mod gdn_chunk;
 pub mod kernels;
 pub mod ops;
+pub mod prefill;
 
 use std::sync::Arc;
 

@@ -125,18 +125,42 @@ const MV_VECS: usize = 8;
 /// Weight rows a warp of the `*_rows` kernels computes (`MV_ROWS` in matvec_rows.cu).
 const MV_ROWS: usize = 4;
 
+/// Input rows one warp of the `mma_*` kernels takes (`8·MMA_TILES` in mma_rows.cu).
+const MMA_ROWS_INPUTS: usize = 32;
+
+/// Whether the tensor-core kernels of mma_rows.cu take this matrix: K a multiple of 32 and
+/// bf16 or 4/8-bit affine weights with groups of 32, 64 or 128.
+fn tensor_core_rows(m: &Matvec) -> bool {
+    m.k.is_multiple_of(32)
+        && match m.format {
+            WeightFormat::Bf16 => true,
+            WeightFormat::Affine { bits, group, .. } => {
+                matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128)
+            }
+        }
+}
+
 /// A batch of rows through one matrix (see [`batched_rows`]): `y[b] = W x_b (+ bias)`, or
 /// `h[b] = silu(G x_b) ⊙ U x_b` when `swiglu`.
 fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> Result<()> {
     let out_rows = if swiglu { m.n / 2 } else { m.n };
     let (n32, k32, b32, xs) = (out_rows as i32, m.k as i32, sl.n as i32, sl.x_stride as i64);
-    let per_warp = if swiglu { MV_ROWS / 2 } else { MV_ROWS };
-    let grid = (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp));
-    let name = match (m.format, swiglu) {
-        (WeightFormat::Bf16, false) => "matvec_rows_bf16",
-        (WeightFormat::Bf16, true) => "swiglu_rows_bf16",
-        (WeightFormat::Affine { .. }, false) => "matvec_rows_affine",
-        (WeightFormat::Affine { .. }, true) => "swiglu_rows_affine",
+    let tensor_cores = tensor_core_rows(&m);
+    let grid = if tensor_cores {
+        (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 16))
+    } else {
+        let per_warp = if swiglu { MV_ROWS / 2 } else { MV_ROWS };
+        (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp))
+    };
+    let name = match (m.format, swiglu, tensor_cores) {
+        (WeightFormat::Bf16, false, true) => "mma_rows_bf16",
+        (WeightFormat::Bf16, true, true) => "mma_swiglu_bf16",
+        (WeightFormat::Affine { .. }, false, true) => "mma_rows_affine",
+        (WeightFormat::Affine { .. }, true, true) => "mma_swiglu_affine",
+        (WeightFormat::Bf16, false, false) => "matvec_rows_bf16",
+        (WeightFormat::Bf16, true, false) => "swiglu_rows_bf16",
+        (WeightFormat::Affine { .. }, false, false) => "matvec_rows_affine",
+        (WeightFormat::Affine { .. }, true, false) => "swiglu_rows_affine",
     };
     let (g32, bits32, scales, biases) = match m.format {
         WeightFormat::Affine {
@@ -150,7 +174,12 @@ fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> R
     let mut b = g.stream().launch_builder(g.kernels().get(name));
     b.arg(&m.w);
     if let WeightFormat::Affine { .. } = m.format {
-        b.arg(&scales).arg(&biases).arg(&x).arg(&y).arg(&n32).arg(&k32);
+        b.arg(&scales)
+            .arg(&biases)
+            .arg(&x)
+            .arg(&y)
+            .arg(&n32)
+            .arg(&k32);
         b.arg(&g32).arg(&bits32);
     } else {
         b.arg(&x).arg(&y).arg(&n32).arg(&k32);
@@ -439,7 +468,8 @@ pub fn attn_prep(
         .arg(&v_cache)
         .arg(&pos);
     b.arg(&hq).arg(&hkv).arg(&d).arg(&r).arg(&eps);
-    b.arg(&bt.slots).arg(&ps).arg(&t);
+    let row_pos = 0i32;
+    b.arg(&bt.slots).arg(&ps).arg(&t).arg(&row_pos);
     let threads = (a.d.div_ceil(32) * 32) as u32;
     // SAFETY: caches hold (max slot + 1)·ctx·hkv·d floats and pos[slot] < ctx (the engine
     // checks the context before each step); q holds rows·hq·d floats; dynamic shared memory

@@ -15,12 +15,16 @@
 //! norm, lm_head and sampling. Sequence state lives in a pool of slots ([`pool`]); the token ids
 //! and slot indices of a step live in device memory, so the step is captured once per batch size
 //! into a CUDA graph and replayed; the only host↔device traffic per token is its id and slot.
+//! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
+//! layer pass.
 
 mod pool;
+mod prefill;
 mod synthetic;
 mod upload;
 
 pub use pool::{GpuSeq, GpuSnapshot};
+pub use prefill::{GdnPrefill, PREFILL_MAX_ROWS};
 pub(crate) use upload::{DevMat, DevWeights};
 
 use std::sync::Arc;
@@ -133,6 +137,9 @@ pub struct GpuModel {
     io: DevBuf<i32>,
     /// The captured step per batch size (index B − 1).
     graphs: Vec<Option<CudaGraph>>,
+    /// Activations of a prefill pass (allocated by the first prefill).
+    prefill: Option<prefill::PrefillScratch>,
+    prefill_gdn: prefill::GdnPrefill,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -176,6 +183,8 @@ impl GpuModel {
             pool: None,
             io: gpu.zeros(2)?,
             graphs: Vec::new(),
+            prefill: None,
+            prefill_gdn: prefill::GdnPrefill::default(),
             gpu,
         })
     }
@@ -352,7 +361,10 @@ impl GpuModel {
     ) -> Result<(Vec<(f32, f32)>, f32)> {
         let b = rows.len();
         if b == 0 || b > self.rows {
-            return Err(unsupported(format!("profile 1 to {} rows, not {b}", self.rows)));
+            return Err(unsupported(format!(
+                "profile 1 to {} rows, not {b}",
+                self.rows
+            )));
         }
         let g = self.gpu.clone();
         let mut io = vec![0i32; 2 * self.rows];
@@ -364,7 +376,14 @@ impl GpuModel {
         let n = self.layers.len();
         let marks: Vec<_> = (0..2 * n + 3).map(|_| g.timer()).collect::<Result<_>>()?;
         g.mark(&marks[0])?;
-        ops::embed(&g, self.embed.mv(), self.io.ptr(), self.scratch.x.ptr(), self.hidden, b)?;
+        ops::embed(
+            &g,
+            self.embed.mv(),
+            self.io.ptr(),
+            self.scratch.x.ptr(),
+            self.hidden,
+            b,
+        )?;
         g.mark(&marks[1])?;
         for i in 0..n {
             self.enqueue_mixer(i, b)?;

@@ -1,0 +1,259 @@
+// One matrix times a batch of B input rows on tensor cores (batched decode, prefill
+// projections), at about f32 accuracy: y[b, n] = Σ_k W[n, k] x[b, k] (+ bias[n]).
+//
+// mma.sync m16n8k16 (bf16 in, f32 accumulate) with A = 16 weight rows, B = 8 input rows. The
+// weights enter exactly: bf16 matrices as they are, MLX affine 4/8-bit ones as their integer
+// codes q (exact in bf16), with the FMA dequant form applied per group of G inputs:
+// Σ_k w x = scale·Σ_k q x + bias·Σ_k x. Each input x is split into x_hi = bf16(x) and
+// x_lo = bf16(x − x_hi), two products per tile, so the inputs keep ~16 significant bits.
+//
+// Layouts: W bf16 [N, K], or affine words u32 [N, K·bits/32] (LSB first) with scales and biases
+// bf16 [N, K/G], G ∈ {32, 64, 128}; x: row b at x + b·x_stride (16-byte aligned); y: [B, N];
+// K % 32 == 0. SwiGLU form: W = [gate (I rows) | up (I rows)], h[b, n] = silu(G_n·x_b)·U_n·x_b,
+// h: [B, I].
+//
+// grid (ceil(B / 32), ceil(N / 16)) (N = I for SwiGLU), block 256: a block takes weight rows
+// blockIdx.y·16 + 0..16 and input rows blockIdx.x·32 + 0..32 (four 8-row tiles); its 8 warps
+// split K (warp w takes the 32-wide chunks c ≡ w mod 8) and are summed in shared memory. Per
+// chunk, k = 32c + 8t + 0..7 (t = lane % 4): lane l holds the 8 values of weight rows l/4 and
+// l/4 + 8 and of input row l/4 of each tile; the mma's k slots 2t, 2t+1, 2t+8, 2t+9 of its two
+// k16 steps are mapped to these k (any consistent mapping gives the same sum). Groups hold
+// whole chunks, so the dequant form is applied after every chunk.
+
+#define MMA_TILES 4
+
+__device__ __forceinline__ void mma_bf16(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// {lo, hi} packed as bf16x2 (round to nearest).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 4-bit codes q0, q1 < 16 as exact bf16x2: (q | 0x4300) is 128 + q, then subtract 128.
+__device__ __forceinline__ unsigned codes4_bf16(unsigned q0, unsigned q1) {
+    unsigned p = (q0 | 0x4300u) | ((q1 | 0x4300u) << 16), r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return r;
+}
+
+// Codes q0, q1 < 256 as bf16x2 (exact: 8 significant bits).
+__device__ __forceinline__ unsigned codes_bf16(unsigned q0, unsigned q1, int bits) {
+    return bits == 4 ? codes4_bf16(q0, q1) : pack_bf16((float)q0, (float)q1);
+}
+
+// The 8 values (as 4 bf16x2 pairs) of weight row `row` at k = k0..k0+8, and for affine rows
+// the (scale, bias) of their group.
+template <int BITS>
+__device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t* __restrict__ S,
+                                       const bf16_t* __restrict__ Bs, long long row, int K, int k0,
+                                       int gshift, unsigned p[4], float* sc, float* bi) {
+    if (BITS == 16) {
+        uint4 v = __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const bf16_t*>(W) + row * K + k0));
+        p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
+    } else {
+        const unsigned* w = reinterpret_cast<const unsigned*>(W) + row * (K * BITS / 32) + k0 * BITS / 32;
+        const unsigned mask = (1u << BITS) - 1u;
+        unsigned lo = __ldcs(w), hi = BITS == 8 ? __ldcs(w + 1) : lo >> 16;
+        if (BITS == 4) lo &= 0xffffu;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            unsigned part = i == 0 ? lo : hi;
+            const int sh = BITS;
+            p[2 * i] = codes_bf16(part & mask, (part >> sh) & mask, BITS);
+            p[2 * i + 1] = codes_bf16((part >> (2 * sh)) & mask, (part >> (3 * sh)) & mask, BITS);
+        }
+        long long g = row * (K >> gshift) + (k0 >> gshift);
+        *sc = bf16f(S[g]);
+        *bi = bf16f(Bs[g]);
+    }
+}
+
+// Accumulates, for one warp, rows n0..n0+16 (and, with `SW`, rows I + n0.. as the second
+// output set) against input rows b0..b0+32 into acc[set][tile][4] (mma C layout: rows l/4,
+// l/4 + 8, inputs 2(l%4), 2(l%4)+1 of the tile).
+template <int BITS, int SETS>
+__device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
+                              const bf16_t* __restrict__ Bs, const float* __restrict__ x, long long xs,
+                              int nb, int N, int K, int G, long long set_off, int n0,
+                              float acc[SETS][MMA_TILES][4]) {
+    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    int gshift = __ffs(G) - 1;
+    long long r0 = min(n0 + gid, N - 1), r1 = min(n0 + gid + 8, N - 1);
+    float part[SETS][MMA_TILES][4];
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+        for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
+    float xsum[MMA_TILES];
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j) xsum[j] = 0.f;
+    for (int c = (threadIdx.x >> 5) * 32; c < K; c += 256) {
+        int k0 = c + 8 * t;
+        unsigned a[SETS][2][4];
+        float sc[SETS][2], bi[SETS][2];
+#pragma unroll
+        for (int s = 0; s < SETS; ++s) {
+            load_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, a[s][0], &sc[s][0], &bi[s][0]);
+            load_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, a[s][1], &sc[s][1], &bi[s][1]);
+        }
+#pragma unroll
+        for (int j = 0; j < MMA_TILES; ++j) {
+            if (j * 8 >= nb) break;
+            int b = j * 8 + gid;
+            float xv[8];
+            if (b < nb) {
+                const float* xr = x + b * xs + k0;
+                float4 f0 = *reinterpret_cast<const float4*>(xr);
+                float4 f1 = *reinterpret_cast<const float4*>(xr + 4);
+                xv[0] = f0.x; xv[1] = f0.y; xv[2] = f0.z; xv[3] = f0.w;
+                xv[4] = f1.x; xv[5] = f1.y; xv[6] = f1.z; xv[7] = f1.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xv[i] = 0.f;
+            }
+            unsigned hi[4], lo[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                hi[i] = pack_bf16(xv[2 * i], xv[2 * i + 1]);
+                lo[i] = pack_bf16(xv[2 * i] - bf16lo(hi[i]), xv[2 * i + 1] - bf16hi(hi[i]));
+            }
+            if (BITS != 16)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xsum[j] += xv[i];
+#pragma unroll
+            for (int s = 0; s < SETS; ++s) {
+                float* d = BITS == 16 ? acc[s][j] : part[s][j];
+                // k16 step 0 takes values 0..3, step 1 values 4..7 (pairs p[0..1], p[2..3]).
+#pragma unroll
+                for (int st = 0; st < 2; ++st) {
+                    unsigned a0 = a[s][0][2 * st], a1 = a[s][1][2 * st];
+                    unsigned a2 = a[s][0][2 * st + 1], a3 = a[s][1][2 * st + 1];
+                    mma_bf16(d, a0, a1, a2, a3, hi[2 * st], hi[2 * st + 1]);
+                    mma_bf16(d, a0, a1, a2, a3, lo[2 * st], lo[2 * st + 1]);
+                }
+            }
+        }
+        if (BITS != 16) {
+            // acc += scale·Σ q x + bias·Σ x over the chunk, for each (row, input) of the fragment.
+#pragma unroll
+            for (int j = 0; j < MMA_TILES; ++j) {
+                if (j * 8 >= nb) break;
+                float xt = xsum[j];
+                xt += __shfl_xor_sync(0xffffffffu, xt, 1);
+                xt += __shfl_xor_sync(0xffffffffu, xt, 2);
+                float x0 = __shfl_sync(0xffffffffu, xt, (2 * t) * 4);
+                float x1 = __shfl_sync(0xffffffffu, xt, (2 * t + 1) * 4);
+#pragma unroll
+                for (int s = 0; s < SETS; ++s) {
+                    float* A = acc[s][j];
+                    float* P = part[s][j];
+                    A[0] = fmaf(sc[s][0], P[0], fmaf(bi[s][0], x0, A[0]));
+                    A[1] = fmaf(sc[s][0], P[1], fmaf(bi[s][0], x1, A[1]));
+                    A[2] = fmaf(sc[s][1], P[2], fmaf(bi[s][1], x0, A[2]));
+                    A[3] = fmaf(sc[s][1], P[3], fmaf(bi[s][1], x1, A[3]));
+                    P[0] = P[1] = P[2] = P[3] = 0.f;
+                }
+                xsum[j] = 0.f;
+            }
+        }
+    }
+}
+
+// Sums the 8 warps' fragments into warp 0's (through shared memory).
+template <int SETS>
+__device__ void reduce_warps(float acc[SETS][MMA_TILES][4]) {
+    __shared__ float red[7][SETS * MMA_TILES * 4][32];
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (w > 0)
+#pragma unroll
+        for (int s = 0; s < SETS; ++s)
+#pragma unroll
+            for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) red[w - 1][(s * MMA_TILES + j) * 4 + e][lane] = acc[s][j][e];
+    __syncthreads();
+    if (w == 0)
+        for (int o = 0; o < 7; ++o)
+#pragma unroll
+            for (int s = 0; s < SETS; ++s)
+#pragma unroll
+                for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[s][j][e] += red[o][(s * MMA_TILES + j) * 4 + e][lane];
+}
+
+template <int BITS>
+__device__ void mma_rows_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+                           int N, int K, int G, int Bn, long long xs, const float* bias) {
+    int n0 = blockIdx.y * 16;
+    int b0 = blockIdx.x * 8 * MMA_TILES;
+    float acc[1][MMA_TILES][4];
+    mma_rows_core<BITS, 1>(W, S, Bs, x + b0 * xs, xs, Bn - b0, N, K, G, 0, n0, acc);
+    reduce_warps<1>(acc);
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int n = n0 + gid + (e >= 2 ? 8 : 0), b = b0 + j * 8 + 2 * t + (e & 1);
+            if (n < N && b < Bn) y[(long long)b * N + n] = acc[0][j][e] + (bias ? bias[n] : 0.f);
+        }
+}
+
+template <int BITS>
+__device__ void mma_swiglu_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* h,
+                             int I, int K, int G, int Bn, long long xs) {
+    int n0 = blockIdx.y * 16;
+    int b0 = blockIdx.x * 8 * MMA_TILES;
+    float acc[2][MMA_TILES][4];
+    mma_rows_core<BITS, 2>(W, S, Bs, x + b0 * xs, xs, Bn - b0, I, K, G, I, n0, acc);
+    reduce_warps<2>(acc);
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int n = n0 + gid + (e >= 2 ? 8 : 0), b = b0 + j * 8 + 2 * t + (e & 1);
+            if (n < I && b < Bn) h[(long long)b * I + n] = silu_f(acc[0][j][e]) * acc[1][j][e];
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                                                float* __restrict__ y, int N, int K, int Bn, long long xs,
+                                                                const float* __restrict__ bias) {
+    mma_rows_t<16>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                  const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                  float* __restrict__ y, int N, int K, int G, int bits, int Bn,
+                                                                  long long xs, const float* __restrict__ bias) {
+    if (bits == 8) mma_rows_t<8>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+    else mma_rows_t<4>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                                                  float* __restrict__ h, int I, int K, int Bn, long long xs) {
+    mma_swiglu_t<16>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                    const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                    float* __restrict__ h, int I, int K, int G, int bits, int Bn,
+                                                                    long long xs) {
+    if (bits == 8) mma_swiglu_t<8>(W, S, B, x, h, I, K, G, Bn, xs);
+    else mma_swiglu_t<4>(W, S, B, x, h, I, K, G, Bn, xs);
+}

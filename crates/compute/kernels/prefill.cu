@@ -1,0 +1,333 @@
+// Prefill of one sequence: T tokens per launch, f32 activations. Row t of a [T, ·] buffer is
+// token t of the pass; the sequence's state pointers arrive already offset to its slot.
+//
+// gdn_conv_rows: mixed[t, c] = silu(Σ_{j<K} w[c, j] · win[t + j, c]) where win = [state (K−1
+//   rows, oldest first) ; x_0 .. x_{T−1}] and x_t[c] = proj[t·P + c]. state: [K−1, C] (read
+//   only here); w: [C, K]; mixed: [T, C]. grid (ceil(C/256), T), block 256.
+// gdn_conv_state: state[j, c] = win[T + j, c] for j < K−1 (the last K−1 inputs). Runs after
+//   gdn_conv_rows. grid ceil(C/256), block 256 (each thread walks j upwards: win[T + j] never
+//   lies below an entry still to be written).
+// gdn_pack: from mixed [T, C = 2·Hk·Dk + Hv·Dv] = [q | k | v] and proj rows
+//   [qkv (C) | z (Hv·Dv) | b (Hv) | a (Hv)]: q, k bf16 [T, Hk·Dk], v bf16 [T, Hv·Dv] (round to
+//   nearest even), g[t, h] = neg_a[h] · softplus(a + dt_bias[h]) and beta[t, h] = sigmoid(b),
+//   f32 [T, Hv]. grid (ceil(C/256), T), block 256 (Hv ≤ 256: block x = 0 also writes the gates).
+// gated_rmsnorm_rows: out[t, h, j] = o[t, h, j] / sqrt(mean_j o² + eps) · w[j] · silu(z) with
+//   o: [T, Hv, Dv], z = proj[t·P + z_off + h·Dv + j]; out: [T, Hv·Dv]. grid (Hv, T),
+//   block Dv rounded up to 32 (≤ 1024).
+//
+// gdn_rec_rows: the gated delta rule over T tokens in f32, token by token (the arithmetic of
+//   gdn_step in gdn.cu, so a prefill leaves the state a decode would): block (h, column group cg)
+//   owns value columns 32·cg + 0..32 of head h, grid (Hv, ceil(Dv/32)), block (32, GR_ROWS):
+//   thread (j, r) keeps rows r·⌈Dk/GR_ROWS⌉… of column j of S_h (state + h·Dk·Dv, [Dk, Dv]) in
+//   registers for the whole pass. Per token t: q, k = l2norm of mixed row t's key head
+//   h / (Hv/Hk) (q also ·1/sqrt(Dk)), v = mixed v of h, gate g = neg_a·softplus(a + dt_bias),
+//   β = sigmoid(b) from proj row t; S ← e^g S; δ = β (v − Sᵀk); S += k δᵀ; o = Sᵀq → out
+//   [T, Hv, Dv] (before the gated norm). Dk ≤ 128.
+//
+// attn_prefill: causal gated attention of T query rows at positions pos0 + t against the slot's
+//   caches k, v: [ctx, Hkv, D] (rows 0..pos0 + T written). q: [T, Hq, D] (normed, roped);
+//   gates in proj rows as attn_prep reads them (q_h | gate_h per head, P floats per row);
+//   out[t, h·D + d] = softmax_p≤pos0+t(q·k_p / sqrt(D)) · v · sigmoid(gate). grid
+//   (ceil(T/AP_QB), Hq), block AP_WARPS·32; warp w takes query rows AP_ROWS·w.. of the block's
+//   AP_QB, lane j takes position j of each AP_KT-position K/V tile in shared memory for the
+//   scores (online softmax per row), lane l output dims l, l + 32, … for P·V. Dynamic shared
+//   memory: (AP_QB·DP + AP_KT·(DP + 4) + AP_KT·DP) floats, DP = D rounded up to 4. D ≤ 256.
+//
+// moe_group: pairs i < n (token i / KS, slot i % KS) with expert ids[i] < E, sorted by expert
+//   (counting sort; order inside an expert unspecified): order[n] pair indices, tiles of at most
+//   8 pairs of one expert as int3 (expert, first index into order, count), their number in
+//   n_tiles[0]. One block of 1024 threads; E ≤ MG_EMAX.
+
+extern "C" __global__ void gdn_conv_rows(const float* __restrict__ proj, long long P,
+                                         const float* __restrict__ state, const float* __restrict__ w,
+                                         float* __restrict__ mixed, int C, int K) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    int t = blockIdx.y;
+    const float* wc = w + (long long)c * K;
+    float acc = 0.f;
+    for (int j = 0; j < K; ++j) {
+        int src = t - (K - 1) + j;
+        float x = src >= 0 ? proj[(long long)src * P + c] : state[(long long)(K - 1 + src) * C + c];
+        acc = fmaf(wc[j], x, acc);
+    }
+    mixed[(long long)t * C + c] = silu_f(acc);
+}
+
+extern "C" __global__ void gdn_conv_state(const float* __restrict__ proj, long long P, float* __restrict__ state,
+                                          int C, int K, int T) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    for (int j = 0; j < K - 1; ++j) {
+        int idx = T + j;
+        float v = idx < K - 1 ? state[(long long)idx * C + c] : proj[(long long)(idx - (K - 1)) * P + c];
+        state[(long long)j * C + c] = v;
+    }
+}
+
+__device__ __forceinline__ bf16_t to_bf16(float v) {
+    unsigned int b = __float_as_uint(v);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (bf16_t)(b >> 16);
+}
+
+extern "C" __global__ void gdn_pack(const float* __restrict__ mixed, const float* __restrict__ proj, long long P,
+                                    const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                    bf16_t* __restrict__ q, bf16_t* __restrict__ k, bf16_t* __restrict__ v,
+                                    float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv, int Dk, int Dv) {
+    int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    int kd = Hk * Dk, vd = Hv * Dv, C = 2 * kd + vd;
+    const float* row = proj + (long long)t * P;
+    if (c < C) {
+        bf16_t b = to_bf16(mixed[(long long)t * C + c]);
+        if (c < kd) q[(long long)t * kd + c] = b;
+        else if (c < 2 * kd) k[(long long)t * kd + c - kd] = b;
+        else v[(long long)t * vd + c - 2 * kd] = b;
+    }
+    if (blockIdx.x == 0 && threadIdx.x < Hv) {
+        int h = threadIdx.x;
+        float bb = row[C + vd + h], a = row[C + vd + Hv + h];
+        g[(long long)t * Hv + h] = neg_a[h] * softplus_f(a + dt_bias[h]);
+        beta[(long long)t * Hv + h] = sigmoid_f(bb);
+    }
+}
+
+extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const float* __restrict__ proj,
+                                              long long P, int z_off, const float* __restrict__ w,
+                                              float* __restrict__ out, int Hv, int Dv, float eps) {
+    int h = blockIdx.x, t = blockIdx.y, j = threadIdx.x;
+    long long base = ((long long)t * Hv + h) * Dv;
+    float x = j < Dv ? o[base + j] : 0.f;
+    float r = rsqrtf(block_sum(x * x) / Dv + eps);
+    if (j < Dv) {
+        float z = proj[(long long)t * P + z_off + (long long)h * Dv + j];
+        out[base + j] = x * r * w[j] * silu_f(z);
+    }
+}
+
+#define GR_ROWS 8
+#define GR_DK 128
+#define GR_RMAX (GR_DK / GR_ROWS)
+
+extern "C" __global__ void __launch_bounds__(256) gdn_rec_rows(
+    const float* __restrict__ mixed, const float* __restrict__ proj, long long P, float* __restrict__ state,
+    const float* __restrict__ neg_a, const float* __restrict__ dt_bias, float* __restrict__ out, int T, int Hk,
+    int Hv, int Dk, int Dv) {
+    __shared__ float qs[GR_DK], ks[GR_DK];
+    __shared__ float red1[GR_ROWS][32], red2[GR_ROWS][32];
+    int h = blockIdx.x, lj = threadIdx.x, r = threadIdx.y;
+    int j = blockIdx.y * 32 + lj;
+    int tid = r * 32 + lj, nt = 32 * GR_ROWS;
+    int kh = h / (Hv / Hk);
+    int C = 2 * Hk * Dk + Hv * Dv;
+    int rows = (Dk + GR_ROWS - 1) / GR_ROWS;
+    int i0 = r * rows;
+    bool active = j < Dv;
+    float* S = state + (long long)h * Dk * Dv + j;
+    float col[GR_RMAX];
+#pragma unroll
+    for (int u = 0; u < GR_RMAX; ++u) {
+        int i = i0 + u;
+        col[u] = (active && u < rows && i < Dk) ? S[(long long)i * Dv] : 0.f;
+    }
+    float na = neg_a[h], dtb = dt_bias[h];
+    for (int t = 0; t < T; ++t) {
+        const float* m = mixed + (long long)t * C;
+        const float* pr = proj + (long long)t * P;
+        for (int i = tid; i < Dk; i += nt) {
+            qs[i] = m[kh * Dk + i];
+            ks[i] = m[Hk * Dk + kh * Dk + i];
+        }
+        __syncthreads();
+        float qq = 0.f, kk = 0.f;
+        for (int i = lj; i < Dk; i += 32) {
+            qq = fmaf(qs[i], qs[i], qq);
+            kk = fmaf(ks[i], ks[i], kk);
+        }
+        qq = warp_sum(qq);
+        kk = warp_sum(kk);
+        float rq = rsqrtf(qq + 1e-6f) * rsqrtf((float)Dk);
+        float rk = rsqrtf(kk + 1e-6f);
+        float b = pr[C + Hv * Dv + h], a = pr[C + Hv * Dv + Hv + h];
+        float decay = expf(na * softplus_f(a + dtb));
+        float beta = sigmoid_f(b);
+        float part = 0.f;
+#pragma unroll
+        for (int u = 0; u < GR_RMAX; ++u) {
+            int i = i0 + u;
+            if (active && u < rows && i < Dk) {
+                col[u] *= decay;
+                part = fmaf(ks[i] * rk, col[u], part);
+            }
+        }
+        red1[r][lj] = part;
+        __syncthreads();
+        float kv = 0.f;
+        for (int g = 0; g < GR_ROWS; ++g) kv += red1[g][lj];
+        float delta = active ? beta * (m[2 * Hk * Dk + h * Dv + j] - kv) : 0.f;
+        part = 0.f;
+#pragma unroll
+        for (int u = 0; u < GR_RMAX; ++u) {
+            int i = i0 + u;
+            if (active && u < rows && i < Dk) {
+                col[u] = fmaf(ks[i] * rk, delta, col[u]);
+                part = fmaf(qs[i] * rq, col[u], part);
+            }
+        }
+        red2[r][lj] = part;
+        __syncthreads();
+        if (r == 0 && active) {
+            float o = 0.f;
+            for (int g = 0; g < GR_ROWS; ++g) o += red2[g][lj];
+            out[((long long)t * Hv + h) * Dv + j] = o;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < GR_RMAX; ++u) {
+        int i = i0 + u;
+        if (active && u < rows && i < Dk) S[(long long)i * Dv] = col[u];
+    }
+}
+
+#define AP_ROWS 4
+#define AP_WARPS 8
+#define AP_QB (AP_ROWS * AP_WARPS)
+#define AP_KT 32
+#define AP_DMAX 256
+#define AP_PER (AP_DMAX / 32)
+
+extern "C" __global__ void __launch_bounds__(AP_WARPS * 32) attn_prefill(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+    const float* __restrict__ proj, long long P, float* __restrict__ out, int T, int pos0, int Hq, int Hkv,
+    int D, float scale) {
+    extern __shared__ __align__(16) float ap_smem[];
+    const int DP = (D + 3) & ~3;
+    float* Qs = ap_smem;                       // [AP_QB][DP]
+    float* Ks = Qs + AP_QB * DP;               // [AP_KT][DP + 4]
+    float* Vs = Ks + AP_KT * (DP + 4);         // [AP_KT][DP]
+    int h = blockIdx.y, t0 = blockIdx.x * AP_QB;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int kvh = h / (Hq / Hkv);
+    long long kv_row = (long long)Hkv * D;
+    for (int i = threadIdx.x; i < AP_QB * DP; i += blockDim.x) {
+        int r = i / DP, d = i % DP;
+        int t = t0 + r;
+        Qs[i] = (t < T && d < D) ? q[((long long)t * Hq + h) * D + d] : 0.f;
+    }
+    // Rows of this warp, their last visible position (−1: no row) and online-softmax state.
+    int lim[AP_ROWS];
+    float m[AP_ROWS], l[AP_ROWS], acc[AP_ROWS][AP_PER];
+    int wmax = -1;
+#pragma unroll
+    for (int r = 0; r < AP_ROWS; ++r) {
+        int t = t0 + warp * AP_ROWS + r;
+        lim[r] = t < T ? pos0 + t : -1;
+        wmax = max(wmax, lim[r]);
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+#pragma unroll
+        for (int u = 0; u < AP_PER; ++u) acc[r][u] = 0.f;
+    }
+    int last = pos0 + min(t0 + AP_QB, T) - 1;
+    for (int p0 = 0; p0 <= last; p0 += AP_KT) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < AP_KT * DP; i += blockDim.x) {
+            int j = i / DP, d = i % DP;
+            int p = p0 + j;
+            bool ok = p <= last && d < D;
+            long long src = (long long)p * kv_row + (long long)kvh * D + d;
+            Ks[j * (DP + 4) + d] = ok ? kc[src] : 0.f;
+            Vs[j * DP + d] = ok ? vc[src] : 0.f;
+        }
+        __syncthreads();
+        if (p0 > wmax) continue;
+        float s[AP_ROWS];
+#pragma unroll
+        for (int r = 0; r < AP_ROWS; ++r) s[r] = 0.f;
+        const float* kr = Ks + lane * (DP + 4);
+        for (int d = 0; d < DP; d += 4) {
+            float4 kv = *reinterpret_cast<const float4*>(kr + d);
+#pragma unroll
+            for (int r = 0; r < AP_ROWS; ++r) {
+                float4 qv = *reinterpret_cast<const float4*>(Qs + (warp * AP_ROWS + r) * DP + d);
+                s[r] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, s[r]))));
+            }
+        }
+        int p = p0 + lane;
+        float pr[AP_ROWS];
+#pragma unroll
+        for (int r = 0; r < AP_ROWS; ++r) {
+            float sc = p <= lim[r] ? s[r] * scale : NEG_INF;
+            float mn = fmaxf(m[r], warp_max(sc));
+            if (mn == NEG_INF) {
+                pr[r] = 0.f;
+                continue;
+            }
+            float corr = expf(m[r] - mn);
+            pr[r] = p <= lim[r] ? expf(sc - mn) : 0.f;
+            l[r] = l[r] * corr + warp_sum(pr[r]);
+#pragma unroll
+            for (int u = 0; u < AP_PER; ++u) acc[r][u] *= corr;
+            m[r] = mn;
+        }
+        int nj = min(AP_KT, wmax - p0 + 1);
+        for (int j = 0; j < nj; ++j) {
+            float pj[AP_ROWS];
+#pragma unroll
+            for (int r = 0; r < AP_ROWS; ++r) pj[r] = __shfl_sync(0xffffffffu, pr[r], j);
+            const float* vr = Vs + j * DP;
+#pragma unroll
+            for (int u = 0; u < AP_PER; ++u) {
+                int d = lane + 32 * u;
+                float vv = d < DP ? vr[d] : 0.f;
+#pragma unroll
+                for (int r = 0; r < AP_ROWS; ++r) acc[r][u] = fmaf(pj[r], vv, acc[r][u]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < AP_ROWS; ++r) {
+        int t = t0 + warp * AP_ROWS + r;
+        if (t >= T) continue;
+        const float* gate = proj + (long long)t * P + (long long)h * 2 * D + D;
+        float* o = out + ((long long)t * Hq + h) * D;
+        float inv = 1.f / l[r];
+#pragma unroll
+        for (int u = 0; u < AP_PER; ++u) {
+            int d = lane + 32 * u;
+            if (d < D) o[d] = acc[r][u] * inv * sigmoid_f(gate[d]);
+        }
+    }
+}
+
+#define MG_EMAX 1040
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* __restrict__ ids, int n, int E,
+                                                             int* __restrict__ order, int* __restrict__ tiles,
+                                                             int* __restrict__ n_tiles) {
+    __shared__ int cnt[MG_EMAX], off[MG_EMAX], toff[MG_EMAX];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int a = 0, nt = 0;
+        for (int e = 0; e < E; ++e) {
+            off[e] = a;
+            toff[e] = nt;
+            a += cnt[e];
+            nt += (cnt[e] + 7) / 8;
+        }
+        n_tiles[0] = nt;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        for (int s = 0, ti = toff[e]; s < cnt[e]; s += 8, ++ti) {
+            tiles[3 * ti] = e;
+            tiles[3 * ti + 1] = off[e] + s;
+            tiles[3 * ti + 2] = min(8, cnt[e] - s);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) order[atomicAdd(&off[ids[i]], 1)] = i;
+}

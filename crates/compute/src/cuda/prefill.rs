@@ -1,0 +1,434 @@
+//! Launch wrappers for prefill (T tokens of one sequence per launch): `kernels/prefill.cu` (GDN
+//! conv over rows, q/k/v packing and gates, gated RMSNorm over rows, causal attention over rows,
+//! MoE grouping by expert), the grouped expert products of `kernels/matvec_rows.cu` and
+//! `attn_prep` with per-row positions. Arguments are raw device addresses as in [`super::ops`];
+//! state pointers arrive already offset to the sequence's slot. CPU twins: `cpu::conv`,
+//! `cpu::norm`, `cpu::attention`, and the per-pair expert products of [`super::ops::matvec`].
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::ops::{AttnDims, Batch, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
+use super::{driver_err, CudaError, Gpu, Result};
+
+fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per) as u32
+}
+
+/// Conv1d + SiLU over `t` rows (row i at `proj + i·proj_stride` floats, the first `c` used)
+/// from the carried state `[k−1, c]`, into `mixed [t, c]`; then the state takes the last k−1
+/// inputs.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_conv_rows(
+    g: &Gpu,
+    proj: u64,
+    proj_stride: usize,
+    state: u64,
+    w: u64,
+    mixed: u64,
+    c: usize,
+    k: usize,
+    t: usize,
+) -> Result<()> {
+    let (c32, k32, t32, ps) = (c as i32, k as i32, t as i32, proj_stride as i64);
+    let mut b = g.stream().launch_builder(g.kernels().get("gdn_conv_rows"));
+    b.arg(&proj)
+        .arg(&ps)
+        .arg(&state)
+        .arg(&w)
+        .arg(&mixed)
+        .arg(&c32)
+        .arg(&k32);
+    // SAFETY: proj holds t rows of proj_stride ≥ c floats, state (k−1)·c, w c·k, mixed t·c;
+    // channels are bounds-checked against c.
+    unsafe { b.launch(cfg((blocks(c, 256), t as u32), 256, 0)) }
+        .map_err(driver_err("gdn_conv_rows"))?;
+    let mut b = g.stream().launch_builder(g.kernels().get("gdn_conv_state"));
+    b.arg(&proj)
+        .arg(&ps)
+        .arg(&state)
+        .arg(&c32)
+        .arg(&k32)
+        .arg(&t32);
+    // SAFETY: as above; reads rows < t and state rows < k−1.
+    unsafe { b.launch(cfg((blocks(c, 256), 1), 256, 0)) }.map_err(driver_err("gdn_conv_state"))?;
+    Ok(())
+}
+
+/// Buffers `gdn_pack` writes: q, k bf16 `[t, hk·dk]`, v bf16 `[t, hv·dv]`, gates (log decay)
+/// and beta f32 `[t, hv]`.
+#[derive(Clone, Copy, Debug)]
+pub struct GdnPacked {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub gate: u64,
+    pub beta: u64,
+}
+
+/// From the conv output `mixed [t, conv dim]` and the projection rows: q, k, v rounded to bf16
+/// and per (row, value head) `gate = neg_a·softplus(a + dt_bias)`, `beta = sigmoid(b)`.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_pack(
+    g: &Gpu,
+    mixed: u64,
+    proj: u64,
+    proj_stride: usize,
+    neg_a: u64,
+    dt_bias: u64,
+    out: GdnPacked,
+    d: GdnDims,
+    t: usize,
+) -> Result<()> {
+    if d.hv > 256 {
+        return Err(CudaError::Unsupported(format!(
+            "gdn_pack: {} value heads exceed 256",
+            d.hv
+        )));
+    }
+    let c = 2 * d.hk * d.dk + d.hv * d.dv;
+    let (hk, hv, dk, dv) = (d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
+    let ps = proj_stride as i64;
+    let mut b = g.stream().launch_builder(g.kernels().get("gdn_pack"));
+    b.arg(&mixed)
+        .arg(&proj)
+        .arg(&ps)
+        .arg(&neg_a)
+        .arg(&dt_bias)
+        .arg(&out.q)
+        .arg(&out.k)
+        .arg(&out.v)
+        .arg(&out.gate)
+        .arg(&out.beta);
+    b.arg(&hk).arg(&hv).arg(&dk).arg(&dv);
+    // SAFETY: mixed holds t·c floats, proj t rows of proj_stride ≥ c + hv·dv + 2·hv floats,
+    // neg_a and dt_bias hv; the outputs as `GdnPacked` states; hv ≤ 256 (checked).
+    unsafe { b.launch(cfg((blocks(c, 256), t as u32), 256, 0)) }.map_err(driver_err("gdn_pack"))?;
+    Ok(())
+}
+
+/// Per row and value head: `out = o / rms(o) · w · silu(z)` with o from `o [t, hv, dv]` and z at
+/// float `z_off + h·dv` of each projection row; out `[t, hv·dv]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rmsnorm_rows(
+    g: &Gpu,
+    o: u64,
+    proj: u64,
+    proj_stride: usize,
+    z_off: usize,
+    w: u64,
+    out: u64,
+    hv: usize,
+    dv: usize,
+    eps: f32,
+    t: usize,
+) -> Result<()> {
+    if dv > 1024 {
+        return Err(CudaError::Unsupported(format!(
+            "gated_rmsnorm_rows: head dim {dv} exceeds 1024"
+        )));
+    }
+    let (ps, zo, hv32, dv32) = (proj_stride as i64, z_off as i32, hv as i32, dv as i32);
+    let mut b = g
+        .stream()
+        .launch_builder(g.kernels().get("gated_rmsnorm_rows"));
+    b.arg(&o)
+        .arg(&proj)
+        .arg(&ps)
+        .arg(&zo)
+        .arg(&w)
+        .arg(&out)
+        .arg(&hv32)
+        .arg(&dv32)
+        .arg(&eps);
+    let threads = (dv.div_ceil(32) * 32) as u32;
+    // SAFETY: o and out hold t·hv·dv floats, proj t rows of proj_stride ≥ z_off + hv·dv floats,
+    // w dv floats; dv ≤ 1024 (checked).
+    unsafe { b.launch(cfg((hv as u32, t as u32), threads, 0)) }
+        .map_err(driver_err("gated_rmsnorm_rows"))?;
+    Ok(())
+}
+
+/// `attn_prep` (see [`super::ops::attn_prep`]) for `bt.rows` consecutive tokens of one
+/// sequence: every entry of `bt.slots` names its slot, row b sits at position `pos[slot] + b`.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_prep_rows(
+    g: &Gpu,
+    proj: u64,
+    proj_stride: usize,
+    qn: u64,
+    kn: u64,
+    inv_freq: u64,
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    pos: u64,
+    a: AttnDims,
+    eps: f32,
+    bt: Batch,
+    ctx: usize,
+) -> Result<()> {
+    let (hq, hkv, d, r) = (a.hq as i32, a.hkv as i32, a.d as i32, a.rotary as i32);
+    let (ps, t, row_pos) = (proj_stride as i64, ctx as i64, 1i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("attn_prep"));
+    b.arg(&proj)
+        .arg(&qn)
+        .arg(&kn)
+        .arg(&inv_freq)
+        .arg(&q)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&pos);
+    b.arg(&hq).arg(&hkv).arg(&d).arg(&r).arg(&eps);
+    b.arg(&bt.slots).arg(&ps).arg(&t).arg(&row_pos);
+    let threads = (a.d.div_ceil(32) * 32) as u32;
+    let grid = ((a.hq + 2 * a.hkv) as u32, bt.rows as u32);
+    // SAFETY: caches hold (slot + 1)·ctx·hkv·d floats and pos[slot] + rows ≤ ctx (the caller
+    // checks the context); q holds rows·hq·d floats; dynamic shared memory holds d floats.
+    unsafe { b.launch(cfg(grid, threads, (a.d * 4) as u32)) }.map_err(driver_err("attn_prep"))?;
+    Ok(())
+}
+
+/// Query rows per block of `attn_prefill` (`AP_QB` in prefill.cu).
+const AP_QB: usize = 32;
+/// Positions per K/V tile (`AP_KT`).
+const AP_KT: usize = 32;
+
+/// Causal gated attention of `t` query rows (`q [t, hq, d]`, row i at position `pos0 + i`)
+/// against one slot's caches `[ctx, hkv, d]` (offset to the slot; rows `0..pos0 + t` written),
+/// gates from the projection rows; out `[t, hq·d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_prefill(
+    g: &Gpu,
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    proj: u64,
+    proj_stride: usize,
+    out: u64,
+    a: AttnDims,
+    t: usize,
+    pos0: usize,
+) -> Result<()> {
+    if a.d > ATTN_DMAX || a.hkv == 0 || !a.hq.is_multiple_of(a.hkv) {
+        return Err(CudaError::Unsupported(format!(
+            "attn_prefill: head dim {} (≤ {ATTN_DMAX}) or heads {}/{}",
+            a.d, a.hq, a.hkv
+        )));
+    }
+    let dp = a.d.div_ceil(4) * 4;
+    let smem = (AP_QB * dp + AP_KT * (dp + 4) + AP_KT * dp) * 4;
+    let name = "attn_prefill";
+    let func = g.kernels().get(name);
+    func.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(driver_err(name))?;
+    let (ps, t32, p32) = (proj_stride as i64, t as i32, pos0 as i32);
+    let (hq, hkv, d) = (a.hq as i32, a.hkv as i32, a.d as i32);
+    let scale = 1.0f32 / (a.d as f32).sqrt();
+    let mut b = g.stream().launch_builder(func);
+    b.arg(&q)
+        .arg(&k_cache)
+        .arg(&v_cache)
+        .arg(&proj)
+        .arg(&ps)
+        .arg(&out)
+        .arg(&t32)
+        .arg(&p32)
+        .arg(&hq)
+        .arg(&hkv)
+        .arg(&d)
+        .arg(&scale);
+    // SAFETY: d ≤ 256 (the kernel's register tiles), hq a multiple of hkv (checked); q and out
+    // hold t·hq·d floats, proj t rows with the gates, the caches pos0 + t written positions
+    // (reads stop at pos0 + t − 1); shared memory as computed (≤ 100 KiB for d = 256).
+    unsafe { b.launch(cfg((blocks(t, AP_QB), a.hq as u32), 256, smem as u32)) }
+        .map_err(driver_err(name))?;
+    Ok(())
+}
+
+/// Most experts `moe_group` sorts (`MG_EMAX` in prefill.cu).
+pub const MOE_GROUP_EMAX: usize = 1040;
+/// Pairs per grouped tile (`MV_VECS` in matvec_rows.cu).
+const TILE: usize = 8;
+
+/// Tiles a grouping of `pairs` pairs over `experts` experts can take (the grid of the grouped
+/// products).
+pub fn max_tiles(pairs: usize, experts: usize) -> usize {
+    pairs.div_ceil(TILE) + experts
+}
+
+/// Sort the `n` (token, slot) pairs of `ids [n]` by expert: `order [n]`, tiles int3
+/// `[max_tiles(n, e)]` and their count in `n_tiles [1]`.
+pub fn moe_group(
+    g: &Gpu,
+    ids: u64,
+    n: usize,
+    e: usize,
+    order: u64,
+    tiles: u64,
+    n_tiles: u64,
+) -> Result<()> {
+    if e > MOE_GROUP_EMAX {
+        return Err(CudaError::Unsupported(format!(
+            "moe_group: {e} experts exceed {MOE_GROUP_EMAX}"
+        )));
+    }
+    let (n32, e32) = (n as i32, e as i32);
+    let mut b = g.stream().launch_builder(g.kernels().get("moe_group"));
+    b.arg(&ids)
+        .arg(&n32)
+        .arg(&e32)
+        .arg(&order)
+        .arg(&tiles)
+        .arg(&n_tiles);
+    // SAFETY: ids holds n ints each < e ≤ MG_EMAX (router_topk writes ids < experts + 1);
+    // order holds n ints, tiles 3·max_tiles(n, e), n_tiles one.
+    unsafe { b.launch(cfg((1, 1), 1024, 0)) }.map_err(driver_err("moe_group"))?;
+    Ok(())
+}
+
+/// A grouping from [`moe_group`] and how the grouped products read their inputs: pair p reads
+/// row `p / x_div` of `x_stride` floats.
+#[derive(Clone, Copy, Debug)]
+pub struct Grouped {
+    pub order: u64,
+    pub tiles: u64,
+    pub n_tiles: u64,
+    pub max_tiles: usize,
+    pub x_stride: usize,
+    pub x_div: usize,
+}
+
+/// Whether the grouped kernels take matrix `m` with inputs `x_stride` floats apart (float4
+/// loads: bf16 needs K % 8 == 0; the stride a multiple of 4).
+pub fn grouped_supported(m: &Matvec, x_stride: usize) -> bool {
+    let k_ok = matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8);
+    k_ok && x_stride.is_multiple_of(4)
+}
+
+fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Result<()> {
+    if !grouped_supported(&m, gr.x_stride) || gr.x_div == 0 {
+        return Err(CudaError::Unsupported(format!(
+            "grouped product: K {} / stride {} not supported",
+            m.k, gr.x_stride
+        )));
+    }
+    let out_rows = if swiglu { m.n / 2 } else { m.n };
+    let (n32, k32, xs, xd) = (
+        out_rows as i32,
+        m.k as i32,
+        gr.x_stride as i64,
+        gr.x_div as i32,
+    );
+    let name = match (m.format, swiglu) {
+        (WeightFormat::Bf16, false) => "grouped_rows_bf16",
+        (WeightFormat::Bf16, true) => "grouped_swiglu_bf16",
+        (WeightFormat::Affine { .. }, false) => "grouped_rows_affine",
+        (WeightFormat::Affine { .. }, true) => "grouped_swiglu_affine",
+    };
+    let mut b = g.stream().launch_builder(g.kernels().get(name));
+    b.arg(&m.w);
+    let (g32, bits32, scales, biases) = match m.format {
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => (group as i32, bits as i32, scales, biases),
+        WeightFormat::Bf16 => (0, 0, 0, 0),
+    };
+    if let WeightFormat::Affine { .. } = m.format {
+        b.arg(&scales)
+            .arg(&biases)
+            .arg(&x)
+            .arg(&y)
+            .arg(&n32)
+            .arg(&k32);
+        b.arg(&g32).arg(&bits32);
+    } else {
+        b.arg(&x).arg(&y).arg(&n32).arg(&k32);
+    }
+    b.arg(&gr.tiles)
+        .arg(&gr.n_tiles)
+        .arg(&gr.order)
+        .arg(&xs)
+        .arg(&xd);
+    let grid = (gr.max_tiles.max(1) as u32, blocks(out_rows, 8));
+    // SAFETY: the tiles come from moe_group over the same pairs (experts < the stack's count,
+    // pair indices < pairs); x holds (max pair / x_div + 1) rows of x_stride ≥ K floats
+    // (16-byte aligned: checked), y pairs·N floats (pairs·I for SwiGLU); W holds the stacked
+    // experts of its format.
+    unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
+    Ok(())
+}
+
+/// `y[p] = W_{e(p)} x_{p / x_div}` for every pair p of the grouping (no bias).
+pub fn grouped_matvec(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped) -> Result<()> {
+    grouped(g, m, x, y, gr, false)
+}
+
+/// `h[p] = silu(G_e x) ⊙ U_e x` for every pair p of the grouping (`m.n = 2I`).
+pub fn grouped_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, gr: Grouped) -> Result<()> {
+    grouped(g, m, x, h, gr, true)
+}
+
+/// The gated delta rule over `t` tokens in f32, token by token with the arithmetic of the decode
+/// kernel `gdn_step`: q, k, v from the conv output rows `mixed [t, conv dim]`, gates from the
+/// projection rows; the state `[hv, dk, dv]` (offset to the slot) is updated in place; out
+/// `[t, hv, dv]` before the gated norm ([`gated_rmsnorm_rows`]).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_rec_rows(
+    g: &Gpu,
+    mixed: u64,
+    proj: u64,
+    proj_stride: usize,
+    state: u64,
+    neg_a: u64,
+    dt_bias: u64,
+    out: u64,
+    d: GdnDims,
+    t: usize,
+) -> Result<()> {
+    if d.dk > 128 || d.hk == 0 || !d.hv.is_multiple_of(d.hk) {
+        return Err(CudaError::Unsupported(format!(
+            "gdn_rec_rows: key dim {} (≤ 128) or heads {}/{}",
+            d.dk, d.hk, d.hv
+        )));
+    }
+    let (t32, hk, hv, dk, dv) = (t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
+    let ps = proj_stride as i64;
+    let mut b = g.stream().launch_builder(g.kernels().get("gdn_rec_rows"));
+    b.arg(&mixed)
+        .arg(&proj)
+        .arg(&ps)
+        .arg(&state)
+        .arg(&neg_a)
+        .arg(&dt_bias)
+        .arg(&out)
+        .arg(&t32)
+        .arg(&hk)
+        .arg(&hv)
+        .arg(&dk)
+        .arg(&dv);
+    let launch = LaunchConfig {
+        grid_dim: (d.hv as u32, d.dv.div_ceil(32) as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: dk ≤ 128 (the shared q/k rows and register columns), hv a multiple of hk
+    // (checked); mixed holds t rows of 2·hk·dk + hv·dv floats, proj t rows of proj_stride floats
+    // with the b and a gates after them, state hv·dk·dv floats, out t·hv·dv; columns ≥ dv idle.
+    unsafe { b.launch(launch) }.map_err(driver_err("gdn_rec_rows"))?;
+    Ok(())
+}
