@@ -22,9 +22,11 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Sequences decoded together; on CUDA their state is reserved up front.
-    #[arg(long, default_value_t = 4)]
-    max_seqs: usize,
+    /// Sequences decoded together. On CUDA their state is reserved up front; the default there
+    /// is as many as the free device memory holds (measured after loading, at most 64); on the
+    /// CPU the default is 4.
+    #[arg(long)]
+    max_seqs: Option<usize>,
     /// Requests that may wait for a sequence; more are answered 429 with Retry-After.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
@@ -52,6 +54,9 @@ pub struct ServeArgs {
 
 /// Tokens of KV cache each CUDA sequence gets unless --ctx says otherwise.
 const DEFAULT_CUDA_CONTEXT: usize = 32768;
+
+/// Sequences served at once on the CPU unless `--max-seqs` says otherwise.
+const CPU_MAX_SEQS: usize = 4;
 
 /// True when `device` resolves to CUDA; `cuda` without a usable GPU is an error.
 fn use_cuda(device: Device) -> Result<bool> {
@@ -83,8 +88,8 @@ fn factory(
     })
 }
 
-fn options(a: &ServeArgs, name: String) -> Result<ServerOptions> {
-    if a.max_seqs == 0 {
+fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
+    if a.max_seqs == Some(0) {
         bail!("--max-seqs must be at least 1");
     }
     if a.prefill_chunk == 0 {
@@ -92,7 +97,11 @@ fn options(a: &ServeArgs, name: String) -> Result<ServerOptions> {
     }
     Ok(ServerOptions {
         api_name: name,
-        max_seqs: a.max_seqs,
+        // On CUDA without --max-seqs the engine reserves what fits and the server runs as
+        // many sequences as it got.
+        max_seqs: a
+            .max_seqs
+            .unwrap_or(if cuda { usize::MAX / 4 } else { CPU_MAX_SEQS }),
         max_queue: a.max_queue,
         max_context: a.ctx,
         prompt_cache_bytes: a.prompt_cache_mb << 20,
@@ -118,9 +127,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "deltamoe".into()),
     };
-    let opts = options(&a, name)?;
     let cuda = use_cuda(a.model.device)?;
-    let server = Server::start(&dir, factory(dir.clone(), cuda, a.ctx, a.max_seqs), opts)
+    let opts = options(&a, name, cuda)?;
+    let slots = a.max_seqs.unwrap_or(0);
+    let server = Server::start(&dir, factory(dir.clone(), cuda, a.ctx, slots), opts)
         .with_context(|| format!("serving {}", dir.display()))?;
     eprintln!("{}", server.describe());
     let runtime = tokio::runtime::Builder::new_multi_thread()

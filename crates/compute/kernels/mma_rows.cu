@@ -12,6 +12,11 @@
 // K % 32 == 0. SwiGLU form: W = [gate (I rows) | up (I rows)], h[b, n] = silu(G_n·x_b)·U_n·x_b,
 // h: [B, I].
 //
+// Grouped form (MoE prefill, pairs sorted by expert by `moe_group` in prefill.cu): block x is
+// tile blockIdx.x of `tiles` (int3: expert e, first index f into `order`, count ≤ 32; blocks past
+// n_tiles exit); its input rows are pairs p = order[f + i], read at x + (p / x_div)·x_stride,
+// the weights are expert e's of a stack [E, N, K], and output row p of y [pairs, N].
+//
 // grid (ceil(B / 32), ceil(N / 16)) (N = I for SwiGLU), block 256: a block takes weight rows
 // blockIdx.y·16 + 0..16 and input rows blockIdx.x·32 + 0..32 (four 8-row tiles); its 8 warps
 // split K (warp w takes the 32-wide chunks c ≡ w mod 8) and are summed in shared memory. Per
@@ -80,14 +85,17 @@ __device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t*
 // Accumulates, for one warp, rows n0..n0+16 (and, with `SW`, rows I + n0.. as the second
 // output set) against input rows b0..b0+32 into acc[set][tile][4] (mma C layout: rows l/4,
 // l/4 + 8, inputs 2(l%4), 2(l%4)+1 of the tile).
+// Input row b of the warp's 32 is at x + b·xs, or with `rows` at x + rows[b]·xs.
 template <int BITS, int SETS>
 __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
                               const bf16_t* __restrict__ Bs, const float* __restrict__ x, long long xs,
-                              int nb, int N, int K, int G, long long set_off, int n0,
+                              const int* rows, int nb, int N, int K, int G, long long set_off, long long n0,
                               float acc[SETS][MMA_TILES][4]) {
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
     int gshift = __ffs(G) - 1;
-    long long r0 = min(n0 + gid, N - 1), r1 = min(n0 + gid + 8, N - 1);
+    // n0 may carry an expert offset e·N (grouped form): clamp within the expert's rows.
+    long long base = n0 - n0 % N, r = n0 % N;
+    long long r0 = base + min(r + gid, (long long)N - 1), r1 = base + min(r + gid + 8, (long long)N - 1);
     float part[SETS][MMA_TILES][4];
 #pragma unroll
     for (int s = 0; s < SETS; ++s)
@@ -113,7 +121,7 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
             int b = j * 8 + gid;
             float xv[8];
             if (b < nb) {
-                const float* xr = x + b * xs + k0;
+                const float* xr = x + (rows ? rows[b] : b) * xs + k0;
                 float4 f0 = *reinterpret_cast<const float4*>(xr);
                 float4 f1 = *reinterpret_cast<const float4*>(xr + 4);
                 xv[0] = f0.x; xv[1] = f0.y; xv[2] = f0.z; xv[3] = f0.w;
@@ -199,7 +207,7 @@ __device__ void mma_rows_t(const void* W, const bf16_t* S, const bf16_t* Bs, con
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
     float acc[1][MMA_TILES][4];
-    mma_rows_core<BITS, 1>(W, S, Bs, x + b0 * xs, xs, Bn - b0, N, K, G, 0, n0, acc);
+    mma_rows_core<BITS, 1>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, 0, n0, acc);
     reduce_warps<1>(acc);
     if (threadIdx.x >= 32) return;
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
@@ -218,7 +226,7 @@ __device__ void mma_swiglu_t(const void* W, const bf16_t* S, const bf16_t* Bs, c
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
     float acc[2][MMA_TILES][4];
-    mma_rows_core<BITS, 2>(W, S, Bs, x + b0 * xs, xs, Bn - b0, I, K, G, I, n0, acc);
+    mma_rows_core<BITS, 2>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, I, K, G, I, n0, acc);
     reduce_warps<2>(acc);
     if (threadIdx.x >= 32) return;
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
@@ -256,4 +264,91 @@ extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsign
                                                                     long long xs) {
     if (bits == 8) mma_swiglu_t<8>(W, S, B, x, h, I, K, G, Bn, xs);
     else mma_swiglu_t<4>(W, S, B, x, h, I, K, G, Bn, xs);
+}
+
+// The grouped form's tile: its expert, pairs and input rows (pair / x_div); false past n_tiles.
+__device__ __forceinline__ bool mma_tile(const int* __restrict__ tiles, const int* __restrict__ n_tiles,
+                                         const int* __restrict__ order, int x_div, int& e, int& nb,
+                                         int pair[MMA_TILES * 8], int row[MMA_TILES * 8]) {
+    int ti = blockIdx.x;
+    if (ti >= n_tiles[0]) return false;
+    e = tiles[3 * ti];
+    int f = tiles[3 * ti + 1];
+    nb = tiles[3 * ti + 2];
+#pragma unroll
+    for (int i = 0; i < MMA_TILES * 8; ++i) {
+        pair[i] = i < nb ? order[f + i] : 0;
+        row[i] = pair[i] / x_div;
+    }
+    return true;
+}
+
+template <int BITS, int SETS>
+__device__ void mma_grouped_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+                              int N, int K, int G, const int* tiles, const int* n_tiles, const int* order,
+                              long long xs, int x_div) {
+    __shared__ int pair[MMA_TILES * 8], row[MMA_TILES * 8];
+    __shared__ int tile_e, tile_n;
+    if (threadIdx.x == 0) {
+        int e, nb, p[MMA_TILES * 8], r[MMA_TILES * 8];
+        bool ok = mma_tile(tiles, n_tiles, order, x_div, e, nb, p, r);
+        tile_e = e;
+        tile_n = ok ? nb : 0;
+        for (int i = 0; i < MMA_TILES * 8; ++i) {
+            pair[i] = p[i];
+            row[i] = r[i];
+        }
+    }
+    __syncthreads();
+    int nb = tile_n;
+    if (nb == 0) return;
+    long long rows_per_expert = (long long)SETS * N;
+    long long n0 = (long long)tile_e * rows_per_expert + blockIdx.y * 16;
+    float acc[SETS][MMA_TILES][4];
+    mma_rows_core<BITS, SETS>(W, S, Bs, x, xs, row, nb, N, K, G, N, n0, acc);
+    reduce_warps<SETS>(acc);
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int n = blockIdx.y * 16 + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
+            if (n < N && b < nb) {
+                float v = SETS == 2 ? silu_f(acc[0][j][e]) * acc[SETS - 1][j][e] : acc[0][j][e];
+                y[(long long)pair[b] * N + n] = v;
+            }
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_bf16(
+    const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N, int K,
+    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    long long xs, int x_div) {
+    mma_grouped_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, tiles, n_tiles, order, xs, x_div);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_bf16(
+    const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ h, int I, int K,
+    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    long long xs, int x_div) {
+    mma_grouped_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine(
+    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,
+    const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, int bits,
+    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    long long xs, int x_div) {
+    if (bits == 8) mma_grouped_t<8, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
+    else mma_grouped_t<4, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
+    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,
+    const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, int bits,
+    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    long long xs, int x_div) {
+    if (bits == 8) mma_grouped_t<8, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
+    else mma_grouped_t<4, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
 }

@@ -35,7 +35,7 @@
 //
 // moe_group: pairs i < n (token i / KS, slot i % KS) with expert ids[i] < E, sorted by expert
 //   (counting sort; order inside an expert unspecified): order[n] pair indices, tiles of at most
-//   8 pairs of one expert as int3 (expert, first index into order, count), their number in
+//   `tile` pairs of one expert as int3 (expert, first index into order, count), their number in
 //   n_tiles[0]. One block of 1024 threads; E ≤ MG_EMAX.
 
 extern "C" __global__ void gdn_conv_rows(const float* __restrict__ proj, long long P,
@@ -304,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(AP_WARPS * 32) attn_prefill(
 
 extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* __restrict__ ids, int n, int E,
                                                              int* __restrict__ order, int* __restrict__ tiles,
-                                                             int* __restrict__ n_tiles) {
+                                                             int* __restrict__ n_tiles, int tile) {
     __shared__ int cnt[MG_EMAX], off[MG_EMAX], toff[MG_EMAX];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -316,16 +316,16 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* __restri
             off[e] = a;
             toff[e] = nt;
             a += cnt[e];
-            nt += (cnt[e] + 7) / 8;
+            nt += (cnt[e] + tile - 1) / tile;
         }
         n_tiles[0] = nt;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        for (int s = 0, ti = toff[e]; s < cnt[e]; s += 8, ++ti) {
+        for (int s = 0, ti = toff[e]; s < cnt[e]; s += tile, ++ti) {
             tiles[3 * ti] = e;
             tiles[3 * ti + 1] = off[e] + s;
-            tiles[3 * ti + 2] = min(8, cnt[e] - s);
+            tiles[3 * ti + 2] = min(tile, cnt[e] - s);
         }
     }
     __syncthreads();

@@ -399,7 +399,38 @@ fn moe_grouping_and_grouped_products_match_cpu() {
             .map(|_| r.random_range(0..experts as i32))
             .collect();
         let di = g.upload(&ids).unwrap();
-        let mt = pf::max_tiles(pairs, experts);
+        let x = rand_vec(&mut r, tokens * k, -1.0, 1.0);
+        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+        for tile in [pf::TILE_CORES, pf::TILE_MMA] {
+            if tile == pf::TILE_MMA && k % 32 != 0 {
+                continue;
+            }
+            grouping_case(
+                &g, &ids, &di, tokens, ks, experts, n, k, quant, tile, &x, &w,
+            );
+        }
+    }
+}
+
+/// One grouping of `ids` in tiles of `tile` and the grouped products over it against the CPU.
+#[allow(clippy::too_many_arguments)]
+fn grouping_case(
+    g: &Gpu,
+    ids: &[i32],
+    di: &deltamoe_compute::cuda::DevBuf<i32>,
+    tokens: usize,
+    ks: usize,
+    experts: usize,
+    n: usize,
+    k: usize,
+    quant: Option<(u32, usize)>,
+    tile: usize,
+    x: &[f32],
+    w: &[f32],
+) {
+    {
+        let pairs = tokens * ks;
+        let mt = pf::max_tiles(pairs, experts, tile);
         let (order, tiles, nt) = (
             g.zeros::<i32>(pairs).unwrap(),
             g.zeros::<i32>(3 * mt).unwrap(),
@@ -410,6 +441,7 @@ fn moe_grouping_and_grouped_products_match_cpu() {
             di.ptr(),
             pairs,
             experts,
+            tile,
             order.ptr(),
             tiles.ptr(),
             nt.ptr(),
@@ -426,7 +458,7 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         for ti in 0..ntv {
             let (e, f, c) = (tl[3 * ti], tl[3 * ti + 1] as usize, tl[3 * ti + 2] as usize);
             assert!(
-                e >= last_e && (1..=8).contains(&c),
+                e >= last_e && (1..=tile).contains(&c),
                 "tile {ti}: {e} {f} {c}"
             );
             last_e = e;
@@ -440,9 +472,7 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         }
         assert_eq!(covered, pairs, "every pair once");
 
-        let x = rand_vec(&mut r, tokens * k, -1.0, 1.0);
-        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
-        let dx = g.upload(&x).unwrap();
+        let dx = g.upload(x).unwrap();
         let (m, _keep): (Matvec, Vec<Box<dyn std::any::Any>>) = match quant {
             None => {
                 let bits: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
@@ -457,7 +487,7 @@ fn moe_grouping_and_grouped_products_match_cpu() {
                 (m, vec![Box::new(dw)])
             }
             Some((bits, group)) => {
-                let q = quantize(&w, k, group, bits).unwrap();
+                let q = quantize(w, k, group, bits).unwrap();
                 let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
                 let (dw, ds, db) = (
                     g.upload(&q.words).unwrap(),
@@ -484,6 +514,7 @@ fn moe_grouping_and_grouped_products_match_cpu() {
             order: order.ptr(),
             tiles: tiles.ptr(),
             n_tiles: nt.ptr(),
+            tile,
             max_tiles: mt,
             x_stride: k,
             x_div: ks,
@@ -492,8 +523,8 @@ fn moe_grouping_and_grouped_products_match_cpu() {
             g.zeros::<f32>(pairs * n).unwrap(),
             g.zeros::<f32>(pairs * n / 2).unwrap(),
         );
-        pf::grouped_matvec(&g, m, dx.ptr(), dy.ptr(), gr).unwrap();
-        pf::grouped_swiglu(&g, m, dx.ptr(), dh.ptr(), gr).unwrap();
+        pf::grouped_matvec(g, m, dx.ptr(), dy.ptr(), gr).unwrap();
+        pf::grouped_swiglu(g, m, dx.ptr(), dh.ptr(), gr).unwrap();
         let want: Vec<f32> = match quant {
             None => (0..pairs)
                 .flat_map(|pi| {
@@ -512,11 +543,11 @@ fn moe_grouping_and_grouped_products_match_cpu() {
             Some(_) => {
                 let dref = g.zeros::<f32>(pairs * n).unwrap();
                 let sl = Slots::experts(pairs, di.ptr(), k, ks);
-                ops::matvec(&g, m, dx.ptr(), dref.ptr(), sl).unwrap();
+                ops::matvec(g, m, dx.ptr(), dref.ptr(), sl).unwrap();
                 g.read(&dref, pairs * n).unwrap()
             }
         };
-        let name = format!("grouped {quant:?} {tokens}x{ks} of {experts} [{n}x{k}]");
+        let name = format!("grouped {quant:?} tile {tile} {tokens}x{ks} of {experts} [{n}x{k}]");
         assert_close(&name, &g.read(&dy, pairs * n).unwrap(), &want, 1e-4);
         let i = n / 2;
         let hw: Vec<f32> = (0..pairs)

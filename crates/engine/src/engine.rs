@@ -84,7 +84,8 @@ impl Engine {
     }
 
     /// An engine on a GPU: uploads the weights and reserves state for `max_seqs` sequences of
-    /// `max_ctx` tokens each (capped by the model's max_position_embeddings).
+    /// `max_ctx` tokens each (capped by the model's max_position_embeddings); `max_seqs` 0
+    /// reserves as many as the free device memory holds.
     pub fn new_cuda(
         model: Qwen3Hybrid,
         gpu: Arc<Gpu>,

@@ -43,6 +43,10 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "mma_rows_affine",
             "mma_swiglu_bf16",
             "mma_swiglu_affine",
+            "mma_grouped_rows_bf16",
+            "mma_grouped_swiglu_bf16",
+            "mma_grouped_rows_affine",
+            "mma_grouped_swiglu_affine",
         ],
     ),
     (

@@ -130,7 +130,7 @@ const MMA_ROWS_INPUTS: usize = 32;
 
 /// Whether the tensor-core kernels of mma_rows.cu take this matrix: K a multiple of 32 and
 /// bf16 or 4/8-bit affine weights with groups of 32, 64 or 128.
-fn tensor_core_rows(m: &Matvec) -> bool {
+pub(super) fn tensor_core_rows(m: &Matvec) -> bool {
     m.k.is_multiple_of(32)
         && match m.format {
             WeightFormat::Bf16 => true,

@@ -259,22 +259,36 @@ pub fn attn_prefill(
 
 /// Most experts `moe_group` sorts (`MG_EMAX` in prefill.cu).
 pub const MOE_GROUP_EMAX: usize = 1040;
-/// Pairs per grouped tile (`MV_VECS` in matvec_rows.cu).
-const TILE: usize = 8;
+/// Pairs per grouped tile of the CUDA-core grouped kernels (`MV_VECS` in matvec_rows.cu).
+pub const TILE_CORES: usize = 8;
+/// Pairs per grouped tile of the tensor-core grouped kernels (`8·MMA_TILES` in mma_rows.cu).
+pub const TILE_MMA: usize = 32;
 
-/// Tiles a grouping of `pairs` pairs over `experts` experts can take (the grid of the grouped
-/// products).
-pub fn max_tiles(pairs: usize, experts: usize) -> usize {
-    pairs.div_ceil(TILE) + experts
+/// The tile size for grouped products through the expert matrices `gate_up` and `down`: the
+/// tensor-core kernels when both take them, else the CUDA-core ones.
+pub fn group_tile(gate_up: &Matvec, down: &Matvec) -> usize {
+    if super::ops::tensor_core_rows(gate_up) && super::ops::tensor_core_rows(down) {
+        TILE_MMA
+    } else {
+        TILE_CORES
+    }
+}
+
+/// Tiles a grouping of `pairs` pairs over `experts` experts in tiles of `tile` can take (the
+/// grid of the grouped products).
+pub fn max_tiles(pairs: usize, experts: usize, tile: usize) -> usize {
+    pairs.div_ceil(tile) + experts
 }
 
 /// Sort the `n` (token, slot) pairs of `ids [n]` by expert: `order [n]`, tiles int3
-/// `[max_tiles(n, e)]` and their count in `n_tiles [1]`.
+/// `[max_tiles(n, e, tile)]` of at most `tile` pairs and their count in `n_tiles [1]`.
+#[allow(clippy::too_many_arguments)]
 pub fn moe_group(
     g: &Gpu,
     ids: u64,
     n: usize,
     e: usize,
+    tile: usize,
     order: u64,
     tiles: u64,
     n_tiles: u64,
@@ -284,27 +298,30 @@ pub fn moe_group(
             "moe_group: {e} experts exceed {MOE_GROUP_EMAX}"
         )));
     }
-    let (n32, e32) = (n as i32, e as i32);
+    let (n32, e32, t32) = (n as i32, e as i32, tile.max(1) as i32);
     let mut b = g.stream().launch_builder(g.kernels().get("moe_group"));
     b.arg(&ids)
         .arg(&n32)
         .arg(&e32)
         .arg(&order)
         .arg(&tiles)
-        .arg(&n_tiles);
+        .arg(&n_tiles)
+        .arg(&t32);
     // SAFETY: ids holds n ints each < e ≤ MG_EMAX (router_topk writes ids < experts + 1);
-    // order holds n ints, tiles 3·max_tiles(n, e), n_tiles one.
+    // order holds n ints, tiles 3·max_tiles(n, e, tile), n_tiles one.
     unsafe { b.launch(cfg((1, 1), 1024, 0)) }.map_err(driver_err("moe_group"))?;
     Ok(())
 }
 
 /// A grouping from [`moe_group`] and how the grouped products read their inputs: pair p reads
-/// row `p / x_div` of `x_stride` floats.
+/// row `p / x_div` of `x_stride` floats. `tile` is the grouping's tile size: [`TILE_MMA`]
+/// selects the tensor-core kernels, [`TILE_CORES`] the CUDA-core ones.
 #[derive(Clone, Copy, Debug)]
 pub struct Grouped {
     pub order: u64,
     pub tiles: u64,
     pub n_tiles: u64,
+    pub tile: usize,
     pub max_tiles: usize,
     pub x_stride: usize,
     pub x_div: usize,
@@ -331,11 +348,22 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         gr.x_stride as i64,
         gr.x_div as i32,
     );
-    let name = match (m.format, swiglu) {
-        (WeightFormat::Bf16, false) => "grouped_rows_bf16",
-        (WeightFormat::Bf16, true) => "grouped_swiglu_bf16",
-        (WeightFormat::Affine { .. }, false) => "grouped_rows_affine",
-        (WeightFormat::Affine { .. }, true) => "grouped_swiglu_affine",
+    let mma = gr.tile == TILE_MMA;
+    if mma && !super::ops::tensor_core_rows(&m) {
+        return Err(CudaError::Unsupported(
+            "grouped product: tensor-core tiles for a matrix the tensor-core kernels do not take"
+                .into(),
+        ));
+    }
+    let name = match (m.format, swiglu, mma) {
+        (WeightFormat::Bf16, false, false) => "grouped_rows_bf16",
+        (WeightFormat::Bf16, true, false) => "grouped_swiglu_bf16",
+        (WeightFormat::Affine { .. }, false, false) => "grouped_rows_affine",
+        (WeightFormat::Affine { .. }, true, false) => "grouped_swiglu_affine",
+        (WeightFormat::Bf16, false, true) => "mma_grouped_rows_bf16",
+        (WeightFormat::Bf16, true, true) => "mma_grouped_swiglu_bf16",
+        (WeightFormat::Affine { .. }, false, true) => "mma_grouped_rows_affine",
+        (WeightFormat::Affine { .. }, true, true) => "mma_grouped_swiglu_affine",
     };
     let mut b = g.stream().launch_builder(g.kernels().get(name));
     b.arg(&m.w);
@@ -364,7 +392,8 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         .arg(&gr.order)
         .arg(&xs)
         .arg(&xd);
-    let grid = (gr.max_tiles.max(1) as u32, blocks(out_rows, 8));
+    let rows_per_block = if mma { 16 } else { 8 };
+    let grid = (gr.max_tiles.max(1) as u32, blocks(out_rows, rows_per_block));
     // SAFETY: the tiles come from moe_group over the same pairs (experts < the stack's count,
     // pair indices < pairs); x holds (max pair / x_div + 1) rows of x_stride ≥ K floats
     // (16-byte aligned: checked), y pairs·N floats (pairs·I for SwiGLU); W holds the stacked

@@ -126,6 +126,15 @@ impl Pool {
     }
 }
 
+/// Device memory [`GpuModel::reserve`] leaves free for scratch, prefill activations, graphs
+/// and prompt snapshots.
+pub const RESERVE_HEADROOM: usize = 4 << 30;
+
+/// Most slots an automatic reservation takes.
+pub const AUTO_MAX_SLOTS: usize = 64;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
 fn full(slots: usize) -> CudaError {
     CudaError::Full(format!(
         "all {slots} sequence slots are in use; release a sequence or reserve more"
@@ -133,17 +142,39 @@ fn full(slots: usize) -> CudaError {
 }
 
 impl GpuModel {
-    /// Reserve device state for `slots` sequences of `ctx` tokens each, and scratch for
-    /// batches of up to `min(slots, MAX_BATCH)` rows. Drops any earlier reservation (and the
-    /// sequences in it).
+    /// Reserve device state for `slots` sequences of `ctx` tokens each (`slots` 0: as many as
+    /// the free device memory holds, leaving [`RESERVE_HEADROOM`] for activations and
+    /// snapshots, at most [`AUTO_MAX_SLOTS`]), and scratch for batches of up to
+    /// `min(slots, MAX_BATCH)` rows. Drops any earlier reservation (and the sequences in it).
+    /// Fails with a message naming the fitting count when the slots do not fit.
     pub fn reserve(&mut self, slots: usize, ctx: usize) -> Result<()> {
-        if slots == 0 || ctx == 0 {
+        if ctx == 0 {
             return Err(CudaError::Unsupported(
-                "reserve at least one sequence of at least one token".into(),
+                "reserve sequences of at least one token".into(),
             ));
         }
         self.graphs.clear();
         self.pool = None;
+        let (free, _) = self.gpu.mem_info()?;
+        let per = self.seq_bytes(ctx);
+        let fit = free.saturating_sub(RESERVE_HEADROOM) / per.max(1);
+        let slots = if slots == 0 {
+            fit.min(AUTO_MAX_SLOTS)
+        } else {
+            slots
+        };
+        if slots == 0 || slots > fit {
+            return Err(CudaError::Unsupported(format!(
+                "{} sequences of {ctx} tokens need {:.2} GiB of device state ({:.3} GiB each) \
+                 but {:.2} GiB are free (less {} GiB kept for activations): {fit} fit; lower \
+                 --max-seqs or --ctx",
+                slots.max(1),
+                (slots.max(1) * per) as f64 / GIB,
+                per as f64 / GIB,
+                free as f64 / GIB,
+                RESERVE_HEADROOM >> 30
+            )));
+        }
         self.pool = Some(Pool::new(self, slots, ctx)?);
         self.set_rows(slots.min(super::MAX_BATCH))
     }

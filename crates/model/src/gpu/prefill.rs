@@ -141,7 +141,7 @@ impl PrefillScratch {
             hs: g.zeros(r * shared_inter)?,
             ys: g.zeros(r * h)?,
             order: g.zeros(pairs)?,
-            tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1))?,
+            tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1, pf::TILE_CORES))?,
             n_tiles: g.zeros(1)?,
             logits: g.zeros(LOGIT_ROWS * c.vocab_size)?,
         })
@@ -536,11 +536,13 @@ impl GpuModel {
                 let (gu, dn) = (experts_gu.mv(), experts_down.mv());
                 if pf::grouped_supported(&gu, h) && pf::grouped_supported(&dn, i_e) {
                     let stacked = self.num_experts + shared.is_none() as usize;
+                    let tile = pf::group_tile(&gu, &dn);
                     pf::moe_group(
                         g,
                         ids,
                         pairs,
                         stacked,
+                        tile,
                         ps.order.ptr(),
                         ps.tiles.ptr(),
                         ps.n_tiles.ptr(),
@@ -549,7 +551,8 @@ impl GpuModel {
                         order: ps.order.ptr(),
                         tiles: ps.tiles.ptr(),
                         n_tiles: ps.n_tiles.ptr(),
-                        max_tiles: pf::max_tiles(pairs, stacked),
+                        tile,
+                        max_tiles: pf::max_tiles(pairs, stacked, tile),
                         x_stride: h,
                         x_div: ks,
                     };
