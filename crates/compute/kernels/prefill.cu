@@ -24,15 +24,6 @@
 //   β = sigmoid(b) from proj row t; S ← e^g S; δ = β (v − Sᵀk); S += k δᵀ; o = Sᵀq → out
 //   [T, Hv, Dv] (before the gated norm). Dk ≤ 128.
 //
-// attn_prefill: causal gated attention of T query rows at positions pos0 + t against the slot's
-//   caches k, v: [ctx, Hkv, D] (rows 0..pos0 + T written). q: [T, Hq, D] (normed, roped);
-//   gates in proj rows as attn_prep reads them (q_h | gate_h per head, P floats per row);
-//   out[t, h·D + d] = softmax_p≤pos0+t(q·k_p / sqrt(D)) · v · sigmoid(gate). grid
-//   (ceil(T/AP_QB), Hq), block AP_WARPS·32; warp w takes query rows AP_ROWS·w.. of the block's
-//   AP_QB, lane j takes position j of each AP_KT-position K/V tile in shared memory for the
-//   scores (online softmax per row), lane l output dims l, l + 32, … for P·V. Dynamic shared
-//   memory: (AP_QB·DP + AP_KT·(DP + 4) + AP_KT·DP) floats, DP = D rounded up to 4. D ≤ 256.
-//
 // moe_group: pairs i < n (token i / KS, slot i % KS) with expert ids[i] < E, sorted by expert
 //   (counting sort; order inside an expert unspecified): order[n] pair indices, tiles of at most
 //   `tile` pairs of one expert as int3 (expert, first index into order, count), their number in
@@ -186,117 +177,6 @@ extern "C" __global__ void __launch_bounds__(256) gdn_rec_rows(
     for (int u = 0; u < GR_RMAX; ++u) {
         int i = i0 + u;
         if (active && u < rows && i < Dk) S[(long long)i * Dv] = col[u];
-    }
-}
-
-#define AP_ROWS 4
-#define AP_WARPS 8
-#define AP_QB (AP_ROWS * AP_WARPS)
-#define AP_KT 32
-#define AP_DMAX 256
-#define AP_PER (AP_DMAX / 32)
-
-extern "C" __global__ void __launch_bounds__(AP_WARPS * 32) attn_prefill(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
-    const float* __restrict__ proj, long long P, float* __restrict__ out, int T, int pos0, int Hq, int Hkv,
-    int D, float scale) {
-    extern __shared__ __align__(16) float ap_smem[];
-    const int DP = (D + 3) & ~3;
-    float* Qs = ap_smem;                       // [AP_QB][DP]
-    float* Ks = Qs + AP_QB * DP;               // [AP_KT][DP + 4]
-    float* Vs = Ks + AP_KT * (DP + 4);         // [AP_KT][DP]
-    int h = blockIdx.y, t0 = blockIdx.x * AP_QB;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int kvh = h / (Hq / Hkv);
-    long long kv_row = (long long)Hkv * D;
-    for (int i = threadIdx.x; i < AP_QB * DP; i += blockDim.x) {
-        int r = i / DP, d = i % DP;
-        int t = t0 + r;
-        Qs[i] = (t < T && d < D) ? q[((long long)t * Hq + h) * D + d] : 0.f;
-    }
-    // Rows of this warp, their last visible position (−1: no row) and online-softmax state.
-    int lim[AP_ROWS];
-    float m[AP_ROWS], l[AP_ROWS], acc[AP_ROWS][AP_PER];
-    int wmax = -1;
-#pragma unroll
-    for (int r = 0; r < AP_ROWS; ++r) {
-        int t = t0 + warp * AP_ROWS + r;
-        lim[r] = t < T ? pos0 + t : -1;
-        wmax = max(wmax, lim[r]);
-        m[r] = NEG_INF;
-        l[r] = 0.f;
-#pragma unroll
-        for (int u = 0; u < AP_PER; ++u) acc[r][u] = 0.f;
-    }
-    int last = pos0 + min(t0 + AP_QB, T) - 1;
-    for (int p0 = 0; p0 <= last; p0 += AP_KT) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < AP_KT * DP; i += blockDim.x) {
-            int j = i / DP, d = i % DP;
-            int p = p0 + j;
-            bool ok = p <= last && d < D;
-            long long src = (long long)p * kv_row + (long long)kvh * D + d;
-            Ks[j * (DP + 4) + d] = ok ? kc[src] : 0.f;
-            Vs[j * DP + d] = ok ? vc[src] : 0.f;
-        }
-        __syncthreads();
-        if (p0 > wmax) continue;
-        float s[AP_ROWS];
-#pragma unroll
-        for (int r = 0; r < AP_ROWS; ++r) s[r] = 0.f;
-        const float* kr = Ks + lane * (DP + 4);
-        for (int d = 0; d < DP; d += 4) {
-            float4 kv = *reinterpret_cast<const float4*>(kr + d);
-#pragma unroll
-            for (int r = 0; r < AP_ROWS; ++r) {
-                float4 qv = *reinterpret_cast<const float4*>(Qs + (warp * AP_ROWS + r) * DP + d);
-                s[r] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, s[r]))));
-            }
-        }
-        int p = p0 + lane;
-        float pr[AP_ROWS];
-#pragma unroll
-        for (int r = 0; r < AP_ROWS; ++r) {
-            float sc = p <= lim[r] ? s[r] * scale : NEG_INF;
-            float mn = fmaxf(m[r], warp_max(sc));
-            if (mn == NEG_INF) {
-                pr[r] = 0.f;
-                continue;
-            }
-            float corr = expf(m[r] - mn);
-            pr[r] = p <= lim[r] ? expf(sc - mn) : 0.f;
-            l[r] = l[r] * corr + warp_sum(pr[r]);
-#pragma unroll
-            for (int u = 0; u < AP_PER; ++u) acc[r][u] *= corr;
-            m[r] = mn;
-        }
-        int nj = min(AP_KT, wmax - p0 + 1);
-        for (int j = 0; j < nj; ++j) {
-            float pj[AP_ROWS];
-#pragma unroll
-            for (int r = 0; r < AP_ROWS; ++r) pj[r] = __shfl_sync(0xffffffffu, pr[r], j);
-            const float* vr = Vs + j * DP;
-#pragma unroll
-            for (int u = 0; u < AP_PER; ++u) {
-                int d = lane + 32 * u;
-                float vv = d < DP ? vr[d] : 0.f;
-#pragma unroll
-                for (int r = 0; r < AP_ROWS; ++r) acc[r][u] = fmaf(pj[r], vv, acc[r][u]);
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < AP_ROWS; ++r) {
-        int t = t0 + warp * AP_ROWS + r;
-        if (t >= T) continue;
-        const float* gate = proj + (long long)t * P + (long long)h * 2 * D + D;
-        float* o = out + ((long long)t * Hq + h) * D;
-        float inv = 1.f / l[r];
-#pragma unroll
-        for (int u = 0; u < AP_PER; ++u) {
-            int d = lane + 32 * u;
-            if (d < D) o[d] = acc[r][u] * inv * sigmoid_f(gate[d]);
-        }
     }
 }
 

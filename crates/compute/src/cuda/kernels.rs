@@ -93,9 +93,13 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "gdn_pack",
             "gated_rmsnorm_rows",
             "gdn_rec_rows",
-            "attn_prefill",
             "moe_group",
         ],
+    ),
+    (
+        "flash_prefill.cu",
+        include_str!("../../kernels/flash_prefill.cu"),
+        &["flash_prefill_64", "flash_prefill_128", "flash_prefill_256"],
     ),
     (
         "qmatvec.cu",

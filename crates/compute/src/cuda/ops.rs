@@ -456,32 +456,38 @@ pub fn attn_prep(
     bt: Batch,
     ctx: usize,
 ) -> Result<()> {
+    let bufs = [proj, qn, kn, inv_freq, q, k_cache, v_cache, pos];
+    attn_prep_at(g, bufs, proj_stride, a, eps, bt, ctx, false)
+}
+
+/// `attn_prep` with buffers `[proj, qn, kn, inv_freq, q, k_cache, v_cache, pos]`; with
+/// `row_advances` row b sits at position `pos[slot] + b` (consecutive tokens of one sequence),
+/// else at `pos[slot]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attn_prep_at(
+    g: &Gpu,
+    bufs: [u64; 8],
+    proj_stride: usize,
+    a: AttnDims,
+    eps: f32,
+    bt: Batch,
+    ctx: usize,
+    row_advances: bool,
+) -> Result<()> {
     let (hq, hkv, d, r) = (a.hq as i32, a.hkv as i32, a.d as i32, a.rotary as i32);
-    let (ps, t) = (proj_stride as i64, ctx as i64);
+    let (ps, t, row_pos) = (proj_stride as i64, ctx as i64, row_advances as i32);
     let mut b = g.stream().launch_builder(g.kernels().get("attn_prep"));
-    b.arg(&proj)
-        .arg(&qn)
-        .arg(&kn)
-        .arg(&inv_freq)
-        .arg(&q)
-        .arg(&k_cache)
-        .arg(&v_cache)
-        .arg(&pos);
+    for buf in &bufs {
+        b.arg(buf);
+    }
     b.arg(&hq).arg(&hkv).arg(&d).arg(&r).arg(&eps);
-    let row_pos = 0i32;
     b.arg(&bt.slots).arg(&ps).arg(&t).arg(&row_pos);
     let threads = (a.d.div_ceil(32) * 32) as u32;
-    // SAFETY: caches hold (max slot + 1)·ctx·hkv·d floats and pos[slot] < ctx (the engine
-    // checks the context before each step); q holds rows·hq·d floats; dynamic shared memory
-    // holds d floats.
-    unsafe {
-        b.launch(cfg(
-            ((a.hq + 2 * a.hkv) as u32, bt.rows as u32),
-            threads,
-            (a.d * 4) as u32,
-        ))
-    }
-    .map_err(driver_err("attn_prep"))?;
+    let grid = ((a.hq + 2 * a.hkv) as u32, bt.rows as u32);
+    // SAFETY: caches hold (max slot + 1)·ctx·hkv·d floats and every row's position is < ctx
+    // (the engine checks the context before each step or prefill); q holds rows·hq·d floats;
+    // dynamic shared memory holds d floats.
+    unsafe { b.launch(cfg(grid, threads, (a.d * 4) as u32)) }.map_err(driver_err("attn_prep"))?;
     Ok(())
 }
 

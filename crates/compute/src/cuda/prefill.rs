@@ -1,11 +1,12 @@
 //! Launch wrappers for prefill (T tokens of one sequence per launch): `kernels/prefill.cu` (GDN
-//! conv over rows, q/k/v packing and gates, gated RMSNorm over rows, causal attention over rows,
-//! MoE grouping by expert), the grouped expert products of `kernels/matvec_rows.cu` and
-//! `attn_prep` with per-row positions. Arguments are raw device addresses as in [`super::ops`];
-//! state pointers arrive already offset to the sequence's slot. CPU twins: `cpu::conv`,
-//! `cpu::norm`, `cpu::attention`, and the per-pair expert products of [`super::ops::matvec`].
+//! conv over rows, q/k/v packing and gates, gated RMSNorm over rows, MoE grouping by expert),
+//! causal attention over rows on tensor cores (`kernels/flash_prefill.cu`), the grouped expert
+//! products of `kernels/matvec_rows.cu` and `attn_prep` with per-row positions. Arguments are
+//! raw device addresses as in [`super::ops`]; state pointers arrive already offset to the
+//! sequence's slot. CPU twins: `cpu::conv`, `cpu::norm`, `cpu::attention`, and the per-pair
+//! expert products of [`super::ops::matvec`].
 
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::ops::{AttnDims, Batch, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
@@ -176,35 +177,26 @@ pub fn attn_prep_rows(
     bt: Batch,
     ctx: usize,
 ) -> Result<()> {
-    let (hq, hkv, d, r) = (a.hq as i32, a.hkv as i32, a.d as i32, a.rotary as i32);
-    let (ps, t, row_pos) = (proj_stride as i64, ctx as i64, 1i32);
-    let mut b = g.stream().launch_builder(g.kernels().get("attn_prep"));
-    b.arg(&proj)
-        .arg(&qn)
-        .arg(&kn)
-        .arg(&inv_freq)
-        .arg(&q)
-        .arg(&k_cache)
-        .arg(&v_cache)
-        .arg(&pos);
-    b.arg(&hq).arg(&hkv).arg(&d).arg(&r).arg(&eps);
-    b.arg(&bt.slots).arg(&ps).arg(&t).arg(&row_pos);
-    let threads = (a.d.div_ceil(32) * 32) as u32;
-    let grid = ((a.hq + 2 * a.hkv) as u32, bt.rows as u32);
-    // SAFETY: caches hold (slot + 1)·ctx·hkv·d floats and pos[slot] + rows ≤ ctx (the caller
-    // checks the context); q holds rows·hq·d floats; dynamic shared memory holds d floats.
-    unsafe { b.launch(cfg(grid, threads, (a.d * 4) as u32)) }.map_err(driver_err("attn_prep"))?;
-    Ok(())
+    let bufs = [proj, qn, kn, inv_freq, q, k_cache, v_cache, pos];
+    super::ops::attn_prep_at(g, bufs, proj_stride, a, eps, bt, ctx, true)
 }
 
-/// Query rows per block of `attn_prefill` (`AP_QB` in prefill.cu).
-const AP_QB: usize = 32;
-/// Positions per K/V tile (`AP_KT`).
-const AP_KT: usize = 32;
+/// Positions per K/V tile of the flash kernels (`FP_BN` in flash_prefill.cu).
+const FP_BN: usize = 32;
+/// Most warps (16 query rows each) per block of the flash kernels.
+const FP_WARPS: usize = 8;
+
+/// Dynamic shared memory of `flash_prefill_<dt>` with `warps` warps (the kernel header's sum).
+fn flash_smem(dt: usize, warps: usize) -> usize {
+    let (qs, vs) = (dt / 2 + 4, FP_BN / 2 + 4);
+    4 * (2 * 16 * warps * qs + 2 * FP_BN * qs + 2 * dt * vs)
+}
 
 /// Causal gated attention of `t` query rows (`q [t, hq, d]`, row i at position `pos0 + i`)
 /// against one slot's caches `[ctx, hkv, d]` (offset to the slot; rows `0..pos0 + t` written),
-/// gates from the projection rows; out `[t, hq·d]`.
+/// gates from the projection rows; out `[t, hq·d]`. Tensor cores (`flash_prefill.cu`: bf16
+/// hi + lo splits of q, k, v and the probabilities, f32 accumulation and online softmax; about
+/// f32 accuracy); the q heads sharing a kv head share its K/V tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn attn_prefill(
     g: &Gpu,
@@ -224,10 +216,33 @@ pub fn attn_prefill(
             a.d, a.hq, a.hkv
         )));
     }
-    let dp = a.d.div_ceil(4) * 4;
-    let smem = (AP_QB * dp + AP_KT * (dp + 4) + AP_KT * dp) * 4;
-    let name = "attn_prefill";
-    let func = g.kernels().get(name);
+    if t == 0 {
+        return Ok(());
+    }
+    let (dt, func) = match a.d {
+        0..=64 => (64, g.kernels().get("flash_prefill_64")),
+        65..=128 => (128, g.kernels().get("flash_prefill_128")),
+        _ => (256, g.kernels().get("flash_prefill_256")),
+    };
+    let name = "flash_prefill";
+    let max_smem = g
+        .stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(driver_err(name))? as usize;
+    // One warp per 16 (token, head) rows up to FP_WARPS, fewer where shared memory is short.
+    let rows = t * (a.hq / a.hkv);
+    let mut warps = rows.div_ceil(16).min(FP_WARPS);
+    while warps > 1 && flash_smem(dt, warps) > max_smem {
+        warps -= 1;
+    }
+    let smem = flash_smem(dt, warps);
+    if smem > max_smem {
+        return Err(CudaError::Unsupported(format!(
+            "attn_prefill: head dim {} needs {smem} bytes of shared memory, the device has {max_smem}",
+            a.d
+        )));
+    }
     func.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         smem as i32,
@@ -235,7 +250,7 @@ pub fn attn_prefill(
     .map_err(driver_err(name))?;
     let (ps, t32, p32) = (proj_stride as i64, t as i32, pos0 as i32);
     let (hq, hkv, d) = (a.hq as i32, a.hkv as i32, a.d as i32);
-    let scale = 1.0f32 / (a.d as f32).sqrt();
+    let scale_log2 = std::f32::consts::LOG2_E / (a.d as f32).sqrt();
     let mut b = g.stream().launch_builder(func);
     b.arg(&q)
         .arg(&k_cache)
@@ -248,12 +263,14 @@ pub fn attn_prefill(
         .arg(&hq)
         .arg(&hkv)
         .arg(&d)
-        .arg(&scale);
-    // SAFETY: d ≤ 256 (the kernel's register tiles), hq a multiple of hkv (checked); q and out
-    // hold t·hq·d floats, proj t rows with the gates, the caches pos0 + t written positions
-    // (reads stop at pos0 + t − 1); shared memory as computed (≤ 100 KiB for d = 256).
-    unsafe { b.launch(cfg((blocks(t, AP_QB), a.hq as u32), 256, smem as u32)) }
-        .map_err(driver_err(name))?;
+        .arg(&scale_log2);
+    let grid = (blocks(rows, 16 * warps), a.hkv as u32);
+    // SAFETY: d ≤ dt ≤ 256 (the kernel's register tiles; columns past d are zero-filled and not
+    // written), hq a multiple of hkv (checked); q and out hold t·hq·d floats, proj t rows with
+    // the gates, the caches pos0 + t written positions (reads stop at pos0 + t − 1); the block
+    // has 32·warps threads and the shared memory the kernel lays out for them (checked against
+    // the device's opt-in limit).
+    unsafe { b.launch(cfg(grid, 32 * warps as u32, smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
 }
 

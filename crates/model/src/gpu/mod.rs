@@ -588,13 +588,7 @@ impl GpuModel {
             } => {
                 let i_e = experts_gu.n / 2;
                 let per_row = self.top_k + shared.is_none() as usize;
-                let route = Route {
-                    experts: self.num_experts,
-                    top_k: self.top_k,
-                    renorm: self.norm_topk,
-                    shared_gate: true,
-                    shared_slot: shared.is_none().then_some(self.num_experts),
-                };
+                let route = self.route(shared.is_none());
                 let (ids, n) = (s.ids.ptr(), b * per_row);
                 ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), x_rows)?;
                 ops::router_topk(
@@ -632,6 +626,18 @@ impl GpuModel {
                     b,
                 )
             }
+        }
+    }
+
+    /// The router's top-k for an MoE layer whose shared expert is stacked after the routed
+    /// ones (`stacked`) or runs apart.
+    pub(crate) fn route(&self, stacked: bool) -> Route {
+        Route {
+            experts: self.num_experts,
+            top_k: self.top_k,
+            renorm: self.norm_topk,
+            shared_gate: true,
+            shared_slot: stacked.then_some(self.num_experts),
         }
     }
 

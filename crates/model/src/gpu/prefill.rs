@@ -8,13 +8,13 @@
 //! with the gates, the chunked gated delta rule on tensor cores (`cuda::gdn_chunk`, q/k
 //! normalised in the kernel) updating the slot's recurrent state, gated RMSNorm, out projection;
 //! attention layers: q/k norm + RoPE + KV append at positions pos0 + t, causal attention of the
-//! rows (`attn_prefill`), out projection; MoE: router rows and top-k, then the (token, expert)
-//! pairs sorted by expert on the device so each expert's weights serve all its rows (grouped
-//! products), shared expert, combine. Final norm and lm_head only for the rows whose logits are
+//! rows on tensor cores (`attn_prefill`), out projection; MoE: router rows and top-k, then the
+//! (token, expert) pairs sorted by expert on the device so each expert's weights serve all its
+//! rows (grouped products), shared expert, combine. Final norm and lm_head only for the rows whose logits are
 //! wanted.
 
 use deltamoe_compute::cuda::gdn_chunk::{self, GdnChunkBufs, GdnChunkDims};
-use deltamoe_compute::cuda::ops::{self, Batch, Route, Slots};
+use deltamoe_compute::cuda::ops::{self, Batch, Slots};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked, Grouped};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
@@ -506,13 +506,7 @@ impl GpuModel {
             } => {
                 let i_e = experts_gu.n / 2;
                 let ks = self.top_k + shared.is_none() as usize;
-                let route = Route {
-                    experts: self.num_experts,
-                    top_k: self.top_k,
-                    renorm: self.norm_topk,
-                    shared_gate: true,
-                    shared_slot: shared.is_none().then_some(self.num_experts),
-                };
+                let route = self.route(shared.is_none());
                 let (ids, pairs) = (ps.ids.ptr(), t * ks);
                 rows_mv(
                     g,

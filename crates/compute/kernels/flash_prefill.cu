@@ -1,0 +1,239 @@
+// Causal gated attention for prefill on tensor cores (flash attention: K/V tiles stream through
+// shared memory once per block, the softmax is computed online per query row in f32).
+//
+// flash_prefill_<DT> (DT = 64, 128, 256: the head dim D ≤ DT, zero-padded to DT):
+//   T query rows of one sequence at positions pos0 + t; q: f32 [T, Hq, D] (normed, roped); the
+//   slot's caches k, v: f32 [ctx, Hkv, D] (rows 0..pos0 + T written); gates in the projection
+//   rows (P floats per row; head h's gate at h·2D + D, as attn_prep lays them out);
+//   out[t, h·D + d] = Σ_{p ≤ pos0+t} softmax_p(q_t,h · k_p / sqrt(D)) v_p[d] · sigmoid(gate[d]),
+//   with kv head h / (Hq / Hkv) (GQA).
+//
+// Work split: the q heads of one kv head share every K/V tile. Block rows are the flattened pairs
+//   r = t·G + g (token t, head g of the G = Hq/Hkv heads of kv head blockIdx.y); block x takes
+//   BM = 16·NW consecutive pairs (blocks in reverse so the longest rows start first), warp w the
+//   16 pairs 16w.. of them. grid (ceil(T·G / BM), Hkv), block NW·32 threads, NW ≤ 8 chosen by
+//   the launcher (smaller when T·G is small or shared memory is short).
+//
+// Per K/V tile of FP_BN = 32 positions: the block loads K [32][DT] and Vᵀ [DT][32] as bf16 hi and
+//   lo parts (x_hi = bf16(x), x_lo = bf16(x − x_hi); positions past the block's last visible one
+//   are zero); each warp computes S = Q Kᵀ (16 × 32) with mma.sync m16n8k16 bf16 → f32 as
+//   Q_hi K_hi + Q_lo K_hi + Q_hi K_lo (the dropped Q_lo K_lo and the rounding of the lo parts are
+//   ~2⁻¹⁶ relative per product), masks positions past each row's pos0 + t, updates the running
+//   max m and sum l (exp2 of scores pre-scaled by log2(e)/sqrt(D)), rescales its O accumulator
+//   and adds P V as P_hi V_hi + P_lo V_hi + P_hi V_lo, P taken straight from the S fragments.
+//   A warp whose rows see none of a tile skips it.
+//
+// Fragments (m16n8k16, lane = 4·gid + tq): A (16×16, row major): a0 = A[gid][2tq, 2tq+1],
+//   a1 = A[gid+8][2tq..], a2 = A[gid][2tq+8..], a3 = A[gid+8][2tq+8..]; B (16×8, k × n):
+//   b0 = B[2tq, 2tq+1][gid], b1 = B[2tq+8, 2tq+9][gid]; C (16×8): c0, c1 = C[gid][2tq, 2tq+1],
+//   c2, c3 = C[gid+8][2tq..]. Pairs along k are one 32-bit word (lower k in the low half), so
+//   Q and K are stored [row][d] and V transposed [d][position], each row padded by 4 words
+//   (conflict-free fragment reads).
+//
+// Dynamic shared memory, 32-bit words: 2·BM·QS (Q hi, lo) + 2·FP_BN·QS (K hi, lo) + 2·DT·VS
+//   (Vᵀ hi, lo) with QS = DT/2 + 4, VS = FP_BN/2 + 4 (205 KiB for DT = 256, NW = 8).
+
+#define FP_BN 32
+#define FP_VS (FP_BN / 2 + 4)
+
+__device__ __forceinline__ void fp_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// {x0 (low half), x1 (high half)} as bf16x2, round to nearest even.
+__device__ __forceinline__ unsigned fp_pack(float x0, float x1) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+
+// The hi word of (x0, x1) and the lo word of what it leaves.
+__device__ __forceinline__ void fp_split(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = fp_pack(x0, x1);
+    lo = fp_pack(x0 - bf16lo(hi), x1 - bf16hi(hi));
+}
+
+template <int DT>
+__device__ __forceinline__ void flash_prefill_t(const float* __restrict__ q, const float* __restrict__ kc,
+                                                const float* __restrict__ vc, const float* __restrict__ proj,
+                                                long long P, float* __restrict__ out, int T, int pos0, int Hq,
+                                                int Hkv, int D, float scale_log2) {
+    constexpr int QS = DT / 2 + 4;
+    constexpr int HW = DT / 2;  // words per unpadded row
+    extern __shared__ __align__(16) unsigned fp_smem[];
+    const int nw = blockDim.x >> 5, BM = nw * 16;
+    unsigned* Qh = fp_smem;
+    unsigned* Ql = Qh + BM * QS;
+    unsigned* Kh = Ql + BM * QS;
+    unsigned* Kl = Kh + FP_BN * QS;
+    unsigned* Vh = Kl + FP_BN * QS;
+    unsigned* Vl = Vh + DT * FP_VS;
+    const int G = Hq / Hkv, kvh = blockIdx.y;
+    const int nrows = T * G, r0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
+    const long long kv_row = (long long)Hkv * D, kv_off = (long long)kvh * D;
+
+    for (int i = threadIdx.x; i < BM * HW; i += blockDim.x) {
+        int r = i / HW, w = i % HW, d = 2 * w, fr = r0 + r;
+        float x0 = 0.f, x1 = 0.f;
+        if (fr < nrows) {
+            const float* src = q + ((long long)(fr / G) * Hq + kvh * G + fr % G) * D;
+            if (d < D) x0 = src[d];
+            if (d + 1 < D) x1 = src[d + 1];
+        }
+        fp_split(x0, x1, Qh[r * QS + w], Ql[r * QS + w]);
+    }
+    // Last visible position of this thread's rows gid, gid + 8 (−1: no row), of the warp's and
+    // of the block's rows.
+    int lim[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        int fr = r0 + warp * 16 + gid + 8 * e;
+        lim[e] = fr < nrows ? pos0 + fr / G : -1;
+    }
+    int wlast = min(r0 + warp * 16 + 15, nrows - 1);
+    int wlim = wlast >= r0 + warp * 16 ? pos0 + wlast / G : -1;
+    int blim = pos0 + (min(r0 + BM, nrows) - 1) / G;
+
+    float o[DT / 8][4];
+#pragma unroll
+    for (int n = 0; n < DT / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    for (int p0 = 0; p0 <= blim; p0 += FP_BN) {
+        __syncthreads();
+#pragma unroll 4
+        for (int i = threadIdx.x; i < FP_BN * HW; i += blockDim.x) {
+            int j = i / HW, w = i % HW, d = 2 * w, p = p0 + j;
+            float x0 = 0.f, x1 = 0.f;
+            if (p <= blim) {
+                const float* src = kc + (long long)p * kv_row + kv_off;
+                if (d < D) x0 = src[d];
+                if (d + 1 < D) x1 = src[d + 1];
+            }
+            fp_split(x0, x1, Kh[j * QS + w], Kl[j * QS + w]);
+        }
+#pragma unroll 4
+        for (int i = threadIdx.x; i < DT * (FP_BN / 2); i += blockDim.x) {
+            int d = i % DT, w = i / DT, p = p0 + 2 * w;
+            float x0 = 0.f, x1 = 0.f;
+            if (d < D) {
+                const float* src = vc + (long long)p * kv_row + kv_off + d;
+                if (p <= blim) x0 = src[0];
+                if (p + 1 <= blim) x1 = src[kv_row];
+            }
+            fp_split(x0, x1, Vh[d * FP_VS + w], Vl[d * FP_VS + w]);
+        }
+        __syncthreads();
+        if (p0 > wlim) continue;
+
+        // S = Q Kᵀ for the warp's 16 rows and the tile's 32 positions (4 n-tiles of 8).
+        float s[FP_BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < FP_BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        const unsigned* qh = Qh + (warp * 16 + gid) * QS + tq;
+        const unsigned* ql = Ql + (warp * 16 + gid) * QS + tq;
+#pragma unroll
+        for (int ks = 0; ks < DT / 16; ++ks) {
+            unsigned ah[4] = {qh[8 * ks], qh[8 * QS + 8 * ks], qh[8 * ks + 4], qh[8 * QS + 8 * ks + 4]};
+            unsigned al[4] = {ql[8 * ks], ql[8 * QS + 8 * ks], ql[8 * ks + 4], ql[8 * QS + 8 * ks + 4]};
+#pragma unroll
+            for (int j = 0; j < FP_BN / 8; ++j) {
+                const unsigned* kh = Kh + (8 * j + gid) * QS + 8 * ks + tq;
+                const unsigned* kl = Kl + (8 * j + gid) * QS + 8 * ks + tq;
+                unsigned bh0 = kh[0], bh1 = kh[4];
+                fp_mma(s[j], al, bh0, bh1);
+                fp_mma(s[j], ah, kl[0], kl[4]);
+                fp_mma(s[j], ah, bh0, bh1);
+            }
+        }
+
+        // Online softmax (scores in log2 units); masked entries are −inf.
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int j = 0; j < FP_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int p = p0 + 8 * j + 2 * tq + (e & 1), row = e >> 1;
+                float v = p <= lim[row] ? s[j][e] * scale_log2 : NEG_INF;
+                s[j][e] = v;
+                mx[row] = fmaxf(mx[row], v);
+            }
+#pragma unroll
+        for (int row = 0; row < 2; ++row) {
+            mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 1));
+            mx[row] = fmaxf(mx[row], __shfl_xor_sync(0xffffffffu, mx[row], 2));
+            float mn = fmaxf(m[row], mx[row]);
+            float corr = mn == NEG_INF ? 1.f : exp2f(m[row] - mn);
+            m[row] = mn;
+            l[row] *= corr;
+#pragma unroll
+            for (int n = 0; n < DT / 8; ++n) {
+                o[n][2 * row] *= corr;
+                o[n][2 * row + 1] *= corr;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < FP_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int row = e >> 1;
+                float pv = m[row] == NEG_INF ? 0.f : exp2f(s[j][e] - m[row]);
+                l[row] += pv;
+                s[j][e] = pv;
+            }
+
+        // O += P V: the k16 step kk covers positions 16kk..16kk+15 = S n-tiles 2kk, 2kk+1.
+#pragma unroll
+        for (int kk = 0; kk < FP_BN / 16; ++kk) {
+            unsigned ph[4], pl[4];
+            fp_split(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
+            fp_split(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);
+            fp_split(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);
+            fp_split(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);
+#pragma unroll
+            for (int n = 0; n < DT / 8; ++n) {
+                const unsigned* vh = Vh + (8 * n + gid) * FP_VS + 8 * kk + tq;
+                const unsigned* vl = Vl + (8 * n + gid) * FP_VS + 8 * kk + tq;
+                unsigned bh0 = vh[0], bh1 = vh[4];
+                fp_mma(o[n], pl, bh0, bh1);
+                fp_mma(o[n], ph, vl[0], vl[4]);
+                fp_mma(o[n], ph, bh0, bh1);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+        l[row] += __shfl_xor_sync(0xffffffffu, l[row], 1);
+        l[row] += __shfl_xor_sync(0xffffffffu, l[row], 2);
+        int fr = r0 + warp * 16 + gid + 8 * row;
+        if (fr >= nrows) continue;
+        int t = fr / G, h = kvh * G + fr % G;
+        const float* gate = proj + (long long)t * P + (long long)h * 2 * D + D;
+        float* dst = out + ((long long)t * Hq + h) * D;
+        float inv = 1.f / l[row];
+#pragma unroll
+        for (int n = 0; n < DT / 8; ++n) {
+            int d = 8 * n + 2 * tq;
+            if (d < D) dst[d] = o[n][2 * row] * inv * sigmoid_f(gate[d]);
+            if (d + 1 < D) dst[d + 1] = o[n][2 * row + 1] * inv * sigmoid_f(gate[d + 1]);
+        }
+    }
+}
+
+#define FP_KERNEL(DT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) flash_prefill_##DT(                              \
+        const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,       \
+        const float* __restrict__ proj, long long P, float* __restrict__ out, int T, int pos0, int Hq, \
+        int Hkv, int D, float scale_log2) {                                                            \
+        flash_prefill_t<DT>(q, kc, vc, proj, P, out, T, pos0, Hq, Hkv, D, scale_log2);                 \
+    }
+
+FP_KERNEL(64)
+FP_KERNEL(128)
+FP_KERNEL(256)

@@ -1,0 +1,319 @@
+//! The matrix-vector kernels (bf16 and MLX affine, slots of experts, batches of rows on CUDA
+//! cores and tensor cores) against the CPU on random inputs with odd sizes. Needs a GPU:
+//! `#[ignore]`d here, run by `scripts/gpu-tests.sh` on the GPU machine.
+
+mod common;
+
+use common::{assert_close, gpu, rand_vec, rng};
+use deltamoe_compute::cpu::act::sigmoid;
+use deltamoe_compute::cuda::ops::{self, Matvec, Slots, WeightFormat};
+use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
+use deltamoe_compute::{cpu, DType, Tensor};
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matvec_and_swiglu_match_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    for &(n, k, slots, experts) in &[
+        (37usize, 64usize, 1usize, 1usize),
+        (129, 19, 3, 5),
+        (33, 200, 2, 4),
+        (8, 4096, 1, 1),
+    ] {
+        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+        let bits: Vec<u16> = w.iter().map(|&v| f32_to_bf16(v)).collect();
+        let x = rand_vec(&mut r, slots * k, -1.0, 1.0);
+        let bias = rand_vec(&mut r, experts * n, -1.0, 1.0);
+        let ids: Vec<i32> = (0..slots).map(|s| ((s * 7 + 3) % experts) as i32).collect();
+        let (dw, dx, db, di) = (
+            g.upload(&bits).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&bias).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let dy = g.zeros::<f32>(slots * n).unwrap();
+        let m = Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: db.ptr(),
+            format: WeightFormat::Bf16,
+        };
+        ops::matvec(
+            &g,
+            m,
+            dx.ptr(),
+            dy.ptr(),
+            Slots::experts(slots, di.ptr(), k, 1),
+        )
+        .unwrap();
+        let got = g.read(&dy, slots * n).unwrap();
+        let mut want = vec![0.0; slots * n];
+        for s in 0..slots {
+            let e = ids[s] as usize;
+            let t = Tensor::from_half_bits(
+                DType::BF16,
+                vec![n, k],
+                bits[e * n * k..(e + 1) * n * k].to_vec(),
+            );
+            cpu::matmul(&x[s * k..(s + 1) * k], 1, &t, &mut want[s * n..(s + 1) * n]);
+            for i in 0..n {
+                want[s * n + i] += bias[e * n + i];
+            }
+        }
+        assert_close(&format!("matvec {n}x{k} slots {slots}"), &got, &want, 1e-5);
+
+        // SwiGLU over [gate | up] halves of 2I = n rows (n even only).
+        if n % 2 == 0 || experts == 1 {
+            let i = n / 2;
+            let dh = g.zeros::<f32>(slots * i).unwrap();
+            let m = Matvec {
+                n: 2 * i,
+                bias: 0,
+                ..m
+            };
+            ops::matvec_swiglu(
+                &g,
+                m,
+                dx.ptr(),
+                dh.ptr(),
+                Slots::experts(slots, di.ptr(), k, 1),
+            )
+            .unwrap();
+            let got = g.read(&dh, slots * i).unwrap();
+            let mut want = vec![0.0; slots * i];
+            for s in 0..slots {
+                let e = ids[s] as usize;
+                let base = e * n * k;
+                let row = |rr: usize| -> f32 {
+                    (0..k)
+                        .map(|kk| bf16_to_f32(bits[base + rr * k + kk]) * x[s * k + kk])
+                        .sum()
+                };
+                for j in 0..i {
+                    let (gv, uv) = (row(j), row(i + j));
+                    want[s * i + j] = gv * sigmoid(gv) * uv;
+                }
+            }
+            assert_close(&format!("swiglu {i}x{k} slots {slots}"), &got, &want, 1e-4);
+        }
+    }
+}
+
+/// Affine-quantized matvec and SwiGLU against the CPU's quantized matmul on the same words.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn affine_matvec_matches_cpu() {
+    use deltamoe_compute::cpu::quant::{qmatmul, quantize};
+    use deltamoe_compute::{AffineWeight, PackedWords};
+    let g = gpu();
+    let mut r = rng();
+    for &(bits, group, n, k, experts, slots) in &[
+        (4u32, 64usize, 37usize, 256usize, 3usize, 2usize),
+        (8, 32, 18, 96, 1, 1),
+        (2, 128, 9, 384, 2, 3),
+        (4, 32, 64, 2048, 1, 1),
+        (2, 32, 11, 96, 1, 2),
+    ] {
+        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+        let q = quantize(&w, k, group, bits).unwrap();
+        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+        let (sb, bb) = (bf(&q.scales), bf(&q.biases));
+        let x = rand_vec(&mut r, slots * k, -1.0, 1.0);
+        let ids: Vec<i32> = (0..slots).map(|s| ((s * 5 + 1) % experts) as i32).collect();
+        let (dw, ds, dbi, dx, di) = (
+            g.upload(&q.words).unwrap(),
+            g.upload(&sb).unwrap(),
+            g.upload(&bb).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let fmt = WeightFormat::Affine {
+            bits,
+            group,
+            scales: ds.ptr(),
+            biases: dbi.ptr(),
+        };
+        let m = Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: 0,
+            format: fmt,
+        };
+        let dy = g.zeros::<f32>(slots * n).unwrap();
+        ops::matvec(
+            &g,
+            m,
+            dx.ptr(),
+            dy.ptr(),
+            Slots::experts(slots, di.ptr(), k, 1),
+        )
+        .unwrap();
+        let (wpr, gpr) = (k * bits as usize / 32, k / group);
+        let expert = |e: usize| {
+            let t = |v: &[u16]| {
+                Tensor::from_half_bits(
+                    DType::BF16,
+                    vec![n, gpr],
+                    v[e * n * gpr..(e + 1) * n * gpr].to_vec(),
+                )
+            };
+            let words = PackedWords::from_vec(q.words[e * n * wpr..(e + 1) * n * wpr].to_vec());
+            AffineWeight::new(bits, group, n, k, words, t(&sb), t(&bb)).unwrap()
+        };
+        let mut want = vec![0.0; slots * n];
+        for s in 0..slots {
+            qmatmul(
+                &x[s * k..(s + 1) * k],
+                1,
+                &expert(ids[s] as usize),
+                &mut want[s * n..(s + 1) * n],
+            );
+        }
+        assert_close(
+            &format!("affine {bits}-bit g{group} {n}x{k}"),
+            &g.read(&dy, slots * n).unwrap(),
+            &want,
+            1e-4,
+        );
+        if n % 2 == 0 {
+            let i = n / 2;
+            let dh = g.zeros::<f32>(slots * i).unwrap();
+            ops::matvec_swiglu(
+                &g,
+                m,
+                dx.ptr(),
+                dh.ptr(),
+                Slots::experts(slots, di.ptr(), k, 1),
+            )
+            .unwrap();
+            let want: Vec<f32> = (0..slots)
+                .flat_map(|s| {
+                    let y = &want[s * n..(s + 1) * n];
+                    (0..i)
+                        .map(move |j| y[j] * sigmoid(y[j]) * y[i + j])
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert_close(
+                &format!("affine swiglu {bits}-bit {i}x{k}"),
+                &g.read(&dh, slots * i).unwrap(),
+                &want,
+                1e-4,
+            );
+        }
+    }
+}
+
+/// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids; 37 rows:
+/// more than one 32-row group of the tensor-core kernels) and the experts of several tokens (ids,
+/// groups of `x_div` slots per input row), for bf16 and 4/8-bit affine weights, plus the SwiGLU
+/// form of the row batch. The tensor-core row kernels carry each input as bf16 hi + lo (16
+/// significant bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation, hence 3e-5 of the
+/// largest output rather than the 1e-5 of the f32 kernels.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matvec_slot_forms_match_cpu() {
+    use deltamoe_compute::cpu::quant::quantize;
+    let g = gpu();
+    let mut r = rng();
+    let (n, k, experts, rows, per_row) = (46usize, 256usize, 3usize, 37usize, 2usize);
+    let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+    let x = rand_vec(&mut r, rows * k, -1.0, 1.0);
+    let ids: Vec<i32> = (0..rows * per_row)
+        .map(|s| ((s * 2 + 1) % experts) as i32)
+        .collect();
+    let (dx, di) = (g.upload(&x).unwrap(), g.upload(&ids).unwrap());
+    let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+    let bits16 = bf(&w);
+    let dw = g.upload(&bits16).unwrap();
+    let dense: Vec<f32> = bits16.iter().map(|&b| bf16_to_f32(b)).collect();
+    let mut forms = vec![(
+        "bf16".to_string(),
+        dense,
+        Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: 0,
+            format: WeightFormat::Bf16,
+        },
+    )];
+    let (mut keep_words, mut keep_halves) = (Vec::new(), Vec::new());
+    for (bits, group) in [(4u32, 64usize), (8, 128)] {
+        let q = quantize(&w, k, group, bits).unwrap();
+        let per = 32 / bits as usize;
+        // Dequantized weights as the affine kernels see them (bf16 scales and biases).
+        let deq: Vec<f32> = (0..experts * n * k)
+            .map(|i| {
+                let (row, col) = (i / k, i % k);
+                let word = q.words[row * k / per + col / per];
+                let v = ((word >> ((col % per) as u32 * bits)) & ((1 << bits) - 1)) as f32;
+                let gi = row * (k / group) + col / group;
+                v * bf16_to_f32(f32_to_bf16(q.scales[gi])) + bf16_to_f32(f32_to_bf16(q.biases[gi]))
+            })
+            .collect();
+        let (dq, ds, db) = (
+            g.upload(&q.words).unwrap(),
+            g.upload(&bf(&q.scales)).unwrap(),
+            g.upload(&bf(&q.biases)).unwrap(),
+        );
+        let m = Matvec {
+            w: dq.ptr(),
+            n,
+            k,
+            bias: 0,
+            format: WeightFormat::Affine {
+                bits,
+                group,
+                scales: ds.ptr(),
+                biases: db.ptr(),
+            },
+        };
+        forms.push((format!("affine {bits}-bit"), deq, m));
+        keep_words.push(dq);
+        keep_halves.extend([ds, db]);
+    }
+    let dot = |wt: &[f32], e: usize, row: usize, xr: &[f32]| -> f32 {
+        (0..k).map(|c| wt[(e * n + row) * k + c] * xr[c]).sum()
+    };
+    for (name, wt, m) in &forms {
+        let dy = g.zeros::<f32>(rows * per_row * n).unwrap();
+        ops::matvec(&g, *m, dx.ptr(), dy.ptr(), Slots::rows(rows, k)).unwrap();
+        let want: Vec<f32> = (0..rows * n)
+            .map(|i| dot(wt, 0, i % n, &x[i / n * k..(i / n + 1) * k]))
+            .collect();
+        assert_close(
+            &format!("{name} rows"),
+            &g.read(&dy, rows * n).unwrap(),
+            &want,
+            3e-5,
+        );
+        let i_half = n / 2;
+        let sw = Matvec { bias: 0, ..*m };
+        ops::matvec_swiglu(&g, sw, dx.ptr(), dy.ptr(), Slots::rows(rows, k)).unwrap();
+        let want: Vec<f32> = (0..rows * i_half)
+            .map(|i| {
+                let (b, j) = (i / i_half, i % i_half);
+                let xr = &x[b * k..(b + 1) * k];
+                let (gv, uv) = (dot(wt, 0, j, xr), dot(wt, 0, i_half + j, xr));
+                gv * sigmoid(gv) * uv
+            })
+            .collect();
+        let got = g.read(&dy, rows * i_half).unwrap();
+        assert_close(&format!("{name} swiglu rows"), &got, &want, 3e-5);
+        let sl = Slots::experts(rows * per_row, di.ptr(), k, per_row);
+        ops::matvec(&g, *m, dx.ptr(), dy.ptr(), sl).unwrap();
+        let want: Vec<f32> = (0..rows * per_row * n)
+            .map(|i| {
+                let s = i / n;
+                let xr = &x[s / per_row * k..(s / per_row + 1) * k];
+                dot(wt, ids[s] as usize, i % n, xr)
+            })
+            .collect();
+        let got = g.read(&dy, rows * per_row * n).unwrap();
+        assert_close(&format!("{name} experts per row"), &got, &want, 1e-5);
+    }
+}
