@@ -90,6 +90,17 @@ pub(crate) struct GpuLayer {
     ffn: GpuFfn,
 }
 
+/// The buffers [`GpuModel::moe_tail`] reads and writes (device addresses).
+pub(crate) struct MoeTail {
+    pub normed: u64,
+    pub hs: u64,
+    pub ys: u64,
+    pub sg: u64,
+    pub y: u64,
+    pub weights: u64,
+    pub delta: u64,
+}
+
 /// Activations of a step, `rows` rows each (steps run one at a time on one stream).
 struct Scratch {
     x: DevBuf<f32>,
@@ -605,28 +616,39 @@ impl GpuModel {
                 ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
                 let down_slots = Slots::experts(n, ids, i_e, 1);
                 ops::matvec(g, experts_down.mv(), s.h.ptr(), s.y.ptr(), down_slots)?;
-                let (ys, sg) = match shared {
-                    Some((gu, down)) => {
-                        ops::matvec_swiglu(g, gu.mv(), s.normed.ptr(), s.hs.ptr(), x_rows)?;
-                        let rows = Slots::rows(b, down.k);
-                        ops::matvec(g, down.mv(), s.hs.ptr(), s.ys.ptr(), rows)?;
-                        (s.ys.ptr(), s.sg.ptr())
-                    }
-                    None => (0, 0),
+                let bufs = MoeTail {
+                    normed: s.normed.ptr(),
+                    hs: s.hs.ptr(),
+                    ys: s.ys.ptr(),
+                    sg: s.sg.ptr(),
+                    y: s.y.ptr(),
+                    weights: s.weights.ptr(),
+                    delta: s.delta.ptr(),
                 };
-                ops::moe_combine(
-                    g,
-                    s.y.ptr(),
-                    s.weights.ptr(),
-                    ys,
-                    sg,
-                    s.delta.ptr(),
-                    per_row,
-                    h,
-                    b,
-                )
+                self.moe_tail(shared.as_ref(), bufs, per_row, b)
             }
         }
+    }
+
+    /// An MoE layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
+    /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`.
+    pub(crate) fn moe_tail(
+        &self,
+        shared: Option<&(DevMat, DevMat)>,
+        t: MoeTail,
+        per_row: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let (g, h) = (&*self.gpu, self.hidden);
+        let (ys, sg) = match shared {
+            Some((gu, down)) => {
+                ops::matvec_swiglu(g, gu.mv(), t.normed, t.hs, Slots::rows(rows, h))?;
+                ops::matvec(g, down.mv(), t.hs, t.ys, Slots::rows(rows, down.k))?;
+                (t.ys, t.sg)
+            }
+            None => (0, 0),
+        };
+        ops::moe_combine(g, t.y, t.weights, ys, sg, t.delta, per_row, h, rows)
     }
 
     /// The router's top-k for an MoE layer whose shared expert is stacked after the routed

@@ -563,25 +563,16 @@ impl GpuModel {
                     let down_slots = Slots::experts(pairs, ids, i_e, 1);
                     ops::matvec(g, dn, ps.h.ptr(), ps.y.ptr(), down_slots)?;
                 }
-                let (ys, sg) = match shared {
-                    Some((sgu, sdown)) => {
-                        rows_mv(g, sgu.mv(), ps.normed.ptr(), ps.hs.ptr(), t, h, true)?;
-                        rows_mv(g, sdown.mv(), ps.hs.ptr(), ps.ys.ptr(), t, sdown.k, false)?;
-                        (ps.ys.ptr(), ps.sg.ptr())
-                    }
-                    None => (0, 0),
+                let bufs = super::MoeTail {
+                    normed: ps.normed.ptr(),
+                    hs: ps.hs.ptr(),
+                    ys: ps.ys.ptr(),
+                    sg: ps.sg.ptr(),
+                    y: ps.y.ptr(),
+                    weights: ps.weights.ptr(),
+                    delta: ps.delta.ptr(),
                 };
-                ops::moe_combine(
-                    g,
-                    ps.y.ptr(),
-                    ps.weights.ptr(),
-                    ys,
-                    sg,
-                    ps.delta.ptr(),
-                    ks,
-                    h,
-                    t,
-                )
+                self.moe_tail(shared.as_ref(), bufs, ks, t)
             }
         }
     }
