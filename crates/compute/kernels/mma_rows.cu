@@ -12,10 +12,16 @@
 // K % 32 == 0. SwiGLU form: W = [gate (I rows) | up (I rows)], h[b, n] = silu(G_n·x_b)·U_n·x_b,
 // h: [B, I].
 //
-// Grouped form (MoE prefill, pairs sorted by expert by `moe_group` in prefill.cu): block x is
-// tile blockIdx.x of `tiles` (int3: expert e, first index f into `order`, count ≤ 32; blocks past
-// n_tiles exit); its input rows are pairs p = order[f + i], read at x + (p / x_div)·x_stride,
-// the weights are expert e's of a stack [E, N, K], and output row p of y [pairs, N].
+// GEMM form (many inputs: prefill, large batches; mma_gemm_*): grid (ceil(B / 32),
+// ceil(N / 128)), block 256: the block's 32 inputs are staged per 32-wide K chunk in shared
+// memory as bf16 hi/lo (converted once for all warps, with their per-chunk sums), and warp w
+// takes weight rows blockIdx.y·128 + 16w + 0..16 over the whole K.
+//
+// Grouped form (MoE prefill, pairs sorted by expert by `moe_group` in prefill.cu), GEMM layout:
+// block x is tile blockIdx.x of `tiles` (int3: expert e, first index f into `order`, count ≤ 32;
+// blocks past n_tiles exit); its input rows are pairs p = order[f + i], read at
+// x + (p / x_div)·x_stride, the weights are expert e's of a stack [E, N, K] ([E, 2I, K] for
+// SwiGLU), and output row p of y [pairs, N].
 //
 // grid (ceil(B / 32), ceil(N / 16)) (N = I for SwiGLU), block 256: a block takes weight rows
 // blockIdx.y·16 + 0..16 and input rows blockIdx.x·32 + 0..32 (four 8-row tiles); its 8 warps
@@ -266,6 +272,151 @@ extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsign
     else mma_swiglu_t<4>(W, S, B, x, h, I, K, G, Bn, xs);
 }
 
+// Row stride (bf16) of the staged input tile: 32 values + 8 of padding against bank conflicts.
+#define XS_PAD 40
+
+// The GEMM form's accumulation for one warp: weight rows base + s·set_off + min(r + 0..16,
+// N − 1) of each set s against the block's nb ≤ 32 inputs (row b at x + b·xs, or x +
+// rows[b]·xs), staged per chunk in shared memory by all 256 threads. acc as mma_rows_core.
+template <int BITS, int SETS>
+__device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
+                              const bf16_t* __restrict__ Bs, const float* __restrict__ x, long long xs,
+                              const int* rows, int nb, int N, int K, int G, long long set_off,
+                              long long base, int r, float acc[SETS][MMA_TILES][4]) {
+    __shared__ __align__(16) bf16_t xh[32 * XS_PAD], xl[32 * XS_PAD];
+    __shared__ float xsum[32];
+    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    int gshift = __ffs(G) - 1;
+    long long r0 = base + min(r + gid, N - 1), r1 = base + min(r + gid + 8, N - 1);
+    float part[SETS][MMA_TILES][4];
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+        for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
+    // Staging: thread i converts values 4·(i % 8) .. + 4 of input i / 8.
+    int sb = threadIdx.x >> 3, sq = threadIdx.x & 7;
+    const float* sx = sb < nb ? x + (rows ? rows[sb] : sb) * xs : nullptr;
+    for (int c = 0; c < K; c += 32) {
+        __syncthreads();
+        float4 f = sx ? *reinterpret_cast<const float4*>(sx + c + 4 * sq) : make_float4(0.f, 0.f, 0.f, 0.f);
+        unsigned h0 = pack_bf16(f.x, f.y), h1 = pack_bf16(f.z, f.w);
+        unsigned l0 = pack_bf16(f.x - bf16lo(h0), f.y - bf16hi(h0));
+        unsigned l1 = pack_bf16(f.z - bf16lo(h1), f.w - bf16hi(h1));
+        *reinterpret_cast<uint2*>(&xh[sb * XS_PAD + 4 * sq]) = make_uint2(h0, h1);
+        *reinterpret_cast<uint2*>(&xl[sb * XS_PAD + 4 * sq]) = make_uint2(l0, l1);
+        if (BITS != 16) {
+            float su = (f.x + f.y) + (f.z + f.w);
+            su += __shfl_xor_sync(0xffffffffu, su, 1);
+            su += __shfl_xor_sync(0xffffffffu, su, 2);
+            su += __shfl_xor_sync(0xffffffffu, su, 4);
+            if (sq == 0) xsum[sb] = su;
+        }
+        __syncthreads();
+        int k0 = c + 8 * t;
+        unsigned a[SETS][2][4];
+        float sc[SETS][2], bi[SETS][2];
+#pragma unroll
+        for (int s = 0; s < SETS; ++s) {
+            load_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, a[s][0], &sc[s][0], &bi[s][0]);
+            load_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, a[s][1], &sc[s][1], &bi[s][1]);
+        }
+#pragma unroll
+        for (int j = 0; j < MMA_TILES; ++j) {
+            if (j * 8 >= nb) break;
+            int b = j * 8 + gid;
+            uint4 hv = *reinterpret_cast<const uint4*>(&xh[b * XS_PAD + 8 * t]);
+            uint4 lv = *reinterpret_cast<const uint4*>(&xl[b * XS_PAD + 8 * t]);
+            unsigned hi[4] = {hv.x, hv.y, hv.z, hv.w}, lo[4] = {lv.x, lv.y, lv.z, lv.w};
+#pragma unroll
+            for (int s = 0; s < SETS; ++s) {
+                float* d = BITS == 16 ? acc[s][j] : part[s][j];
+#pragma unroll
+                for (int st = 0; st < 2; ++st) {
+                    unsigned a0 = a[s][0][2 * st], a1 = a[s][1][2 * st];
+                    unsigned a2 = a[s][0][2 * st + 1], a3 = a[s][1][2 * st + 1];
+                    mma_bf16(d, a0, a1, a2, a3, hi[2 * st], hi[2 * st + 1]);
+                    mma_bf16(d, a0, a1, a2, a3, lo[2 * st], lo[2 * st + 1]);
+                }
+            }
+        }
+        if (BITS != 16) {
+#pragma unroll
+            for (int j = 0; j < MMA_TILES; ++j) {
+                if (j * 8 >= nb) break;
+                float x0 = xsum[j * 8 + 2 * t], x1 = xsum[j * 8 + 2 * t + 1];
+#pragma unroll
+                for (int s = 0; s < SETS; ++s) {
+                    float* A = acc[s][j];
+                    float* P = part[s][j];
+                    A[0] = fmaf(sc[s][0], P[0], fmaf(bi[s][0], x0, A[0]));
+                    A[1] = fmaf(sc[s][0], P[1], fmaf(bi[s][0], x1, A[1]));
+                    A[2] = fmaf(sc[s][1], P[2], fmaf(bi[s][1], x0, A[2]));
+                    A[3] = fmaf(sc[s][1], P[3], fmaf(bi[s][1], x1, A[3]));
+                    P[0] = P[1] = P[2] = P[3] = 0.f;
+                }
+            }
+        }
+    }
+}
+
+// Writes a warp's fragments: output row n (< N) of input b (< nb) goes to y[out_row(b)·N + n];
+// with SETS 2 the value is silu(set 0)·set 1.
+template <int SETS>
+__device__ __forceinline__ void store_frags(float acc[SETS][MMA_TILES][4], float* y, int N, int r, int nb,
+                                            const int* out_rows, int b0, const float* bias) {
+    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int n = r + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
+            if (n < N && b < nb) {
+                float v = SETS == 2 ? silu_f(acc[0][j][e]) * acc[SETS - 1][j][e] : acc[0][j][e];
+                long long o = out_rows ? out_rows[b] : b0 + b;
+                y[o * N + n] = v + (bias ? bias[n] : 0.f);
+            }
+        }
+}
+
+template <int BITS, int SETS>
+__device__ void mma_gemm_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+                           int N, int K, int G, int Bn, long long xs, const float* bias) {
+    int r = blockIdx.y * 128 + (threadIdx.x >> 5) * 16;
+    int b0 = blockIdx.x * 8 * MMA_TILES;
+    float acc[SETS][MMA_TILES][4];
+    mma_gemm_core<BITS, SETS>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, N, 0, r, acc);
+    store_frags<SETS>(acc, y, N, r, Bn - b0, nullptr, b0, bias);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                                                     float* __restrict__ y, int N, int K, int Bn, long long xs,
+                                                                     const float* __restrict__ bias) {
+    mma_gemm_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                       const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                       float* __restrict__ y, int N, int K, int G, int bits, int Bn,
+                                                                       long long xs, const float* __restrict__ bias) {
+    if (bits == 8) mma_gemm_t<8, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+    else mma_gemm_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                                                       float* __restrict__ h, int I, int K, int Bn, long long xs) {
+    mma_gemm_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                         const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                         float* __restrict__ h, int I, int K, int G, int bits, int Bn,
+                                                                         long long xs) {
+    if (bits == 8) mma_gemm_t<8, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
+    else mma_gemm_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
+}
+
 // The grouped form's tile: its expert, pairs and input rows (pair / x_div); false past n_tiles.
 __device__ __forceinline__ bool mma_tile(const int* __restrict__ tiles, const int* __restrict__ n_tiles,
                                          const int* __restrict__ order, int x_div, int& e, int& nb,
@@ -302,23 +453,11 @@ __device__ void mma_grouped_t(const void* W, const bf16_t* S, const bf16_t* Bs, 
     __syncthreads();
     int nb = tile_n;
     if (nb == 0) return;
-    long long rows_per_expert = (long long)SETS * N;
-    long long n0 = (long long)tile_e * rows_per_expert + blockIdx.y * 16;
+    long long base = (long long)tile_e * SETS * N;
+    int r = blockIdx.y * 128 + (threadIdx.x >> 5) * 16;
     float acc[SETS][MMA_TILES][4];
-    mma_rows_core<BITS, SETS>(W, S, Bs, x, xs, row, nb, N, K, G, N, n0, acc);
-    reduce_warps<SETS>(acc);
-    if (threadIdx.x >= 32) return;
-    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < MMA_TILES; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int n = blockIdx.y * 16 + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
-            if (n < N && b < nb) {
-                float v = SETS == 2 ? silu_f(acc[0][j][e]) * acc[SETS - 1][j][e] : acc[0][j][e];
-                y[(long long)pair[b] * N + n] = v;
-            }
-        }
+    mma_gemm_core<BITS, SETS>(W, S, Bs, x, xs, row, nb, N, K, G, N, base, r, acc);
+    store_frags<SETS>(acc, y, N, r, nb, pair, 0, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_bf16(

@@ -207,19 +207,26 @@ fn affine_matvec_matches_cpu() {
     }
 }
 
-/// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids; 37 rows:
-/// more than one 32-row group of the tensor-core kernels) and the experts of several tokens (ids,
-/// groups of `x_div` slots per input row), for bf16 and 4/8-bit affine weights, plus the SwiGLU
-/// form of the row batch. The tensor-core row kernels carry each input as bf16 hi + lo (16
+/// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids; 37 and 100
+/// rows: more than one 32-row group, split-K and GEMM tensor-core forms) and the experts of
+/// several tokens (ids, groups of `x_div` slots per input row), for bf16 and 4/8-bit affine
+/// weights, plus the SwiGLU form of the row batch. The tensor-core row kernels carry each input as bf16 hi + lo (16
 /// significant bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation, hence 3e-5 of the
 /// largest output rather than the 1e-5 of the f32 kernels.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matvec_slot_forms_match_cpu() {
+    // 37 rows take the split-K tensor-core form, 100 the GEMM form.
+    for rows in [37, 100] {
+        slot_forms(rows);
+    }
+}
+
+fn slot_forms(rows: usize) {
     use deltamoe_compute::cpu::quant::quantize;
     let g = gpu();
     let mut r = rng();
-    let (n, k, experts, rows, per_row) = (46usize, 256usize, 3usize, 37usize, 2usize);
+    let (n, k, experts, per_row) = (46usize, 256usize, 3usize, 2usize);
     let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
     let x = rand_vec(&mut r, rows * k, -1.0, 1.0);
     let ids: Vec<i32> = (0..rows * per_row)

@@ -47,6 +47,10 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "mma_grouped_swiglu_bf16",
             "mma_grouped_rows_affine",
             "mma_grouped_swiglu_affine",
+            "mma_gemm_rows_bf16",
+            "mma_gemm_rows_affine",
+            "mma_gemm_swiglu_bf16",
+            "mma_gemm_swiglu_affine",
         ],
     ),
     (

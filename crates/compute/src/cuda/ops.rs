@@ -128,6 +128,10 @@ const MV_ROWS: usize = 4;
 /// Input rows one warp of the `mma_*` kernels takes (`8·MMA_TILES` in mma_rows.cu).
 const MMA_ROWS_INPUTS: usize = 32;
 
+/// From this many input rows on, the GEMM form of mma_rows.cu (inputs staged once per block of
+/// 128 weight rows) beats the split-K form (16 weight rows per block, made for decode batches).
+const GEMM_MIN_ROWS: usize = 64;
+
 /// Whether the tensor-core kernels of mma_rows.cu take this matrix: K a multiple of 32 and
 /// bf16 or 4/8-bit affine weights with groups of 32, 64 or 128.
 pub(super) fn tensor_core_rows(m: &Matvec) -> bool {
@@ -146,13 +150,22 @@ fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> R
     let out_rows = if swiglu { m.n / 2 } else { m.n };
     let (n32, k32, b32, xs) = (out_rows as i32, m.k as i32, sl.n as i32, sl.x_stride as i64);
     let tensor_cores = tensor_core_rows(&m);
-    let grid = if tensor_cores {
+    let gemm = tensor_cores && sl.n >= GEMM_MIN_ROWS;
+    let grid = if gemm {
+        (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 128))
+    } else if tensor_cores {
         (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 16))
     } else {
         let per_warp = if swiglu { MV_ROWS / 2 } else { MV_ROWS };
         (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp))
     };
     let name = match (m.format, swiglu, tensor_cores) {
+        _ if gemm => match (m.format, swiglu) {
+            (WeightFormat::Bf16, false) => "mma_gemm_rows_bf16",
+            (WeightFormat::Bf16, true) => "mma_gemm_swiglu_bf16",
+            (WeightFormat::Affine { .. }, false) => "mma_gemm_rows_affine",
+            (WeightFormat::Affine { .. }, true) => "mma_gemm_swiglu_affine",
+        },
         (WeightFormat::Bf16, false, true) => "mma_rows_bf16",
         (WeightFormat::Bf16, true, true) => "mma_swiglu_bf16",
         (WeightFormat::Affine { .. }, false, true) => "mma_rows_affine",

@@ -409,7 +409,7 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         .arg(&gr.order)
         .arg(&xs)
         .arg(&xd);
-    let rows_per_block = if mma { 16 } else { 8 };
+    let rows_per_block = if mma { 128 } else { 8 };
     let grid = (gr.max_tiles.max(1) as u32, blocks(out_rows, rows_per_block));
     // SAFETY: the tiles come from moe_group over the same pairs (experts < the stack's count,
     // pair indices < pairs); x holds (max pair / x_div + 1) rows of x_stride ≥ K floats
