@@ -91,17 +91,15 @@ __device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t*
 // Accumulates, for one warp, rows n0..n0+16 (and, with `SW`, rows I + n0.. as the second
 // output set) against input rows b0..b0+32 into acc[set][tile][4] (mma C layout: rows l/4,
 // l/4 + 8, inputs 2(l%4), 2(l%4)+1 of the tile).
-// Input row b of the warp's 32 is at x + b·xs, or with `rows` at x + rows[b]·xs.
+// Input row b of the warp's 32 is at x + b·xs.
 template <int BITS, int SETS>
 __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
                               const bf16_t* __restrict__ Bs, const float* __restrict__ x, long long xs,
-                              const int* rows, int nb, int N, int K, int G, long long set_off, long long n0,
+                              int nb, int N, int K, int G, long long set_off, int n0,
                               float acc[SETS][MMA_TILES][4]) {
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
     int gshift = __ffs(G) - 1;
-    // n0 may carry an expert offset e·N (grouped form): clamp within the expert's rows.
-    long long base = n0 - n0 % N, r = n0 % N;
-    long long r0 = base + min(r + gid, (long long)N - 1), r1 = base + min(r + gid + 8, (long long)N - 1);
+    long long r0 = min(n0 + gid, N - 1), r1 = min(n0 + gid + 8, N - 1);
     float part[SETS][MMA_TILES][4];
 #pragma unroll
     for (int s = 0; s < SETS; ++s)
@@ -127,7 +125,7 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
             int b = j * 8 + gid;
             float xv[8];
             if (b < nb) {
-                const float* xr = x + (rows ? rows[b] : b) * xs + k0;
+                const float* xr = x + b * xs + k0;
                 float4 f0 = *reinterpret_cast<const float4*>(xr);
                 float4 f1 = *reinterpret_cast<const float4*>(xr + 4);
                 xv[0] = f0.x; xv[1] = f0.y; xv[2] = f0.z; xv[3] = f0.w;
@@ -213,7 +211,7 @@ __device__ void mma_rows_t(const void* W, const bf16_t* S, const bf16_t* Bs, con
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
     float acc[1][MMA_TILES][4];
-    mma_rows_core<BITS, 1>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, 0, n0, acc);
+    mma_rows_core<BITS, 1>(W, S, Bs, x + b0 * xs, xs, Bn - b0, N, K, G, 0, n0, acc);
     reduce_warps<1>(acc);
     if (threadIdx.x >= 32) return;
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
@@ -232,7 +230,7 @@ __device__ void mma_swiglu_t(const void* W, const bf16_t* S, const bf16_t* Bs, c
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
     float acc[2][MMA_TILES][4];
-    mma_rows_core<BITS, 2>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, I, K, G, I, n0, acc);
+    mma_rows_core<BITS, 2>(W, S, Bs, x + b0 * xs, xs, Bn - b0, I, K, G, I, n0, acc);
     reduce_warps<2>(acc);
     if (threadIdx.x >= 32) return;
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
