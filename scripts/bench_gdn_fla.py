@@ -8,9 +8,9 @@ fla-core and einops).
 --bench: median ms per call (CUDA events around each of 20 calls after 3 warm-ups) at 16 key
 heads, 32 and 64 value heads, head dim 128, T = 4k/16k/64k: bf16 q/k/v, f32 g (log decay),
 beta and initial state, output_final_state=True, with and without use_qk_l2norm_in_kernel.
---check DIR: reads the inputs and outputs `gdn_chunk_bench --dump DIR` wrote (T=4096, Hk=16,
-Hv=32, D=128, raw q/k normalised in the kernels), runs FLA on the same inputs and an f64
-recurrent reference, and prints the max abs / relative errors of both.
+--check DIR: reads the inputs and outputs `gdn_chunk_bench --dump DIR [--only T,HV]` wrote (the
+shape in DIR/shape.txt; Hk=16, D=128, raw q/k normalised in the kernels), runs FLA on the same
+inputs and an f64 recurrent reference, and prints the max abs / relative errors of both.
 """
 import argparse
 import os
@@ -80,7 +80,8 @@ def reference(q, k, v, g, beta, h0):
 
 
 def check(dirname):
-    t, hv = 4096, 32
+    with open(os.path.join(dirname, "shape.txt")) as f:
+        t, hv = (int(x) for x in f.read().split())
     dev = "cuda"
 
     def load(name, dtype, shape):

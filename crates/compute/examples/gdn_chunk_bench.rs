@@ -6,9 +6,10 @@
 //!
 //!     cargo run --release -p deltamoe-compute --example gdn_chunk_bench [-- --dump DIR] [--only T,HV]
 //!
-//! `--dump DIR` also runs T = 4096, Hv = 32 on device-generated inputs and writes them with the
-//! outputs as raw little-endian files (q, k, v: bf16 bits; g, beta, h0, out, ht: f32) for the
-//! script's cross-check against flash-linear-attention.
+//! `--dump DIR` also runs the `--only` shape (default T = 4096, Hv = 32) on device-generated
+//! inputs and writes them with the outputs as raw little-endian files (q, k, v: bf16 bits; g,
+//! beta, h0, out, ht: f32; the shape in shape.txt) for the script's cross-check against
+//! flash-linear-attention.
 
 use std::error::Error;
 
@@ -104,16 +105,17 @@ fn write_raw<T: bytemuck::Pod>(path: &std::path::Path, data: &[T]) -> Result<(),
     Ok(())
 }
 
-fn dump(gpu: &Gpu, dir: &std::path::Path) -> Result<(), Box<dyn Error>> {
+fn dump(gpu: &Gpu, dir: &std::path::Path, (t, hv): (usize, usize)) -> Result<(), Box<dyn Error>> {
     let d = GdnChunkDims {
-        t: 4096,
+        t,
         hk: HK,
-        hv: 32,
+        hv,
         dk: D,
         dv: D,
     };
     let b = Bufs::new(gpu, d, 42)?;
     std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("shape.txt"), format!("{t} {hv}\n"))?;
     write_raw(&dir.join("q.bin"), &gpu.read(&b.q, b.q.len())?)?;
     write_raw(&dir.join("k.bin"), &gpu.read(&b.k, b.k.len())?)?;
     write_raw(&dir.join("v.bin"), &gpu.read(&b.v, b.v.len())?)?;
@@ -138,11 +140,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().collect();
     let gpu = Gpu::new(0)?;
     println!("device: {}", gpu.name());
-    if let Some(i) = args.iter().position(|a| a == "--dump") {
-        let dir = args.get(i + 1).ok_or("--dump needs a directory")?;
-        dump(&gpu, std::path::Path::new(dir))?;
-    }
-    // `--only T,HV`: that one shape (e.g. under a profiler).
+    // `--only T,HV`: that one shape (e.g. under a profiler, or for --dump).
     let only: Option<(usize, usize)> = match args.iter().position(|a| a == "--only") {
         Some(i) => {
             let spec = args.get(i + 1).ok_or("--only needs T,HV")?;
@@ -151,6 +149,10 @@ fn main() -> Result<(), Box<dyn Error>> {
         }
         None => None,
     };
+    if let Some(i) = args.iter().position(|a| a == "--dump") {
+        let dir = args.get(i + 1).ok_or("--dump needs a directory")?;
+        dump(&gpu, std::path::Path::new(dir), only.unwrap_or((4096, 32)))?;
+    }
     for hv in [32usize, 64] {
         for t in [4096usize, 16384, 65536] {
             if only.is_some_and(|o| o != (t, hv)) {
