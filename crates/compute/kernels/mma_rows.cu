@@ -88,6 +88,67 @@ __device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t*
     }
 }
 
+// Zeroes a warp's accumulators and per-group partial sums.
+template <int SETS>
+__device__ __forceinline__ void zero_frags(float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+        for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
+}
+
+// The A fragments of rows r0 and r1 of every set (set s at s·set_off) at k0, with the
+// (scale, bias) of their group for affine weights.
+template <int BITS, int SETS>
+__device__ __forceinline__ void load_sets(const void* __restrict__ W, const bf16_t* __restrict__ S,
+                                          const bf16_t* __restrict__ Bs, long long r0, long long r1,
+                                          long long set_off, int K, int k0, int gshift, unsigned a[SETS][2][4],
+                                          float sc[SETS][2], float bi[SETS][2]) {
+#pragma unroll
+    for (int s = 0; s < SETS; ++s) {
+        load_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, a[s][0], &sc[s][0], &bi[s][0]);
+        load_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, a[s][1], &sc[s][1], &bi[s][1]);
+    }
+}
+
+// Input tile j (its bf16 hi and lo pairs) through both k16 steps of every set: into acc for bf16
+// weights, into the group partials for affine codes. Step 0 takes values 0..3, step 1 values
+// 4..7 (pairs a[..][2·st], a[..][2·st + 1]).
+template <int BITS, int SETS>
+__device__ __forceinline__ void mma_sets(const unsigned a[SETS][2][4], const unsigned hi[4], const unsigned lo[4],
+                                         int j, float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+#pragma unroll
+    for (int s = 0; s < SETS; ++s) {
+        float* d = BITS == 16 ? acc[s][j] : part[s][j];
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+            unsigned a0 = a[s][0][2 * st], a1 = a[s][1][2 * st];
+            unsigned a2 = a[s][0][2 * st + 1], a3 = a[s][1][2 * st + 1];
+            mma_bf16(d, a0, a1, a2, a3, hi[2 * st], hi[2 * st + 1]);
+            mma_bf16(d, a0, a1, a2, a3, lo[2 * st], lo[2 * st + 1]);
+        }
+    }
+}
+
+// The FMA dequant form for tile j: acc += scale·Σ q x + bias·Σ x for each (row, input) of the
+// fragment (x0, x1: the sums of its inputs 2t and 2t + 1), then the partials restart.
+template <int SETS>
+__device__ __forceinline__ void flush_tile(const float sc[SETS][2], const float bi[SETS][2], float x0, float x1,
+                                           int j, float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+#pragma unroll
+    for (int s = 0; s < SETS; ++s) {
+        float* A = acc[s][j];
+        float* P = part[s][j];
+        A[0] = fmaf(sc[s][0], P[0], fmaf(bi[s][0], x0, A[0]));
+        A[1] = fmaf(sc[s][0], P[1], fmaf(bi[s][0], x1, A[1]));
+        A[2] = fmaf(sc[s][1], P[2], fmaf(bi[s][1], x0, A[2]));
+        A[3] = fmaf(sc[s][1], P[3], fmaf(bi[s][1], x1, A[3]));
+        P[0] = P[1] = P[2] = P[3] = 0.f;
+    }
+}
+
 // Accumulates, for one warp, rows n0..n0+16 (and, with `SW`, rows I + n0.. as the second
 // output set) against input rows b0..b0+32 into acc[set][tile][4] (mma C layout: rows l/4,
 // l/4 + 8, inputs 2(l%4), 2(l%4)+1 of the tile).
@@ -101,12 +162,7 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
     int gshift = __ffs(G) - 1;
     long long r0 = min(n0 + gid, N - 1), r1 = min(n0 + gid + 8, N - 1);
     float part[SETS][MMA_TILES][4];
-#pragma unroll
-    for (int s = 0; s < SETS; ++s)
-#pragma unroll
-        for (int j = 0; j < MMA_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
+    zero_frags<SETS>(acc, part);
     float xsum[MMA_TILES];
 #pragma unroll
     for (int j = 0; j < MMA_TILES; ++j) xsum[j] = 0.f;
@@ -114,11 +170,7 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
         int k0 = c + 8 * t;
         unsigned a[SETS][2][4];
         float sc[SETS][2], bi[SETS][2];
-#pragma unroll
-        for (int s = 0; s < SETS; ++s) {
-            load_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, a[s][0], &sc[s][0], &bi[s][0]);
-            load_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, a[s][1], &sc[s][1], &bi[s][1]);
-        }
+        load_sets<BITS, SETS>(W, S, Bs, r0, r1, set_off, K, k0, gshift, a, sc, bi);
 #pragma unroll
         for (int j = 0; j < MMA_TILES; ++j) {
             if (j * 8 >= nb) break;
@@ -143,21 +195,10 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
             if (BITS != 16)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) xsum[j] += xv[i];
-#pragma unroll
-            for (int s = 0; s < SETS; ++s) {
-                float* d = BITS == 16 ? acc[s][j] : part[s][j];
-                // k16 step 0 takes values 0..3, step 1 values 4..7 (pairs p[0..1], p[2..3]).
-#pragma unroll
-                for (int st = 0; st < 2; ++st) {
-                    unsigned a0 = a[s][0][2 * st], a1 = a[s][1][2 * st];
-                    unsigned a2 = a[s][0][2 * st + 1], a3 = a[s][1][2 * st + 1];
-                    mma_bf16(d, a0, a1, a2, a3, hi[2 * st], hi[2 * st + 1]);
-                    mma_bf16(d, a0, a1, a2, a3, lo[2 * st], lo[2 * st + 1]);
-                }
-            }
+            mma_sets<BITS, SETS>(a, hi, lo, j, acc, part);
         }
         if (BITS != 16) {
-            // acc += scale·Σ q x + bias·Σ x over the chunk, for each (row, input) of the fragment.
+            // Each lane summed its 8 inputs of row gid; the quad holds the row's chunk sum.
 #pragma unroll
             for (int j = 0; j < MMA_TILES; ++j) {
                 if (j * 8 >= nb) break;
@@ -166,16 +207,7 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
                 xt += __shfl_xor_sync(0xffffffffu, xt, 2);
                 float x0 = __shfl_sync(0xffffffffu, xt, (2 * t) * 4);
                 float x1 = __shfl_sync(0xffffffffu, xt, (2 * t + 1) * 4);
-#pragma unroll
-                for (int s = 0; s < SETS; ++s) {
-                    float* A = acc[s][j];
-                    float* P = part[s][j];
-                    A[0] = fmaf(sc[s][0], P[0], fmaf(bi[s][0], x0, A[0]));
-                    A[1] = fmaf(sc[s][0], P[1], fmaf(bi[s][0], x1, A[1]));
-                    A[2] = fmaf(sc[s][1], P[2], fmaf(bi[s][1], x0, A[2]));
-                    A[3] = fmaf(sc[s][1], P[3], fmaf(bi[s][1], x1, A[3]));
-                    P[0] = P[1] = P[2] = P[3] = 0.f;
-                }
+                flush_tile<SETS>(sc, bi, x0, x1, j, acc, part);
                 xsum[j] = 0.f;
             }
         }
@@ -205,69 +237,63 @@ __device__ void reduce_warps(float acc[SETS][MMA_TILES][4]) {
                     for (int e = 0; e < 4; ++e) acc[s][j][e] += red[o][(s * MMA_TILES + j) * 4 + e][lane];
 }
 
-template <int BITS>
-__device__ void mma_rows_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
-                           int N, int K, int G, int Bn, long long xs, const float* bias) {
-    int n0 = blockIdx.y * 16;
-    int b0 = blockIdx.x * 8 * MMA_TILES;
-    float acc[1][MMA_TILES][4];
-    mma_rows_core<BITS, 1>(W, S, Bs, x + b0 * xs, xs, Bn - b0, N, K, G, 0, n0, acc);
-    reduce_warps<1>(acc);
-    if (threadIdx.x >= 32) return;
+// Writes a warp's fragments: output row n (< N) of input b (< nb) goes to y[out_row(b)·N + n];
+// with SETS 2 the value is silu(set 0)·set 1.
+template <int SETS>
+__device__ __forceinline__ void store_frags(float acc[SETS][MMA_TILES][4], float* y, int N, int r, int nb,
+                                            const int* out_rows, int b0, const float* bias) {
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int j = 0; j < MMA_TILES; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            int n = n0 + gid + (e >= 2 ? 8 : 0), b = b0 + j * 8 + 2 * t + (e & 1);
-            if (n < N && b < Bn) y[(long long)b * N + n] = acc[0][j][e] + (bias ? bias[n] : 0.f);
+            int n = r + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
+            if (n < N && b < nb) {
+                float v = SETS == 2 ? silu_f(acc[0][j][e]) * acc[SETS - 1][j][e] : acc[0][j][e];
+                long long o = out_rows ? out_rows[b] : b0 + b;
+                y[o * N + n] = v + (bias ? bias[n] : 0.f);
+            }
         }
 }
 
-template <int BITS>
-__device__ void mma_swiglu_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* h,
-                             int I, int K, int G, int Bn, long long xs) {
+// The split-K form: the block's 8 warps split K for one 16-row tile, then warp 0 stores.
+template <int BITS, int SETS>
+__device__ void mma_split_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+                            int N, int K, int G, int Bn, long long xs, const float* bias) {
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
-    float acc[2][MMA_TILES][4];
-    mma_rows_core<BITS, 2>(W, S, Bs, x + b0 * xs, xs, Bn - b0, I, K, G, I, n0, acc);
-    reduce_warps<2>(acc);
+    float acc[SETS][MMA_TILES][4];
+    mma_rows_core<BITS, SETS>(W, S, Bs, x + b0 * xs, xs, Bn - b0, N, K, G, N, n0, acc);
+    reduce_warps<SETS>(acc);
     if (threadIdx.x >= 32) return;
-    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < MMA_TILES; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int n = n0 + gid + (e >= 2 ? 8 : 0), b = b0 + j * 8 + 2 * t + (e & 1);
-            if (n < I && b < Bn) h[(long long)b * I + n] = silu_f(acc[0][j][e]) * acc[1][j][e];
-        }
+    store_frags<SETS>(acc, y, N, n0, Bn - b0, nullptr, b0, bias);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                                                 float* __restrict__ y, int N, int K, int Bn, long long xs,
                                                                 const float* __restrict__ bias) {
-    mma_rows_t<16>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
+    mma_split_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                   const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                   float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                                                   long long xs, const float* __restrict__ bias) {
-    if (bits == 8) mma_rows_t<8>(W, S, B, x, y, N, K, G, Bn, xs, bias);
-    else mma_rows_t<4>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+    if (bits == 8) mma_split_t<8, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+    else mma_split_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                                                   float* __restrict__ h, int I, int K, int Bn, long long xs) {
-    mma_swiglu_t<16>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs);
+    mma_split_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                     const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                     float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                                                     long long xs) {
-    if (bits == 8) mma_swiglu_t<8>(W, S, B, x, h, I, K, G, Bn, xs);
-    else mma_swiglu_t<4>(W, S, B, x, h, I, K, G, Bn, xs);
+    if (bits == 8) mma_split_t<8, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
+    else mma_split_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
 }
 
 // Row stride (bf16) of the staged input tile: 32 values + 8 of padding against bank conflicts.
@@ -287,12 +313,7 @@ __device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restri
     int gshift = __ffs(G) - 1;
     long long r0 = base + min(r + gid, N - 1), r1 = base + min(r + gid + 8, N - 1);
     float part[SETS][MMA_TILES][4];
-#pragma unroll
-    for (int s = 0; s < SETS; ++s)
-#pragma unroll
-        for (int j = 0; j < MMA_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
+    zero_frags<SETS>(acc, part);
     // Staging: thread i converts values 4·(i % 8) .. + 4 of input i / 8.
     int sb = threadIdx.x >> 3, sq = threadIdx.x & 7;
     const float* sx = sb < nb ? x + (rows ? rows[sb] : sb) * xs : nullptr;
@@ -315,11 +336,7 @@ __device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restri
         int k0 = c + 8 * t;
         unsigned a[SETS][2][4];
         float sc[SETS][2], bi[SETS][2];
-#pragma unroll
-        for (int s = 0; s < SETS; ++s) {
-            load_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, a[s][0], &sc[s][0], &bi[s][0]);
-            load_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, a[s][1], &sc[s][1], &bi[s][1]);
-        }
+        load_sets<BITS, SETS>(W, S, Bs, r0, r1, set_off, K, k0, gshift, a, sc, bi);
 #pragma unroll
         for (int j = 0; j < MMA_TILES; ++j) {
             if (j * 8 >= nb) break;
@@ -327,55 +344,17 @@ __device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restri
             uint4 hv = *reinterpret_cast<const uint4*>(&xh[b * XS_PAD + 8 * t]);
             uint4 lv = *reinterpret_cast<const uint4*>(&xl[b * XS_PAD + 8 * t]);
             unsigned hi[4] = {hv.x, hv.y, hv.z, hv.w}, lo[4] = {lv.x, lv.y, lv.z, lv.w};
-#pragma unroll
-            for (int s = 0; s < SETS; ++s) {
-                float* d = BITS == 16 ? acc[s][j] : part[s][j];
-#pragma unroll
-                for (int st = 0; st < 2; ++st) {
-                    unsigned a0 = a[s][0][2 * st], a1 = a[s][1][2 * st];
-                    unsigned a2 = a[s][0][2 * st + 1], a3 = a[s][1][2 * st + 1];
-                    mma_bf16(d, a0, a1, a2, a3, hi[2 * st], hi[2 * st + 1]);
-                    mma_bf16(d, a0, a1, a2, a3, lo[2 * st], lo[2 * st + 1]);
-                }
-            }
+            mma_sets<BITS, SETS>(a, hi, lo, j, acc, part);
         }
         if (BITS != 16) {
 #pragma unroll
             for (int j = 0; j < MMA_TILES; ++j) {
                 if (j * 8 >= nb) break;
                 float x0 = xsum[j * 8 + 2 * t], x1 = xsum[j * 8 + 2 * t + 1];
-#pragma unroll
-                for (int s = 0; s < SETS; ++s) {
-                    float* A = acc[s][j];
-                    float* P = part[s][j];
-                    A[0] = fmaf(sc[s][0], P[0], fmaf(bi[s][0], x0, A[0]));
-                    A[1] = fmaf(sc[s][0], P[1], fmaf(bi[s][0], x1, A[1]));
-                    A[2] = fmaf(sc[s][1], P[2], fmaf(bi[s][1], x0, A[2]));
-                    A[3] = fmaf(sc[s][1], P[3], fmaf(bi[s][1], x1, A[3]));
-                    P[0] = P[1] = P[2] = P[3] = 0.f;
-                }
+                flush_tile<SETS>(sc, bi, x0, x1, j, acc, part);
             }
         }
     }
-}
-
-// Writes a warp's fragments: output row n (< N) of input b (< nb) goes to y[out_row(b)·N + n];
-// with SETS 2 the value is silu(set 0)·set 1.
-template <int SETS>
-__device__ __forceinline__ void store_frags(float acc[SETS][MMA_TILES][4], float* y, int N, int r, int nb,
-                                            const int* out_rows, int b0, const float* bias) {
-    int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < MMA_TILES; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int n = r + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
-            if (n < N && b < nb) {
-                float v = SETS == 2 ? silu_f(acc[0][j][e]) * acc[SETS - 1][j][e] : acc[0][j][e];
-                long long o = out_rows ? out_rows[b] : b0 + b;
-                y[o * N + n] = v + (bias ? bias[n] : 0.f);
-            }
-        }
 }
 
 template <int BITS, int SETS>

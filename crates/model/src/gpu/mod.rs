@@ -258,34 +258,8 @@ impl GpuModel {
     /// default); the logits stay on the device (see [`GpuModel::logits`]).
     pub fn step_batch(&mut self, rows: &mut [(&mut GpuSeq, u32)]) -> Result<Vec<u32>> {
         let b = rows.len();
-        if b == 0 || b > self.rows {
-            return Err(unsupported(format!(
-                "a step takes 1 to {} sequences, not {b}",
-                self.rows
-            )));
-        }
-        let ctx = self.pool()?.ctx;
-        let mut io = vec![0i32; 2 * self.rows];
-        for (i, (seq, tok)) in rows.iter().enumerate() {
-            if seq.pos >= ctx {
-                return Err(unsupported(format!(
-                    "the sequence is full: {ctx} tokens is its context"
-                )));
-            }
-            if *tok as usize >= self.vocab {
-                return Err(unsupported(format!(
-                    "token id {tok} is out of range: vocab_size is {}",
-                    self.vocab
-                )));
-            }
-            if rows[..i].iter().any(|(s, _)| s.slot == seq.slot) {
-                return Err(unsupported("a sequence appears twice in one step".into()));
-            }
-            io[i] = *tok as i32;
-            io[self.rows + i] = seq.slot as i32;
-        }
+        self.write_inputs(rows)?;
         let g = self.gpu.clone();
-        g.write(&mut self.io, &io)?;
         if self.graphs.len() < b {
             self.graphs.resize_with(b, || None);
         }
@@ -311,6 +285,40 @@ impl GpuModel {
             seq.pos += 1;
         }
         Ok(g.read(&self.io, b)?.into_iter().map(|t| t as u32).collect())
+    }
+
+    /// Checks a step's rows (1 to [`Self::max_batch`] of them, each sequence once, with room for
+    /// one more token and a token id in the vocabulary) and writes their token ids and slots to
+    /// the step's device inputs.
+    fn write_inputs(&mut self, rows: &[(&mut GpuSeq, u32)]) -> Result<()> {
+        if rows.is_empty() || rows.len() > self.rows {
+            return Err(unsupported(format!(
+                "a step takes 1 to {} sequences, not {}",
+                self.rows,
+                rows.len()
+            )));
+        }
+        let ctx = self.pool()?.ctx;
+        let mut io = vec![0i32; 2 * self.rows];
+        for (i, (seq, tok)) in rows.iter().enumerate() {
+            if seq.pos >= ctx {
+                return Err(unsupported(format!(
+                    "the sequence is full: {ctx} tokens is its context"
+                )));
+            }
+            if *tok as usize >= self.vocab {
+                return Err(unsupported(format!(
+                    "token id {tok} is out of range: vocab_size is {}",
+                    self.vocab
+                )));
+            }
+            if rows[..i].iter().any(|(s, _)| s.slot == seq.slot) {
+                return Err(unsupported("a sequence appears twice in one step".into()));
+            }
+            io[i] = *tok as i32;
+            io[self.rows + i] = seq.slot as i32;
+        }
+        self.gpu.write(&mut self.io, &io)
     }
 
     /// One sequence's step: [`Self::step_batch`] with one row.
@@ -371,19 +379,8 @@ impl GpuModel {
         rows: &mut [(&mut GpuSeq, u32)],
     ) -> Result<(Vec<(f32, f32)>, f32)> {
         let b = rows.len();
-        if b == 0 || b > self.rows {
-            return Err(unsupported(format!(
-                "profile 1 to {} rows, not {b}",
-                self.rows
-            )));
-        }
+        self.write_inputs(rows)?;
         let g = self.gpu.clone();
-        let mut io = vec![0i32; 2 * self.rows];
-        for (i, (seq, tok)) in rows.iter().enumerate() {
-            io[i] = *tok as i32;
-            io[self.rows + i] = seq.slot as i32;
-        }
-        g.write(&mut self.io, &io)?;
         let n = self.layers.len();
         let marks: Vec<_> = (0..2 * n + 3).map(|_| g.timer()).collect::<Result<_>>()?;
         g.mark(&marks[0])?;
