@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use deltamoe_compute::cuda::{self, Gpu};
 use deltamoe_compute::DType;
-use deltamoe_model::gpu::GpuModel;
+use deltamoe_model::gpu::{ExpertCache, GpuModel, OffloadStats};
 use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid, WeightStore};
 use serde_json::{json, Value};
 
@@ -74,9 +74,47 @@ pub struct BenchArgs {
     /// 2/4/8-bit affine) against the measured copy bandwidth.
     #[arg(long, conflicts_with_all = ["model", "config", "synthetic"])]
     matvec: bool,
+    /// CUDA: offload the routed experts to pinned host memory and cache this fraction of each
+    /// layer's experts on the GPU; several values are measured one after another.
+    #[arg(long, value_delimiter = ',', conflicts_with = "gpu_memory")]
+    expert_cache_fraction: Vec<f64>,
+    /// CUDA: offload the routed experts and give the whole model this many GB of GPU memory
+    /// (the expert cache gets what the other weights leave, less 8 GiB for sequences).
+    #[arg(long, value_name = "GB")]
+    gpu_memory: Option<f64>,
+    /// Synthetic models: skew routing towards a Zipf(ALPHA) popularity of the experts (a
+    /// router bias of −ALPHA·ln(rank + 1), ranks shuffled per layer) instead of the uniform-like
+    /// routing of random weights.
+    #[arg(long, value_name = "ALPHA")]
+    zipf: Option<f64>,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The expert caches the flags ask for, in measurement order.
+fn cache_specs(a: &BenchArgs) -> Result<Vec<ExpertCache>> {
+    if let Some(gb) = a.gpu_memory {
+        if !(gb.is_finite() && gb > 0.0) {
+            bail!("--gpu-memory {gb}: expected a size in GB above 0");
+        }
+        return Ok(vec![ExpertCache::GpuMemory(
+            (gb * (1u64 << 30) as f64) as usize,
+        )]);
+    }
+    if a.expert_cache_fraction.is_empty() {
+        return Ok(vec![ExpertCache::All]);
+    }
+    a.expert_cache_fraction
+        .iter()
+        .map(|&f| {
+            if (0.0..=1.0).contains(&f) {
+                Ok(ExpertCache::Fraction(f))
+            } else {
+                bail!("--expert-cache-fraction {f}: expected a fraction from 0 to 1")
+            }
+        })
+        .collect()
 }
 
 fn precision(a: &BenchArgs) -> String {
@@ -147,6 +185,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 fn run_cpu(a: &BenchArgs) -> Result<Value> {
+    if a.zipf.is_some() || a.gpu_memory.is_some() || !a.expert_cache_fraction.is_empty() {
+        bail!("--zipf, --gpu-memory and --expert-cache-fraction measure expert offload on the GPU; use --device cuda");
+    }
     if a.bits.is_some() {
         bail!("--bits: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
     }
@@ -165,6 +206,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
             let m = crate::commands::load_model(&ModelArgs {
                 model: Some(dir.clone()),
                 device: Device::Cpu,
+                expert_cache: None,
             })?;
             (m, dir.display().to_string())
         }
@@ -174,7 +216,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     let prompt: Vec<u32> = (0..prompt_len as u32)
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
-    let mut engine = crate::commands::engine_for(model, Device::Cpu)?;
+    let mut engine = deltamoe_engine::Engine::new(model);
     let threads = rayon::current_num_threads();
     let id = engine.add_sequence()?;
     let t0 = Instant::now();
@@ -292,22 +334,41 @@ fn decode_at(model: &mut GpuModel, ctx: usize, b: usize, gen_len: usize, bw: f64
 fn run_cuda(a: &BenchArgs) -> Result<Value> {
     let gpu = Arc::new(Gpu::new(0).context("--device cuda")?);
     let bw = gpu.copy_bandwidth(1 << 31, 20)?;
+    let caches = cache_specs(a)?;
+    let offload = caches[0] != ExpertCache::All;
+    let link = if offload {
+        let l = gpu.pcie_bandwidth(1 << 30, 10)?;
+        println!(
+            "pcie     host-to-device copy from pinned memory {:.1} GB/s",
+            l / 1e9
+        );
+        l
+    } else {
+        0.0
+    };
     let t0 = Instant::now();
     let (mut model, name, max_pos) = match synthetic_config(a)? {
-        Some((cfg, name)) => (
-            GpuModel::synthetic(&cfg, gpu.clone(), 1, a.bits.map(|b| (b, a.group_size)))?,
-            name,
-            cfg.max_position_embeddings,
-        ),
+        Some((cfg, name)) => {
+            let quant = a.bits.map(|b| (b, a.group_size));
+            let mut m = GpuModel::synthetic(&cfg, gpu.clone(), 1, quant, caches[0])?;
+            if let Some(alpha) = a.zipf {
+                m.skew_routing(alpha, 7)?;
+            }
+            (m, name, cfg.max_position_embeddings)
+        }
         None => {
+            if a.zipf.is_some() {
+                bail!("--zipf skews the routing of synthetic models only; drop it or use --synthetic/--config");
+            }
             let dir = a.model.clone().unwrap_or_default();
             let m = crate::commands::load_model(&ModelArgs {
                 model: Some(dir.clone()),
                 device: Device::Cuda,
+                expert_cache: None,
             })?;
             let max = m.config().max_position_embeddings;
             (
-                GpuModel::upload(&m, gpu.clone())?,
+                GpuModel::upload_with(&m, gpu.clone(), caches[0])?,
                 dir.display().to_string(),
                 max,
             )
@@ -341,15 +402,60 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     model.reserve(max_batch, max_ctx)?;
     let prefill = prefill_at(&mut model, &lens)?;
     let mut rows = Vec::new();
-    for &ctx in &contexts {
-        for &b in &a.batch {
-            rows.push(decode_at(&mut model, ctx, b.max(1), a.gen_len, bw)?);
+    for (ci, &cache) in caches.iter().enumerate() {
+        if offload && ci > 0 {
+            model.set_expert_cache(cache)?;
+        }
+        if let Some(slots) = model.expert_cache_slots() {
+            println!("experts  offloaded; {slots} cached per MoE layer ({cache:?})");
+        }
+        for &ctx in &contexts {
+            for &b in &a.batch {
+                let before = model.offload_stats();
+                let mut row = decode_at(&mut model, ctx, b.max(1), a.gen_len, bw)?;
+                if let (Some(s0), Some(s1)) = (before, model.offload_stats()) {
+                    row["offload"] =
+                        offload_report(&s0, &s1, &row, link, model.expert_cache_slots());
+                }
+                rows.push(row);
+            }
         }
     }
     Ok(json!({
         "model": name, "backend": "cuda", "device": gpu.name(), "copy_bandwidth_bytes_s": bw,
-        "prefill": prefill, "decode": rows,
+        "pcie_bandwidth_bytes_s": link, "prefill": prefill, "decode": rows,
     }))
+}
+
+/// Offload statistics of one decode measurement (the timed steps and their warm-up): hit rate,
+/// bytes over PCIe per token and the link utilisation they imply at the measured speed.
+fn offload_report(
+    s0: &OffloadStats,
+    s1: &OffloadStats,
+    row: &Value,
+    link: f64,
+    slots: Option<usize>,
+) -> Value {
+    let tokens = (s1.tokens - s0.tokens).max(1) as f64;
+    let (hits, misses) = (s1.hits - s0.hits, s1.misses - s0.misses);
+    let hit_rate = hits as f64 / (hits + misses).max(1) as f64;
+    let far = (s1.far_bytes - s0.far_bytes) as f64 / tokens;
+    let admit = (s1.admit_bytes - s0.admit_bytes) as f64 / tokens;
+    let admitted = (s1.admitted - s0.admitted) as f64 / tokens;
+    let tok_s = row["tok_s"].as_f64().unwrap_or(0.0);
+    let link_frac = (far + admit) * tok_s / link.max(1.0);
+    println!(
+        "         offload: hit rate {:.3}, PCIe {:.3} GB/token ({:.3} read by kernels + {:.3} admitted, {admitted:.2} experts/token), {:.0}% of the {:.1} GB/s link at this speed",
+        hit_rate,
+        (far + admit) / 1e9,
+        far / 1e9,
+        admit / 1e9,
+        link_frac * 100.0,
+        link / 1e9
+    );
+    json!({"cache_slots_per_layer": slots, "hit_rate": hit_rate, "far_bytes_per_token": far,
+           "admit_bytes_per_token": admit, "admitted_per_token": admitted,
+           "link_bytes_s": link, "link_fraction": link_frac})
 }
 
 /// Dense bf16 tensor-core peak of one H200 (SXM), FLOP/s: the MFU denominator.

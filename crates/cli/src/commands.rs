@@ -120,21 +120,25 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
 
 /// An engine for `model` on the backend `--device` asks for: `cuda` fails with the reason
 /// when no GPU is usable; `auto` takes CUDA when it is usable and the CPU otherwise.
-pub fn engine_for(model: Qwen3Hybrid, device: Device) -> Result<Engine> {
+pub fn engine_for(model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
     let reason = cuda::unavailable_reason();
-    let use_cuda = match (device, &reason) {
+    let cache = args.expert_cache()?;
+    let use_cuda = match (args.device, &reason) {
         (Device::Cpu, _) => false,
         (Device::Cuda, Some(why)) => bail!("--device cuda: {why}; use --device cpu"),
         (Device::Cuda, None) | (Device::Auto, None) => true,
         (Device::Auto, Some(_)) => false,
     };
     if !use_cuda {
+        if args.expert_cache.is_some() {
+            bail!("--expert-cache: offloading experts needs the CUDA backend (--device cuda)");
+        }
         eprintln!("backend: cpu, {} threads", rayon::current_num_threads());
         return Ok(Engine::new(model));
     }
     let t0 = Instant::now();
     let gpu = Arc::new(cuda::Gpu::new(0).context("--device cuda")?);
-    let engine = Engine::new_cuda(model, gpu, DEFAULT_CUDA_CONTEXT, 1)?;
+    let engine = Engine::new_cuda_with(model, gpu, DEFAULT_CUDA_CONTEXT, 1, cache)?;
     eprintln!(
         "backend: {}, weights uploaded in {:.2} s",
         engine.backend_name(),
@@ -219,7 +223,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         eos: &defaults.eos_token_ids,
         prefill_chunk: a.prefill_chunk,
     };
-    let mut engine = engine_for(model, a.model.device)?;
+    let mut engine = engine_for(model, &a.model)?;
     let mut out = std::io::stdout().lock();
     // A plain text prompt is echoed so the continuation reads on from it, as llama.cpp does.
     if let (Some(p), false, Some(_)) = (&a.prompt, a.chat, &tok) {
@@ -260,7 +264,7 @@ pub fn score(a: ScoreArgs) -> Result<()> {
     let tokens = parse_ids(&a.tokens, "--tokens")?;
     let model = load_model(&a.model)?;
     let vocab = model.config().vocab_size;
-    let mut engine = engine_for(model, a.model.device)?;
+    let mut engine = engine_for(model, &a.model)?;
     let id = engine.add_sequence()?;
     let t0 = Instant::now();
     let logits = engine.prefill(id, &tokens, a.prefill_chunk, Logits::All)?;

@@ -68,9 +68,25 @@ pub struct ModelArgs {
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// CUDA: keep at most this many GB of routed experts on the GPU; the others stay in pinned
+    /// host memory and are read over PCIe (models larger than the GPU). Default: all on the GPU.
+    #[arg(long, value_name = "GB")]
+    expert_cache: Option<f64>,
 }
 
 impl ModelArgs {
+    /// The expert cache `--expert-cache` asks for (checked).
+    pub fn expert_cache(&self) -> anyhow::Result<deltamoe_model::gpu::ExpertCache> {
+        use deltamoe_model::gpu::ExpertCache;
+        match self.expert_cache {
+            None => Ok(ExpertCache::All),
+            Some(gb) if gb.is_finite() && gb >= 0.0 => {
+                Ok(ExpertCache::Bytes((gb * (1u64 << 30) as f64) as usize))
+            }
+            Some(gb) => anyhow::bail!("--expert-cache {gb}: expected a size in GB, 0 or more"),
+        }
+    }
+
     /// The model directory: `--model`, or the built-in model.
     pub fn dir(&self) -> anyhow::Result<PathBuf> {
         match &self.model {

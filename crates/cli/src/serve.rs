@@ -11,6 +11,7 @@ use deltamoe_model::Qwen3Hybrid;
 use deltamoe_server::{EngineFactory, Server, ServerOptions};
 
 use crate::{Device, ModelArgs};
+use deltamoe_model::gpu::ExpertCache;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -75,6 +76,7 @@ fn factory(
     cuda: bool,
     ctx: Option<usize>,
     max_seqs: usize,
+    cache: ExpertCache,
 ) -> EngineFactory {
     Box::new(move || {
         let model = Qwen3Hybrid::load(&dir)?;
@@ -84,7 +86,7 @@ fn factory(
         let gpu =
             cuda::Gpu::new(0).map_err(|e| EngineError::Input(format!("--device cuda: {e}")))?;
         let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
-        Engine::new_cuda(model, Arc::new(gpu), ctx, max_seqs)
+        Engine::new_cuda_with(model, Arc::new(gpu), ctx, max_seqs, cache)
     })
 }
 
@@ -128,9 +130,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "deltamoe".into()),
     };
     let cuda = use_cuda(a.model.device)?;
+    let cache = a.model.expert_cache()?;
+    if !cuda && cache != ExpertCache::All {
+        bail!("--expert-cache: offloading experts needs the CUDA backend (--device cuda)");
+    }
     let opts = options(&a, name, cuda)?;
     let slots = a.max_seqs.unwrap_or(0);
-    let server = Server::start(&dir, factory(dir.clone(), cuda, a.ctx, slots), opts)
+    let server = Server::start(&dir, factory(dir.clone(), cuda, a.ctx, slots, cache), opts)
         .with_context(|| format!("serving {}", dir.display()))?;
     eprintln!("{}", server.describe());
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -8,6 +8,8 @@
 //   grid (S, ceil(N / 8)), block 256: one warp per output row; the slots of one row block are
 //   adjacent blocks, so a matrix read by several slots is mostly served from L2.
 //   16-byte weight loads when K % 8 == 0.
+//   Far experts: ids ≥ split name matrix ids − split of a second stack Wf (same layout; e.g. pinned
+//   host memory read over PCIe for offloaded experts); split = INT_MAX when there is none.
 //
 // matvec_swiglu_bf16: h[s, n] = silu(Σ_k G_e[n, k] x_s[k]) · Σ_k U_e[n, k] x_s[k]
 //   W: [E, 2I, K] with gate rows 0..I and up rows I..2I (the HF gate_up layout); h: [S, I].
@@ -57,12 +59,17 @@ __device__ __forceinline__ float dot_row(const bf16_t* __restrict__ w, const flo
 extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                        float* __restrict__ y, int N, int K,
                                        const int* __restrict__ ids, long long x_stride, int x_div,
-                                       const float* __restrict__ bias) {
+                                       const float* __restrict__ bias, const bf16_t* __restrict__ Wf,
+                                       int split) {
     int row = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;
     if (row >= N) return;
     long long e = ids ? ids[s] : 0;
+    if (e >= split) {
+        W = Wf;
+        e -= split;
+    }
     const bf16_t* w = W + (e * N + row) * (long long)K;
     float acc = dot_row(w, x + (s / x_div) * x_stride, K, lane);
     if (bias) acc += bias[e * N + row];
@@ -71,12 +78,17 @@ extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float
 
 extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               float* __restrict__ h, int I, int K,
-                                              const int* __restrict__ ids, long long x_stride, int x_div) {
+                                              const int* __restrict__ ids, long long x_stride, int x_div,
+                                              const bf16_t* __restrict__ Wf, int split) {
     int n = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;
     if (n >= I) return;
     long long e = ids ? ids[s] : 0;
+    if (e >= split) {
+        W = Wf;
+        e -= split;
+    }
     const bf16_t* base = W + e * 2LL * I * K;
     const float* xs = x + (s / x_div) * x_stride;
     float g = dot_row(base + (long long)n * K, xs, K, lane);

@@ -5,6 +5,8 @@
 //   p = softmax(logits[0..E]); the K largest (ties to the lower index) → ids [K], w [K]
 //   (divided by their sum when renorm); sg = sigmoid(logits[E]); when shared_slot ≥ 0 the shared
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
+//   loc (optional, [E]): where each routed expert's weights are (an index into the stacked
+//   weights, see matvec.cu's far experts); ids[r] = loc ? loc[expert] : expert.
 //   grid B, block 32 (one warp per row).
 //   E ≤ 1024, K ≤ 32.
 //
@@ -13,7 +15,8 @@
 
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
-                                       float* __restrict__ w, float* __restrict__ sg, long long L) {
+                                       float* __restrict__ w, float* __restrict__ sg, long long L,
+                                       const int* __restrict__ loc) {
     __shared__ float p[1024];
     int lane = threadIdx.x;
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
@@ -49,7 +52,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
         if (lane == r) chosen = bv / sum;
         total += bv / sum;
         if (lane == 0) {
-            ids[r] = bi;
+            ids[r] = loc ? loc[bi] : bi;
             p[bi] = -1.f;
         }
         __syncwarp();

@@ -9,6 +9,8 @@
 // matvec_affine: y[s, n] = Σ_k W_e[n, k] x_s[k] (+ bias_vec[e·N + n]); e = ids ? ids[s] : 0;
 //   x_s = x + (s / x_div)·x_stride (x_stride a multiple of 4); slots as in matvec.cu.
 //   grid (S, ceil(N/(8·R))), block 256: a warp per R rows, lanes on consecutive words.
+//   Far experts: ids ≥ split read matrix ids − split of a second stack (Wf, Sf, Bf) of the same
+//   layout, e.g. offloaded experts in pinned host memory; split = INT_MAX when there is none.
 // matvec_swiglu_affine: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
 //   first). grid (S, ceil(I/(8·R/2))), block 256: a warp per R/2 outputs (R rows).
 
@@ -85,12 +87,19 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
 template <int BITS, int R>
 __device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
                                 float* y, int N, int K, int G, const int* ids, long long x_stride,
-                                int x_div, const float* bias) {
+                                int x_div, const float* bias, const unsigned int* Wf, const bf16_t* Sf,
+                                const bf16_t* Bf, int split) {
     int row0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * R;
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;
     if (row0 >= N) return;
     long long e = ids ? ids[s] : 0;
+    if (e >= split) {
+        W = Wf;
+        S = Sf;
+        B = Bf;
+        e -= split;
+    }
     int nrows = min(R, N - row0);
     long long rows[R];
 #pragma unroll
@@ -107,13 +116,20 @@ __device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf
 template <int BITS, int R>
 __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
                                 float* h, int I, int K, int G, const int* ids, long long x_stride,
-                                int x_div) {
+                                int x_div, const unsigned int* Wf, const bf16_t* Sf, const bf16_t* Bf,
+                                int split) {
     const int NPW = R / 2;
     int n0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * NPW;
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;
     if (n0 >= I) return;
     long long e = ids ? ids[s] : 0;
+    if (e >= split) {
+        W = Wf;
+        S = Sf;
+        B = Bf;
+        e -= split;
+    }
     int nn = min(NPW, I - n0);
     long long rows[R];
 #pragma unroll
@@ -145,13 +161,18 @@ extern "C" __global__ void matvec_affine(const unsigned int* __restrict__ W, con
                                          const bf16_t* __restrict__ B, const float* __restrict__ x,
                                          float* __restrict__ y, int N, int K, int G, int bits, int rows,
                                          const int* __restrict__ ids, long long x_stride, int x_div,
-                                         const float* __restrict__ bias) {
-    QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias)
+                                         const float* __restrict__ bias, const unsigned int* __restrict__ Wf,
+                                         const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
+                                         int split) {
+    QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split)
 }
 
 extern "C" __global__ void matvec_swiglu_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                                 const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                 float* __restrict__ h, int I, int K, int G, int bits, int rows,
-                                                const int* __restrict__ ids, long long x_stride, int x_div) {
-    QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride, x_div)
+                                                const int* __restrict__ ids, long long x_stride, int x_div,
+                                                const unsigned int* __restrict__ Wf,
+                                                const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
+                                                int split) {
+    QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split)
 }

@@ -319,6 +319,7 @@ fn router_combine_embed_argmax_match_cpu() {
             renorm,
             shared_gate: true,
             shared_slot: Some(e),
+            loc: 0,
         };
         ops::router_topk(&g, dl.ptr(), e + 1, route, ids.ptr(), w.ptr(), sg.ptr(), 1).unwrap();
         assert_eq!(g.read(&ids, k + 1).unwrap()[k], e as i32, "shared slot id");
@@ -340,6 +341,19 @@ fn router_combine_embed_argmax_match_cpu() {
             .map(|&v| v as usize)
             .collect();
         assert_eq!(got_ids, idx, "router ids E={e}");
+        // With a location table the ids name where each chosen expert is.
+        let loc: Vec<i32> = (0..e as i32)
+            .map(|i| (i * 7 + 3) % e as i32 + 1000)
+            .collect();
+        let dloc = g.upload(&loc).unwrap();
+        let at = ops::Route {
+            loc: dloc.ptr(),
+            ..route
+        };
+        ops::router_topk(&g, dl.ptr(), e + 1, at, ids.ptr(), w.ptr(), sg.ptr(), 1).unwrap();
+        let got_at = g.read(&ids, k + 1).unwrap();
+        let want_at: Vec<i32> = idx.iter().map(|&i| loc[i]).chain([e as i32]).collect();
+        assert_eq!(got_at, want_at, "router ids through loc E={e}");
         let s: f32 = idx.iter().map(|&i| p[i]).sum();
         let want: Vec<f32> = idx
             .iter()

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use deltamoe_compute::cuda::ops::SampleParams;
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_model::gpu::{GpuModel, GpuSeq, GpuSnapshot};
+use deltamoe_model::gpu::{ExpertCache, GpuModel, GpuSeq, GpuSnapshot, OffloadStats};
 use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
 
 use crate::error::{EngineError, Result};
@@ -92,8 +92,20 @@ impl Engine {
         max_ctx: usize,
         max_seqs: usize,
     ) -> Result<Engine> {
+        Engine::new_cuda_with(model, gpu, max_ctx, max_seqs, ExpertCache::All)
+    }
+
+    /// As [`Engine::new_cuda`], with the routed experts offloaded to host memory behind a
+    /// device cache sized by `cache` (see [`ExpertCache`]).
+    pub fn new_cuda_with(
+        model: Qwen3Hybrid,
+        gpu: Arc<Gpu>,
+        max_ctx: usize,
+        max_seqs: usize,
+        cache: ExpertCache,
+    ) -> Result<Engine> {
         let max_ctx = max_ctx.min(model.config().max_position_embeddings);
-        let mut gm = GpuModel::upload(&model, gpu).map_err(cuda_err)?;
+        let mut gm = GpuModel::upload_with(&model, gpu, cache).map_err(cuda_err)?;
         gm.reserve(max_seqs, max_ctx).map_err(cuda_err)?;
         Ok(Engine {
             model,
@@ -102,6 +114,11 @@ impl Engine {
             sequences: BTreeMap::new(),
             next_id: 0,
         })
+    }
+
+    /// Expert-offload statistics, when the GPU model offloads experts.
+    pub fn offload_stats(&self) -> Option<OffloadStats> {
+        self.gpu.as_ref().and_then(|g| g.offload_stats())
     }
 
     pub fn model(&self) -> &Qwen3Hybrid {

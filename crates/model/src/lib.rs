@@ -8,6 +8,7 @@ pub mod gpu;
 pub mod layers;
 pub mod quant;
 pub mod qwen3_hybrid;
+pub mod residency;
 pub mod state;
 pub mod weights;
 

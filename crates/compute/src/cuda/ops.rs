@@ -5,6 +5,8 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::host::far_args;
+pub use super::host::Far;
 use super::{driver_err, Gpu, Result};
 
 fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
@@ -53,6 +55,8 @@ pub struct Slots {
     pub ids: u64,
     pub x_stride: usize,
     pub x_div: usize,
+    /// A second stack that ids from `far.split` on index into (as `id − split`).
+    pub far: Option<Far>,
 }
 
 impl Slots {
@@ -68,6 +72,7 @@ impl Slots {
             ids: 0,
             x_stride,
             x_div: 1,
+            far: None,
         }
     }
 
@@ -79,7 +84,13 @@ impl Slots {
             ids,
             x_stride,
             x_div: x_div.max(1),
+            far: None,
         }
+    }
+
+    /// These slots with ids from `far.split` on reading the far stack.
+    pub fn with_far(self, far: Option<Far>) -> Slots {
+        Slots { far, ..self }
     }
 }
 
@@ -117,7 +128,7 @@ fn check_stride(m: &Matvec, x_stride: usize) -> Result<()> {
 /// load serving several rows) take.
 fn batched_rows(m: &Matvec, sl: &Slots) -> bool {
     let vector = matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8);
-    sl.n > 1 && sl.ids == 0 && sl.x_div == 1 && sl.x_stride >= m.k && vector
+    sl.n > 1 && sl.ids == 0 && sl.far.is_none() && sl.x_div == 1 && sl.x_stride >= m.k && vector
 }
 
 /// Input rows the `*_rows` kernels serve per weight load (`MV_VECS` in matvec_rows.cu).
@@ -216,6 +227,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
     }
     let (n32, k32, xs, xd) = (m.n as i32, m.k as i32, sl.x_stride as i64, sl.x_div as i32);
     let (slots, ids) = (sl.n, sl.ids);
+    let (fw, fs, fb, split) = far_args(&sl);
     let grid = (slots as u32, blocks(m.n, 8));
     match m.format {
         WeightFormat::Bf16 => {
@@ -228,9 +240,12 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
                 .arg(&ids)
                 .arg(&xs)
                 .arg(&xd)
-                .arg(&m.bias);
-            // SAFETY: W holds (max id + 1)·N·K bf16, x holds (slots / x_div)·x_stride + K
-            // floats, y holds slots·N floats; rows are bounds-checked against N.
+                .arg(&m.bias)
+                .arg(&fw)
+                .arg(&split);
+            // SAFETY: W holds split·N·K bf16 (all ids < split without a far stack) and the far
+            // stack (max id − split + 1)·N·K, x holds (slots / x_div)·x_stride + K floats, y
+            // holds slots·N floats; rows are bounds-checked against N.
             unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_bf16"))?;
         }
         WeightFormat::Affine {
@@ -255,6 +270,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
                 .arg(&b32)
                 .arg(&r32);
             b.arg(&ids).arg(&xs).arg(&xd).arg(&m.bias);
+            b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
             // SAFETY: as the bf16 case with words (max id + 1)·N·K·bits/32 u32 and scales,
             // biases (max id + 1)·N·K/group bf16; bits ∈ {2, 4, 8} and group | K (checked at
             // upload).
@@ -274,6 +290,7 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
     let i = m.n / 2;
     let (i32_, k32, xs, xd) = (i as i32, m.k as i32, sl.x_stride as i64, sl.x_div as i32);
     let (slots, ids) = (sl.n, sl.ids);
+    let (fw, fs, fb, split) = far_args(&sl);
     let grid = (slots as u32, blocks(i, 8));
     match m.format {
         WeightFormat::Bf16 => {
@@ -287,7 +304,9 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
                 .arg(&k32)
                 .arg(&ids)
                 .arg(&xs)
-                .arg(&xd);
+                .arg(&xd)
+                .arg(&fw)
+                .arg(&split);
             // SAFETY: as `matvec` with 2I rows per expert and h of slots·I floats.
             unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_bf16"))?;
         }
@@ -315,6 +334,7 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
                 .arg(&b32)
                 .arg(&r32);
             b.arg(&ids).arg(&xs).arg(&xd);
+            b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
             // SAFETY: as `matvec`'s affine case with 2I rows per expert.
             unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_affine"))?;
         }
@@ -576,6 +596,9 @@ pub struct Route {
     pub shared_gate: bool,
     /// Index of the shared expert in the stacked expert weights, when it is stacked there.
     pub shared_slot: Option<usize>,
+    /// Device int[experts]: the stacked index each routed expert's weights are at (see
+    /// [`Far`]); 0 when expert e is at index e.
+    pub loc: u64,
 }
 
 /// Per row (of `rows`, logits `logit_stride` floats apart): softmax + top-k over the router
@@ -610,9 +633,11 @@ pub fn router_topk(
         .arg(&ids)
         .arg(&w)
         .arg(&sg)
-        .arg(&ls);
+        .arg(&ls)
+        .arg(&r.loc);
     // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold rows rows of
-    // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows.
+    // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows;
+    // loc, when given, holds `experts` ints.
     unsafe { b.launch(cfg((rows as u32, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
     Ok(())
 }

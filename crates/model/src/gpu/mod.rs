@@ -18,11 +18,13 @@
 //! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
 //! layer pass.
 
+mod offload;
 mod pool;
 mod prefill;
 mod synthetic;
 mod upload;
 
+pub use offload::{ExpertCache, OffloadStats, STATE_RESERVE};
 pub use pool::{GpuSeq, GpuSnapshot};
 pub use prefill::{GdnPrefill, PREFILL_MAX_ROWS};
 pub(crate) use upload::{DevMat, DevWeights};
@@ -74,12 +76,14 @@ pub(crate) enum GpuFfn {
         down: DevMat,
     },
     /// Routed experts stacked `[E (+1), …]`; `shared` holds the shared expert's `[gate | up]`
-    /// and down when it could not be stacked as expert E.
+    /// and down when it could not be stacked as expert E. With `offload` the stacks are the
+    /// expert cache `[slots (+1), …]` (see [`offload`]).
     Moe {
         router: DevMat,
         experts_gu: DevMat,
         experts_down: DevMat,
         shared: Option<(DevMat, DevMat)>,
+        offload: Option<Box<offload::LayerExperts>>,
     },
 }
 
@@ -151,6 +155,8 @@ pub struct GpuModel {
     /// Activations of a prefill pass (allocated by the first prefill).
     prefill: Option<prefill::PrefillScratch>,
     prefill_gdn: prefill::GdnPrefill,
+    /// Routed-id log, staging and statistics when experts are offloaded.
+    offload: Option<offload::Offload>,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -196,6 +202,7 @@ impl GpuModel {
             graphs: Vec::new(),
             prefill: None,
             prefill_gdn: prefill::GdnPrefill::default(),
+            offload: None,
             gpu,
         })
     }
@@ -216,6 +223,13 @@ impl GpuModel {
 
     /// Upload `model` to `gpu`.
     pub fn upload(model: &Qwen3Hybrid, gpu: Arc<Gpu>) -> Result<GpuModel> {
+        GpuModel::upload_with(model, gpu, ExpertCache::All)
+    }
+
+    /// Upload `model` to `gpu`, its routed experts offloaded to pinned host memory with a
+    /// device cache sized by `cache` unless that is [`ExpertCache::All`].
+    pub fn upload_with(model: &Qwen3Hybrid, gpu: Arc<Gpu>, cache: ExpertCache) -> Result<GpuModel> {
+        let offload = cache != ExpertCache::All;
         let c = model.config();
         let g = &*gpu;
         if c.head_dim > ATTN_DMAX {
@@ -233,7 +247,7 @@ impl GpuModel {
                     input_norm: g.upload(&l.input_norm)?,
                     mixer: upload_mixer(g, &l.mixer, h)?,
                     post_norm: g.upload(&l.post_norm)?,
-                    ffn: upload_ffn(g, &l.ffn, h)?,
+                    ffn: upload_ffn(g, &l.ffn, h, offload)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -246,7 +260,11 @@ impl GpuModel {
             inv_freq: g.upload(model.rope.inv_freq())?,
             layers,
         };
-        GpuModel::assemble(c, gpu.clone(), parts)
+        let mut m = GpuModel::assemble(c, gpu.clone(), parts)?;
+        if offload {
+            m.set_expert_cache(cache)?;
+        }
+        Ok(m)
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -281,10 +299,15 @@ impl GpuModel {
                 .map_err(|e| unsupported(format!("graph launch: {e}")))?,
             None => self.enqueue_step(b)?,
         }
+        // The residency policy digests the previous step while this one runs; its swaps follow
+        // this step in stream order.
+        self.offload_policy()?;
         for (seq, _) in rows.iter_mut() {
             seq.pos += 1;
         }
-        Ok(g.read(&self.io, b)?.into_iter().map(|t| t as u32).collect())
+        let next = g.read(&self.io, b)?.into_iter().map(|t| t as u32).collect();
+        self.offload_record(b);
+        Ok(next)
     }
 
     /// Checks a step's rows (1 to [`Self::max_batch`] of them, each sequence once, with room for
@@ -348,6 +371,7 @@ impl GpuModel {
                     experts_gu,
                     experts_down,
                     shared,
+                    ..
                 } => {
                     let slots = self.top_k + shared.is_none() as usize;
                     mat(router)
@@ -441,7 +465,8 @@ impl GpuModel {
         for i in 0..self.layers.len() {
             self.enqueue_layer(i, b)?;
         }
-        self.enqueue_head(b)
+        self.enqueue_head(b)?;
+        self.enqueue_ids_download()
     }
 
     /// Layer `i` for `b` rows: the previous sublayer's output (in `delta`) joins the residual,
@@ -465,7 +490,7 @@ impl GpuModel {
     fn enqueue_ffn(&self, i: usize, b: usize) -> Result<()> {
         let l = &self.layers[i];
         self.add_norm(self.scratch.delta.ptr(), l.post_norm.ptr(), b)?;
-        self.enqueue_ffn_only(&l.ffn, b)
+        self.enqueue_ffn_only(i, b)
     }
 
     fn enqueue_gdn(&self, i: usize, b: usize) -> Result<()> {
@@ -574,8 +599,9 @@ impl GpuModel {
         )
     }
 
-    fn enqueue_ffn_only(&self, ffn: &GpuFfn, b: usize) -> Result<()> {
+    fn enqueue_ffn_only(&self, layer: usize, b: usize) -> Result<()> {
         let (g, s, h) = (&*self.gpu, &self.scratch, self.hidden);
+        let ffn = &self.layers[layer].ffn;
         let x_rows = Slots::rows(b, h);
         match ffn {
             GpuFfn::Dense { gate_up, down } => {
@@ -593,11 +619,18 @@ impl GpuModel {
                 experts_gu,
                 experts_down,
                 shared,
+                offload,
             } => {
                 let i_e = experts_gu.n / 2;
                 let per_row = self.top_k + shared.is_none() as usize;
-                let route = self.route(shared.is_none());
-                let (ids, n) = (s.ids.ptr(), b * per_row);
+                let mut route = self.route(shared.is_none());
+                let (mut far_gu, mut far_down) = (None, None);
+                if let Some(lx) = offload {
+                    route.shared_slot = lx.shared_slot();
+                    route.loc = lx.loc();
+                    (far_gu, far_down) = (Some(lx.far_gu()), Some(lx.far_down()));
+                }
+                let (ids, n) = (self.moe_ids(layer), b * per_row);
                 ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), x_rows)?;
                 ops::router_topk(
                     g,
@@ -609,9 +642,9 @@ impl GpuModel {
                     s.sg.ptr(),
                     b,
                 )?;
-                let gu_slots = Slots::experts(n, ids, h, per_row);
+                let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
                 ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
-                let down_slots = Slots::experts(n, ids, i_e, 1);
+                let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
                 ops::matvec(g, experts_down.mv(), s.h.ptr(), s.y.ptr(), down_slots)?;
                 let bufs = MoeTail {
                     normed: s.normed.ptr(),
@@ -657,6 +690,7 @@ impl GpuModel {
             renorm: self.norm_topk,
             shared_gate: true,
             shared_slot: stacked.then_some(self.num_experts),
+            loc: 0,
         }
     }
 

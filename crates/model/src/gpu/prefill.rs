@@ -503,6 +503,7 @@ impl GpuModel {
                 experts_gu,
                 experts_down,
                 shared,
+                offload,
             } => {
                 let i_e = experts_gu.n / 2;
                 let ks = self.top_k + shared.is_none() as usize;
@@ -527,7 +528,10 @@ impl GpuModel {
                     ps.sg.ptr(),
                     t,
                 )?;
-                let (gu, dn) = (experts_gu.mv(), experts_down.mv());
+                let (gu, dn) = match offload {
+                    Some(_) => self.stage_experts(i, &ps.ids, pairs)?,
+                    None => (experts_gu.mv(), experts_down.mv()),
+                };
                 if pf::grouped_supported(&gu, h) && pf::grouped_supported(&dn, i_e) {
                     let stacked = self.num_experts + shared.is_none() as usize;
                     let tile = pf::group_tile(&gu, &dn);
@@ -608,6 +612,7 @@ impl GpuModel {
                     experts_gu,
                     experts_down,
                     shared,
+                    ..
                 } => {
                     let per = self.top_k + shared.is_none() as usize;
                     mat(router)

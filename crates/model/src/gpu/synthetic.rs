@@ -7,6 +7,9 @@ use deltamoe_compute::cpu::rope::Rope;
 use deltamoe_compute::cuda::ops::{self, GdnDims};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
+use deltamoe_compute::cuda::host::HostBuf;
+
+use super::offload::{ExpertCache, HostMat, HostWeights, LayerExperts};
 use super::{DevMat, DevWeights, GpuFfn, GpuLayer, GpuMixer, GpuModel, Parts, Result};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 
@@ -74,6 +77,46 @@ impl Filler<'_> {
         })
     }
 
+    /// As [`Self::mats`], in pinned host memory (filled by the device through the mapping).
+    fn host_mats(&mut self, count: usize, n: usize, k: usize) -> Result<HostMat> {
+        let g = self.g;
+        let a = 1.0 / (k as f32).sqrt();
+        let Some((bits, group)) = self.quant else {
+            let w: HostBuf<u16> = HostBuf::zeros(g, count * n * k)?;
+            let seed = self.next_seed();
+            ops::fill_uniform(g, w.ptr(), w.len(), true, seed, -a, a)?;
+            return Ok(HostMat {
+                w: HostWeights::Bf16(w),
+                n,
+                k,
+                count,
+            });
+        };
+        let words: HostBuf<u32> = HostBuf::zeros(g, count * n * k * bits as usize / 32)?;
+        let seed = self.next_seed();
+        ops::fill_random_u32(g, words.ptr(), words.len(), seed)?;
+        let step = 2.0 * a / ((1u32 << bits) - 1) as f32;
+        let groups = count * n * k / group;
+        let scales: HostBuf<u16> = HostBuf::zeros(g, groups)?;
+        let biases: HostBuf<u16> = HostBuf::zeros(g, groups)?;
+        let (s1, s2) = (self.next_seed(), self.next_seed());
+        ops::fill_uniform(g, scales.ptr(), groups, true, s1, 0.5 * step, 1.5 * step)?;
+        ops::fill_uniform(g, biases.ptr(), groups, true, s2, -1.5 * a, -0.5 * a)?;
+        g.sync()?;
+        Ok(HostMat {
+            w: HostWeights::Affine {
+                words,
+                scales,
+                biases,
+                bits,
+                group,
+            },
+            n,
+            k,
+            count,
+        })
+    }
+
     fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Result<DevBuf<f32>> {
         let v: DevBuf<f32> = self.g.zeros(n)?;
         let seed = self.next_seed();
@@ -84,13 +127,17 @@ impl Filler<'_> {
 
 impl GpuModel {
     /// Random weights of config `c` on `gpu`: bf16, or affine-quantized matrices with
-    /// `quant = Some((bits, group))` (norms, conv and gates stay f32, the embedding bf16).
+    /// `quant = Some((bits, group))` (norms, conv and gates stay f32, the embedding bf16). With
+    /// a `cache` other than [`ExpertCache::All`] the routed experts are made in pinned host
+    /// memory and cached on the device as that says.
     pub fn synthetic(
         c: &ModelConfig,
         gpu: Arc<Gpu>,
         seed: u64,
         quant: Option<(u32, usize)>,
+        cache: ExpertCache,
     ) -> Result<GpuModel> {
+        let offload = cache != ExpertCache::All;
         let g = &*gpu;
         let mut f = Filler { g, seed, quant };
         let h = c.hidden_size;
@@ -148,11 +195,26 @@ impl GpuModel {
                         Some((f.mats(1, 2 * sn, h)?, f.mats(1, h, sn)?))
                     };
                     let count = e + stacked as usize;
-                    GpuFfn::Moe {
-                        router: f.mats(1, e + 1, h)?,
-                        experts_gu: f.mats(count, 2 * n, h)?,
-                        experts_down: f.mats(count, h, n)?,
-                        shared,
+                    let router = f.mats(1, e + 1, h)?;
+                    if offload {
+                        let (gu, down) = (f.host_mats(count, 2 * n, h)?, f.host_mats(count, h, n)?);
+                        let lx = LayerExperts::from_host(g, gu, down, e, stacked)?;
+                        let (experts_gu, experts_down) = lx.empty_cache(g)?;
+                        GpuFfn::Moe {
+                            router,
+                            experts_gu,
+                            experts_down,
+                            shared,
+                            offload: Some(Box::new(lx)),
+                        }
+                    } else {
+                        GpuFfn::Moe {
+                            router,
+                            experts_gu: f.mats(count, 2 * n, h)?,
+                            experts_down: f.mats(count, h, n)?,
+                            shared,
+                            offload: None,
+                        }
                     }
                 }
             };
@@ -173,7 +235,7 @@ impl GpuModel {
         let final_norm = f.vec(h, 0.5, 1.5)?;
         let inv_freq = g.upload(Rope::new(c.rotary_dim, c.rope_theta).inv_freq())?;
         g.sync()?;
-        GpuModel::assemble(
+        let mut m = GpuModel::assemble(
             c,
             gpu.clone(),
             Parts {
@@ -183,6 +245,39 @@ impl GpuModel {
                 inv_freq,
                 layers,
             },
-        )
+        )?;
+        if offload {
+            m.set_expert_cache(cache)?;
+        }
+        Ok(m)
+    }
+
+    /// Skew routing towards a Zipf(`alpha`) popularity: each MoE layer's router gets the bias
+    /// −alpha·ln(rank + 1) on expert logits, ranks a seeded shuffle per layer (the shared-gate
+    /// logit unbiased). For benchmarks of expert offload under skewed routing.
+    pub fn skew_routing(&mut self, alpha: f64, seed: u64) -> Result<()> {
+        let g = self.gpu.clone();
+        let mut state = seed;
+        for l in &mut self.layers {
+            let GpuFfn::Moe { router, .. } = &mut l.ffn else {
+                continue;
+            };
+            let e = router.n - 1;
+            let mut rank: Vec<usize> = (0..e).collect();
+            for i in (1..e).rev() {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                rank.swap(i, (state >> 33) as usize % (i + 1));
+            }
+            let bias: Vec<f32> = rank
+                .iter()
+                .map(|&r| (-alpha * ((r + 1) as f64).ln()) as f32)
+                .chain([0.0])
+                .collect();
+            router.bias = Some(g.upload(&bias)?);
+        }
+        self.graphs.clear();
+        Ok(())
     }
 }

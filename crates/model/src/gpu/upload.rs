@@ -45,23 +45,6 @@ pub(crate) enum DevWeights {
 const GPU_BITS: [u32; 3] = [2, 4, 8];
 
 impl DevMat {
-    /// bf16 rows `bits` as `[·, n, k]`.
-    pub(super) fn new(
-        g: &Gpu,
-        bits: &[u16],
-        n: usize,
-        k: usize,
-        bias: Option<Vec<f32>>,
-    ) -> Result<DevMat> {
-        let bias = bias.map(|b| g.upload(&b)).transpose()?;
-        Ok(DevMat {
-            w: DevWeights::Bf16(g.upload(bits)?),
-            n,
-            k,
-            bias,
-        })
-    }
-
     /// `parts` stacked by rows, read as matrices of `n` rows: kept quantized when every part is
     /// affine with the same bits (2/4/8) and group, else bf16 (dequantized where needed).
     pub(super) fn stack(
@@ -71,28 +54,22 @@ impl DevMat {
         k: usize,
         bias: Option<Vec<f32>>,
     ) -> Result<DevMat> {
-        let affine: Option<Vec<&AffineWeight>> = parts.iter().map(|p| p.as_affine()).collect();
-        let uniform = affine.and_then(|a| {
-            let (bits, group) = (a[0].bits(), a[0].group_size());
-            let same = a
-                .iter()
-                .all(|w| w.bits() == bits && w.group_size() == group);
-            (same && GPU_BITS.contains(&bits)).then_some((bits, group, a))
-        });
-        let Some((bits, group, a)) = uniform else {
-            let dense: Vec<u16> = parts.iter().flat_map(|p| bf16_bits(*p)).collect();
-            return DevMat::new(g, &dense, n, k, bias);
-        };
-        let words: Vec<u32> = a.iter().flat_map(|w| w.words().into_owned()).collect();
-        let scales: Vec<u16> = a.iter().flat_map(|w| bf16_bits(w.scales())).collect();
-        let biases: Vec<u16> = a.iter().flat_map(|w| bf16_bits(w.biases())).collect();
         let bias = bias.map(|b| g.upload(&b)).transpose()?;
-        let w = DevWeights::Affine {
-            words: g.upload(&words)?,
-            scales: g.upload(&scales)?,
-            biases: g.upload(&biases)?,
-            bits,
-            group,
+        let w = match StackData::of(parts) {
+            StackData::Bf16(bits) => DevWeights::Bf16(g.upload(&bits)?),
+            StackData::Affine {
+                words,
+                scales,
+                biases,
+                bits,
+                group,
+            } => DevWeights::Affine {
+                words: g.upload(&words)?,
+                scales: g.upload(&scales)?,
+                biases: g.upload(&biases)?,
+                bits,
+                group,
+            },
         };
         Ok(DevMat { w, n, k, bias })
     }
@@ -138,6 +115,44 @@ impl DevMat {
             DevWeights::Affine { bits, group, .. } => {
                 self.n * self.k * *bits as usize / 8 + 2 * 2 * self.n * self.k / group
             }
+        }
+    }
+}
+
+/// Stacked weights on the host, in the device layout: bf16 bits, or MLX affine words, scales
+/// and biases.
+pub(crate) enum StackData {
+    Bf16(Vec<u16>),
+    Affine {
+        words: Vec<u32>,
+        scales: Vec<u16>,
+        biases: Vec<u16>,
+        bits: u32,
+        group: usize,
+    },
+}
+
+impl StackData {
+    /// `parts` stacked by rows: quantized when every part is affine with the same bits (2/4/8)
+    /// and group, else bf16 (dequantized where needed).
+    pub(crate) fn of(parts: &[&LinearWeight]) -> StackData {
+        let affine: Option<Vec<&AffineWeight>> = parts.iter().map(|p| p.as_affine()).collect();
+        let uniform = affine.and_then(|a| {
+            let (bits, group) = (a[0].bits(), a[0].group_size());
+            let same = a
+                .iter()
+                .all(|w| w.bits() == bits && w.group_size() == group);
+            (same && GPU_BITS.contains(&bits)).then_some((bits, group, a))
+        });
+        let Some((bits, group, a)) = uniform else {
+            return StackData::Bf16(parts.iter().flat_map(|p| bf16_bits(*p)).collect());
+        };
+        StackData::Affine {
+            words: a.iter().flat_map(|w| w.words().into_owned()).collect(),
+            scales: a.iter().flat_map(|w| bf16_bits(w.scales())).collect(),
+            biases: a.iter().flat_map(|w| bf16_bits(w.biases())).collect(),
+            bits,
+            group,
         }
     }
 }
@@ -268,7 +283,9 @@ fn same_format(a: &LinearWeight, b: &LinearWeight) -> bool {
     }
 }
 
-pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
+/// An ffn's device weights; with `offload`, an MoE layer's routed experts go to pinned host
+/// memory (see [`super::offload`]) and its device stacks start with no cache slots.
+pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize, offload: bool) -> Result<GpuFfn> {
     Ok(match f {
         Ffn::Dense(m) => {
             let i = m.gate.out_features();
@@ -301,17 +318,31 @@ pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize) -> Result<GpuFfn> {
                     DevMat::of(g, &m.shared.down)?,
                 ))
             };
+            let router = DevMat::stack(
+                g,
+                &[&m.router.weight, &m.shared_gate.weight],
+                e + 1,
+                hidden,
+                None,
+            )?;
+            if offload {
+                let host =
+                    super::offload::LayerExperts::new(g, &gu, &down, i, hidden, e, stack_shared)?;
+                let (experts_gu, experts_down) = host.empty_cache(g)?;
+                return Ok(GpuFfn::Moe {
+                    router,
+                    experts_gu,
+                    experts_down,
+                    shared,
+                    offload: Some(Box::new(host)),
+                });
+            }
             GpuFfn::Moe {
-                router: DevMat::stack(
-                    g,
-                    &[&m.router.weight, &m.shared_gate.weight],
-                    e + 1,
-                    hidden,
-                    None,
-                )?,
+                router,
                 experts_gu: DevMat::stack(g, &gu, 2 * i, hidden, None)?,
                 experts_down: DevMat::stack(g, &down, hidden, i, None)?,
                 shared,
+                offload: None,
             }
         }
     })
