@@ -477,7 +477,7 @@ fn prefill_at(model: &mut GpuModel, lens: &[usize]) -> Result<Vec<Value>> {
         let prompt: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
         for (mode, label) in [
             (GdnPrefill::Recurrent, "gdn f32 recurrent"),
-            (GdnPrefill::Chunked, "gdn bf16 chunked"),
+            (GdnPrefill::Chunked, "gdn bf16 chunked (default)"),
         ] {
             model.set_prefill_gdn(mode);
             let mut seq = model.new_seq()?;
@@ -488,7 +488,7 @@ fn prefill_at(model: &mut GpuModel, lens: &[usize]) -> Result<Vec<Value>> {
             let tok_s = len as f64 / secs;
             let mfu = flops_per_token * tok_s / PEAK_BF16_FLOPS;
             println!(
-                "prefill  {len:>6} tokens, {label:17}: {tok_s:9.1} tok/s  {secs:8.3} s  MFU {:5.2}% (2 x {:.2} B active params/token, peak {:.0} TFLOP/s dense bf16, H200)",
+                "prefill  {len:>6} tokens, {label:26}: {tok_s:9.1} tok/s  {secs:8.3} s  MFU {:5.2}% (2 x {:.2} B active params/token, peak {:.0} TFLOP/s dense bf16, H200)",
                 mfu * 100.0,
                 flops_per_token / 2e9,
                 PEAK_BF16_FLOPS / 1e12

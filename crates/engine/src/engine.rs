@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use deltamoe_compute::cuda::ops::SampleParams;
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_model::gpu::{ExpertCache, GpuModel, GpuSeq, GpuSnapshot, OffloadStats};
+use deltamoe_model::gpu::{ExpertCache, GdnPrefill, GpuModel, GpuSeq, GpuSnapshot, OffloadStats};
 use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
 
 use crate::error::{EngineError, Result};
@@ -114,6 +114,13 @@ impl Engine {
             sequences: BTreeMap::new(),
             next_id: 0,
         })
+    }
+
+    /// How later GPU prefills run the Gated DeltaNet delta rule (the CPU ignores it).
+    pub fn set_gdn_prefill(&mut self, mode: GdnPrefill) {
+        if let Some(g) = self.gpu.as_mut() {
+            g.set_prefill_gdn(mode);
+        }
     }
 
     /// Expert-offload statistics, when the GPU model offloads experts.

@@ -2,6 +2,8 @@
 //! `scripts/gpu-tests.sh`). The CUDA path keeps f32 activations and the same bf16 (or MLX
 //! affine) weights as the CPU engine, so the foundation tolerance applies unchanged:
 //! 5e-3·max|ref| with ≥ 98% argmax agreement against transformers, identical greedy tokens.
+//! These tests run prefill's delta rule in f32 (`GdnPrefill::Recurrent`); the default chunked
+//! form for long passes, which rounds q, k, v to bf16, is checked in `chunked_cuda.rs`.
 //! (A quantized embedding is dequantized to bf16 on upload: one rounding of each embedding
 //! value, far inside that tolerance.)
 
@@ -12,10 +14,13 @@ use std::sync::Arc;
 use common::{check_logits, fixtures, greedy, prompts};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_engine::Engine;
+use deltamoe_model::gpu::GdnPrefill;
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 fn engine(dir: &std::path::Path, gpu: &Arc<Gpu>) -> Engine {
-    Engine::new_cuda(Qwen3Hybrid::load(dir).unwrap(), gpu.clone(), 4096, 8).unwrap()
+    let mut e = Engine::new_cuda(Qwen3Hybrid::load(dir).unwrap(), gpu.clone(), 4096, 8).unwrap();
+    e.set_gdn_prefill(GdnPrefill::Recurrent);
+    e
 }
 
 #[test]
@@ -110,6 +115,7 @@ fn cuda_with_stacked_shared_expert_matches_cpu() {
     let want = cpu.prefill(id, &tokens, None, Logits::All).unwrap();
     let gpu = Arc::new(Gpu::new(0).unwrap());
     let mut e = Engine::new_cuda(load(), gpu, 512, 1).unwrap();
+    e.set_gdn_prefill(GdnPrefill::Recurrent);
     let id = e.add_sequence().unwrap();
     let got = e.prefill(id, &tokens, None, Logits::All).unwrap();
     check_logits("stacked shared expert", &got, &want, 1000);
@@ -189,6 +195,7 @@ fn cuda_prefill_state_equals_decode_state() {
         let vocab = model.config().vocab_size;
         let mut gm = GpuModel::upload(&model, gpu.clone()).unwrap();
         gm.reserve(2, 512).unwrap();
+        gm.set_prefill_gdn(GdnPrefill::Recurrent);
         let p = &prompts(&dir)[0];
         let (a_toks, next) = (
             &p.tokens[..p.tokens.len() - 1],

@@ -92,6 +92,18 @@ impl Qwen3Hybrid {
         &self.config
     }
 
+    /// Run the Gated DeltaNet layers' multi-token passes through the CPU twin of the GPU's
+    /// chunked delta rule (`cpu::gdn_bf16`: q, k, v and the kernel's intermediates rounded to
+    /// bf16 where it rounds them): the CPU reference with the same roundings that the chunked
+    /// GPU prefill is checked against.
+    pub fn set_gdn_gpu_roundings(&mut self, on: bool) {
+        for l in &mut self.layers {
+            if let Mixer::Linear(g) = &mut l.mixer {
+                g.gpu_roundings = on;
+            }
+        }
+    }
+
     /// Fresh per-sequence state: empty KV caches, zero conv and recurrent states.
     /// Bytes of state (f32) one sequence holds after `ctx` tokens.
     pub fn state_bytes(&self, ctx: usize) -> usize {

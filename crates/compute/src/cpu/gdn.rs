@@ -38,12 +38,12 @@ pub struct GdnInputs<'a> {
 }
 
 /// Per-head copies of the inputs: `q, k: [T, Dk]`, `v: [T, Dv]`, `g, beta: [T]`.
-struct HeadInputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    g: Vec<f32>,
-    beta: Vec<f32>,
+pub(super) struct HeadInputs {
+    pub(super) q: Vec<f32>,
+    pub(super) k: Vec<f32>,
+    pub(super) v: Vec<f32>,
+    pub(super) g: Vec<f32>,
+    pub(super) beta: Vec<f32>,
 }
 
 fn head_inputs(x: &GdnInputs, s: GdnShape, h: usize, t: usize) -> HeadInputs {
@@ -70,8 +70,13 @@ fn head_inputs(x: &GdnInputs, s: GdnShape, h: usize, t: usize) -> HeadInputs {
 
 /// Run `per_head(h, inputs, state_h, out_h)` for every value head in parallel, where
 /// `out_h: [T, Dv]`, then scatter the per-head outputs into `out: [T, Hv, Dv]`.
-fn for_each_head<F>(x: &GdnInputs, s: GdnShape, state: &mut [f32], out: &mut [f32], per_head: F)
-where
+pub(super) fn for_each_head<F>(
+    x: &GdnInputs,
+    s: GdnShape,
+    state: &mut [f32],
+    out: &mut [f32],
+    per_head: F,
+) where
     F: Fn(&HeadInputs, &mut [f32], &mut [f32]) + Sync,
 {
     let t = x.g.len() / s.n_v_heads;

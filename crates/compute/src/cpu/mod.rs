@@ -5,6 +5,7 @@ pub mod act;
 pub mod attention;
 pub mod conv;
 pub mod gdn;
+pub mod gdn_bf16;
 pub mod matmul;
 pub mod norm;
 pub mod quant;

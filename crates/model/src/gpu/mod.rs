@@ -26,7 +26,7 @@ mod upload;
 
 pub use offload::{ExpertCache, OffloadStats, STATE_RESERVE};
 pub use pool::{GpuSeq, GpuSnapshot};
-pub use prefill::{GdnPrefill, PREFILL_MAX_ROWS};
+pub use prefill::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS, PREFILL_MAX_ROWS};
 pub(crate) use upload::{DevMat, DevWeights};
 
 use std::sync::Arc;

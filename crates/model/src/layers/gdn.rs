@@ -15,7 +15,9 @@
 use deltamoe_compute::cpu::act::{sigmoid, softplus};
 use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_chunked, gdn_recurrent, GdnInputs, GdnShape};
+use deltamoe_compute::cpu::gdn_bf16::gdn_chunked_bf16;
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize};
+use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 
 use super::Linear;
 use crate::config::ModelConfig;
@@ -53,6 +55,9 @@ pub struct GatedDeltaNet {
     pub(crate) shape: GdnShape,
     pub(crate) conv_kernel: usize,
     pub(crate) eps: f32,
+    /// Run multi-token passes through the CPU twin of the GPU's chunked delta rule, with its
+    /// bf16 roundings (see [`crate::Qwen3Hybrid::set_gdn_gpu_roundings`]).
+    pub(crate) gpu_roundings: bool,
 }
 
 /// Projected activations for T tokens.
@@ -106,6 +111,7 @@ impl GatedDeltaNet {
             dt_bias: store.vec_f32(&format!("{prefix}.dt_bias"), nv)?,
             norm_w: store.vec_f32(&format!("{prefix}.norm.weight"), c.linear_v_dim)?,
             out_proj: Linear::load(store, &format!("{prefix}.out_proj"), h, vd, false)?,
+            gpu_roundings: false,
             shape: GdnShape {
                 n_k_heads: c.linear_k_heads,
                 n_v_heads: nv,
@@ -201,10 +207,19 @@ impl GatedDeltaNet {
             k.extend_from_slice(&row[kd..2 * kd]);
             v.extend_from_slice(&row[2 * kd..]);
         }
-        l2_normalize(&mut q, s.k_dim, 1e-6);
-        l2_normalize(&mut k, s.k_dim, 1e-6);
-        let scale = 1.0 / (s.k_dim as f32).sqrt();
-        q.iter_mut().for_each(|v| *v *= scale);
+        let twin = self.gpu_roundings && t > 1;
+        if twin {
+            // The chunked kernel reads q, k, v as bf16 and normalises q and k itself.
+            for x in [&mut q, &mut k, &mut v] {
+                x.iter_mut().for_each(|e| *e = round_bf16(*e));
+            }
+        }
+        if !twin {
+            l2_normalize(&mut q, s.k_dim, 1e-6);
+            l2_normalize(&mut k, s.k_dim, 1e-6);
+            let scale = 1.0 / (s.k_dim as f32).sqrt();
+            q.iter_mut().for_each(|v| *v *= scale);
+        }
 
         let nv = s.n_v_heads;
         let g: Vec<f32> =
@@ -222,7 +237,9 @@ impl GatedDeltaNet {
             beta: &beta,
         };
         let mut o = vec![0.0; t * vd];
-        if t == 1 {
+        if twin {
+            gdn_chunked_bf16(&inputs, s, state, &mut o);
+        } else if t == 1 {
             gdn_recurrent(&inputs, s, state, &mut o);
         } else {
             gdn_chunked(&inputs, s, CHUNK, state, &mut o);
@@ -230,4 +247,8 @@ impl GatedDeltaNet {
         gated_rms_norm(&mut o, &p.z, &self.norm_w, self.eps);
         self.out_proj.forward(&o, t)
     }
+}
+
+fn round_bf16(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
 }
