@@ -16,6 +16,7 @@
 //! - the state a chunked prefill leaves: the prefill's rows and the next step's logits against
 //!   token-by-token decode on the GPU, under the same rule relative to the twin's prefill against
 //!   CPU decode steps.
+//!
 //! The distance to the twin and whether greedy continuations match are printed.
 
 #[allow(dead_code)]
