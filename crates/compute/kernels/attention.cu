@@ -26,6 +26,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
                                      float* __restrict__ v_cache, const int* __restrict__ pos_arr,
                                      int Hq, int Hkv, int D, int R, float eps,
                                      const int* __restrict__ slots, long long P, long long T, int row_pos) {
+    pdl_entry();
     extern __shared__ float sh[];
     int b = blockIdx.x, i = threadIdx.x;
     int row = blockIdx.y, slot = slots[row];
@@ -80,6 +81,7 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
                                         float* __restrict__ part_o, float* __restrict__ part_ml,
                                         int Hq, int Hkv, int D, int S, float scale,
                                         const int* __restrict__ slots, long long T) {
+    pdl_entry();
     __shared__ float wm[4], wl[4];
     __shared__ float wacc[4][ATTN_DMAX];
     int h = blockIdx.x, s = blockIdx.y;
@@ -173,6 +175,7 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const float* __restrict__ proj, float* __restrict__ out,
                                         int D, int S, int Hq, long long P) {
+    pdl_entry();
     __shared__ float wts[ATTN_MAX_SPLITS];
     int h = blockIdx.x, d = threadIdx.x;
     int row = blockIdx.y;

@@ -54,3 +54,14 @@ __device__ float block_max(float v) {
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// Programmatic dependent launch (sm_90+; no-ops before, and without the launch attribute):
+// every kernel first waits until the kernel before it in the stream has completed and its
+// writes are visible, then lets the next kernel start launching, so that its launch and block
+// scheduling overlap this kernel's work. Called first thing in every kernel (`PDL_ENTRY`).
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}

@@ -14,6 +14,7 @@ __device__ __forceinline__ float uniform01(unsigned long long seed, long long i)
 
 extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ out, long long n, unsigned long long seed,
                                              float lo, float hi) {
+    pdl_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float v = lo + (hi - lo) * uniform01(seed, i);
         unsigned int b = __float_as_uint(v);
@@ -23,12 +24,14 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ out, long long
 }
 
 extern "C" __global__ void fill_random_u32(unsigned int* __restrict__ out, long long n, unsigned long long seed) {
+    pdl_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = (unsigned int)(uniform01(seed, 2 * i) * 65536.f) | ((unsigned int)(uniform01(seed, 2 * i + 1) * 65536.f) << 16);
 }
 
 extern "C" __global__ void fill_uniform_f32(float* __restrict__ out, long long n, unsigned long long seed,
                                             float lo, float hi) {
+    pdl_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = lo + (hi - lo) * uniform01(seed, i);
 }

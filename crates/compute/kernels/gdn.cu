@@ -24,6 +24,7 @@
 extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* __restrict__ state,
                                          const float* __restrict__ w, float* __restrict__ mixed,
                                          int C, int K, const int* __restrict__ slots, long long P) {
+    pdl_entry();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     int row = blockIdx.y;
@@ -44,6 +45,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
                                     const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                                     float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float eps,
                                     const int* __restrict__ slots, long long P) {
+    pdl_entry();
     __shared__ float qs[GDN_DK_MAX];
     __shared__ float ks[GDN_DK_MAX];
     __shared__ float red[GDN_ROW_GROUPS][GDN_DV_MAX];

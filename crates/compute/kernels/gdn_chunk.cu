@@ -185,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const float* __restrict__ g,
     const float* __restrict__ beta, bf16_t* __restrict__ tinv, bf16_t* __restrict__ pmat,
     float4* __restrict__ coef, float* __restrict__ decay, int T, int Hk, int Hv, int Dk, int norm_qk) {
+    pdl_entry();
     bf16_t* Ks = (bf16_t*)gdn_smem;     // [64][LDK]
     bf16_t* Qs = Ks + GC * LDK;         // [64][LDK]
     float* As = (float*)gdn_smem;       // [64][LDA] A (strictly lower), over Ks/Qs
@@ -599,6 +600,7 @@ extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS, 1) gdn_chunk_sta
     const bf16_t* __restrict__ tinv, const bf16_t* __restrict__ pmat, const float4* __restrict__ coef,
     const float* __restrict__ decay, float* __restrict__ state, float* __restrict__ out, int T, int Hk, int Hv,
     int Dk, int Dv) {
+    pdl_entry();
     gdn_chunk_state<32, 3>(q, k, v, tinv, pmat, coef, decay, state, out, T, Hk, Hv, Dk, Dv);
 }
 
@@ -607,5 +609,6 @@ extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS, 1) gdn_chunk_sta
     const bf16_t* __restrict__ tinv, const bf16_t* __restrict__ pmat, const float4* __restrict__ coef,
     const float* __restrict__ decay, float* __restrict__ state, float* __restrict__ out, int T, int Hk, int Hv,
     int Dk, int Dv) {
+    pdl_entry();
     gdn_chunk_state<64, 2>(q, k, v, tinv, pmat, coef, decay, state, out, T, Hk, Hv, Dk, Dv);
 }

@@ -61,6 +61,7 @@ extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float
                                        const int* __restrict__ ids, long long x_stride, int x_div,
                                        const float* __restrict__ bias, const bf16_t* __restrict__ Wf,
                                        int split) {
+    pdl_entry();
     int row = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;
@@ -80,6 +81,7 @@ extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, cons
                                               float* __restrict__ h, int I, int K,
                                               const int* __restrict__ ids, long long x_stride, int x_div,
                                               const bf16_t* __restrict__ Wf, int split) {
+    pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;

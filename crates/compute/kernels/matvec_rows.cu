@@ -132,6 +132,7 @@ __device__ __forceinline__ void warp_rows(int n0, int N, long long base, long lo
 extern "C" __global__ void matvec_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                             float* __restrict__ y, int N, int K, int Bn, long long xs,
                                             const float* __restrict__ bias) {
+    pdl_entry();
     int n0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * MV_ROWS, lane = threadIdx.x & 31;
     int b0 = blockIdx.x * MV_VECS, nv = min(MV_VECS, Bn - b0);
     if (n0 >= N) return;
@@ -151,6 +152,7 @@ extern "C" __global__ void matvec_rows_affine(const unsigned int* __restrict__ W
                                               const bf16_t* __restrict__ B, const float* __restrict__ x,
                                               float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                               long long xs, const float* __restrict__ bias) {
+    pdl_entry();
     int n0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * MV_ROWS, lane = threadIdx.x & 31;
     int b0 = blockIdx.x * MV_VECS, nv = min(MV_VECS, Bn - b0);
     if (n0 >= N) return;
@@ -178,6 +180,7 @@ __device__ __forceinline__ void swiglu_rows(int n0, int I, long long rows[MV_ROW
 
 extern "C" __global__ void swiglu_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                             float* __restrict__ h, int I, int K, int Bn, long long xs) {
+    pdl_entry();
     const int NPW = MV_ROWS / 2;
     int n0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * NPW, lane = threadIdx.x & 31;
     int b0 = blockIdx.x * MV_VECS, nv = min(MV_VECS, Bn - b0);
@@ -198,6 +201,7 @@ extern "C" __global__ void swiglu_rows_affine(const unsigned int* __restrict__ W
                                               const bf16_t* __restrict__ B, const float* __restrict__ x,
                                               float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                               long long xs) {
+    pdl_entry();
     const int NPW = MV_ROWS / 2;
     int n0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * NPW, lane = threadIdx.x & 31;
     int b0 = blockIdx.x * MV_VECS, nv = min(MV_VECS, Bn - b0);
@@ -309,6 +313,7 @@ extern "C" __global__ void grouped_rows_bf16(const bf16_t* __restrict__ W, const
                                              float* __restrict__ y, int N, int K, const int* __restrict__ tiles,
                                              const int* __restrict__ n_tiles, const int* __restrict__ order,
                                              long long xs, int x_div) {
+    pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     int e, nv, pair[MV_VECS];
     const float* xr[MV_VECS];
@@ -324,6 +329,7 @@ extern "C" __global__ void grouped_swiglu_bf16(const bf16_t* __restrict__ W, con
                                                float* __restrict__ h, int I, int K, const int* __restrict__ tiles,
                                                const int* __restrict__ n_tiles, const int* __restrict__ order,
                                                long long xs, int x_div) {
+    pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     int e, nv, pair[MV_VECS];
     const float* xr[MV_VECS];
@@ -342,6 +348,7 @@ extern "C" __global__ void grouped_rows_affine(const unsigned int* __restrict__ 
                                                float* __restrict__ y, int N, int K, int G, int bits,
                                                const int* __restrict__ tiles, const int* __restrict__ n_tiles,
                                                const int* __restrict__ order, long long xs, int x_div) {
+    pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     int e, nv, pair[MV_VECS];
     const float* xr[MV_VECS];
@@ -359,6 +366,7 @@ extern "C" __global__ void grouped_swiglu_affine(const unsigned int* __restrict_
                                                  float* __restrict__ h, int I, int K, int G, int bits,
                                                  const int* __restrict__ tiles, const int* __restrict__ n_tiles,
                                                  const int* __restrict__ order, long long xs, int x_div) {
+    pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     int e, nv, pair[MV_VECS];
     const float* xr[MV_VECS];

@@ -272,6 +272,7 @@ __device__ void mma_split_t(const void* W, const bf16_t* S, const bf16_t* Bs, co
 extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                                                 float* __restrict__ y, int N, int K, int Bn, long long xs,
                                                                 const float* __restrict__ bias) {
+    pdl_entry();
     mma_split_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
 }
 
@@ -279,12 +280,14 @@ extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned
                                                                   const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                   float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                                                   long long xs, const float* __restrict__ bias) {
+    pdl_entry();
     if (bits == 8) mma_split_t<8, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
     else mma_split_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                                                   float* __restrict__ h, int I, int K, int Bn, long long xs) {
+    pdl_entry();
     mma_split_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
 }
 
@@ -292,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsign
                                                                     const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                     float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                                                     long long xs) {
+    pdl_entry();
     if (bits == 8) mma_split_t<8, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
     else mma_split_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
 }
@@ -370,6 +374,7 @@ __device__ void mma_gemm_t(const void* W, const bf16_t* S, const bf16_t* Bs, con
 extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                                                      float* __restrict__ y, int N, int K, int Bn, long long xs,
                                                                      const float* __restrict__ bias) {
+    pdl_entry();
     mma_gemm_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
 }
 
@@ -377,12 +382,14 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine(const uns
                                                                        const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                        float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                                                        long long xs, const float* __restrict__ bias) {
+    pdl_entry();
     if (bits == 8) mma_gemm_t<8, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
     else mma_gemm_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                                                        float* __restrict__ h, int I, int K, int Bn, long long xs) {
+    pdl_entry();
     mma_gemm_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
 }
 
@@ -390,6 +397,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const u
                                                                          const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                          float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                                                          long long xs) {
+    pdl_entry();
     if (bits == 8) mma_gemm_t<8, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
     else mma_gemm_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
 }
@@ -441,6 +449,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_bf16(
     const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N, int K,
     const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
     long long xs, int x_div) {
+    pdl_entry();
     mma_grouped_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, tiles, n_tiles, order, xs, x_div);
 }
 
@@ -448,6 +457,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_bf16(
     const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ h, int I, int K,
     const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
     long long xs, int x_div) {
+    pdl_entry();
     mma_grouped_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div);
 }
 
@@ -456,6 +466,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine(
     const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, int bits,
     const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
     long long xs, int x_div) {
+    pdl_entry();
     if (bits == 8) mma_grouped_t<8, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
     else mma_grouped_t<4, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
 }
@@ -465,6 +476,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
     const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, int bits,
     const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
     long long xs, int x_div) {
+    pdl_entry();
     if (bits == 8) mma_grouped_t<8, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
     else mma_grouped_t<4, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
 }

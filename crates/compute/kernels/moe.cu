@@ -17,6 +17,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
                                        float* __restrict__ w, float* __restrict__ sg, long long L,
                                        const int* __restrict__ loc) {
+    pdl_entry();
     __shared__ float p[1024];
     int lane = threadIdx.x;
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
@@ -71,6 +72,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        const float* __restrict__ ys, const float* __restrict__ sg,
                                        float* __restrict__ delta, int K, int H) {
+    pdl_entry();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= H) return;
     int row = blockIdx.y;

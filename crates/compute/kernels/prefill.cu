@@ -32,6 +32,7 @@
 extern "C" __global__ void gdn_conv_rows(const float* __restrict__ proj, long long P,
                                          const float* __restrict__ state, const float* __restrict__ w,
                                          float* __restrict__ mixed, int C, int K) {
+    pdl_entry();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     int t = blockIdx.y;
@@ -47,6 +48,7 @@ extern "C" __global__ void gdn_conv_rows(const float* __restrict__ proj, long lo
 
 extern "C" __global__ void gdn_conv_state(const float* __restrict__ proj, long long P, float* __restrict__ state,
                                           int C, int K, int T) {
+    pdl_entry();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     for (int j = 0; j < K - 1; ++j) {
@@ -66,6 +68,7 @@ extern "C" __global__ void gdn_pack(const float* __restrict__ mixed, const float
                                     const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
                                     bf16_t* __restrict__ q, bf16_t* __restrict__ k, bf16_t* __restrict__ v,
                                     float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv, int Dk, int Dv) {
+    pdl_entry();
     int t = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
     int kd = Hk * Dk, vd = Hv * Dv, C = 2 * kd + vd;
     const float* row = proj + (long long)t * P;
@@ -86,6 +89,7 @@ extern "C" __global__ void gdn_pack(const float* __restrict__ mixed, const float
 extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const float* __restrict__ proj,
                                               long long P, int z_off, const float* __restrict__ w,
                                               float* __restrict__ out, int Hv, int Dv, float eps) {
+    pdl_entry();
     int h = blockIdx.x, t = blockIdx.y, j = threadIdx.x;
     long long base = ((long long)t * Hv + h) * Dv;
     float x = j < Dv ? o[base + j] : 0.f;
@@ -104,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_rec_rows(
     const float* __restrict__ mixed, const float* __restrict__ proj, long long P, float* __restrict__ state,
     const float* __restrict__ neg_a, const float* __restrict__ dt_bias, float* __restrict__ out, int T, int Hk,
     int Hv, int Dk, int Dv) {
+    pdl_entry();
     __shared__ float qs[GR_DK], ks[GR_DK];
     __shared__ float red1[GR_ROWS][32], red2[GR_ROWS][32];
     int h = blockIdx.x, lj = threadIdx.x, r = threadIdx.y;
@@ -185,6 +190,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_rec_rows(
 extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* __restrict__ ids, int n, int E,
                                                              int* __restrict__ order, int* __restrict__ tiles,
                                                              int* __restrict__ n_tiles, int tile) {
+    pdl_entry();
     __shared__ int cnt[MG_EMAX], off[MG_EMAX], toff[MG_EMAX];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();

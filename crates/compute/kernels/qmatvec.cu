@@ -164,6 +164,7 @@ extern "C" __global__ void matvec_affine(const unsigned int* __restrict__ W, con
                                          const float* __restrict__ bias, const unsigned int* __restrict__ Wf,
                                          const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
                                          int split) {
+    pdl_entry();
     QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split)
 }
 
@@ -174,5 +175,6 @@ extern "C" __global__ void matvec_swiglu_affine(const unsigned int* __restrict__
                                                 const unsigned int* __restrict__ Wf,
                                                 const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
                                                 int split) {
+    pdl_entry();
     QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split)
 }

@@ -15,6 +15,7 @@
 
 extern "C" __global__ void embed_bf16(const bf16_t* __restrict__ table, const int* __restrict__ tok,
                                       float* __restrict__ x, int H) {
+    pdl_entry();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     int b = blockIdx.y;
     if (i < H) x[(long long)b * H + i] = bf16f(table[(long long)tok[b] * H + i]);
@@ -23,6 +24,7 @@ extern "C" __global__ void embed_bf16(const bf16_t* __restrict__ table, const in
 extern "C" __global__ void embed_affine(const unsigned int* __restrict__ words, const bf16_t* __restrict__ sc,
                                         const bf16_t* __restrict__ bi, const int* __restrict__ tok,
                                         float* __restrict__ x, int H, int G, int bits) {
+    pdl_entry();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= H) return;
     int b = blockIdx.y;
@@ -58,6 +60,7 @@ __device__ __forceinline__ float uniform_u01(unsigned long long seed, unsigned l
 extern "C" __global__ void sample_advance(const float* __restrict__ logits, int V, unsigned int* __restrict__ params,
                                           int* __restrict__ tok, int* __restrict__ pos,
                                           const int* __restrict__ slots) {
+    pdl_entry();
     __shared__ float scan[32];
     __shared__ int found;
     int t = threadIdx.x;

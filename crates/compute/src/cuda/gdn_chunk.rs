@@ -10,7 +10,7 @@
 //! q and k (eps 1e-6) and scale q by 1/sqrt(Dk); without it q and k must arrive so.
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::{driver_err, CudaError, Gpu, Result};
 
@@ -160,7 +160,7 @@ pub fn gdn_chunk_prep(g: &Gpu, b: GdnChunkBufs, d: GdnChunkDims, norm_qk: bool) 
     let (t, hk, hv, dk) = (d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32);
     let norm = norm_qk as i32;
     raise_smem(g, "gdn_chunk_prep", PREP_SMEM)?;
-    let mut l = g.stream().launch_builder(g.kernels().get("gdn_chunk_prep"));
+    let mut l = g.launch_builder(g.kernels().get("gdn_chunk_prep"));
     l.arg(&b.q)
         .arg(&b.k)
         .arg(&b.g)
@@ -209,7 +209,7 @@ pub fn gdn_chunk_state(g: &Gpu, b: GdnChunkBufs, d: GdnChunkDims, tile: StateTil
         StateTile::V32 => g.kernels().get("gdn_chunk_state32"),
         StateTile::V64 => g.kernels().get("gdn_chunk_state64"),
     };
-    let mut l = g.stream().launch_builder(func);
+    let mut l = g.launch_builder(func);
     l.arg(&b.q)
         .arg(&b.k)
         .arg(&b.v)

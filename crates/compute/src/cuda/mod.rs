@@ -9,6 +9,7 @@
 pub mod gdn_chunk;
 pub mod host;
 pub mod kernels;
+pub mod launch;
 pub mod ops;
 pub mod prefill;
 
@@ -51,6 +52,8 @@ pub struct Gpu {
     kernels: Kernels,
     name: String,
     compute_capability: (i32, i32),
+    /// Launch with programmatic dependent launch (see [`launch`]).
+    pdl: std::sync::atomic::AtomicBool,
 }
 
 /// A device allocation of `len` elements with its raw address cached for kernel arguments.
@@ -128,6 +131,7 @@ impl Gpu {
             kernels,
             name,
             compute_capability,
+            pdl: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

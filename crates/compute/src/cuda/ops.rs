@@ -3,7 +3,7 @@
 //! optional pointer. Each wrapper states the sizes its kernel reads and writes (see the `.cu`
 //! headers for layouts); callers own keeping the buffers that large.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::host::far_args;
 pub use super::host::Far;
@@ -195,7 +195,7 @@ fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> R
         } => (group as i32, bits as i32, scales, biases),
         WeightFormat::Bf16 => (0, 0, 0, 0),
     };
-    let mut b = g.stream().launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&m.w);
     if let WeightFormat::Affine { .. } = m.format {
         b.arg(&scales)
@@ -231,7 +231,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
     let grid = (slots as u32, blocks(m.n, 8));
     match m.format {
         WeightFormat::Bf16 => {
-            let mut b = g.stream().launch_builder(g.kernels().get("matvec_bf16"));
+            let mut b = g.launch_builder(g.kernels().get("matvec_bf16"));
             b.arg(&m.w)
                 .arg(&x)
                 .arg(&y)
@@ -258,7 +258,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
             let rpw = affine_rows_per_warp(m.n * slots);
             let grid = (slots as u32, blocks(m.n, 8 * rpw));
             let r32 = rpw as i32;
-            let mut b = g.stream().launch_builder(g.kernels().get("matvec_affine"));
+            let mut b = g.launch_builder(g.kernels().get("matvec_affine"));
             b.arg(&m.w)
                 .arg(&scales)
                 .arg(&biases)
@@ -294,9 +294,7 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
     let grid = (slots as u32, blocks(i, 8));
     match m.format {
         WeightFormat::Bf16 => {
-            let mut b = g
-                .stream()
-                .launch_builder(g.kernels().get("matvec_swiglu_bf16"));
+            let mut b = g.launch_builder(g.kernels().get("matvec_swiglu_bf16"));
             b.arg(&m.w)
                 .arg(&x)
                 .arg(&h)
@@ -320,9 +318,7 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
             let rpw = affine_rows_per_warp(m.n * slots);
             let grid = (slots as u32, blocks(i, 8 * rpw / 2));
             let r32 = rpw as i32;
-            let mut b = g
-                .stream()
-                .launch_builder(g.kernels().get("matvec_swiglu_affine"));
+            let mut b = g.launch_builder(g.kernels().get("matvec_swiglu_affine"));
             b.arg(&m.w)
                 .arg(&scales)
                 .arg(&biases)
@@ -355,7 +351,7 @@ pub fn add_rmsnorm(
     eps: f32,
 ) -> Result<()> {
     let h32 = h as i32;
-    let mut b = g.stream().launch_builder(g.kernels().get("add_rmsnorm"));
+    let mut b = g.launch_builder(g.kernels().get("add_rmsnorm"));
     b.arg(&x)
         .arg(&delta)
         .arg(&scale)
@@ -382,7 +378,7 @@ pub fn gdn_conv_step(
     bt: Batch,
 ) -> Result<()> {
     let (c32, k32, ps) = (c as i32, k as i32, proj_stride as i64);
-    let mut b = g.stream().launch_builder(g.kernels().get("gdn_conv_step"));
+    let mut b = g.launch_builder(g.kernels().get("gdn_conv_step"));
     b.arg(&proj)
         .arg(&state)
         .arg(&w)
@@ -432,7 +428,7 @@ pub fn gdn_step(
 ) -> Result<()> {
     let (hk, hv, dk, dv) = (d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
     let ps = proj_stride as i64;
-    let mut b = g.stream().launch_builder(g.kernels().get("gdn_step"));
+    let mut b = g.launch_builder(g.kernels().get("gdn_step"));
     b.arg(&mixed)
         .arg(&proj)
         .arg(&state)
@@ -509,7 +505,7 @@ pub(super) fn attn_prep_at(
 ) -> Result<()> {
     let (hq, hkv, d, r) = (a.hq as i32, a.hkv as i32, a.d as i32, a.rotary as i32);
     let (ps, t, row_pos) = (proj_stride as i64, ctx as i64, row_advances as i32);
-    let mut b = g.stream().launch_builder(g.kernels().get("attn_prep"));
+    let mut b = g.launch_builder(g.kernels().get("attn_prep"));
     for buf in &bufs {
         b.arg(buf);
     }
@@ -551,7 +547,7 @@ pub fn attn_decode(
     let (hq, hkv, d, s) = (a.hq as i32, a.hkv as i32, a.d as i32, splits as i32);
     let scale = 1.0f32 / (a.d as f32).sqrt();
     let (ps, t) = (proj_stride as i64, ctx as i64);
-    let mut b = g.stream().launch_builder(g.kernels().get("attn_partial"));
+    let mut b = g.launch_builder(g.kernels().get("attn_partial"));
     b.arg(&q)
         .arg(&k_cache)
         .arg(&v_cache)
@@ -568,7 +564,7 @@ pub fn attn_decode(
     // SAFETY: part_o holds rows·hq·splits·d floats, part_ml rows·hq·splits·2; d ≤ ATTN_DMAX;
     // caches and positions as in `attn_prep`.
     unsafe { b.launch(launch) }.map_err(driver_err("attn_partial"))?;
-    let mut b = g.stream().launch_builder(g.kernels().get("attn_combine"));
+    let mut b = g.launch_builder(g.kernels().get("attn_combine"));
     b.arg(&part_o)
         .arg(&part_ml)
         .arg(&proj)
@@ -623,7 +619,7 @@ pub fn router_topk(
     );
     let slot = r.shared_slot.map_or(-1, |s| s as i32);
     let ls = logit_stride as i64;
-    let mut b = g.stream().launch_builder(g.kernels().get("router_topk"));
+    let mut b = g.launch_builder(g.kernels().get("router_topk"));
     b.arg(&logits)
         .arg(&e32)
         .arg(&k32)
@@ -656,7 +652,7 @@ pub fn moe_combine(
     rows: usize,
 ) -> Result<()> {
     let (k32, h32) = (k as i32, h as i32);
-    let mut b = g.stream().launch_builder(g.kernels().get("moe_combine"));
+    let mut b = g.launch_builder(g.kernels().get("moe_combine"));
     b.arg(&y)
         .arg(&w)
         .arg(&ys)
@@ -673,7 +669,7 @@ pub fn moe_combine(
 /// `x[b] = table[tok[b]]` (bf16 → f32) for width `h`, `rows` rows.
 pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize, rows: usize) -> Result<()> {
     let h32 = h as i32;
-    let mut b = g.stream().launch_builder(g.kernels().get("embed_bf16"));
+    let mut b = g.launch_builder(g.kernels().get("embed_bf16"));
     b.arg(&table).arg(&tok).arg(&x).arg(&h32);
     // SAFETY: tok[b] < vocab (checked by the engine before it is written), x holds rows·h
     // floats.
@@ -695,7 +691,7 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Res
         return embed_bf16(g, m.w, tok, x, h, rows);
     };
     let (h32, g32, b32) = (h as i32, group as i32, bits as i32);
-    let mut b = g.stream().launch_builder(g.kernels().get("embed_affine"));
+    let mut b = g.launch_builder(g.kernels().get("embed_affine"));
     b.arg(&m.w)
         .arg(&scales)
         .arg(&biases)
@@ -714,9 +710,7 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Res
 /// Fill `n` u32 words at `out` with random bits (synthetic packed weights).
 pub fn fill_random_u32(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
     let n64 = n as i64;
-    let mut b = g
-        .stream()
-        .launch_builder(g.kernels().get("fill_random_u32"));
+    let mut b = g.launch_builder(g.kernels().get("fill_random_u32"));
     b.arg(&out).arg(&n64).arg(&seed);
     // SAFETY: out holds n u32; grid-stride loop bounded by n.
     unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
@@ -740,7 +734,7 @@ pub fn fill_uniform(
     } else {
         "fill_uniform_f32"
     };
-    let mut b = g.stream().launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&out).arg(&n64).arg(&seed).arg(&lo).arg(&hi);
     // SAFETY: out holds n elements of the named type; grid-stride loop bounded by n.
     unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
@@ -790,7 +784,7 @@ pub fn sample_advance(
     bt: Batch,
 ) -> Result<()> {
     let v32 = v as i32;
-    let mut b = g.stream().launch_builder(g.kernels().get("sample_advance"));
+    let mut b = g.launch_builder(g.kernels().get("sample_advance"));
     b.arg(&logits)
         .arg(&v32)
         .arg(&params)

@@ -7,7 +7,7 @@
 //! expert products of [`super::ops::matvec`].
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::ops::{AttnDims, Batch, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
 use super::{driver_err, CudaError, Gpu, Result};
@@ -40,7 +40,7 @@ pub fn gdn_conv_rows(
     t: usize,
 ) -> Result<()> {
     let (c32, k32, t32, ps) = (c as i32, k as i32, t as i32, proj_stride as i64);
-    let mut b = g.stream().launch_builder(g.kernels().get("gdn_conv_rows"));
+    let mut b = g.launch_builder(g.kernels().get("gdn_conv_rows"));
     b.arg(&proj)
         .arg(&ps)
         .arg(&state)
@@ -52,7 +52,7 @@ pub fn gdn_conv_rows(
     // channels are bounds-checked against c.
     unsafe { b.launch(cfg((blocks(c, 256), t as u32), 256, 0)) }
         .map_err(driver_err("gdn_conv_rows"))?;
-    let mut b = g.stream().launch_builder(g.kernels().get("gdn_conv_state"));
+    let mut b = g.launch_builder(g.kernels().get("gdn_conv_state"));
     b.arg(&proj)
         .arg(&ps)
         .arg(&state)
@@ -98,7 +98,7 @@ pub fn gdn_pack(
     let c = 2 * d.hk * d.dk + d.hv * d.dv;
     let (hk, hv, dk, dv) = (d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
     let ps = proj_stride as i64;
-    let mut b = g.stream().launch_builder(g.kernels().get("gdn_pack"));
+    let mut b = g.launch_builder(g.kernels().get("gdn_pack"));
     b.arg(&mixed)
         .arg(&proj)
         .arg(&ps)
@@ -138,9 +138,7 @@ pub fn gated_rmsnorm_rows(
         )));
     }
     let (ps, zo, hv32, dv32) = (proj_stride as i64, z_off as i32, hv as i32, dv as i32);
-    let mut b = g
-        .stream()
-        .launch_builder(g.kernels().get("gated_rmsnorm_rows"));
+    let mut b = g.launch_builder(g.kernels().get("gated_rmsnorm_rows"));
     b.arg(&o)
         .arg(&proj)
         .arg(&ps)
@@ -251,7 +249,7 @@ pub fn attn_prefill(
     let (ps, t32, p32) = (proj_stride as i64, t as i32, pos0 as i32);
     let (hq, hkv, d) = (a.hq as i32, a.hkv as i32, a.d as i32);
     let scale_log2 = std::f32::consts::LOG2_E / (a.d as f32).sqrt();
-    let mut b = g.stream().launch_builder(func);
+    let mut b = g.launch_builder(func);
     b.arg(&q)
         .arg(&k_cache)
         .arg(&v_cache)
@@ -316,7 +314,7 @@ pub fn moe_group(
         )));
     }
     let (n32, e32, t32) = (n as i32, e as i32, tile.max(1) as i32);
-    let mut b = g.stream().launch_builder(g.kernels().get("moe_group"));
+    let mut b = g.launch_builder(g.kernels().get("moe_group"));
     b.arg(&ids)
         .arg(&n32)
         .arg(&e32)
@@ -382,7 +380,7 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         (WeightFormat::Affine { .. }, false, true) => "mma_grouped_rows_affine",
         (WeightFormat::Affine { .. }, true, true) => "mma_grouped_swiglu_affine",
     };
-    let mut b = g.stream().launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&m.w);
     let (g32, bits32, scales, biases) = match m.format {
         WeightFormat::Affine {
@@ -454,7 +452,7 @@ pub fn gdn_rec_rows(
     }
     let (t32, hk, hv, dk, dv) = (t as i32, d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
     let ps = proj_stride as i64;
-    let mut b = g.stream().launch_builder(g.kernels().get("gdn_rec_rows"));
+    let mut b = g.launch_builder(g.kernels().get("gdn_rec_rows"));
     b.arg(&mixed)
         .arg(&proj)
         .arg(&ps)

@@ -286,7 +286,11 @@ impl GpuModel {
             stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(|e| unsupported(format!("graph capture: {e}")))?;
+            // Programmatic dependent launch between the step's kernels: each one's launch
+            // overlaps the end of the one before (see `cuda::launch`).
+            g.set_pdl(true);
             let r = self.enqueue_step(b);
+            g.set_pdl(false);
             let graph = stream
                 .end_capture(CUgraphInstantiate_flags(0))
                 .map_err(|e| unsupported(format!("graph capture: {e}")))?;
