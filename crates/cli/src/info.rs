@@ -56,8 +56,10 @@ fn kind_of(name: &str) -> &'static str {
 fn gib(b: f64) -> String {
     if b >= (1u64 << 30) as f64 {
         format!("{:.2} GiB", b / (1u64 << 30) as f64)
-    } else {
+    } else if b >= (1u64 << 20) as f64 {
         format!("{:.2} MiB", b / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", b / 1024.0)
     }
 }
 
@@ -180,5 +182,24 @@ pub fn run(a: InfoArgs) -> Result<()> {
         gib(kv as f64),
         gib(gdn as f64)
     );
+    let moe_layers = c
+        .ffn_kinds
+        .iter()
+        .filter(|k| **k == deltamoe_model::FfnKind::Moe)
+        .count();
+    if let Some(per_expert) = bytes[5].checked_div(moe_layers * c.num_experts) {
+        println!(
+            "cuda: all resident needs the weights plus the state of each sequence (dense f16/f32 \
+             weights become bf16 on the GPU). With --expert-cache GB the routed experts ({}, {} \
+             per expert, {} per layer) stay in pinned host memory and the GPU keeps the other \
+             weights ({}) plus GB of experts; an expert outside the cache costs {} over PCIe \
+             each time a token uses it.",
+            gib(bytes[5] as f64),
+            gib(per_expert as f64),
+            c.num_experts,
+            gib((total_bytes - bytes[5]) as f64),
+            gib(per_expert as f64)
+        );
+    }
     Ok(())
 }

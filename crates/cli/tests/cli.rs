@@ -102,6 +102,7 @@ fn info_reports_parameters_and_memory() {
         "routed experts",
         "active per token",
         "memory per sequence at 1024 tokens",
+        "--expert-cache GB",
     ] {
         assert!(out.contains(s), "`{s}` missing from:\n{out}");
     }
@@ -206,6 +207,20 @@ fn bad_tokens_and_prompts_are_rejected() {
     expect_error(
         &["generate", "--model", moe.to_str().unwrap(), "--prompt", ""],
         &["--prompt", "empty"],
+    );
+    let cpu_offload = [
+        "generate",
+        "--device",
+        "cpu",
+        "--expert-cache",
+        "1",
+        "--prompt",
+        "hi",
+    ];
+    expect_error(&cpu_offload, &["--expert-cache", "--device cuda"]);
+    expect_error(
+        &["generate", "--expert-cache=-2", "--prompt", "hi"],
+        &["--expert-cache", "GB"],
     );
     expect_error(
         &[
