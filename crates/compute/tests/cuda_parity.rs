@@ -441,6 +441,22 @@ fn router_combine_embed_argmax_match_cpu() {
         "argmax takes the lowest index on ties"
     );
     assert_eq!(g.read(&pos, 1).unwrap()[0], 6);
+    // A vocabulary that is not a multiple of 4 takes the scalar scan.
+    let mut odd = rand_vec(&mut r, 1003, -1.0, 1.0);
+    odd[1001] = 5.0;
+    odd[9] = 5.0;
+    let dl = g.upload(&odd).unwrap();
+    ops::sample_advance(
+        &g,
+        dl.ptr(),
+        odd.len(),
+        greedy.ptr(),
+        tok.ptr(),
+        pos.ptr(),
+        one_row,
+    )
+    .unwrap();
+    assert_eq!(g.read(&tok, 1).unwrap()[0], 9, "odd vocabulary argmax");
 }
 
 /// Draws from the GPU sampler against the CPU's filtered softmax: top-k, top-p and min-p keep
