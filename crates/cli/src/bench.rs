@@ -402,6 +402,9 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     model.reserve(max_batch, max_ctx)?;
     let prefill = prefill_at(&mut model, &lens)?;
     let mut rows = Vec::new();
+    // ms/token per (context, batch) with every expert cached: what offload stalls are measured
+    // against.
+    let mut all_cached: Vec<((usize, usize), f64)> = Vec::new();
     for (ci, &cache) in caches.iter().enumerate() {
         if offload && ci > 0 {
             model.set_expert_cache(cache)?;
@@ -414,8 +417,15 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
                 let before = model.offload_stats();
                 let mut row = decode_at(&mut model, ctx, b.max(1), a.gen_len, bw)?;
                 if let (Some(s0), Some(s1)) = (before, model.offload_stats()) {
-                    row["offload"] =
-                        offload_report(&s0, &s1, &row, link, model.expert_cache_slots());
+                    let ms = row["ms_per_step"].as_f64().unwrap_or(0.0) / b.max(1) as f64;
+                    let key = (ctx, b.max(1));
+                    let base = all_cached.iter().find(|(k, _)| *k == key).map(|e| e.1);
+                    let slots = model.expert_cache_slots();
+                    if slots == Some(model.num_experts()) && base.is_none() {
+                        all_cached.push((key, ms));
+                    }
+                    let stall = base.map(|b| ms - b);
+                    row["offload"] = offload_report(&s0, &s1, &row, link, slots, stall);
                 }
                 rows.push(row);
             }
@@ -428,13 +438,15 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
 }
 
 /// Offload statistics of one decode measurement (the timed steps and their warm-up): hit rate,
-/// bytes over PCIe per token and the link utilisation they imply at the measured speed.
+/// bytes over PCIe per token, the link utilisation they imply at the measured speed and, when
+/// the run measured the all-cached case first, the stall per token over it.
 fn offload_report(
     s0: &OffloadStats,
     s1: &OffloadStats,
     row: &Value,
     link: f64,
     slots: Option<usize>,
+    stall_ms: Option<f64>,
 ) -> Value {
     let tokens = (s1.tokens - s0.tokens).max(1) as f64;
     let (hits, misses) = (s1.hits - s0.hits, s1.misses - s0.misses);
@@ -444,8 +456,11 @@ fn offload_report(
     let admitted = (s1.admitted - s0.admitted) as f64 / tokens;
     let tok_s = row["tok_s"].as_f64().unwrap_or(0.0);
     let link_frac = (far + admit) * tok_s / link.max(1.0);
+    let stall = stall_ms.map_or(String::new(), |m| {
+        format!(", stall {m:.3} ms/token over all cached")
+    });
     println!(
-        "         offload: hit rate {:.3}, PCIe {:.3} GB/token ({:.3} read by kernels + {:.3} admitted, {admitted:.2} experts/token), {:.0}% of the {:.1} GB/s link at this speed",
+        "         offload: hit rate {:.3}, PCIe {:.3} GB/token ({:.3} read by kernels + {:.3} admitted, {admitted:.2} experts/token), {:.0}% of the {:.1} GB/s link at this speed{stall}",
         hit_rate,
         (far + admit) / 1e9,
         far / 1e9,
@@ -455,7 +470,7 @@ fn offload_report(
     );
     json!({"cache_slots_per_layer": slots, "hit_rate": hit_rate, "far_bytes_per_token": far,
            "admit_bytes_per_token": admit, "admitted_per_token": admitted,
-           "link_bytes_s": link, "link_fraction": link_frac})
+           "link_bytes_s": link, "link_fraction": link_frac, "stall_ms_per_token": stall_ms})
 }
 
 /// Dense bf16 tensor-core peak of one H200 (SXM), FLOP/s: the MFU denominator.

@@ -257,6 +257,15 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         stats.decode_tok_s(),
         if stats.hit_eos { " | stopped at end-of-sequence" } else { "" }
     );
+    if let Some(o) = engine.offload_stats() {
+        eprintln!(
+            "experts: cache hit rate {:.3} over {} routed uses, {:.2} MB over PCIe per decoded token, {} admitted",
+            o.hit_rate(),
+            o.hits + o.misses,
+            o.pcie_bytes_per_token() / 1e6,
+            o.admitted
+        );
+    }
     Ok(())
 }
 

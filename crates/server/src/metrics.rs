@@ -73,6 +73,10 @@ pub struct Metrics {
     pub waiting: AtomicU64,
     pub max_running: AtomicU64,
     pub sequence_bytes: AtomicU64,
+    pub expert_hits: AtomicU64,
+    pub expert_misses: AtomicU64,
+    pub expert_admissions: AtomicU64,
+    pub expert_pcie_bytes: AtomicU64,
     ttft: Mutex<Summary>,
     latency: Mutex<Summary>,
 }
@@ -119,7 +123,7 @@ impl Metrics {
                 "deltamoe_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
             );
         }
-        let figures: [(&str, &str, &str, &AtomicU64); 18] = [
+        let figures: [(&str, &str, &str, &AtomicU64); 22] = [
             (
                 "deltamoe_prompt_tokens_total",
                 "counter",
@@ -221,6 +225,30 @@ impl Metrics {
                 "gauge",
                 "State bytes of one sequence at full context (KV plus conv and recurrent).",
                 &self.sequence_bytes,
+            ),
+            (
+                "deltamoe_expert_cache_hits_total",
+                "counter",
+                "Routed-expert uses in decode steps served from the GPU expert cache (offload).",
+                &self.expert_hits,
+            ),
+            (
+                "deltamoe_expert_cache_misses_total",
+                "counter",
+                "Routed-expert uses in decode steps read from host memory over PCIe (offload).",
+                &self.expert_misses,
+            ),
+            (
+                "deltamoe_expert_cache_admissions_total",
+                "counter",
+                "Experts copied into the GPU expert cache (offload).",
+                &self.expert_admissions,
+            ),
+            (
+                "deltamoe_expert_pcie_bytes_total",
+                "counter",
+                "Expert bytes moved over PCIe: kernel reads, admissions and prefill staging.",
+                &self.expert_pcie_bytes,
             ),
             ("deltamoe_info", "gauge", "Always 1.", &ONE),
         ];

@@ -198,6 +198,13 @@ impl Scheduler {
         set(&self.metrics.waiting, self.waiting.len());
         set(&self.metrics.cache_bytes, self.cache.bytes());
         set(&self.metrics.cache_entries, self.cache.len());
+        if let Some(o) = self.engine.offload_stats() {
+            set(&self.metrics.expert_hits, o.hits as usize);
+            set(&self.metrics.expert_misses, o.misses as usize);
+            set(&self.metrics.expert_admissions, o.admitted as usize);
+            let pcie = o.far_bytes + o.admit_bytes + o.staged_host_bytes;
+            set(&self.metrics.expert_pcie_bytes, pcie as usize);
+        }
     }
 
     fn drop_cancelled(&mut self) {

@@ -437,6 +437,11 @@ impl GpuModel {
         Ok(slots)
     }
 
+    /// Routed experts per MoE layer.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
     /// Cache slots per offloaded MoE layer (None: nothing offloaded).
     pub fn expert_cache_slots(&self) -> Option<usize> {
         self.offload.as_ref()?;
