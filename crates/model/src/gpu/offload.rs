@@ -335,8 +335,9 @@ impl LayerExperts {
 
 /// Model-wide offload state.
 pub(crate) struct Offload {
-    /// Routed ids of every layer's last step, `[layers, MAX_BATCH, per_row]`, and their pinned
-    /// host copy.
+    /// Routed ids of every layer's last step, `[layers, MAX_BATCH, per_row]` (per_row: top-k,
+    /// plus the stacked shared expert's slot when there is one, as the router writes them), and
+    /// their pinned host copy.
     ids: DevBuf<i32>,
     ids_host: HostBuf<i32>,
     per_row: usize,
@@ -384,7 +385,7 @@ impl GpuModel {
         if self.offload.is_none() {
             let (gu, down) = (&lx.gu, &lx.down);
             let stage = (gu.device_stack(&g, count)?, down.device_stack(&g, count)?);
-            let per_row = self.top_k + 1;
+            let per_row = self.top_k + lx.stacked as usize;
             let n = self.layers.len() * MAX_BATCH * per_row;
             self.offload = Some(Offload {
                 ids: g.zeros(n)?,
