@@ -324,3 +324,64 @@ fn slot_forms(rows: usize) {
         assert_close(&format!("{name} experts per row"), &got, &want, 1e-5);
     }
 }
+
+/// One input row through a 4-bit affine matrix goes to the single-row tensor-core kernel
+/// (mma_vec.cu): against the CPU's quantized matmul on the same words, odd N (one, two and four
+/// 16-row tiles per block), each group size, with a bias. Like the multi-row tensor-core forms,
+/// the input enters as bf16 hi + lo (16 significant bits, relative error ≤ 2⁻¹⁸ per input) with
+/// f32 accumulation: 3e-5 of the largest output.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn single_row_4bit_on_tensor_cores_matches_cpu() {
+    use deltamoe_compute::cpu::quant::{qmatmul, quantize};
+    use deltamoe_compute::{AffineWeight, PackedWords};
+    let g = gpu();
+    let mut r = rng();
+    for &(group, n, k) in &[
+        (32usize, 37usize, 256usize),
+        (64, 130, 2048),
+        (128, 1001, 4096),
+        (64, 16, 8192),
+        (128, 5, 384),
+        (64, 9001, 256),
+        (32, 17003, 128),
+    ] {
+        let w = rand_vec(&mut r, n * k, -1.0, 1.0);
+        let q = quantize(&w, k, group, 4).unwrap();
+        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+        let (sb, bb) = (bf(&q.scales), bf(&q.biases));
+        let x = rand_vec(&mut r, k, -1.0, 1.0);
+        let bias = rand_vec(&mut r, n, -1.0, 1.0);
+        let (dw, ds, dbi, dx, dbias) = (
+            g.upload(&q.words).unwrap(),
+            g.upload(&sb).unwrap(),
+            g.upload(&bb).unwrap(),
+            g.upload(&x).unwrap(),
+            g.upload(&bias).unwrap(),
+        );
+        let m = Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: dbias.ptr(),
+            format: WeightFormat::Affine {
+                bits: 4,
+                group,
+                scales: ds.ptr(),
+                biases: dbi.ptr(),
+            },
+        };
+        let dy = g.zeros::<f32>(n).unwrap();
+        ops::matvec(&g, m, dx.ptr(), dy.ptr(), Slots::one()).unwrap();
+        let t = |v: &[u16]| Tensor::from_half_bits(DType::BF16, vec![n, k / group], v.to_vec());
+        let words = PackedWords::from_vec(q.words.clone());
+        let aw = AffineWeight::new(4, group, n, k, words, t(&sb), t(&bb)).unwrap();
+        let mut want = vec![0.0; n];
+        qmatmul(&x, 1, &aw, &mut want);
+        for (o, b) in want.iter_mut().zip(&bias) {
+            *o += b;
+        }
+        let name = format!("single-row 4-bit g{group} {n}x{k}");
+        assert_close(&name, &g.read(&dy, n).unwrap(), &want, 3e-5);
+    }
+}

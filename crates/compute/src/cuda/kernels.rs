@@ -54,6 +54,11 @@ const FILES: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "mma_vec.cu",
+        include_str!("../../kernels/mma_vec.cu"),
+        &["mma_vec_affine4"],
+    ),
+    (
         "norm.cu",
         include_str!("../../kernels/norm.cu"),
         &["add_rmsnorm"],

@@ -12,6 +12,7 @@ pub mod kernels;
 pub mod launch;
 pub mod ops;
 pub mod prefill;
+pub mod vec;
 
 use std::sync::Arc;
 

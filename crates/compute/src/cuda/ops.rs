@@ -9,7 +9,7 @@ use super::host::far_args;
 pub use super::host::Far;
 use super::{driver_err, Gpu, Result};
 
-fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+pub(super) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.0, grid.1, 1),
         block_dim: (block, 1, 1),
@@ -17,7 +17,7 @@ fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
     }
 }
 
-fn blocks(n: usize, per: usize) -> u32 {
+pub(super) fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
 
@@ -222,6 +222,9 @@ fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> R
 /// `y[s, :N] = W_e · x_s (+ bias_e)` for every slot of `sl`.
 pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
     check_stride(&m, sl.x_stride)?;
+    if super::vec::takes(&m, &sl) {
+        return super::vec::matvec(g, m, x, y);
+    }
     if batched_rows(&m, &sl) {
         return matvec_rows(g, m, x, y, sl, false);
     }

@@ -1,0 +1,196 @@
+// One input row through a 4-bit MLX affine matrix on tensor cores (decode projections, lm_head):
+// y[n] = Σ_k W[n, k] x[k] (+ bias[n]), at about f32 accuracy. Dequantizing on CUDA cores costs
+// several instructions per weight, more than the issue rate allows at memory speed; here a weight
+// costs about one (two codes per lop3 + bf16x2 fma) and the products run as mma.sync.
+//
+// Numerics as mma_rows.cu: the weights enter exactly as their integer codes q (bf16), the FMA
+// dequant form is applied per group of G: Σ_k w x = scale·Σ_k q x + bias·Σ_k x, and x is split
+// into x_hi = bf16(x) and x_lo = bf16(x − x_hi) (two products per tile, ~16 significant bits).
+//
+// Layouts: words u32 [N, K/8] (LSB first), scales and biases bf16 [N, K/G], G ∈ {32, 64, 128},
+// K % G == 0; x f32 [K] (16-byte aligned); y f32 [N]; bias f32 [N] or null.
+//
+// grid ceil(N / (16·T)), block 256, dynamic shared memory K·4.5 + (K/G)·4 bytes; T = `tiles`
+// (1, 2 or 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
+// position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
+// x_lo, the word's sum and the sum of x over each group. Warp v takes the groups g ≡ v (mod 8),
+// 4/T at a time with all their loads in flight (8·P words per lane). Within a group, lane
+// (gid, t) of the mma holds rows gid and gid + 8 of each tile and the group's words t·P ..
+// t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word j of every lane forms one 32-wide
+// k chunk, two k16 steps whose k slots {2t, 2t+1} and {2t+8, 2t+9} take nibbles (i, i+4) and
+// (i+1, i+5) of the lane's word, and x the same pairs (any consistent mapping of k gives the same
+// sum). Only input column 0 is real (B is zero in lanes with gid ≠ 0). After each group, lanes
+// t = 0 fold the group's partial sums in with its scale and bias; the 8 warps' sums meet in
+// shared memory.
+
+__device__ __forceinline__ void vmma(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                     unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned vpack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Nibbles i and i + 4 of w as exact bf16x2 (q_i, q_{i+4}): (q | 0x4300) is 128 + q in bf16.
+__device__ __forceinline__ unsigned nib_pair(unsigned w, int i) {
+    unsigned p = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u, r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return r;
+}
+
+// P consecutive words of a row at word offset `at` (16-byte aligned for P = 4, 8-byte for 2).
+template <int P>
+__device__ __forceinline__ void load_words(const unsigned* __restrict__ row, long long at, unsigned out[P]) {
+    if (P == 4) {
+        uint4 v = __ldcs(reinterpret_cast<const uint4*>(row + at));
+        out[0] = v.x; out[1] = v.y; out[2 % P] = v.z; out[3 % P] = v.w;
+    } else if (P == 2) {
+        uint2 v = __ldcs(reinterpret_cast<const uint2*>(row + at));
+        out[0] = v.x; out[1 % P] = v.y;
+    } else {
+        out[0] = __ldcs(row + at);
+    }
+}
+
+template <int P, int T>
+__device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                          const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
+                          int N, int K, const float* __restrict__ bias) {
+    // Groups in flight per warp iteration: 8·P words per lane in all.
+    constexpr int U = 4 / T;
+    extern __shared__ __align__(16) unsigned char vec_smem[];
+    const int G = 32 * P, nw = K / 8, ng = K / G;
+    uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs
+    float* ws = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [nw] word sums
+    float* gs = ws + nw;                                               // [ng] group sums
+    __shared__ float red[8][16 * T];
+    const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
+
+    for (int w = tid; w < nw; w += blockDim.x) {
+        float4 a = *reinterpret_cast<const float4*>(x + 8 * w);
+        float4 b = *reinterpret_cast<const float4*>(x + 8 * w + 4);
+        float lo4[4] = {a.x, a.y, a.z, a.w}, hi4[4] = {b.x, b.y, b.z, b.w};
+        unsigned h[4], l[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            h[i] = vpack(lo4[i], hi4[i]);
+            l[i] = vpack(lo4[i] - bf16lo(h[i]), hi4[i] - bf16hi(h[i]));
+        }
+        xs[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
+        xs[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
+        ws[w] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+    }
+    __syncthreads();
+    for (int g = tid; g < ng; g += blockDim.x) {
+        float sum = 0.f;
+        for (int w = g * (G / 8); w < (g + 1) * (G / 8); ++w) sum += ws[w];
+        gs[g] = sum;
+    }
+    __syncthreads();
+
+    const int n0 = blockIdx.x * 16 * T;
+    long long r0[T], r1[T];
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+        r0[i] = min(n0 + 16 * i + gid, N - 1);
+        r1[i] = min(n0 + 16 * i + gid + 8, N - 1);
+    }
+    float acc0[T], acc1[T];
+#pragma unroll
+    for (int i = 0; i < T; ++i) acc0[i] = acc1[i] = 0.f;
+    for (int gb = v; gb < ng; gb += 8 * U) {
+        unsigned q0[U][T][P], q1[U][T][P];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            int g = gb + 8 * u;
+            if (g < ng) {
+                long long at = (long long)g * (G / 8) + t * P;
+#pragma unroll
+                for (int i = 0; i < T; ++i) {
+                    load_words<P>(W + r0[i] * nw, at, q0[u][i]);
+                    load_words<P>(W + r1[i] * nw, at, q1[u][i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            int g = gb + 8 * u;
+            if (g >= ng) break;
+            float c[T][4];
+#pragma unroll
+            for (int i = 0; i < T; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                int wpos = g * (G / 8) + t * P + j;
+                uint4 xh = make_uint4(0u, 0u, 0u, 0u), xl = xh;
+                if (gid == 0) {
+                    xh = xs[2 * wpos];
+                    xl = xs[2 * wpos + 1];
+                }
+#pragma unroll
+                for (int st = 0; st < 2; ++st) {
+                    unsigned bh0 = st == 0 ? xh.x : xh.z, bh1 = st == 0 ? xh.y : xh.w;
+                    unsigned bl0 = st == 0 ? xl.x : xl.z, bl1 = st == 0 ? xl.y : xl.w;
+#pragma unroll
+                    for (int i = 0; i < T; ++i) {
+                        unsigned a0 = nib_pair(q0[u][i][j], 2 * st), a1 = nib_pair(q1[u][i][j], 2 * st);
+                        unsigned a2 = nib_pair(q0[u][i][j], 2 * st + 1), a3 = nib_pair(q1[u][i][j], 2 * st + 1);
+                        vmma(c[i], a0, a1, a2, a3, bh0, bh1);
+                        vmma(c[i], a0, a1, a2, a3, bl0, bl1);
+                    }
+                }
+            }
+            if (t == 0) {
+                float xg = gs[g];
+#pragma unroll
+                for (int i = 0; i < T; ++i) {
+                    acc0[i] = fmaf(bf16f(S[r0[i] * ng + g]), c[i][0], fmaf(bf16f(Bs[r0[i] * ng + g]), xg, acc0[i]));
+                    acc1[i] = fmaf(bf16f(S[r1[i] * ng + g]), c[i][2], fmaf(bf16f(Bs[r1[i] * ng + g]), xg, acc1[i]));
+                }
+            }
+        }
+    }
+    if (t == 0) {
+#pragma unroll
+        for (int i = 0; i < T; ++i) {
+            red[v][16 * i + gid] = acc0[i];
+            red[v][16 * i + gid + 8] = acc1[i];
+        }
+    }
+    __syncthreads();
+    for (int r = tid; r < 16 * T; r += blockDim.x) {
+        if (n0 + r < N) {
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum += red[i][r];
+            y[n0 + r] = sum + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
+#define VEC_DISPATCH(T)                                                   \
+    if (G == 128) mma_vec_t<4, T>(W, S, B, x, y, N, K, bias);             \
+    else if (G == 64) mma_vec_t<2, T>(W, S, B, x, y, N, K, bias);         \
+    else mma_vec_t<1, T>(W, S, B, x, y, N, K, bias);
+
+// tiles: row tiles of 16 per block (1, 2 or 4).
+extern "C" __global__ void __launch_bounds__(256) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                  const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                  float* __restrict__ y, int N, int K, int G, int tiles,
+                                                                  const float* __restrict__ bias) {
+    pdl_entry();
+    if (tiles == 4) {
+        VEC_DISPATCH(4)
+    } else if (tiles == 2) {
+        VEC_DISPATCH(2)
+    } else {
+        VEC_DISPATCH(1)
+    }
+}

@@ -1,0 +1,82 @@
+//! One input row through a 4-bit MLX affine matrix on tensor cores (`kernels/mma_vec.cu`): the
+//! decode projections and lm_head of 4-bit models. Dequantizing on CUDA cores costs several
+//! instructions per weight, more than the issue rate allows at memory speed; here the codes enter
+//! mma.sync exactly, two per instruction, with the FMA dequant form per group and the input as
+//! bf16 hi + lo (see the kernel's header).
+
+use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat};
+use super::{driver_err, CudaError, Gpu, Result};
+
+/// Largest K the single-row tensor-core kernel stages in shared memory (4.5 bytes per input).
+const VEC_MAX_K: usize = 8192;
+
+/// Whether one input row through `m` goes to the single-row tensor-core kernel (mma_vec.cu):
+/// 4-bit affine weights with groups of 32, 64 or 128.
+pub(super) fn takes(m: &Matvec, sl: &Slots) -> bool {
+    let WeightFormat::Affine { bits: 4, group, .. } = m.format else {
+        return false;
+    };
+    sl.n == 1
+        && sl.ids == 0
+        && sl.far.is_none()
+        && matches!(group, 32 | 64 | 128)
+        && m.k.is_multiple_of(group)
+        && m.k <= VEC_MAX_K
+}
+
+/// Row tiles of 16 per block of the single-row kernel: the most (4, 2 or 1) that still leaves
+/// two blocks per multiprocessor of a 132-SM part, so that large matrices amortize the staged
+/// input over more rows and small ones keep every SM busy.
+pub fn tiles(n: usize) -> usize {
+    [4, 2, 1]
+        .into_iter()
+        .find(|&t| n.div_ceil(16 * t) >= 264)
+        .unwrap_or(1)
+}
+
+/// `y = W x (+ bias)` for one input row of a 4-bit affine matrix on tensor cores.
+pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
+    let WeightFormat::Affine {
+        group,
+        scales,
+        biases,
+        ..
+    } = m.format
+    else {
+        return Err(CudaError::Unsupported(
+            "mma_vec_affine4 takes 4-bit affine weights".into(),
+        ));
+    };
+    let tiles = tiles(m.n);
+    let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
+    let smem = (m.k * 4 + m.k / 2 + m.k / group * 4) as u32;
+    let mut b = g.launch_builder(g.kernels().get("mma_vec_affine4"));
+    b.arg(&m.w)
+        .arg(&scales)
+        .arg(&biases)
+        .arg(&x)
+        .arg(&y)
+        .arg(&n32)
+        .arg(&k32)
+        .arg(&g32)
+        .arg(&t32)
+        .arg(&m.bias);
+    // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 (G | K, G ∈ {32, 64, 128},
+    // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
+    // the dynamic shared memory holds the staged x, the word and the group sums (K·4.5 + K/G·4
+    // bytes, under 48 KB for K ≤ VEC_MAX_K).
+    unsafe { b.launch(cfg((blocks(m.n, 16 * tiles), 1), 256, smem)) }
+        .map_err(driver_err("mma_vec_affine4"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn single_row_tiles_keep_two_blocks_per_sm() {
+        assert_eq!(super::tiles(2048), 1);
+        assert_eq!(super::tiles(12_352), 2);
+        assert_eq!(super::tiles(248_320), 4);
+        assert_eq!(super::tiles(1), 1);
+    }
+}
