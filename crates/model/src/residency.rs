@@ -18,8 +18,8 @@
 //! 0.76 / 0.40 (drift); Frequency with decay 0.98 and margin 2 / 4: uniform 0.81 / 0.76 and
 //! 0.57 / 0.51, Zipf 0.30 / 0.27 and 0.16 / 0.13, drift 0.39 / 0.46 and 0.23 / 0.32 (decay 0.99
 //! and 0.995 with margins 3–8 churned no less and followed drift worse). The default, decay 0.98
-//! and margin 4, keeps uniform routing within 1% of
-//! static placement and follows a drifting hot set.
+//! and margin 4, keeps uniform routing within 1% of static placement and follows a drifting hot
+//! set.
 
 /// An admission decision: copy `expert` into `slot`, evicting `evicted` (None: the slot was
 /// empty).
