@@ -70,7 +70,7 @@ fn head_inputs(x: &GdnInputs, s: GdnShape, h: usize, t: usize) -> HeadInputs {
 
 /// Run `per_head(h, inputs, state_h, out_h)` for every value head in parallel, where
 /// `out_h: [T, Dv]`, then scatter the per-head outputs into `out: [T, Hv, Dv]`.
-pub(super) fn for_each_head<F>(
+fn for_each_head<F>(
     x: &GdnInputs,
     s: GdnShape,
     state: &mut [f32],
@@ -135,20 +135,30 @@ pub fn gdn_recurrent(x: &GdnInputs, s: GdnShape, state: &mut [f32], out: &mut [f
 /// and updating `state`.
 pub fn gdn_chunked(x: &GdnInputs, s: GdnShape, chunk: usize, state: &mut [f32], out: &mut [f32]) {
     let (dk, dv) = (s.k_dim, s.v_dim);
+    for_each_chunk(x, s, chunk, state, out, |hi, start, l, st, o| {
+        chunk_step(hi, start, l, dk, dv, st, o)
+    });
+}
+
+/// Run `step(inputs, start, len, state_h, out_chunk)` over the chunks of `chunk` tokens (the
+/// last may be shorter) of every value head in order, `out_chunk: [len, Dv]`.
+pub(super) fn for_each_chunk<F>(
+    x: &GdnInputs,
+    s: GdnShape,
+    chunk: usize,
+    state: &mut [f32],
+    out: &mut [f32],
+    step: F,
+) where
+    F: Fn(&HeadInputs, usize, usize, &mut [f32], &mut [f32]) + Sync,
+{
+    let dv = s.v_dim;
     for_each_head(x, s, state, out, |hi, st, o| {
         let t = hi.g.len();
         let mut start = 0;
         while start < t {
             let l = chunk.min(t - start);
-            chunk_step(
-                hi,
-                start,
-                l,
-                dk,
-                dv,
-                st,
-                &mut o[start * dv..(start + l) * dv],
-            );
+            step(hi, start, l, st, &mut o[start * dv..(start + l) * dv]);
             start += l;
         }
     });

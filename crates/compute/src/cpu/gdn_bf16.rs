@@ -12,7 +12,7 @@
 //!   O_i = rq_i e^{G_i} (Q S_b)_i + (P V'_b)_i;
 //!   S ← e^{G_last} S + Kᵀ bf16(diag(rk_j e^{G_last−G_j}) V').
 
-use super::gdn::{for_each_head, GdnInputs, GdnShape, HeadInputs};
+use super::gdn::{for_each_chunk, GdnInputs, GdnShape, HeadInputs};
 use crate::dtype::{bf16_to_f32, f32_to_bf16};
 
 const CHUNK: usize = 64;
@@ -25,22 +25,8 @@ fn rb(x: f32) -> f32 {
 /// The chunked delta rule with the GPU kernel's roundings, from and into `state`.
 pub fn gdn_chunked_bf16(x: &GdnInputs, s: GdnShape, state: &mut [f32], out: &mut [f32]) {
     let (dk, dv) = (s.k_dim, s.v_dim);
-    for_each_head(x, s, state, out, |hi, st, o| {
-        let t = hi.g.len();
-        let mut start = 0;
-        while start < t {
-            let l = CHUNK.min(t - start);
-            chunk(
-                hi,
-                start,
-                l,
-                dk,
-                dv,
-                st,
-                &mut o[start * dv..(start + l) * dv],
-            );
-            start += l;
-        }
+    for_each_chunk(x, s, CHUNK, state, out, |hi, start, l, st, o| {
+        chunk(hi, start, l, dk, dv, st, o)
     });
 }
 

@@ -30,14 +30,17 @@ unsafe impl<T: Send> Send for HostBuf<T> {}
 unsafe impl<T: Sync> Sync for HostBuf<T> {}
 
 impl<T: DeviceRepr> HostBuf<T> {
-    /// `len` zeroed elements.
-    pub fn zeros(g: &Gpu, len: usize) -> Result<HostBuf<T>> {
+    /// `len` elements of pinned, device-mapped memory with unspecified contents.
+    ///
+    /// # Safety
+    /// Every element must be written before it is read.
+    unsafe fn alloc(g: &Gpu, len: usize) -> Result<HostBuf<T>> {
         let bytes = len.max(1) * std::mem::size_of::<T>();
         g.ctx
             .bind_to_thread()
             .map_err(driver_err("binding the context"))?;
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        // SAFETY: a fresh allocation of `bytes`; zeroed below before any read.
+        // SAFETY: a fresh allocation of `bytes`, initialised by the caller before any read.
         let raw = unsafe { cudarc::driver::result::malloc_host(bytes, flags) }.map_err(|e| {
             CudaError::Driver {
                 what: format!(
@@ -55,11 +58,6 @@ impl<T: DeviceRepr> HostBuf<T> {
             unsafe { cudarc::driver::result::free_host(raw) }.ok();
             return Err(driver_err("mapping pinned host memory")(e));
         }
-        // SAFETY: raw holds `bytes` writable bytes, owned here; all-zero bits are valid for the
-        // plain numeric types stored here. Zeroed in parallel: offloaded experts reach hundreds
-        // of GB.
-        let all = unsafe { std::slice::from_raw_parts_mut(raw as *mut u8, bytes) };
-        all.par_chunks_mut(1 << 24).for_each(|c| c.fill(0));
         Ok(HostBuf {
             ptr: raw as *mut T,
             len,
@@ -69,13 +67,35 @@ impl<T: DeviceRepr> HostBuf<T> {
         })
     }
 
-    /// A pinned copy of `data`.
+    /// `len` zeroed elements.
+    pub fn zeros(g: &Gpu, len: usize) -> Result<HostBuf<T>> {
+        // SAFETY: every byte is zeroed below before the buffer is returned.
+        let h = unsafe { HostBuf::alloc(g, len) }?;
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        // SAFETY: ptr holds `bytes` writable bytes owned by h; all-zero bits are valid for the
+        // plain numeric types stored here. Zeroed in parallel: offloaded experts reach hundreds
+        // of GB.
+        let all = unsafe { std::slice::from_raw_parts_mut(h.ptr as *mut u8, bytes) };
+        all.par_chunks_mut(1 << 24).for_each(|c| c.fill(0));
+        Ok(h)
+    }
+
+    /// A pinned copy of `data` (copied in parallel, written once).
     pub fn from_slice(g: &Gpu, data: &[T]) -> Result<HostBuf<T>>
     where
-        T: Copy,
+        T: Copy + Sync,
     {
-        let mut h = HostBuf::zeros(g, data.len())?;
-        h.as_mut_slice().copy_from_slice(data);
+        // SAFETY: every element is written by the copy below before the buffer is returned.
+        let h = unsafe { HostBuf::alloc(g, data.len()) }?;
+        let dst = h.ptr as usize;
+        let per = ((1usize << 24) / std::mem::size_of::<T>().max(1)).max(1);
+        data.par_chunks(per).enumerate().for_each(|(i, c)| {
+            // SAFETY: chunk i covers elements i·per .. i·per + c.len() of the allocation, which
+            // holds data.len() elements; chunks do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(c.as_ptr(), (dst as *mut T).add(i * per), c.len())
+            };
+        });
         Ok(h)
     }
 }

@@ -22,7 +22,7 @@ use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::{Far, Matvec};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
-use super::upload::StackData;
+use super::upload::{array_bytes, StackData};
 use super::{unsupported, DevMat, DevWeights, GpuFfn, GpuModel, Result, MAX_BATCH};
 use crate::layers::LinearWeight;
 use crate::residency::{Policy, Residency};
@@ -144,27 +144,32 @@ impl HostMat {
         }
     }
 
+    /// (bits, group) of affine weights.
+    fn affine(&self) -> Option<(u32, usize)> {
+        match &self.w {
+            HostWeights::Bf16(_) => None,
+            HostWeights::Affine { bits, group, .. } => Some((*bits, *group)),
+        }
+    }
+
     /// (base address, bytes per matrix) of each array.
     fn pieces(&self) -> Vec<(u64, usize)> {
-        let nk = self.n * self.k;
-        match &self.w {
-            HostWeights::Bf16(b) => vec![(b.ptr(), 2 * nk)],
+        let ptrs = match &self.w {
+            HostWeights::Bf16(b) => vec![b.ptr()],
             HostWeights::Affine {
                 words,
                 scales,
                 biases,
-                bits,
-                group,
-            } => vec![
-                (words.ptr(), nk * *bits as usize / 8),
-                (scales.ptr(), 2 * nk / group),
-                (biases.ptr(), 2 * nk / group),
-            ],
-        }
+                ..
+            } => vec![words.ptr(), scales.ptr(), biases.ptr()],
+        };
+        ptrs.into_iter()
+            .zip(array_bytes(self.n, self.k, self.affine()))
+            .collect()
     }
 
     fn matrix_bytes(&self) -> usize {
-        self.pieces().iter().map(|p| p.1).sum()
+        array_bytes(self.n, self.k, self.affine()).iter().sum()
     }
 
     /// A zeroed device stack of `count` matrices of this format.
@@ -186,25 +191,6 @@ impl HostMat {
             k: self.k,
             bias: None,
         })
-    }
-}
-
-/// (base address, bytes per matrix) of each array of a device stack.
-fn dev_pieces(m: &DevMat) -> Vec<(u64, usize)> {
-    let nk = m.n * m.k;
-    match &m.w {
-        DevWeights::Bf16(b) => vec![(b.ptr(), 2 * nk)],
-        DevWeights::Affine {
-            words,
-            scales,
-            biases,
-            bits,
-            group,
-        } => vec![
-            (words.ptr(), nk * *bits as usize / 8),
-            (scales.ptr(), 2 * nk / group),
-            (biases.ptr(), 2 * nk / group),
-        ],
     }
 }
 
@@ -306,8 +292,8 @@ impl LayerExperts {
 
     /// Copy host expert `e` into matrix `to` of the device stacks.
     fn load(&self, g: &Gpu, cache: (&DevMat, &DevMat), e: usize, to: usize) -> Result<()> {
-        copy_matrix(g, &self.gu.pieces(), e, &dev_pieces(cache.0), to)?;
-        copy_matrix(g, &self.down.pieces(), e, &dev_pieces(cache.1), to)
+        copy_matrix(g, &self.gu.pieces(), e, &cache.0.pieces(), to)?;
+        copy_matrix(g, &self.down.pieces(), e, &cache.1.pieces(), to)
     }
 
     /// Size the cache to `slots` (experts 0..slots cached) and fill it.
@@ -561,8 +547,8 @@ impl GpuModel {
         for id in g.read(ids, pairs)? {
             used[id as usize] = true;
         }
-        let (stage_gu, stage_down) = (dev_pieces(&o.stage.0), dev_pieces(&o.stage.1));
-        let (cache_gu, cache_down) = (dev_pieces(experts_gu), dev_pieces(experts_down));
+        let (stage_gu, stage_down) = (o.stage.0.pieces(), o.stage.1.pieces());
+        let (cache_gu, cache_down) = (experts_gu.pieces(), experts_down.pieces());
         let bytes = lx.expert_bytes() as u64;
         let (mut host, mut dev) = (0, 0);
         for e in (0..lx.experts).filter(|&e| used[e]) {

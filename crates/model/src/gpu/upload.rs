@@ -110,12 +110,43 @@ impl DevMat {
 
     /// Bytes one matrix of the stack occupies.
     pub(super) fn bytes(&self) -> usize {
-        match &self.w {
-            DevWeights::Bf16(_) => self.n * self.k * 2,
-            DevWeights::Affine { bits, group, .. } => {
-                self.n * self.k * *bits as usize / 8 + 2 * 2 * self.n * self.k / group
-            }
+        array_bytes(self.n, self.k, self.w.affine()).iter().sum()
+    }
+
+    /// (base address, bytes per matrix) of each array of the stack.
+    pub(super) fn pieces(&self) -> Vec<(u64, usize)> {
+        let ptrs = match &self.w {
+            DevWeights::Bf16(b) => vec![b.ptr()],
+            DevWeights::Affine {
+                words,
+                scales,
+                biases,
+                ..
+            } => vec![words.ptr(), scales.ptr(), biases.ptr()],
+        };
+        ptrs.into_iter()
+            .zip(array_bytes(self.n, self.k, self.w.affine()))
+            .collect()
+    }
+}
+
+impl DevWeights {
+    /// (bits, group) of affine weights.
+    fn affine(&self) -> Option<(u32, usize)> {
+        match self {
+            DevWeights::Bf16(_) => None,
+            DevWeights::Affine { bits, group, .. } => Some((*bits, *group)),
         }
+    }
+}
+
+/// Bytes per `[n, k]` matrix of each array of a stack in the device layout: the bf16 values, or
+/// the affine words, scales and biases (`affine`: bits and group).
+pub(crate) fn array_bytes(n: usize, k: usize, affine: Option<(u32, usize)>) -> Vec<usize> {
+    let nk = n * k;
+    match affine {
+        None => vec![2 * nk],
+        Some((bits, group)) => vec![nk * bits as usize / 8, 2 * nk / group, 2 * nk / group],
     }
 }
 
