@@ -65,3 +65,45 @@ __device__ __forceinline__ void pdl_entry() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+
+// Bytes one bulk L2 prefetch instruction asks for.
+#define L2_PIECE 16384
+
+// Ask L2 to fetch [p, p + bytes) ahead of its use (sm_90+, a hint; no-op before): thread i of
+// the calling threads (`n` of them, i < n) issues bulk prefetches of pieces i, i + n, … The range
+// is widened to 16-byte alignment at its start and narrowed at its end, so it stays inside the
+// allocation that holds it. Kernels call it on their weights before `pdl_entry`: weights never
+// depend on earlier kernels, so they stream into L2 while the kernel before still runs. Each block
+// asks only for its own share: one SM's bulk prefetches are served slowly (one warp asking for a
+// layer's 16 MB of routed experts measured ~70 µs, twice the layer).
+__device__ __forceinline__ void l2_prefetch(const void* p, long long bytes, int i, int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (bytes <= 0) return;
+    unsigned long long a = (unsigned long long)__cvta_generic_to_global(p);
+    unsigned long long start = a & ~15ull, end = (a + (unsigned long long)bytes) & ~15ull;
+    for (unsigned long long c = start + (unsigned long long)i * L2_PIECE; c < end;
+         c += (unsigned long long)n * L2_PIECE) {
+        unsigned len = (unsigned)min((unsigned long long)L2_PIECE, end - c);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(len) : "memory");
+    }
+#endif
+}
+
+// l2_prefetch by every thread of the block.
+__device__ __forceinline__ void l2_prefetch_block(const void* p, long long bytes) {
+    l2_prefetch(p, bytes, threadIdx.x, blockDim.x);
+}
+
+// Blocks that ask L2 for their own weights before waiting: about those resident while the kernel
+// before runs (two per SM of a 132-SM part); later blocks start after it ended, and their loads
+// follow at once.
+#define PREFETCH_BLOCKS 264
+
+// l2_prefetch_block of rows row0 .. row0 + rows (clamped to n_rows) of `row_bytes` each, by the
+// first PREFETCH_BLOCKS blocks (`block`: the block's index along the rows).
+__device__ __forceinline__ void l2_prefetch_rows(const void* base, long long row0, long long rows,
+                                                 long long n_rows, long long row_bytes, int block) {
+    if (block >= PREFETCH_BLOCKS) return;
+    rows = min(rows, n_rows - row0);
+    l2_prefetch_block(reinterpret_cast<const char*>(base) + row0 * row_bytes, rows * row_bytes);
+}

@@ -7,7 +7,8 @@
 //   (ids, x_stride 0), or K experts of each of several tokens (x_div K).
 //   grid (S, ceil(N / 8)), block 256: one warp per output row; the slots of one row block are
 //   adjacent blocks, so a matrix read by several slots is mostly served from L2.
-//   16-byte weight loads when K % 8 == 0.
+//   16-byte weight loads when K % 8 == 0. Without ids (one matrix), the blocks of slot 0 ask L2
+//   for their rows before waiting on the kernel before (common.cuh, PREFETCH_BLOCKS).
 //   Far experts: ids ≥ split name matrix ids − split of a second stack Wf (same layout; e.g. pinned
 //   host memory read over PCIe for offloaded experts); split = INT_MAX when there is none.
 //
@@ -61,6 +62,7 @@ extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float
                                        const int* __restrict__ ids, long long x_stride, int x_div,
                                        const float* __restrict__ bias, const bf16_t* __restrict__ Wf,
                                        int split) {
+    if (!ids && blockIdx.x == 0) l2_prefetch_rows(W, blockIdx.y * 8LL, 8, N, K * 2LL, blockIdx.y);
     pdl_entry();
     int row = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -81,6 +83,10 @@ extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, cons
                                               float* __restrict__ h, int I, int K,
                                               const int* __restrict__ ids, long long x_stride, int x_div,
                                               const bf16_t* __restrict__ Wf, int split) {
+    if (!ids && blockIdx.x == 0) {
+        l2_prefetch_rows(W, blockIdx.y * 8LL, 8, I, K * 2LL, blockIdx.y);
+        l2_prefetch_rows(W, I + blockIdx.y * 8LL, 8, 2LL * I, K * 2LL, blockIdx.y);
+    }
     pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;

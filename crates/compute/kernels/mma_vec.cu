@@ -10,6 +10,10 @@
 // Layouts: words u32 [N, K/8] (LSB first), scales and biases bf16 [N, K/G], G ∈ {32, 64, 128},
 // K % G == 0; x f32 [K] (16-byte aligned); y f32 [N]; bias f32 [N] or null.
 //
+// The first blocks ask L2 for their rows of W, S and B before waiting on the kernel before it
+// (common.cuh, PREFETCH_BLOCKS).
+
+//
 // grid ceil(N / (16·T)), block 256, dynamic shared memory K·4.5 + (K/G)·4 bytes; T = `tiles`
 // (1, 2 or 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
 // position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
@@ -185,6 +189,10 @@ extern "C" __global__ void __launch_bounds__(256) mma_vec_affine4(const unsigned
                                                                   const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                   float* __restrict__ y, int N, int K, int G, int tiles,
                                                                   const float* __restrict__ bias) {
+    long long n0 = (long long)blockIdx.x * 16 * tiles;
+    l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);
+    l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
+    l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
     pdl_entry();
     if (tiles == 4) {
         VEC_DISPATCH(4)

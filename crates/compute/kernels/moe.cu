@@ -7,11 +7,18 @@
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
 //   loc (optional, [E]): where each routed expert's weights are (an index into the stacked
 //   weights, see matvec.cu's far experts); ids[r] = loc ? loc[expert] : expert.
-//   grid B, block 32 (one warp per row).
+//   Each thread ranks its experts against all E at once (no serial rounds of selection); the
+//   weights are p / Σp with Σp summed in one warp's order, renormalized by their sum in rank
+//   order. grid B, block 256 (any multiple of 32).
 //   E ≤ 1024, K ≤ 32.
 //
 // moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0).
 //   y: [B, K, H]; w: [B, K]; ys, delta: [B, H]. grid (ceil(H/256), B), block 256.
+//
+// moe_combine_norm: the same sum per row, added to the residual: x_out = x + sum ([B, H]; x_out
+//   may be x), then out = rmsnorm(x_out) · scale (as norm.cu's add_rmsnorm: the same values in
+//   the same order with the same block size). Each thread loads the K terms of two elements
+//   COMBINE_LOADS at a time before summing them in order (K ≤ 33). grid B, block 1024.
 
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
@@ -19,47 +26,50 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
                                        const int* __restrict__ loc) {
     pdl_entry();
     __shared__ float p[1024];
-    int lane = threadIdx.x;
+    __shared__ float chosen[32];
+    __shared__ float sums[2];
+    const int tid = threadIdx.x, nt = blockDim.x;
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
     logits += row * L;
     ids += row * KS;
     w += row * KS;
     sg += row;
     float mx = NEG_INF;
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, logits[e]);
-    mx = warp_max(mx);
-    float sum = 0.f;
-    for (int e = lane; e < E; e += 32) {
-        float v = expf(logits[e] - mx);
-        p[e] = v;
-        sum += v;
+    for (int e = tid; e < E; e += nt) mx = fmaxf(mx, logits[e]);
+    mx = block_max(mx);
+    for (int e = tid; e < E; e += nt) p[e] = expf(logits[e] - mx);
+    __syncthreads();
+    // The softmax sum in one warp's order: lane l adds experts l, l + 32, … then the lanes meet.
+    if (tid < 32) {
+        float part = 0.f;
+        for (int e = tid; e < E; e += 32) part += p[e];
+        part = warp_sum(part);
+        if (tid == 0) sums[0] = part;
     }
-    sum = warp_sum(sum);
-    __syncwarp();
-    float chosen = 0.f, total = 0.f;
-    for (int r = 0; r < K; ++r) {
-        // Warp argmax over unselected experts; lowest index wins ties.
-        float bv = -1.f;
-        int bi = E;
-        for (int e = lane; e < E; e += 32) {
-            float v = p[e];
-            if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
+    __syncthreads();
+    const float sum = sums[0];
+    // Expert e's rank: the experts before it have a larger p, or an equal one and a lower index.
+    for (int e = tid; e < E; e += nt) {
+        float v = p[e];
+        int rank = 0;
+        for (int j = 0; j < E; ++j) {
+            float u = p[j];
+            rank += (u > v) | ((u == v) & (j < e));
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        if (rank < K) {
+            ids[rank] = loc ? loc[e] : e;
+            chosen[rank] = v / sum;
         }
-        if (lane == r) chosen = bv / sum;
-        total += bv / sum;
-        if (lane == 0) {
-            ids[r] = loc ? loc[bi] : bi;
-            p[bi] = -1.f;
-        }
-        __syncwarp();
     }
-    if (lane < K) w[lane] = renorm ? chosen / total : chosen;
-    if (lane == 0 && has_shared_gate) {
+    __syncthreads();
+    if (tid == 0) {
+        float total = 0.f;
+        for (int r = 0; r < K; ++r) total += chosen[r];
+        sums[1] = total;
+    }
+    __syncthreads();
+    if (tid < K) w[tid] = renorm ? chosen[tid] / sums[1] : chosen[tid];
+    if (tid == 0 && has_shared_gate) {
         float g = sigmoid_f(logits[E]);
         sg[0] = g;
         if (shared_slot >= 0) {
@@ -87,4 +97,63 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     for (int k = 0; k < K; ++k) acc = fmaf(w[k], y[(long long)k * H + i], acc);
     if (ys) acc = fmaf(sg[0], ys[i], acc);
     delta[i] = acc;
+}
+
+#define COMBINE_KMAX 33
+#define COMBINE_LOADS 8
+
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float* __restrict__ y, const float* __restrict__ w,
+                                            const float* __restrict__ ys, const float* __restrict__ sg,
+                                            const float* x, float* x_out, const float* __restrict__ scale,
+                                            float* __restrict__ out, int K, int H, float eps) {
+    pdl_entry();
+    int row = blockIdx.x;
+    y += (long long)row * K * H;
+    w += row * K;
+    if (ys) {
+        ys += (long long)row * H;
+        sg += row;
+    }
+    x += (long long)row * H;
+    x_out += (long long)row * H;
+    out += (long long)row * H;
+    __shared__ float wk[COMBINE_KMAX];
+    if (threadIdx.x < K) wk[threadIdx.x] = w[threadIdx.x];
+    __syncthreads();
+    float ss = 0.f;
+    // Two elements per pass (i, i + blockDim), all their loads in flight together.
+    for (int i = threadIdx.x; i < H; i += 2 * blockDim.x) {
+        const int i2 = i + blockDim.x;
+        const bool two = i2 < H;
+        float acc = 0.f, acc2 = 0.f;
+        for (int k0 = 0; k0 < K; k0 += COMBINE_LOADS) {
+            float yk[COMBINE_LOADS], yk2[COMBINE_LOADS];
+#pragma unroll
+            for (int u = 0; u < COMBINE_LOADS; ++u)
+                if (k0 + u < K) {
+                    yk[u] = y[(long long)(k0 + u) * H + i];
+                    yk2[u] = two ? y[(long long)(k0 + u) * H + i2] : 0.f;
+                }
+#pragma unroll
+            for (int u = 0; u < COMBINE_LOADS; ++u)
+                if (k0 + u < K) {
+                    acc = fmaf(wk[k0 + u], yk[u], acc);
+                    acc2 = fmaf(wk[k0 + u], yk2[u], acc2);
+                }
+        }
+        if (ys) {
+            acc = fmaf(sg[0], ys[i], acc);
+            if (two) acc2 = fmaf(sg[0], ys[i2], acc2);
+        }
+        float v = x[i] + acc;
+        x_out[i] = v;
+        ss += v * v;
+        if (two) {
+            float v2 = x[i2] + acc2;
+            x_out[i2] = v2;
+            ss += v2 * v2;
+        }
+    }
+    float r = rsqrtf(block_sum(ss) / H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) out[i] = x_out[i] * r * scale[i];
 }

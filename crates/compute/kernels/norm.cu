@@ -2,7 +2,8 @@
 //
 // add_rmsnorm: per row r of width H: if delta, x[r] += delta[r]; out[r] = x[r] / sqrt(mean(x[r]²) + eps) · scale
 //   (scale is 1 + w for the zero-centred norms, prepared on upload).
-//   x, delta, out: [R, H] f32; scale: [H]. grid R, block 1024 (any multiple of 32 ≤ 1024).
+//   x, delta, out: [R, H] f32; scale: [H]. grid R, block 1024 (moe_combine_norm sums in the
+//   same order, for equal values).
 extern "C" __global__ void add_rmsnorm(float* __restrict__ x, const float* __restrict__ delta,
                                        const float* __restrict__ scale, float* __restrict__ out,
                                        int H, float eps) {

@@ -11,6 +11,8 @@
 //   grid (S, ceil(N/(8·R))), block 256: a warp per R rows, lanes on consecutive words.
 //   Far experts: ids ≥ split read matrix ids − split of a second stack (Wf, Sf, Bf) of the same
 //   layout, e.g. offloaded experts in pinned host memory; split = INT_MAX when there is none.
+// Without ids (one matrix), the first blocks of slot 0 ask L2 for their rows before waiting on the
+// kernel before (common.cuh, PREFETCH_BLOCKS).
 // matvec_swiglu_affine: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
 //   first). grid (S, ceil(I/(8·R/2))), block 256: a warp per R/2 outputs (R rows).
 
@@ -164,6 +166,12 @@ extern "C" __global__ void matvec_affine(const unsigned int* __restrict__ W, con
                                          const float* __restrict__ bias, const unsigned int* __restrict__ Wf,
                                          const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
                                          int split) {
+    if (!ids && blockIdx.x == 0) {
+        long long r0 = (long long)blockIdx.y * 8 * rows, rb = (long long)K * bits / 8, sb = K / G * 2;
+        l2_prefetch_rows(W, r0, 8 * rows, N, rb, blockIdx.y);
+        l2_prefetch_rows(S, r0, 8 * rows, N, sb, blockIdx.y);
+        l2_prefetch_rows(B, r0, 8 * rows, N, sb, blockIdx.y);
+    }
     pdl_entry();
     QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split)
 }
@@ -175,6 +183,15 @@ extern "C" __global__ void matvec_swiglu_affine(const unsigned int* __restrict__
                                                 const unsigned int* __restrict__ Wf,
                                                 const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
                                                 int split) {
+    if (!ids && blockIdx.x == 0) {
+        long long n0 = (long long)blockIdx.y * 4 * rows, rb = (long long)K * bits / 8, sb = K / G * 2;
+        for (int half = 0; half < 2; ++half) {
+            long long r0 = half * (long long)I;
+            l2_prefetch_rows(W, r0 + n0, 4 * rows, r0 + I, rb, blockIdx.y);
+            l2_prefetch_rows(S, r0 + n0, 4 * rows, r0 + I, sb, blockIdx.y);
+            l2_prefetch_rows(B, r0 + n0, 4 * rows, r0 + I, sb, blockIdx.y);
+        }
+    }
     pdl_entry();
     QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split)
 }

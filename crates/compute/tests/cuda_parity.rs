@@ -397,6 +397,42 @@ fn router_combine_embed_argmax_match_cpu() {
             .map(|i| (0..k).map(|j| wv[j] * y[j * h + i]).sum::<f32>() + sigmoid(logits[e]) * ys[i])
             .collect();
         assert_close("moe combine", &g.read(&delta, h).unwrap(), &want, 1e-5);
+        // Fused with the residual add and the norm after it: bitwise the two launches.
+        let x0 = rand_vec(&mut r, h, -2.0, 2.0);
+        let scale = rand_vec(&mut r, h, 0.5, 1.5);
+        let (xa, xb, dsc) = (
+            g.upload(&x0).unwrap(),
+            g.upload(&x0).unwrap(),
+            g.upload(&scale).unwrap(),
+        );
+        let (na, nb) = (g.zeros::<f32>(h).unwrap(), g.zeros::<f32>(h).unwrap());
+        ops::add_rmsnorm(&g, xa.ptr(), delta.ptr(), dsc.ptr(), na.ptr(), 1, h, 1e-6).unwrap();
+        ops::moe_combine_norm(
+            &g,
+            dy.ptr(),
+            w.ptr(),
+            dys.ptr(),
+            sg.ptr(),
+            xb.ptr(),
+            xb.ptr(),
+            dsc.ptr(),
+            nb.ptr(),
+            k,
+            h,
+            1,
+            1e-6,
+        )
+        .unwrap();
+        assert_eq!(
+            g.read(&xa, h).unwrap(),
+            g.read(&xb, h).unwrap(),
+            "combine_norm residual"
+        );
+        assert_eq!(
+            g.read(&na, h).unwrap(),
+            g.read(&nb, h).unwrap(),
+            "combine_norm out"
+        );
     }
     let (v, h) = (1003, 65);
     let table: Vec<u16> = rand_vec(&mut r, v * h, -1.0, 1.0)

@@ -70,13 +70,8 @@ fn head_inputs(x: &GdnInputs, s: GdnShape, h: usize, t: usize) -> HeadInputs {
 
 /// Run `per_head(h, inputs, state_h, out_h)` for every value head in parallel, where
 /// `out_h: [T, Dv]`, then scatter the per-head outputs into `out: [T, Hv, Dv]`.
-fn for_each_head<F>(
-    x: &GdnInputs,
-    s: GdnShape,
-    state: &mut [f32],
-    out: &mut [f32],
-    per_head: F,
-) where
+fn for_each_head<F>(x: &GdnInputs, s: GdnShape, state: &mut [f32], out: &mut [f32], per_head: F)
+where
     F: Fn(&HeadInputs, &mut [f32], &mut [f32]) + Sync,
 {
     let t = x.g.len() / s.n_v_heads;

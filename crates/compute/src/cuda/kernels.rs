@@ -76,7 +76,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "moe.cu",
         include_str!("../../kernels/moe.cu"),
-        &["router_topk", "moe_combine"],
+        &["router_topk", "moe_combine", "moe_combine_norm"],
     ),
     (
         "sample.cu",

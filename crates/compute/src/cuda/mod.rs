@@ -10,6 +10,7 @@ pub mod gdn_chunk;
 pub mod host;
 pub mod kernels;
 pub mod launch;
+pub mod moe;
 pub mod ops;
 pub mod prefill;
 pub mod vec;

@@ -7,9 +7,10 @@ use cudarc::driver::LaunchConfig;
 
 use super::host::far_args;
 pub use super::host::Far;
+pub use super::moe::{moe_combine, moe_combine_norm, router_topk, Route};
 use super::{driver_err, Gpu, Result};
 
-pub(super) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+pub(crate) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.0, grid.1, 1),
         block_dim: (block, 1, 1),
@@ -17,7 +18,7 @@ pub(super) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
     }
 }
 
-pub(super) fn blocks(n: usize, per: usize) -> u32 {
+pub(crate) fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
 
@@ -341,6 +342,10 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
     Ok(())
 }
 
+/// Threads of the kernels that compute an RMSNorm of a residual row (add_rmsnorm,
+/// moe_combine_norm): one order of the sum of squares, so equal values whichever computes it.
+pub const NORM_THREADS: u32 = 1024;
+
 /// Per row of width `h` (`rows` rows): x += delta (when delta ≠ 0), out = rmsnorm(x)·scale.
 #[allow(clippy::too_many_arguments)]
 pub fn add_rmsnorm(
@@ -362,7 +367,8 @@ pub fn add_rmsnorm(
         .arg(&h32)
         .arg(&eps);
     // SAFETY: x, delta, out hold rows·h floats, scale h floats.
-    unsafe { b.launch(cfg((rows as u32, 1), 1024, 0)) }.map_err(driver_err("add_rmsnorm"))?;
+    unsafe { b.launch(cfg((rows as u32, 1), NORM_THREADS, 0)) }
+        .map_err(driver_err("add_rmsnorm"))?;
     Ok(())
 }
 
@@ -580,92 +586,6 @@ pub fn attn_decode(
     // SAFETY: out holds rows·hq·d floats; proj holds rows fused projections with the gates.
     unsafe { b.launch(cfg((a.hq as u32, bt.rows as u32), threads, 0)) }
         .map_err(driver_err("attn_combine"))?;
-    Ok(())
-}
-
-/// Routing of one token for [`router_topk`].
-#[derive(Clone, Copy, Debug)]
-pub struct Route {
-    /// Routed experts.
-    pub experts: usize,
-    pub top_k: usize,
-    /// Divide the top-k weights by their sum.
-    pub renorm: bool,
-    /// The logits hold the shared-expert gate logit at index `experts`.
-    pub shared_gate: bool,
-    /// Index of the shared expert in the stacked expert weights, when it is stacked there.
-    pub shared_slot: Option<usize>,
-    /// Device int[experts]: the stacked index each routed expert's weights are at (see
-    /// [`Far`]); 0 when expert e is at index e.
-    pub loc: u64,
-}
-
-/// Per row (of `rows`, logits `logit_stride` floats apart): softmax + top-k over the router
-/// logits: ids [k], weights [k], sg [1] = sigmoid(shared gate logit); with a shared slot also
-/// ids[k] = slot, weights[k] = sg. Row b's ids and weights start at b·(k + shared slot).
-#[allow(clippy::too_many_arguments)]
-pub fn router_topk(
-    g: &Gpu,
-    logits: u64,
-    logit_stride: usize,
-    r: Route,
-    ids: u64,
-    w: u64,
-    sg: u64,
-    rows: usize,
-) -> Result<()> {
-    let (e32, k32, rn, hs) = (
-        r.experts as i32,
-        r.top_k as i32,
-        r.renorm as i32,
-        r.shared_gate as i32,
-    );
-    let slot = r.shared_slot.map_or(-1, |s| s as i32);
-    let ls = logit_stride as i64;
-    let mut b = g.launch_builder(g.kernels().get("router_topk"));
-    b.arg(&logits)
-        .arg(&e32)
-        .arg(&k32)
-        .arg(&rn)
-        .arg(&hs)
-        .arg(&slot)
-        .arg(&ids)
-        .arg(&w)
-        .arg(&sg)
-        .arg(&ls)
-        .arg(&r.loc);
-    // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold rows rows of
-    // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows;
-    // loc, when given, holds `experts` ints.
-    unsafe { b.launch(cfg((rows as u32, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
-    Ok(())
-}
-
-/// Per row (of `rows`): `delta = Σ_k w_k y_k (+ sg · ys)` over width `h`.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_combine(
-    g: &Gpu,
-    y: u64,
-    w: u64,
-    ys: u64,
-    sg: u64,
-    delta: u64,
-    k: usize,
-    h: usize,
-    rows: usize,
-) -> Result<()> {
-    let (k32, h32) = (k as i32, h as i32);
-    let mut b = g.launch_builder(g.kernels().get("moe_combine"));
-    b.arg(&y)
-        .arg(&w)
-        .arg(&ys)
-        .arg(&sg)
-        .arg(&delta)
-        .arg(&k32)
-        .arg(&h32);
-    // SAFETY: y holds rows·k·h floats, w rows·k, delta and ys rows·h floats, sg rows.
-    unsafe { b.launch(cfg((blocks(h, 256), rows as u32), 256, 0)) }
-        .map_err(driver_err("moe_combine"))?;
     Ok(())
 }
 

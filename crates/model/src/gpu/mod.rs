@@ -21,6 +21,7 @@
 mod offload;
 mod pool;
 mod prefill;
+mod scratch;
 mod synthetic;
 mod upload;
 
@@ -39,6 +40,7 @@ use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 use crate::config::ModelConfig;
 use crate::qwen3_hybrid::Qwen3Hybrid;
 use pool::Pool;
+use scratch::Scratch;
 use upload::{upload_ffn, upload_mixer};
 
 type Result<T> = std::result::Result<T, CudaError>;
@@ -94,6 +96,13 @@ pub(crate) struct GpuLayer {
     ffn: GpuFfn,
 }
 
+/// The residual an MoE layer's output joins and the scale of the norm after the layer, for
+/// [`GpuModel::moe_tail`] to fuse in (device addresses).
+pub(crate) struct NextNorm {
+    pub x: u64,
+    pub scale: u64,
+}
+
 /// The buffers [`GpuModel::moe_tail`] reads and writes (device addresses).
 pub(crate) struct MoeTail {
     pub normed: u64,
@@ -103,28 +112,6 @@ pub(crate) struct MoeTail {
     pub y: u64,
     pub weights: u64,
     pub delta: u64,
-}
-
-/// Activations of a step, `rows` rows each (steps run one at a time on one stream).
-struct Scratch {
-    x: DevBuf<f32>,
-    normed: DevBuf<f32>,
-    delta: DevBuf<f32>,
-    proj: DevBuf<f32>,
-    mixed: DevBuf<f32>,
-    mix_out: DevBuf<f32>,
-    q: DevBuf<f32>,
-    part_o: DevBuf<f32>,
-    part_ml: DevBuf<f32>,
-    router: DevBuf<f32>,
-    ids: DevBuf<i32>,
-    weights: DevBuf<f32>,
-    sg: DevBuf<f32>,
-    h: DevBuf<f32>,
-    y: DevBuf<f32>,
-    hs: DevBuf<f32>,
-    ys: DevBuf<f32>,
-    logits: DevBuf<f32>,
 }
 
 /// The model on a GPU.
@@ -399,9 +386,10 @@ impl GpuModel {
     }
 
     /// Run one batched step eagerly (no graph) with device timers: milliseconds per layer for
-    /// its mixer (with the norm before it) and its ffn (with the norm before it), and for the
-    /// embedding + head together. Advances the sequences like [`Self::step_batch`] (their next
-    /// tokens are not returned).
+    /// its mixer (with the norm before it, unless the layer before applied it) and its ffn (with
+    /// the norm before it, and an MoE ffn with the norm after it), and for the embedding + head
+    /// together. Advances the sequences like [`Self::step_batch`] (their next tokens are not
+    /// returned).
     pub fn profile_step(
         &mut self,
         rows: &mut [(&mut GpuSeq, u32)],
@@ -480,10 +468,13 @@ impl GpuModel {
         self.enqueue_ffn(i, b)
     }
 
-    /// The residual add + input norm and the mixer of layer `i`.
+    /// The residual add + input norm (unless the layer before applied them) and the mixer of
+    /// layer `i`.
     fn enqueue_mixer(&self, i: usize, b: usize) -> Result<()> {
-        let delta = if i == 0 { 0 } else { self.scratch.delta.ptr() };
-        self.add_norm(delta, self.layers[i].input_norm.ptr(), b)?;
+        if !self.normed_by_previous(i) {
+            let delta = if i == 0 { 0 } else { self.scratch.delta.ptr() };
+            self.add_norm(delta, self.layers[i].input_norm.ptr(), b)?;
+        }
         match &self.layers[i].mixer {
             GpuMixer::Linear { .. } => self.enqueue_gdn(i, b),
             GpuMixer::Full { .. } => self.enqueue_attention(i, b),
@@ -603,6 +594,8 @@ impl GpuModel {
         )
     }
 
+    /// The ffn of `layer` on `normed`; an MoE ffn also joins its output to the residual and
+    /// applies the norm after the layer.
     fn enqueue_ffn_only(&self, layer: usize, b: usize) -> Result<()> {
         let (g, s, h) = (&*self.gpu, &self.scratch, self.hidden);
         let ffn = &self.layers[layer].ffn;
@@ -659,19 +652,40 @@ impl GpuModel {
                     weights: s.weights.ptr(),
                     delta: s.delta.ptr(),
                 };
-                self.moe_tail(shared.as_ref(), bufs, per_row, b)
+                let next = NextNorm {
+                    x: s.x.ptr(),
+                    scale: self.norm_after(layer),
+                };
+                self.moe_tail(shared.as_ref(), bufs, per_row, b, Some(next))
             }
         }
     }
 
+    /// The scale of the norm that follows layer `i`: the next layer's input norm, or the final
+    /// norm after the last layer.
+    fn norm_after(&self, i: usize) -> u64 {
+        self.layers
+            .get(i + 1)
+            .map_or(self.final_norm.ptr(), |l| l.input_norm.ptr())
+    }
+
+    /// Whether the norm before layer `i` (the final norm for `i` = layers) was already applied by
+    /// the layer before: an MoE ffn adds its output to the residual and normalizes in its
+    /// combine, a dense ffn leaves its output in `delta`.
+    fn normed_by_previous(&self, i: usize) -> bool {
+        i > 0 && matches!(self.layers[i - 1].ffn, GpuFfn::Moe { .. })
+    }
+
     /// An MoE layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
-    /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`.
+    /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`; with `next`,
+    /// that sum joins the residual `next.x` instead and `normed` gets the next norm of it.
     pub(crate) fn moe_tail(
         &self,
         shared: Option<&(DevMat, DevMat)>,
         t: MoeTail,
         per_row: usize,
         rows: usize,
+        next: Option<NextNorm>,
     ) -> Result<()> {
         let (g, h) = (&*self.gpu, self.hidden);
         let (ys, sg) = match shared {
@@ -682,7 +696,12 @@ impl GpuModel {
             }
             None => (0, 0),
         };
-        ops::moe_combine(g, t.y, t.weights, ys, sg, t.delta, per_row, h, rows)
+        match next {
+            Some(n) => ops::moe_combine_norm(
+                g, t.y, t.weights, ys, sg, n.x, n.x, n.scale, t.normed, per_row, h, rows, self.eps,
+            ),
+            None => ops::moe_combine(g, t.y, t.weights, ys, sg, t.delta, per_row, h, rows),
+        }
     }
 
     /// The router's top-k for an MoE layer whose shared expert is stacked after the routed
@@ -716,7 +735,9 @@ impl GpuModel {
     /// Final norm, lm_head and each row's next token (greedy or sampled on the device).
     fn enqueue_head(&self, b: usize) -> Result<()> {
         let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
-        self.add_norm(s.delta.ptr(), self.final_norm.ptr(), b)?;
+        if !self.normed_by_previous(self.layers.len()) {
+            self.add_norm(s.delta.ptr(), self.final_norm.ptr(), b)?;
+        }
         let rows = Slots::rows(b, self.hidden);
         ops::matvec(g, self.lm_head.mv(), s.normed.ptr(), s.logits.ptr(), rows)?;
         ops::sample_advance(
@@ -728,54 +749,5 @@ impl GpuModel {
             pool.pos.ptr(),
             self.batch(b),
         )
-    }
-}
-
-impl Scratch {
-    fn new(g: &Gpu, c: &ModelConfig, layers: &[GpuLayer], rows: usize) -> Result<Scratch> {
-        let h = c.hidden_size;
-        let mut proj = 0;
-        let mut inter = 0;
-        let mut shared_inter = 0;
-        for l in layers {
-            proj = proj.max(match &l.mixer {
-                GpuMixer::Linear { proj, .. } | GpuMixer::Full { proj, .. } => proj.n,
-            });
-            match &l.ffn {
-                GpuFfn::Dense { gate_up, .. } => inter = inter.max(gate_up.n / 2),
-                GpuFfn::Moe {
-                    experts_gu, shared, ..
-                } => {
-                    inter = inter.max(experts_gu.n / 2 * (c.experts_per_token + 1));
-                    if let Some((gu, _)) = shared {
-                        shared_inter = shared_inter.max(gu.n / 2);
-                    }
-                }
-            }
-        }
-        // Room for the shared expert stacked as one more slot.
-        let k = c.experts_per_token + 1;
-        let qd = c.num_heads * c.head_dim;
-        let r = rows;
-        Ok(Scratch {
-            x: g.zeros(r * h)?,
-            normed: g.zeros(r * h)?,
-            delta: g.zeros(r * h)?,
-            proj: g.zeros(r * proj)?,
-            mixed: g.zeros(r * c.conv_dim())?,
-            mix_out: g.zeros(r * qd.max(c.linear_value_size()))?,
-            q: g.zeros(r * qd)?,
-            part_o: g.zeros(r * c.num_heads * ATTN_SPLITS * c.head_dim)?,
-            part_ml: g.zeros(r * c.num_heads * ATTN_SPLITS * 2)?,
-            router: g.zeros(r * (c.num_experts + 1))?,
-            ids: g.zeros(r * k)?,
-            weights: g.zeros(r * k)?,
-            sg: g.zeros(r)?,
-            h: g.zeros(r * inter)?,
-            y: g.zeros(r * k * h)?,
-            hs: g.zeros(r * shared_inter)?,
-            ys: g.zeros(r * h)?,
-            logits: g.zeros(r * c.vocab_size)?,
-        })
     }
 }

@@ -593,7 +593,7 @@ impl GpuModel {
                     weights: ps.weights.ptr(),
                     delta: ps.delta.ptr(),
                 };
-                self.moe_tail(shared.as_ref(), bufs, ks, t)
+                self.moe_tail(shared.as_ref(), bufs, ks, t, None)
             }
         }
     }

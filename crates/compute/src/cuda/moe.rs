@@ -1,0 +1,130 @@
+//! Launch wrappers of `kernels/moe.cu`: the router's softmax + top-k and the weighted combine of
+//! the experts' outputs (alone, or with the residual add and the next RMSNorm fused in).
+
+use super::ops::{blocks, cfg, NORM_THREADS};
+use super::{driver_err, Gpu, Result};
+
+/// Routing of one token for [`router_topk`].
+#[derive(Clone, Copy, Debug)]
+pub struct Route {
+    /// Routed experts.
+    pub experts: usize,
+    pub top_k: usize,
+    /// Divide the top-k weights by their sum.
+    pub renorm: bool,
+    /// The logits hold the shared-expert gate logit at index `experts`.
+    pub shared_gate: bool,
+    /// Index of the shared expert in the stacked expert weights, when it is stacked there.
+    pub shared_slot: Option<usize>,
+    /// Device int[experts]: the stacked index each routed expert's weights are at (see
+    /// [`super::Far`]); 0 when expert e is at index e.
+    pub loc: u64,
+}
+
+/// Per row (of `rows`, logits `logit_stride` floats apart): softmax + top-k over the router
+/// logits: ids [k], weights [k], sg [1] = sigmoid(shared gate logit); with a shared slot also
+/// ids[k] = slot, weights[k] = sg. Row b's ids and weights start at b·(k + shared slot).
+#[allow(clippy::too_many_arguments)]
+pub fn router_topk(
+    g: &Gpu,
+    logits: u64,
+    logit_stride: usize,
+    r: Route,
+    ids: u64,
+    w: u64,
+    sg: u64,
+    rows: usize,
+) -> Result<()> {
+    let (e32, k32, rn, hs) = (
+        r.experts as i32,
+        r.top_k as i32,
+        r.renorm as i32,
+        r.shared_gate as i32,
+    );
+    let slot = r.shared_slot.map_or(-1, |s| s as i32);
+    let ls = logit_stride as i64;
+    let mut b = g.launch_builder(g.kernels().get("router_topk"));
+    b.arg(&logits)
+        .arg(&e32)
+        .arg(&k32)
+        .arg(&rn)
+        .arg(&hs)
+        .arg(&slot)
+        .arg(&ids)
+        .arg(&w)
+        .arg(&sg)
+        .arg(&ls)
+        .arg(&r.loc);
+    // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold rows rows of
+    // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows;
+    // loc, when given, holds `experts` ints.
+    unsafe { b.launch(cfg((rows as u32, 1), 256, 0)) }.map_err(driver_err("router_topk"))?;
+    Ok(())
+}
+
+/// Per row (of `rows`): `delta = Σ_k w_k y_k (+ sg · ys)` over width `h`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine(
+    g: &Gpu,
+    y: u64,
+    w: u64,
+    ys: u64,
+    sg: u64,
+    delta: u64,
+    k: usize,
+    h: usize,
+    rows: usize,
+) -> Result<()> {
+    let (k32, h32) = (k as i32, h as i32);
+    let mut b = g.launch_builder(g.kernels().get("moe_combine"));
+    b.arg(&y)
+        .arg(&w)
+        .arg(&ys)
+        .arg(&sg)
+        .arg(&delta)
+        .arg(&k32)
+        .arg(&h32);
+    // SAFETY: y holds rows·k·h floats, w rows·k, delta and ys rows·h floats, sg rows.
+    unsafe { b.launch(cfg((blocks(h, 256), rows as u32), 256, 0)) }
+        .map_err(driver_err("moe_combine"))?;
+    Ok(())
+}
+
+/// The residual stream after an MoE layer, and the norm that follows it, in one launch: per row
+/// (of `rows`, width `h`) `x_out = x + Σ_k w_k y_k (+ sg · ys)`, then `out = rmsnorm(x_out)·scale`
+/// — the same values as [`moe_combine`] then [`super::ops::add_rmsnorm`]. `x_out` may be `x`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine_norm(
+    g: &Gpu,
+    y: u64,
+    w: u64,
+    ys: u64,
+    sg: u64,
+    x: u64,
+    x_out: u64,
+    scale: u64,
+    out: u64,
+    k: usize,
+    h: usize,
+    rows: usize,
+    eps: f32,
+) -> Result<()> {
+    let (k32, h32) = (k as i32, h as i32);
+    let mut b = g.launch_builder(g.kernels().get("moe_combine_norm"));
+    b.arg(&y)
+        .arg(&w)
+        .arg(&ys)
+        .arg(&sg)
+        .arg(&x)
+        .arg(&x_out)
+        .arg(&scale)
+        .arg(&out)
+        .arg(&k32)
+        .arg(&h32)
+        .arg(&eps);
+    // SAFETY: y holds rows·k·h floats, w rows·k, x, x_out, out and ys rows·h floats, sg rows,
+    // scale h.
+    unsafe { b.launch(cfg((rows as u32, 1), NORM_THREADS, 0)) }
+        .map_err(driver_err("moe_combine_norm"))?;
+    Ok(())
+}
