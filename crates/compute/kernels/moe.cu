@@ -7,9 +7,7 @@
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
 //   loc (optional, [E]): where each routed expert's weights are (an index into the stacked
 //   weights, see matvec.cu's far experts); ids[r] = loc ? loc[expert] : expert.
-//   Each thread ranks its experts against all E at once (no serial rounds of selection); the
-//   weights are p / Σp with Σp summed in one warp's order, renormalized by their sum in rank
-//   order. grid B, block 256 (any multiple of 32).
+//   grid B, block 32 (one warp per row).
 //   E ≤ 1024, K ≤ 32.
 //
 // moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0).
@@ -26,50 +24,47 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
                                        const int* __restrict__ loc) {
     pdl_entry();
     __shared__ float p[1024];
-    __shared__ float chosen[32];
-    __shared__ float sums[2];
-    const int tid = threadIdx.x, nt = blockDim.x;
+    int lane = threadIdx.x;
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
     logits += row * L;
     ids += row * KS;
     w += row * KS;
     sg += row;
     float mx = NEG_INF;
-    for (int e = tid; e < E; e += nt) mx = fmaxf(mx, logits[e]);
-    mx = block_max(mx);
-    for (int e = tid; e < E; e += nt) p[e] = expf(logits[e] - mx);
-    __syncthreads();
-    // The softmax sum in one warp's order: lane l adds experts l, l + 32, … then the lanes meet.
-    if (tid < 32) {
-        float part = 0.f;
-        for (int e = tid; e < E; e += 32) part += p[e];
-        part = warp_sum(part);
-        if (tid == 0) sums[0] = part;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, logits[e]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int e = lane; e < E; e += 32) {
+        float v = expf(logits[e] - mx);
+        p[e] = v;
+        sum += v;
     }
-    __syncthreads();
-    const float sum = sums[0];
-    // Expert e's rank: the experts before it have a larger p, or an equal one and a lower index.
-    for (int e = tid; e < E; e += nt) {
-        float v = p[e];
-        int rank = 0;
-        for (int j = 0; j < E; ++j) {
-            float u = p[j];
-            rank += (u > v) | ((u == v) & (j < e));
+    sum = warp_sum(sum);
+    __syncwarp();
+    float chosen = 0.f, total = 0.f;
+    for (int r = 0; r < K; ++r) {
+        // Warp argmax over unselected experts; lowest index wins ties.
+        float bv = -1.f;
+        int bi = E;
+        for (int e = lane; e < E; e += 32) {
+            float v = p[e];
+            if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
         }
-        if (rank < K) {
-            ids[rank] = loc ? loc[e] : e;
-            chosen[rank] = v / sum;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
         }
+        if (lane == r) chosen = bv / sum;
+        total += bv / sum;
+        if (lane == 0) {
+            ids[r] = loc ? loc[bi] : bi;
+            p[bi] = -1.f;
+        }
+        __syncwarp();
     }
-    __syncthreads();
-    if (tid == 0) {
-        float total = 0.f;
-        for (int r = 0; r < K; ++r) total += chosen[r];
-        sums[1] = total;
-    }
-    __syncthreads();
-    if (tid < K) w[tid] = renorm ? chosen[tid] / sums[1] : chosen[tid];
-    if (tid == 0 && has_shared_gate) {
+    if (lane < K) w[lane] = renorm ? chosen / total : chosen;
+    if (lane == 0 && has_shared_gate) {
         float g = sigmoid_f(logits[E]);
         sg[0] = g;
         if (shared_slot >= 0) {
