@@ -7,7 +7,10 @@
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
 //   loc (optional, [E]): where each routed expert's weights are (an index into the stacked
 //   weights, see matvec.cu's far experts); ids[r] = loc ? loc[expert] : expert.
-//   grid B, block 32 (one warp per row).
+//   Selection without serial rounds: the smallest of 32 group maxima bounds the K-th largest p
+//   from below, the experts at or above it are ranked against each other at once. The softmax
+//   sum runs in one warp's order (lane l adds experts l, l + 32, …), the picks' sum in rank
+//   order. grid B, block 256 (any multiple of 32).
 //   E ≤ 1024, K ≤ 32.
 //
 // moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0).
@@ -24,47 +27,71 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
                                        const int* __restrict__ loc) {
     pdl_entry();
     __shared__ float p[1024];
-    int lane = threadIdx.x;
+    __shared__ int cand[1024];
+    __shared__ float chosen[32];
+    __shared__ float sums[3];  // softmax sum, threshold, sum of the picks
+    __shared__ int ncand;
+    const int tid = threadIdx.x, nt = blockDim.x;
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
     logits += row * L;
     ids += row * KS;
     w += row * KS;
     sg += row;
     float mx = NEG_INF;
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, logits[e]);
-    mx = warp_max(mx);
-    float sum = 0.f;
-    for (int e = lane; e < E; e += 32) {
-        float v = expf(logits[e] - mx);
-        p[e] = v;
-        sum += v;
+    for (int e = tid; e < E; e += nt) mx = fmaxf(mx, logits[e]);
+    mx = block_max(mx);
+    for (int e = tid; e < E; e += nt) p[e] = expf(logits[e] - mx);
+    if (tid == 0) ncand = 0;
+    __syncthreads();
+    // Warp 0: lane l sums experts l, l + 32, … (then the lanes meet: the softmax sum) and takes
+    // their max; the smallest of those 32 group maxima is a threshold no top-K expert is below
+    // (K ≤ 32 groups each hold an expert at least that large).
+    if (tid < 32) {
+        float part = 0.f, gmax = __int_as_float(0x7f800000);
+        bool any = false;
+        for (int e = tid; e < E; e += 32) {
+            part += p[e];
+            gmax = any ? fmaxf(gmax, p[e]) : p[e];
+            any = true;
+        }
+        part = warp_sum(part);
+        float t = -warp_max(-gmax);
+        if (tid == 0) {
+            sums[0] = part;
+            sums[1] = t;
+        }
     }
-    sum = warp_sum(sum);
-    __syncwarp();
-    float chosen = 0.f, total = 0.f;
-    for (int r = 0; r < K; ++r) {
-        // Warp argmax over unselected experts; lowest index wins ties.
-        float bv = -1.f;
-        int bi = E;
-        for (int e = lane; e < E; e += 32) {
-            float v = p[e];
-            if (v > bv || (v == bv && e < bi)) { bv = v; bi = e; }
+    __syncthreads();
+    const float sum = sums[0], thr = sums[1];
+    for (int e = tid; e < E; e += nt)
+        if (p[e] >= thr) cand[atomicAdd(&ncand, 1)] = e;
+    __syncthreads();
+    // Rank of each candidate among the candidates (the others are all smaller): larger p first,
+    // ties to the lower index.
+    const int nc = ncand;
+    for (int i = tid; i < nc; i += nt) {
+        int e = cand[i];
+        float v = p[e];
+        int rank = 0;
+        for (int j = 0; j < nc; ++j) {
+            int f = cand[j];
+            float u = p[f];
+            rank += (u > v) | ((u == v) & (f < e));
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        if (rank < K) {
+            ids[rank] = loc ? loc[e] : e;
+            chosen[rank] = v / sum;
         }
-        if (lane == r) chosen = bv / sum;
-        total += bv / sum;
-        if (lane == 0) {
-            ids[r] = loc ? loc[bi] : bi;
-            p[bi] = -1.f;
-        }
-        __syncwarp();
     }
-    if (lane < K) w[lane] = renorm ? chosen / total : chosen;
-    if (lane == 0 && has_shared_gate) {
+    __syncthreads();
+    if (tid == 0) {
+        float total = 0.f;
+        for (int r = 0; r < K; ++r) total += chosen[r];
+        sums[2] = total;
+    }
+    __syncthreads();
+    if (tid < K) w[tid] = renorm ? chosen[tid] / sums[2] : chosen[tid];
+    if (tid == 0 && has_shared_gate) {
         float g = sigmoid_f(logits[E]);
         sg[0] = g;
         if (shared_slot >= 0) {
