@@ -55,6 +55,29 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+// c += a · b for one m16n8k16 tensor-core tile, bf16 inputs, f32 accumulators (sm_80+): a is
+// the row fragment's four registers, b the column fragment's two.
+__device__ __forceinline__ void mma_bf16(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// mma_bf16 with the row fragment as an array.
+__device__ __forceinline__ void mma_bf16(float c[4], const unsigned* a, unsigned b0, unsigned b1) {
+    mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
+}
+
+// {lo, hi} packed as bf16x2, round to nearest even (lo in the low half).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops before, and without the launch attribute):
 // every kernel first waits until the kernel before it in the stream has completed and its
 // writes are visible, then lets the next kernel start launching, so that its launch and block

@@ -36,25 +36,10 @@
 #define FP_BN 32
 #define FP_VS (FP_BN / 2 + 4)
 
-__device__ __forceinline__ void fp_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// {x0 (low half), x1 (high half)} as bf16x2, round to nearest even.
-__device__ __forceinline__ unsigned fp_pack(float x0, float x1) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-    return r;
-}
-
 // The hi word of (x0, x1) and the lo word of what it leaves.
 __device__ __forceinline__ void fp_split(float x0, float x1, unsigned& hi, unsigned& lo) {
-    hi = fp_pack(x0, x1);
-    lo = fp_pack(x0 - bf16lo(hi), x1 - bf16hi(hi));
+    hi = pack_bf16(x0, x1);
+    lo = pack_bf16(x0 - bf16lo(hi), x1 - bf16hi(hi));
 }
 
 template <int DT>
@@ -146,9 +131,9 @@ __device__ __forceinline__ void flash_prefill_t(const float* __restrict__ q, con
                 const unsigned* kh = Kh + (8 * j + gid) * QS + 8 * ks + tq;
                 const unsigned* kl = Kl + (8 * j + gid) * QS + 8 * ks + tq;
                 unsigned bh0 = kh[0], bh1 = kh[4];
-                fp_mma(s[j], al, bh0, bh1);
-                fp_mma(s[j], ah, kl[0], kl[4]);
-                fp_mma(s[j], ah, bh0, bh1);
+                mma_bf16(s[j], al, bh0, bh1);
+                mma_bf16(s[j], ah, kl[0], kl[4]);
+                mma_bf16(s[j], ah, bh0, bh1);
             }
         }
 
@@ -200,9 +185,9 @@ __device__ __forceinline__ void flash_prefill_t(const float* __restrict__ q, con
                 const unsigned* vh = Vh + (8 * n + gid) * FP_VS + 8 * kk + tq;
                 const unsigned* vl = Vl + (8 * n + gid) * FP_VS + 8 * kk + tq;
                 unsigned bh0 = vh[0], bh1 = vh[4];
-                fp_mma(o[n], pl, bh0, bh1);
-                fp_mma(o[n], ph, vl[0], vl[4]);
-                fp_mma(o[n], ph, bh0, bh1);
+                mma_bf16(o[n], pl, bh0, bh1);
+                mma_bf16(o[n], ph, vl[0], vl[4]);
+                mma_bf16(o[n], ph, bh0, bh1);
             }
         }
     }

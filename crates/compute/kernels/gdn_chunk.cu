@@ -74,25 +74,9 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
                  : "r"(smem_addr(p)));
 }
 
-// c += a · b for one 16×8 tile (a: 16×16 row fragment, b: 16×8 column fragment).
-__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ bf16_t f32_to_bf16_rn(float x) {
     unsigned short r;
     asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-    return r;
-}
-
-// Two f32 → packed bf16x2 (round to nearest even), lo in the low half.
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
@@ -263,10 +247,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(
             if (32 * ch + 16 * p > 16 * rt + 15) continue;
             unsigned b[4];
             frag_b_nk(b, Ks, LDK, 16 * ks, 32 * ch + 16 * p);
-            mma16816(kk[2 * p], ak, b[0], b[1]);
-            mma16816(kk[2 * p + 1], ak, b[2], b[3]);
-            mma16816(qk[2 * p], aq, b[0], b[1]);
-            mma16816(qk[2 * p + 1], aq, b[2], b[3]);
+            mma_bf16(kk[2 * p], ak, b[0], b[1]);
+            mma_bf16(kk[2 * p + 1], ak, b[2], b[3]);
+            mma_bf16(qk[2 * p], aq, b[0], b[1]);
+            mma_bf16(qk[2 * p + 1], aq, b[2], b[3]);
         }
     }
     __syncthreads();  // Gs, Bs, Rk, Rq visible; Ks, Qs free for As, Ts
@@ -468,8 +452,8 @@ __device__ __forceinline__ void gdn_chunk_state(const bf16_t* __restrict__ q, co
             for (int jp = 0; jp < NH / 2; ++jp) {
                 unsigned b[4];
                 frag_b_kn(b, Sb, LDV, 16 * ks, cb + 16 * jp);
-                mma16816(acc[2 * jp], a, b[0], b[1]);
-                mma16816(acc[2 * jp + 1], a, b[2], b[3]);
+                mma_bf16(acc[2 * jp], a, b[0], b[1]);
+                mma_bf16(acc[2 * jp + 1], a, b[2], b[3]);
             }
         }
         const int r0 = 16 * rt + gid;
@@ -511,12 +495,12 @@ __device__ __forceinline__ void gdn_chunk_state(const bf16_t* __restrict__ q, co
                 if constexpr (NE == 2) {
                     unsigned b[4];
                     frag_b_kn(b, Ys, LDV, 16 * ks, n0);
-                    mma16816(vacc[0], a, b[0], b[1]);
-                    mma16816(vacc[NE - 1], a, b[2], b[3]);
+                    mma_bf16(vacc[0], a, b[0], b[1]);
+                    mma_bf16(vacc[NE - 1], a, b[2], b[3]);
                 } else {
                     unsigned b[2];
                     frag_b_kn_x2(b, Ys, LDV, 16 * ks, n0);
-                    mma16816(vacc[0], a, b[0], b[1]);
+                    mma_bf16(vacc[0], a, b[0], b[1]);
                 }
             }
 #pragma unroll
@@ -539,8 +523,8 @@ __device__ __forceinline__ void gdn_chunk_state(const bf16_t* __restrict__ q, co
                 for (int jp = 0; jp < NH / 2; ++jp) {
                     unsigned b[4];
                     frag_b_kn(b, Vp, LDV, 16 * ks, cb + 16 * jp);
-                    mma16816(acc[2 * jp], a, b[0], b[1]);
-                    mma16816(acc[2 * jp + 1], a, b[2], b[3]);
+                    mma_bf16(acc[2 * jp], a, b[0], b[1]);
+                    mma_bf16(acc[2 * jp + 1], a, b[2], b[3]);
                 }
             }
 #pragma unroll
@@ -575,8 +559,8 @@ __device__ __forceinline__ void gdn_chunk_state(const bf16_t* __restrict__ q, co
             for (int jp = 0; jp < NH / 2; ++jp) {
                 unsigned b[4];
                 frag_b_kn(b, Vd, LDV, 16 * ks, sc + 16 * jp);
-                mma16816(sacc[2 * jp], a, b[0], b[1]);
-                mma16816(sacc[2 * jp + 1], a, b[2], b[3]);
+                mma_bf16(sacc[2 * jp], a, b[0], b[1]);
+                mma_bf16(sacc[2 * jp + 1], a, b[2], b[3]);
             }
         }
 #pragma unroll

@@ -33,22 +33,6 @@
 
 #define MMA_TILES 4
 
-__device__ __forceinline__ void mma_bf16(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// {lo, hi} packed as bf16x2 (round to nearest).
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // 4-bit codes q0, q1 < 16 as exact bf16x2: (q | 0x4300) is 128 + q, then subtract 128.
 __device__ __forceinline__ unsigned codes4_bf16(unsigned q0, unsigned q1) {
     unsigned p = (q0 | 0x4300u) | ((q1 | 0x4300u) << 16), r;

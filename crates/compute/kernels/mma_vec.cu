@@ -12,7 +12,6 @@
 //
 // The first blocks ask L2 for their rows of W, S and B before waiting on the kernel before it
 // (common.cuh, PREFETCH_BLOCKS).
-
 //
 // grid ceil(N / (16·T)), block 256, dynamic shared memory K·4.5 + (K/G)·4 bytes; T = `tiles`
 // (1, 2 or 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
@@ -26,21 +25,6 @@
 // sum). Only input column 0 is real (B is zero in lanes with gid ≠ 0). After each group, lanes
 // t = 0 fold the group's partial sums in with its scale and bias; the 8 warps' sums meet in
 // shared memory.
-
-__device__ __forceinline__ void vmma(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                     unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned vpack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 
 // Nibbles i and i + 4 of w as exact bf16x2 (q_i, q_{i+4}): (q | 0x4300) is 128 + q in bf16.
 __device__ __forceinline__ unsigned nib_pair(unsigned w, int i) {
@@ -84,8 +68,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         unsigned h[4], l[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            h[i] = vpack(lo4[i], hi4[i]);
-            l[i] = vpack(lo4[i] - bf16lo(h[i]), hi4[i] - bf16hi(h[i]));
+            h[i] = pack_bf16(lo4[i], hi4[i]);
+            l[i] = pack_bf16(lo4[i] - bf16lo(h[i]), hi4[i] - bf16hi(h[i]));
         }
         xs[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
         xs[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
@@ -146,8 +130,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                     for (int i = 0; i < T; ++i) {
                         unsigned a0 = nib_pair(q0[u][i][j], 2 * st), a1 = nib_pair(q1[u][i][j], 2 * st);
                         unsigned a2 = nib_pair(q0[u][i][j], 2 * st + 1), a3 = nib_pair(q1[u][i][j], 2 * st + 1);
-                        vmma(c[i], a0, a1, a2, a3, bh0, bh1);
-                        vmma(c[i], a0, a1, a2, a3, bl0, bl1);
+                        mma_bf16(c[i], a0, a1, a2, a3, bh0, bh1);
+                        mma_bf16(c[i], a0, a1, a2, a3, bl0, bl1);
                     }
                 }
             }

@@ -16,8 +16,8 @@
 // moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0).
 //   y: [B, K, H]; w: [B, K]; ys, delta: [B, H]. grid (ceil(H/256), B), block 256.
 //
-// moe_combine_norm: the same sum per row, added to the residual: x_out = x + sum ([B, H]; x_out
-//   may be x), then out = rmsnorm(x_out) · scale (as norm.cu's add_rmsnorm: the same values in
+// moe_combine_norm: the same sum per row, added to the residual in place: x += sum ([B, H]),
+//   then out = rmsnorm(x) · scale (as norm.cu's add_rmsnorm: the same values in
 //   the same order with the same block size). Each thread loads the K terms of two elements
 //   COMBINE_LOADS at a time before summing them in order (K ≤ 33). grid B, block 1024.
 
@@ -47,12 +47,11 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     // their max; the smallest of those 32 group maxima is a threshold no top-K expert is below
     // (K ≤ 32 groups each hold an expert at least that large).
     if (tid < 32) {
-        float part = 0.f, gmax = __int_as_float(0x7f800000);
-        bool any = false;
+        // A lane without experts (E < 32) takes no part in the smallest maximum.
+        float part = 0.f, gmax = tid < E ? NEG_INF : __int_as_float(0x7f800000);
         for (int e = tid; e < E; e += 32) {
             part += p[e];
-            gmax = any ? fmaxf(gmax, p[e]) : p[e];
-            any = true;
+            gmax = fmaxf(gmax, p[e]);
         }
         part = warp_sum(part);
         float t = -warp_max(-gmax);
@@ -126,7 +125,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 
 extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float* __restrict__ y, const float* __restrict__ w,
                                             const float* __restrict__ ys, const float* __restrict__ sg,
-                                            const float* x, float* x_out, const float* __restrict__ scale,
+                                            float* __restrict__ x, const float* __restrict__ scale,
                                             float* __restrict__ out, int K, int H, float eps) {
     pdl_entry();
     int row = blockIdx.x;
@@ -137,7 +136,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float*
         sg += row;
     }
     x += (long long)row * H;
-    x_out += (long long)row * H;
     out += (long long)row * H;
     __shared__ float wk[COMBINE_KMAX];
     if (threadIdx.x < K) wk[threadIdx.x] = w[threadIdx.x];
@@ -168,14 +166,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float*
             if (two) acc2 = fmaf(sg[0], ys[i2], acc2);
         }
         float v = x[i] + acc;
-        x_out[i] = v;
+        x[i] = v;
         ss += v * v;
         if (two) {
             float v2 = x[i2] + acc2;
-            x_out[i2] = v2;
+            x[i2] = v2;
             ss += v2 * v2;
         }
     }
     float r = rsqrtf(block_sum(ss) / H + eps);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) out[i] = x_out[i] * r * scale[i];
+    for (int i = threadIdx.x; i < H; i += blockDim.x) out[i] = x[i] * r * scale[i];
 }

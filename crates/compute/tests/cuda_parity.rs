@@ -414,7 +414,6 @@ fn router_combine_embed_argmax_match_cpu() {
             dys.ptr(),
             sg.ptr(),
             xb.ptr(),
-            xb.ptr(),
             dsc.ptr(),
             nb.ptr(),
             k,

@@ -91,8 +91,8 @@ pub fn moe_combine(
 }
 
 /// The residual stream after an MoE layer, and the norm that follows it, in one launch: per row
-/// (of `rows`, width `h`) `x_out = x + Σ_k w_k y_k (+ sg · ys)`, then `out = rmsnorm(x_out)·scale`
-/// — the same values as [`moe_combine`] then [`super::ops::add_rmsnorm`]. `x_out` may be `x`.
+/// (of `rows`, width `h`) `x += Σ_k w_k y_k (+ sg · ys)`, then `out = rmsnorm(x)·scale` — the
+/// same values as [`moe_combine`] then [`super::ops::add_rmsnorm`].
 #[allow(clippy::too_many_arguments)]
 pub fn moe_combine_norm(
     g: &Gpu,
@@ -101,7 +101,6 @@ pub fn moe_combine_norm(
     ys: u64,
     sg: u64,
     x: u64,
-    x_out: u64,
     scale: u64,
     out: u64,
     k: usize,
@@ -116,14 +115,12 @@ pub fn moe_combine_norm(
         .arg(&ys)
         .arg(&sg)
         .arg(&x)
-        .arg(&x_out)
         .arg(&scale)
         .arg(&out)
         .arg(&k32)
         .arg(&h32)
         .arg(&eps);
-    // SAFETY: y holds rows·k·h floats, w rows·k, x, x_out, out and ys rows·h floats, sg rows,
-    // scale h.
+    // SAFETY: y holds rows·k·h floats, w rows·k, x, out and ys rows·h floats, sg rows, scale h.
     unsafe { b.launch(cfg((rows as u32, 1), NORM_THREADS, 0)) }
         .map_err(driver_err("moe_combine_norm"))?;
     Ok(())

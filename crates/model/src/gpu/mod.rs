@@ -698,7 +698,7 @@ impl GpuModel {
         };
         match next {
             Some(n) => ops::moe_combine_norm(
-                g, t.y, t.weights, ys, sg, n.x, n.x, n.scale, t.normed, per_row, h, rows, self.eps,
+                g, t.y, t.weights, ys, sg, n.x, n.scale, t.normed, per_row, h, rows, self.eps,
             ),
             None => ops::moe_combine(g, t.y, t.weights, ys, sg, t.delta, per_row, h, rows),
         }
