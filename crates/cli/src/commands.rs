@@ -13,6 +13,7 @@ use deltamoe_engine::generation_config::GenerationDefaults;
 use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{generate as run_generate, Engine, GenerateRequest};
+use deltamoe_model::gpu::ExpertCache;
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 use crate::{Device, ModelArgs};
@@ -120,7 +121,7 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
 
 /// An engine for `model` on the backend `--device` asks for: `cuda` fails with the reason
 /// when no GPU is usable; `auto` takes CUDA when it is usable and the CPU otherwise.
-pub fn engine_for(model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
+pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
     let reason = cuda::unavailable_reason();
     let cache = args.expert_cache()?;
     let use_cuda = match (args.device, &reason) {
@@ -130,10 +131,10 @@ pub fn engine_for(model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
         (Device::Auto, Some(_)) => false,
     };
     if !use_cuda {
-        if args.expert_cache.is_some() {
-            bail!("--expert-cache: offloading experts needs the CUDA backend (--device cuda)");
-        }
         eprintln!("backend: cpu, {} threads", rayon::current_num_threads());
+        if let ExpertCache::Bytes(bytes) = cache {
+            offload_cpu(&mut model, &args.dir()?, bytes)?;
+        }
         return Ok(Engine::new(model));
     }
     let t0 = Instant::now();
@@ -145,6 +146,21 @@ pub fn engine_for(model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
         t0.elapsed().as_secs_f64()
     );
     Ok(engine)
+}
+
+/// Read the routed experts of a CPU model from its files in `dir` behind a cache of `bytes`
+/// over all MoE layers (`--expert-cache`).
+pub fn offload_cpu(model: &mut Qwen3Hybrid, dir: &Path, bytes: usize) -> Result<()> {
+    let slots = model.expert_slots_for_bytes(bytes);
+    model
+        .offload_experts(dir, slots)
+        .context("--expert-cache")?;
+    eprintln!(
+        "experts: read from {} on use, {slots} of {} cached per MoE layer",
+        dir.display(),
+        model.config().num_experts
+    );
+    Ok(())
 }
 
 /// Tokens of KV cache each CUDA sequence gets (capped by the model's max_position_embeddings).
@@ -257,6 +273,16 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         stats.decode_tok_s(),
         if stats.hit_eos { " | stopped at end-of-sequence" } else { "" }
     );
+    if let Some(o) = engine.model().expert_stats() {
+        eprintln!(
+            "experts: cache hit rate {:.3} over {} expert uses, {:.1} MB read from disk in {:.3} s, {} admitted",
+            o.hit_rate(),
+            o.hits + o.misses,
+            o.bytes_read as f64 / 1e6,
+            o.read_secs,
+            o.admitted
+        );
+    }
     if let Some(o) = engine.offload_stats() {
         eprintln!(
             "experts: cache hit rate {:.3} over {} routed uses, {:.2} MB over PCIe per decoded token, {} admitted",

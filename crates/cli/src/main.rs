@@ -68,8 +68,10 @@ pub struct ModelArgs {
     /// Backend to run on.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
-    /// CUDA: keep at most this many GB of routed experts on the GPU; the others stay in pinned
-    /// host memory and are read over PCIe (models larger than the GPU). Default: all on the GPU.
+    /// Keep at most this many GB of routed experts in the expert cache. CUDA: the cache is on
+    /// the GPU, the other experts stay in pinned host memory and are read over PCIe (models
+    /// larger than the GPU). CPU: the cache is in memory, the other experts are read from the
+    /// safetensors files when used (0: every use reads). Default: all resident.
     #[arg(long, value_name = "GB")]
     expert_cache: Option<f64>,
 }

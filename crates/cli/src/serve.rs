@@ -79,8 +79,12 @@ fn factory(
     cache: ExpertCache,
 ) -> EngineFactory {
     Box::new(move || {
-        let model = Qwen3Hybrid::load(&dir)?;
+        let mut model = Qwen3Hybrid::load(&dir)?;
         if !cuda {
+            if let ExpertCache::Bytes(bytes) = cache {
+                let slots = model.expert_slots_for_bytes(bytes);
+                model.offload_experts(&dir, slots)?;
+            }
             return Ok(Engine::new(model));
         }
         let gpu =
@@ -131,9 +135,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let cuda = use_cuda(a.model.device)?;
     let cache = a.model.expert_cache()?;
-    if !cuda && cache != ExpertCache::All {
-        bail!("--expert-cache: offloading experts needs the CUDA backend (--device cuda)");
-    }
     let opts = options(&a, name, cuda)?;
     let slots = a.max_seqs.unwrap_or(0);
     let server = Server::start(&dir, factory(dir.clone(), cuda, a.ctx, slots, cache), opts)

@@ -87,6 +87,41 @@ fn generate_streams_text_and_reports_speed() {
 }
 
 #[test]
+fn generate_offloads_experts_on_the_cpu() {
+    // Greedy ids with every expert use read from disk equal the all-resident ones.
+    let dir = fixture("qwen3_next");
+    let args = |cache: Option<&'static str>| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-tokens",
+            "5,17,42,7",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+        ];
+        a.extend(cache.map(|c| ["--expert-cache", c]).into_iter().flatten());
+        a
+    };
+    let (ok, want, err) = run(&args(None));
+    assert!(ok, "{err}");
+    assert!(!err.contains("cache hit rate"), "{err}");
+    let (ok, out, err) = run(&args(Some("0")));
+    assert!(ok, "{err}");
+    assert_eq!(out, want);
+    assert!(
+        err.contains("0 of 8 cached")
+            && err.contains("cache hit rate 0.000")
+            && err.contains("MB read from disk"),
+        "{err}"
+    );
+}
+
+#[test]
 fn info_reports_parameters_and_memory() {
     let dir = fixture("qwen3_5_moe");
     let (ok, out, err) = run(&[
@@ -208,16 +243,21 @@ fn bad_tokens_and_prompts_are_rejected() {
         &["generate", "--model", moe.to_str().unwrap(), "--prompt", ""],
         &["--prompt", "empty"],
     );
-    let cpu_offload = [
-        "generate",
-        "--device",
-        "cpu",
-        "--expert-cache",
-        "1",
-        "--prompt",
-        "hi",
-    ];
-    expect_error(&cpu_offload, &["--expert-cache", "--device cuda"]);
+    let dense = fixture("qwen3_5_dense");
+    expect_error(
+        &[
+            "generate",
+            "--model",
+            dense.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--expert-cache",
+            "1",
+            "--prompt-tokens",
+            "1,2",
+        ],
+        &["--expert-cache", "no MoE layers"],
+    );
     expect_error(
         &["generate", "--expert-cache=-2", "--prompt", "hi"],
         &["--expert-cache", "GB"],

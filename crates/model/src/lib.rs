@@ -4,6 +4,7 @@
 pub mod config;
 pub mod convert;
 pub mod error;
+pub mod expert_store;
 pub mod gpu;
 pub mod layers;
 pub mod quant;
@@ -17,4 +18,4 @@ pub use error::{ModelError, Result};
 pub use quant::{Layout, QuantConfig, QuantSpec};
 pub use qwen3_hybrid::{Logits, Qwen3Hybrid};
 pub use state::SequenceState;
-pub use weights::{TensorInfo, WeightStore};
+pub use weights::{TensorBytes, TensorInfo, WeightStore};

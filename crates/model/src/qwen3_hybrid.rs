@@ -6,14 +6,18 @@
 //! lm_head may be MLX affine-quantized; an embedding lookup dequantizes its row.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use deltamoe_compute::cpu::norm::rms_norm;
 use deltamoe_compute::cpu::rope::Rope;
 
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 use crate::error::{ModelError, Result};
+use crate::expert_store::{ExpertStore, MoeLayer};
 use crate::layers::attention::KvCache;
-use crate::layers::{Attention, GatedDeltaNet, LinearWeight, Mlp, Moe};
+use crate::layers::{
+    Attention, ExpertStats, GatedDeltaNet, LinearWeight, Mlp, Moe, OffloadedExperts,
+};
 use crate::state::{LayerState, SequenceState};
 use crate::weights::WeightStore;
 
@@ -104,6 +108,74 @@ impl Qwen3Hybrid {
         }
     }
 
+    /// The MoE layers.
+    fn moes(&self) -> impl Iterator<Item = (usize, &Moe)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match &l.ffn {
+                Ffn::Moe(m) => Some((i, m)),
+                Ffn::Dense(_) => None,
+            })
+    }
+
+    /// Run the routed experts from the checkpoint files in `dir` (the model's own directory)
+    /// instead of the memory mapping: each MoE layer keeps `slots` experts in memory and reads
+    /// the others with positioned reads when a pass uses them (see
+    /// [`crate::layers::offloaded`]). The logits stay bitwise the same.
+    pub fn offload_experts(&mut self, dir: &Path, slots: usize) -> Result<()> {
+        let store = WeightStore::open(dir)?;
+        let layers: Vec<MoeLayer> = self
+            .moes()
+            .map(|(i, m)| MoeLayer {
+                prefix: format!("model.layers.{i}.mlp"),
+                experts: &m.experts,
+            })
+            .collect();
+        if layers.is_empty() {
+            return Err(ModelError::Input(format!(
+                "{}: the model has no MoE layers, so it has no routed experts to offload",
+                dir.display()
+            )));
+        }
+        let es = Arc::new(ExpertStore::open(&store, &layers)?);
+        let moes = self.layers.iter_mut().filter_map(|l| match &mut l.ffn {
+            Ffn::Moe(m) => Some(m),
+            Ffn::Dense(_) => None,
+        });
+        for (k, m) in moes.enumerate() {
+            m.offload = Some(Arc::new(OffloadedExperts::new(es.clone(), k, slots)?));
+        }
+        Ok(())
+    }
+
+    /// Cache slots per MoE layer that `bytes` hold over all MoE layers together (at most every
+    /// expert).
+    pub fn expert_slots_for_bytes(&self, bytes: usize) -> usize {
+        let layers: Vec<&Moe> = self.moes().map(|(_, m)| m).collect();
+        let Some(x) = layers.first().and_then(|m| m.experts.first()) else {
+            return 0;
+        };
+        let per_expert = [&x.gate, &x.up, &x.down]
+            .iter()
+            .map(|l| l.weight.nbytes())
+            .sum();
+        crate::gpu::slots_for_bytes(bytes, layers.len(), per_expert, layers[0].experts.len())
+    }
+
+    /// Offload statistics summed over the MoE layers, when the experts are offloaded.
+    pub fn expert_stats(&self) -> Option<ExpertStats> {
+        self.moes()
+            .filter_map(|(_, m)| m.offload.as_ref().map(|o| o.stats()))
+            .reduce(|a, b| a.add(&b))
+    }
+
+    /// Cache slots per MoE layer, when the experts are offloaded.
+    pub fn expert_cache_slots(&self) -> Option<usize> {
+        self.moes()
+            .find_map(|(_, m)| m.offload.as_ref().map(|o| o.slots()))
+    }
+
     /// Fresh per-sequence state: empty KV caches, zero conv and recurrent states.
     /// Bytes of state (f32) one sequence holds after `ctx` tokens.
     pub fn state_bytes(&self, ctx: usize) -> usize {
@@ -181,7 +253,7 @@ impl Qwen3Hybrid {
             rms_norm(&mut n, &layer.post_norm, c.rms_norm_eps);
             let f = match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&n, t),
-                Ffn::Moe(m) => m.forward(&n, t),
+                Ffn::Moe(m) => m.forward(&n, t)?,
             };
             x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
         }

@@ -42,10 +42,20 @@ enum Stored {
     Other(String),
 }
 
-/// One tensor entry and its file.
+/// One tensor entry, its file and where its bytes lie in that file.
 struct Entry {
     tensor: Stored,
     file: PathBuf,
+    offset: u64,
+    len: usize,
+}
+
+/// Where a tensor's bytes lie: `len` bytes at `offset` of `file`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorBytes {
+    pub file: PathBuf,
+    pub offset: u64,
+    pub len: usize,
 }
 
 /// All tensors of a checkpoint directory, by normalised name; or, for benchmarks, a source of
@@ -171,6 +181,8 @@ impl WeightStore {
                 Entry {
                     tensor,
                     file: path.to_path_buf(),
+                    offset: off as u64,
+                    len: view.data().len(),
                 },
             );
         }
@@ -317,6 +329,15 @@ impl WeightStore {
         self.entries
             .get(name)
             .map_or_else(|| self.dir.clone(), |e| e.file.clone())
+    }
+
+    /// Where the bytes of `name` lie in its file, or `None` when absent.
+    pub fn bytes_of(&self, name: &str) -> Option<TensorBytes> {
+        self.entries.get(name).map(|e| TensorBytes {
+            file: e.file.clone(),
+            offset: e.offset,
+            len: e.len,
+        })
     }
 
     /// `config.json`'s quantization block, when there is one.

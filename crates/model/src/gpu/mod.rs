@@ -25,7 +25,7 @@ mod scratch;
 mod synthetic;
 mod upload;
 
-pub use offload::{ExpertCache, OffloadStats, STATE_RESERVE};
+pub use offload::{slots_for_bytes, ExpertCache, OffloadStats, STATE_RESERVE};
 pub use pool::{GpuSeq, GpuSnapshot};
 pub use prefill::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS, PREFILL_MAX_ROWS};
 pub(crate) use upload::{DevMat, DevWeights};

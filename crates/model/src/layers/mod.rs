@@ -7,9 +7,11 @@ pub mod gdn;
 pub mod linear;
 pub mod mlp;
 pub mod moe;
+pub mod offloaded;
 
 pub use attention::Attention;
 pub use gdn::GatedDeltaNet;
 pub use linear::{DenseSource, Linear, LinearWeight};
 pub use mlp::Mlp;
 pub use moe::Moe;
+pub use offloaded::{ExpertStats, OffloadedExperts};

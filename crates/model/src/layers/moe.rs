@@ -7,10 +7,16 @@
 //! (`experts.gate_up_proj [E, 2I, H]` gate rows first, `experts.down_proj [E, H, I]`) or
 //! mlx-lm's stacked `switch_mlp.{gate,up,down}_proj` (`[E, I, H]`, `[E, H, I]`, dense or
 //! affine-quantized), the stacked ones viewed per expert without copies.
+//!
+//! With `offload` set the routed experts come from an [`OffloadedExperts`] (read from the files
+//! behind a cache) instead of `experts`, whose mapped pages are then never touched; the products
+//! and their sum run in the same order either way, so the output is bitwise the same.
+
+use std::sync::Arc;
 
 use deltamoe_compute::cpu::act::{sigmoid, softmax};
 
-use super::{Linear, LinearWeight, Mlp};
+use super::{Linear, LinearWeight, Mlp, OffloadedExperts};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::weights::WeightStore;
@@ -18,7 +24,10 @@ use crate::weights::WeightStore;
 #[derive(Clone, Debug)]
 pub struct Moe {
     pub router: Linear,
+    /// Routed experts as views of the mapped checkpoint.
     pub experts: Vec<Mlp>,
+    /// Where the routed experts are read from instead, when offloaded.
+    pub offload: Option<Arc<OffloadedExperts>>,
     pub shared: Mlp,
     pub shared_gate: Linear,
     pub top_k: usize,
@@ -55,43 +64,10 @@ impl Moe {
     /// Load `{prefix}.{gate, experts, shared_expert, shared_expert_gate}`.
     pub fn load(store: &WeightStore, prefix: &str, c: &ModelConfig) -> Result<Moe> {
         let (h, e, i) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
-        let fused = format!("{prefix}.experts.gate_up_proj");
-        let switch = format!("{prefix}.switch_mlp");
-        let experts = if store.contains(&format!("{switch}.gate_proj.weight")) {
-            let stacked = |name: &str, out, inp| {
-                LinearWeight::load_stacked(store, &format!("{switch}.{name}"), e, out, inp)
-            };
-            let (g, u, d) = (
-                stacked("gate_proj", i, h)?,
-                stacked("up_proj", i, h)?,
-                stacked("down_proj", h, i)?,
-            );
-            g.into_iter()
-                .zip(u)
-                .zip(d)
-                .map(|((g, u), d)| Mlp::from_weights(g, u, d))
-                .collect()
-        } else if store.contains(&fused) {
-            let gate_up = store.get(&fused, &[e, 2 * i, h])?;
-            let down = store.get(&format!("{prefix}.experts.down_proj"), &[e, h, i])?;
-            (0..e)
-                .map(|x| {
-                    let gu = gate_up.narrow(x, 1).reshape(vec![2 * i, h]);
-                    Mlp::from_tensors(
-                        gu.narrow(0, i),
-                        gu.narrow(i, i),
-                        down.narrow(x, 1).reshape(vec![h, i]),
-                    )
-                })
-                .collect()
-        } else {
-            (0..e)
-                .map(|x| Mlp::load(store, &format!("{prefix}.experts.{x}"), h, i))
-                .collect::<Result<Vec<_>>>()?
-        };
         Ok(Moe {
             router: Linear::load(store, &format!("{prefix}.gate"), e, h, false)?,
-            experts,
+            experts: load_experts(store, prefix, e, h, i)?,
+            offload: None,
             shared: Mlp::load(
                 store,
                 &format!("{prefix}.shared_expert"),
@@ -104,35 +80,27 @@ impl Moe {
         })
     }
 
-    /// `x: [t, hidden]` → `[t, hidden]`.
-    pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
+    /// `x: [t, hidden]` → `[t, hidden]`; fails only when an offloaded expert cannot be read.
+    pub fn forward(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
         let h = x.len() / t;
         let logits = self.router.forward(x, t);
         let e = self.experts.len();
         // Tokens (and weights) per expert, so each expert runs once over its tokens.
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        let mut routed = Vec::with_capacity(t * self.top_k);
         for (tok, l) in logits.chunks_exact(e).enumerate() {
             let r = route(l, self.top_k, self.norm_topk_prob);
             for (&ex, &w) in r.experts.iter().zip(&r.weights) {
                 assigned[ex].push((tok, w));
             }
+            routed.extend(r.experts);
         }
+        let used: Vec<usize> = (0..e).filter(|&ex| !assigned[ex].is_empty()).collect();
         let mut y = vec![0.0f32; t * h];
-        for (ex, toks) in assigned.iter().enumerate() {
-            if toks.is_empty() {
-                continue;
-            }
-            let xs: Vec<f32> = toks
-                .iter()
-                .flat_map(|&(tok, _)| x[tok * h..(tok + 1) * h].iter().copied())
-                .collect();
-            let out = self.experts[ex].forward(&xs, toks.len());
-            for (row, &(tok, w)) in out.chunks_exact(h).zip(toks) {
-                y[tok * h..(tok + 1) * h]
-                    .iter_mut()
-                    .zip(row)
-                    .for_each(|(a, b)| *a += w * b);
-            }
+        let mut add = |ex: usize, mlp: &Mlp| add_expert(mlp, &assigned[ex], x, h, &mut y);
+        match &self.offload {
+            None => used.iter().for_each(|&ex| add(ex, &self.experts[ex])),
+            Some(o) => o.run(&used, &routed, add)?,
         }
         let shared = self.shared.forward(x, t);
         let gate = self.shared_gate.forward(x, t);
@@ -143,8 +111,69 @@ impl Moe {
                 .zip(&shared[tok * h..(tok + 1) * h])
                 .for_each(|(a, b)| *a += s * b);
         }
-        y
+        Ok(y)
     }
+}
+
+/// `y[tok] += w · mlp(x[tok])` for the `(tok, w)` routed to `mlp` (rows of `h`).
+fn add_expert(mlp: &Mlp, toks: &[(usize, f32)], x: &[f32], h: usize, y: &mut [f32]) {
+    let xs: Vec<f32> = toks
+        .iter()
+        .flat_map(|&(tok, _)| x[tok * h..(tok + 1) * h].iter().copied())
+        .collect();
+    let out = mlp.forward(&xs, toks.len());
+    for (row, &(tok, w)) in out.chunks_exact(h).zip(toks) {
+        y[tok * h..(tok + 1) * h]
+            .iter_mut()
+            .zip(row)
+            .for_each(|(a, b)| *a += w * b);
+    }
+}
+
+/// The `e` routed experts of `{prefix}` (hidden `h`, intermediate `i`) in whichever layout the
+/// checkpoint has.
+pub(crate) fn load_experts(
+    store: &WeightStore,
+    prefix: &str,
+    e: usize,
+    h: usize,
+    i: usize,
+) -> Result<Vec<Mlp>> {
+    let fused = format!("{prefix}.experts.gate_up_proj");
+    let switch = format!("{prefix}.switch_mlp");
+    let experts = if store.contains(&format!("{switch}.gate_proj.weight")) {
+        let stacked = |name: &str, out, inp| {
+            LinearWeight::load_stacked(store, &format!("{switch}.{name}"), e, out, inp)
+        };
+        let (g, u, d) = (
+            stacked("gate_proj", i, h)?,
+            stacked("up_proj", i, h)?,
+            stacked("down_proj", h, i)?,
+        );
+        g.into_iter()
+            .zip(u)
+            .zip(d)
+            .map(|((g, u), d)| Mlp::from_weights(g, u, d))
+            .collect()
+    } else if store.contains(&fused) {
+        let gate_up = store.get(&fused, &[e, 2 * i, h])?;
+        let down = store.get(&format!("{prefix}.experts.down_proj"), &[e, h, i])?;
+        (0..e)
+            .map(|x| {
+                let gu = gate_up.narrow(x, 1).reshape(vec![2 * i, h]);
+                Mlp::from_tensors(
+                    gu.narrow(0, i),
+                    gu.narrow(i, i),
+                    down.narrow(x, 1).reshape(vec![h, i]),
+                )
+            })
+            .collect()
+    } else {
+        (0..e)
+            .map(|x| Mlp::load(store, &format!("{prefix}.experts.{x}"), h, i))
+            .collect::<Result<Vec<_>>>()?
+    };
+    Ok(experts)
 }
 
 #[cfg(test)]
