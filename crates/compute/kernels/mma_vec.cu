@@ -14,10 +14,10 @@
 // (common.cuh, PREFETCH_BLOCKS).
 //
 // grid ceil(N / (16·T)), block 256, dynamic shared memory K·4.5 + (K/G)·4 bytes; T = `tiles`
-// (1, 2 or 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
+// (1 to 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
 // position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
 // x_lo, the word's sum and the sum of x over each group. Warp v takes the groups g ≡ v (mod 8),
-// 4/T at a time with all their loads in flight (8·P words per lane). Within a group, lane
+// ⌊4/T⌋ at a time with all their loads in flight (2·T·P words per group and lane). Within a group, lane
 // (gid, t) of the mma holds rows gid and gid + 8 of each tile and the group's words t·P ..
 // t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word j of every lane forms one 32-wide
 // k chunk, two k16 steps whose k slots {2t, 2t+1} and {2t+8, 2t+9} take nibbles (i, i+4) and
@@ -50,7 +50,7 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 template <int P, int T>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
-                          int N, int K, const float* __restrict__ bias) {
+                          int N, int K, const float* __restrict__ bias, float (*red)[64]) {
     // Groups in flight per warp iteration: 8·P words per lane in all.
     constexpr int U = 4 / T;
     extern __shared__ __align__(16) unsigned char vec_smem[];
@@ -58,7 +58,6 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs
     float* ws = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [nw] word sums
     float* gs = ws + nw;                                               // [ng] group sums
-    __shared__ float red[8][16 * T];
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
 
     for (int w = tid; w < nw; w += blockDim.x) {
@@ -164,11 +163,11 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 }
 
 #define VEC_DISPATCH(T)                                                   \
-    if (G == 128) mma_vec_t<4, T>(W, S, B, x, y, N, K, bias);             \
-    else if (G == 64) mma_vec_t<2, T>(W, S, B, x, y, N, K, bias);         \
-    else mma_vec_t<1, T>(W, S, B, x, y, N, K, bias);
+    if (G == 128) mma_vec_t<4, T>(W, S, B, x, y, N, K, bias, red);        \
+    else if (G == 64) mma_vec_t<2, T>(W, S, B, x, y, N, K, bias, red);    \
+    else mma_vec_t<1, T>(W, S, B, x, y, N, K, bias, red);
 
-// tiles: row tiles of 16 per block (1, 2 or 4).
+// tiles: row tiles of 16 per block (1 to 4).
 extern "C" __global__ void __launch_bounds__(256) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                   const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                   float* __restrict__ y, int N, int K, int G, int tiles,
@@ -178,8 +177,12 @@ extern "C" __global__ void __launch_bounds__(256) mma_vec_affine4(const unsigned
     l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
     l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
     pdl_entry();
+    // The 8 warps' sums of the block's rows (one array for every instantiation).
+    __shared__ float red[8][64];
     if (tiles == 4) {
         VEC_DISPATCH(4)
+    } else if (tiles == 3) {
+        VEC_DISPATCH(3)
     } else if (tiles == 2) {
         VEC_DISPATCH(2)
     } else {

@@ -326,8 +326,8 @@ fn slot_forms(rows: usize) {
 }
 
 /// One input row through a 4-bit affine matrix goes to the single-row tensor-core kernel
-/// (mma_vec.cu): against the CPU's quantized matmul on the same words, odd N (one, two and four
-/// 16-row tiles per block), each group size, with a bias. Like the multi-row tensor-core forms,
+/// (mma_vec.cu): against the CPU's quantized matmul on the same words, odd N (one to four 16-row
+/// tiles per block), each group size, with a bias. Like the multi-row tensor-core forms,
 /// the input enters as bf16 hi + lo (16 significant bits, relative error ≤ 2⁻¹⁸ per input) with
 /// f32 accumulation: 3e-5 of the largest output.
 #[test]
@@ -345,6 +345,8 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
         (128, 5, 384),
         (64, 9001, 256),
         (32, 17003, 128),
+        (32, 12352, 2048),
+        (64, 67000, 128),
     ] {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
         let q = quantize(&w, k, group, 4).unwrap();
