@@ -6,7 +6,7 @@
 //
 // gdn_conv_step: mixed_b[c] = silu(Σ_{j<K-1} w[c, j] · st[j, c] + w[c, K-1] · proj_b[c]), then the
 //   conv state st = conv + slots[b]·(K-1)·C, [K-1, C] oldest first, shifts by one and takes
-//   proj_b[c]. w: [C, K]. grid (ceil(C/256), B), block 256.
+//   proj_b[c]. w: [C, K], K ≤ GDN_CONV_KMAX. grid (ceil(C/256), B), block 256.
 //
 // gdn_step: one block per (value head h, row b), block (Dv rounded up to 32) × GDN_ROW_GROUPS threads;
 //   state S_h of row b at state + (slots[b]·Hv + h)·Dk·Dv;
@@ -16,6 +16,7 @@
 //   δ_j = β (v_j − Σ_i k_i S_ij) (partial sums over the R row groups merged in shared memory);
 //   S_ij += k_i δ_j; o_j = Σ_i q_i S_ij; then the gated RMSNorm out_j = o_j / rms(o) · w_j · silu(z_j).
 //   Dk ≤ GDN_DK_MAX, Dv ≤ GDN_DV_MAX.
+#define GDN_CONV_KMAX 8
 #define GDN_DK_MAX 128
 #define GDN_DV_MAX 128
 #define GDN_ROW_GROUPS 8
@@ -24,18 +25,36 @@
 extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* __restrict__ state,
                                          const float* __restrict__ w, float* __restrict__ mixed,
                                          int C, int K, const int* __restrict__ slots, long long P) {
-    pdl_entry();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
     int row = blockIdx.y;
+    bool live = c < C;
+    // The weights, the slot and the conv state do not come from the kernel before (the state is
+    // this kernel's own): loaded before waiting for it, so only proj's load follows the wait.
+    float wv[GDN_CONV_KMAX], st[GDN_CONV_KMAX];
+    if (live) {
+        state += (long long)slots[row] * (K - 1) * C;
+        const float* wc = w + (long long)c * K;
+#pragma unroll
+        for (int j = 0; j < GDN_CONV_KMAX; ++j) {
+            if (j < K) wv[j] = wc[j];
+            if (j < K - 1) st[j] = state[(long long)j * C + c];
+        }
+    }
+    pdl_entry();
+    if (!live) return;
     proj += row * P;
     mixed += (long long)row * C;
-    state += (long long)slots[row] * (K - 1) * C;
-    const float* wc = w + (long long)c * K;
     float x = proj[c];
-    float acc = wc[K - 1] * x;
-    for (int j = 0; j < K - 1; ++j) acc = fmaf(wc[j], state[(long long)j * C + c], acc);
-    for (int j = 0; j + 1 < K - 1; ++j) state[(long long)j * C + c] = state[(long long)(j + 1) * C + c];
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < GDN_CONV_KMAX; ++j)
+        if (j == K - 1) acc = wv[j] * x;
+#pragma unroll
+    for (int j = 0; j < GDN_CONV_KMAX; ++j)
+        if (j < K - 1) acc = fmaf(wv[j], st[j], acc);
+#pragma unroll
+    for (int j = 0; j + 1 < GDN_CONV_KMAX; ++j)
+        if (j + 1 < K - 1) state[(long long)j * C + c] = st[j + 1];
     if (K > 1) state[(long long)(K - 2) * C + c] = x;
     mixed[c] = silu_f(acc);
 }
@@ -45,29 +64,46 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
                                     const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                                     float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float eps,
                                     const int* __restrict__ slots, long long P) {
+    int row = blockIdx.y;
+    // Slots come from the host before the step, not from the kernel before.
+    int slot = slots[row];
     pdl_entry();
     __shared__ float qs[GDN_DK_MAX];
     __shared__ float ks[GDN_DK_MAX];
     __shared__ float red[GDN_ROW_GROUPS][GDN_DV_MAX];
     __shared__ float osq[GDN_DV_MAX];
     int h = blockIdx.x, j = threadIdx.x, r = threadIdx.y;
-    int tid = r * blockDim.x + j, nt = blockDim.x * blockDim.y;
+    int tid = r * blockDim.x + j;
     int kh = h / (Hv / Hk);
     int C = 2 * Hk * Dk + Hv * Dv;
-    int row = blockIdx.y;
     mixed += (long long)row * C;
     proj += row * P;
     out += (long long)row * Hv * Dv;
-    state += (long long)slots[row] * Hv * Dk * Dv;
+    state += (long long)slot * Hv * Dk * Dv;
     const float* q = mixed + kh * Dk;
     const float* k = mixed + Hk * Dk + kh * Dk;
     const float* v = mixed + 2 * Hk * Dk + h * Dv;
     const float* z = proj + C + h * Dv;
-    float b = proj[C + Hv * Dv + h];
-    float a = proj[C + Hv * Dv + Hv + h];
-    for (int i = tid; i < Dk; i += nt) {
-        qs[i] = q[i];
-        ks[i] = k[i];
+    // The inputs this thread needs, their loads issued together (one round trip, not one per use).
+    int rows = (Dk + GDN_ROW_GROUPS - 1) / GDN_ROW_GROUPS;
+    int i0 = r * rows;
+    bool active = j < Dv;
+    float* S = state + (long long)h * Dk * Dv + j;
+    float col[GDN_ROWS_MAX];
+#pragma unroll
+    for (int t = 0; t < GDN_ROWS_MAX; ++t)
+        if (active && t < rows && i0 + t < Dk) col[t] = S[(long long)(i0 + t) * Dv];
+    float qi = tid < Dk ? q[tid] : 0.f, ki = tid < Dk ? k[tid] : 0.f;
+    float vj = active ? v[j] : 0.f;
+    // z and the norm weight are used at the end only: asked of L1 now, without holding registers.
+    if (r == 0 && active) {
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(z + j));
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_w + j));
+    }
+    // The block has at least 256 threads ≥ GDN_DK_MAX: one q and one k value per thread.
+    if (tid < Dk) {
+        qs[tid] = qi;
+        ks[tid] = ki;
     }
     __syncthreads();
     // Every warp reduces the two norms itself (no block barrier needed for them).
@@ -81,21 +117,18 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
     kk = warp_sum(kk);
     float rq = rsqrtf(qq + 1e-6f) * rsqrtf((float)Dk);
     float rk = rsqrtf(kk + 1e-6f);
+    float b = proj[C + Hv * Dv + h];
+    float a = proj[C + Hv * Dv + Hv + h];
     float decay = expf(neg_a[h] * softplus_f(a + dt_bias[h]));
     float beta = sigmoid_f(b);
 
     // Rows [i0, i0 + rows) of column j belong to this thread.
-    int rows = (Dk + GDN_ROW_GROUPS - 1) / GDN_ROW_GROUPS;
-    int i0 = r * rows;
-    bool active = j < Dv;
-    float* S = state + (long long)h * Dk * Dv + j;
-    float col[GDN_ROWS_MAX];
     float part = 0.f;
 #pragma unroll
     for (int t = 0; t < GDN_ROWS_MAX; ++t) {
         int i = i0 + t;
         if (active && t < rows && i < Dk) {
-            col[t] = S[(long long)i * Dv] * decay;
+            col[t] *= decay;
             part = fmaf(ks[i] * rk, col[t], part);
         }
     }
@@ -105,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
     if (active)
         for (int g = 0; g < blockDim.y; ++g) kv += red[g][j];
     __syncthreads();
-    float delta = active ? beta * (v[j] - kv) : 0.f;
+    float delta = active ? beta * (vj - kv) : 0.f;
     part = 0.f;
 #pragma unroll
     for (int t = 0; t < GDN_ROWS_MAX; ++t) {

@@ -37,6 +37,8 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     ids += row * KS;
     w += row * KS;
     sg += row;
+    // The shared gate's logit, loaded with the others rather than after the selection.
+    const float gate_logit = has_shared_gate ? logits[E] : 0.f;
     float mx = NEG_INF;
     for (int e = tid; e < E; e += nt) mx = fmaxf(mx, logits[e]);
     mx = block_max(mx);
@@ -91,7 +93,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     __syncthreads();
     if (tid < K) w[tid] = renorm ? chosen[tid] / sums[2] : chosen[tid];
     if (tid == 0 && has_shared_gate) {
-        float g = sigmoid_f(logits[E]);
+        float g = sigmoid_f(gate_logit);
         sg[0] = g;
         if (shared_slot >= 0) {
             ids[K] = shared_slot;
@@ -120,8 +122,9 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     delta[i] = acc;
 }
 
-#define COMBINE_KMAX 33
-#define COMBINE_LOADS 8
+// Terms per element loaded before any is summed: the 8 to 10 routed experts + the shared one of
+// the Qwen3 MoE models in one batch.
+#define COMBINE_LOADS 9
 
 extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float* __restrict__ y, const float* __restrict__ w,
                                             const float* __restrict__ ys, const float* __restrict__ sg,
@@ -137,39 +140,39 @@ extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float*
     }
     x += (long long)row * H;
     out += (long long)row * H;
-    __shared__ float wk[COMBINE_KMAX];
-    if (threadIdx.x < K) wk[threadIdx.x] = w[threadIdx.x];
-    __syncthreads();
     float ss = 0.f;
-    // Two elements per pass (i, i + blockDim), all their loads in flight together.
+    // Two elements per pass (i, i + blockDim), all their loads (terms, weights, residual) in
+    // flight together.
     for (int i = threadIdx.x; i < H; i += 2 * blockDim.x) {
         const int i2 = i + blockDim.x;
         const bool two = i2 < H;
+        const float xi = x[i], xi2 = two ? x[i2] : 0.f;
         float acc = 0.f, acc2 = 0.f;
         for (int k0 = 0; k0 < K; k0 += COMBINE_LOADS) {
-            float yk[COMBINE_LOADS], yk2[COMBINE_LOADS];
+            float yk[COMBINE_LOADS], yk2[COMBINE_LOADS], wk[COMBINE_LOADS];
 #pragma unroll
             for (int u = 0; u < COMBINE_LOADS; ++u)
                 if (k0 + u < K) {
+                    wk[u] = w[k0 + u];
                     yk[u] = y[(long long)(k0 + u) * H + i];
                     yk2[u] = two ? y[(long long)(k0 + u) * H + i2] : 0.f;
                 }
 #pragma unroll
             for (int u = 0; u < COMBINE_LOADS; ++u)
                 if (k0 + u < K) {
-                    acc = fmaf(wk[k0 + u], yk[u], acc);
-                    acc2 = fmaf(wk[k0 + u], yk2[u], acc2);
+                    acc = fmaf(wk[u], yk[u], acc);
+                    acc2 = fmaf(wk[u], yk2[u], acc2);
                 }
         }
         if (ys) {
             acc = fmaf(sg[0], ys[i], acc);
             if (two) acc2 = fmaf(sg[0], ys[i2], acc2);
         }
-        float v = x[i] + acc;
+        float v = xi + acc;
         x[i] = v;
         ss += v * v;
         if (two) {
-            float v2 = x[i2] + acc2;
+            float v2 = xi2 + acc2;
             x[i2] = v2;
             ss += v2 * v2;
         }

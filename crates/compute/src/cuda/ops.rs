@@ -386,6 +386,11 @@ pub fn gdn_conv_step(
     k: usize,
     bt: Batch,
 ) -> Result<()> {
+    if k == 0 || k > GDN_CONV_KMAX {
+        return Err(super::CudaError::Unsupported(format!(
+            "GDN conv kernel size {k}: the CUDA decode step supports 1 to {GDN_CONV_KMAX}"
+        )));
+    }
     let (c32, k32, ps) = (c as i32, k as i32, proj_stride as i64);
     let mut b = g.launch_builder(g.kernels().get("gdn_conv_step"));
     b.arg(&proj)
@@ -402,6 +407,9 @@ pub fn gdn_conv_step(
         .map_err(driver_err("gdn_conv_step"))?;
     Ok(())
 }
+
+/// Largest conv kernel `gdn_conv_step` supports (`GDN_CONV_KMAX` in gdn.cu).
+pub const GDN_CONV_KMAX: usize = 8;
 
 /// Gated DeltaNet geometry for [`gdn_step`].
 #[derive(Clone, Copy, Debug)]
