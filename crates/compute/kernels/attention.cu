@@ -26,11 +26,12 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
                                      float* __restrict__ v_cache, const int* __restrict__ pos_arr,
                                      int Hq, int Hkv, int D, int R, float eps,
                                      const int* __restrict__ slots, long long P, long long T, int row_pos) {
-    pdl_entry();
-    extern __shared__ float sh[];
+    // Slots and positions change only between steps (never in the kernel before).
     int b = blockIdx.x, i = threadIdx.x;
     int row = blockIdx.y, slot = slots[row];
     int pos = pos_arr[slot] + (row_pos ? row : 0);
+    pdl_entry();
+    extern __shared__ float sh[];
     proj += row * P;
     q_out += (long long)row * Hq * D;
     k_cache += slot * T * Hkv * D;
@@ -81,14 +82,15 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
                                         float* __restrict__ part_o, float* __restrict__ part_ml,
                                         int Hq, int Hkv, int D, int S, float scale,
                                         const int* __restrict__ slots, long long T) {
+    // Slots and positions change only between steps (never in the kernel before).
+    int b = blockIdx.z, slot = slots[b];
+    int L = pos_arr[slot] + 1;
     pdl_entry();
     __shared__ float wm[4], wl[4];
     __shared__ float wacc[4][ATTN_DMAX];
     int h = blockIdx.x, s = blockIdx.y;
-    int b = blockIdx.z, slot = slots[b];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kvh = h / (Hq / Hkv);
-    int L = pos_arr[slot] + 1;
     q += (long long)b * Hq * D;
     k_cache += slot * T * Hkv * D;
     v_cache += slot * T * Hkv * D;
@@ -175,13 +177,15 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const float* __restrict__ proj, float* __restrict__ out,
                                         int D, int S, int Hq, long long P) {
-    pdl_entry();
-    __shared__ float wts[ATTN_MAX_SPLITS];
     int h = blockIdx.x, d = threadIdx.x;
     int row = blockIdx.y;
+    // The gate is two kernels old (the projection before attn_prep): read before the wait.
+    proj += row * P;
+    float gate = d < D ? proj[(long long)h * 2 * D + D + d] : 0.f;
+    pdl_entry();
+    __shared__ float wts[ATTN_MAX_SPLITS];
     part_o += (long long)row * Hq * S * D;
     part_ml += (long long)row * Hq * S * 2;
-    proj += row * P;
     out += (long long)row * Hq * D;
     const float* ml = part_ml + (long long)h * S * 2;
     // Split weights e^{m_s − M} once per block, in shared memory; empty splits weigh 0.
@@ -202,6 +206,5 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     const float* po = part_o + (long long)h * S * D + d;
 #pragma unroll 8
     for (int s = 0; s < S; ++s) num = fmaf(po[(long long)s * D], wts[s], num);
-    float gate = proj[(long long)h * 2 * D + D + d];
     out[(long long)h * D + d] = num / den * sigmoid_f(gate);
 }

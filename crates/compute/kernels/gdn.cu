@@ -64,15 +64,17 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
                                     const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                                     float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float eps,
                                     const int* __restrict__ slots, long long P) {
-    int row = blockIdx.y;
-    // Slots come from the host before the step, not from the kernel before.
+    int row = blockIdx.y, h = blockIdx.x, j = threadIdx.x, r = threadIdx.y;
+    // Slots come from the host before the step and the head's parameters from the weights, not
+    // from the kernel before.
     int slot = slots[row];
+    float na = neg_a[h], dtb = dt_bias[h];
+    if (r == 0 && j < Dv) l1_prefetch(norm_w + j);
     pdl_entry();
     __shared__ float qs[GDN_DK_MAX];
     __shared__ float ks[GDN_DK_MAX];
     __shared__ float red[GDN_ROW_GROUPS][GDN_DV_MAX];
     __shared__ float osq[GDN_DV_MAX];
-    int h = blockIdx.x, j = threadIdx.x, r = threadIdx.y;
     int tid = r * blockDim.x + j;
     int kh = h / (Hv / Hk);
     int C = 2 * Hk * Dk + Hv * Dv;
@@ -95,10 +97,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
         if (active && t < rows && i0 + t < Dk) col[t] = S[(long long)(i0 + t) * Dv];
     float qi = tid < Dk ? q[tid] : 0.f, ki = tid < Dk ? k[tid] : 0.f;
     float vj = active ? v[j] : 0.f;
-    // z and the norm weight are used at the end only: asked of L1 now, without holding registers.
-    if (r == 0 && active) {
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(z + j));
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_w + j));
+    // z, b and a are used later only: asked of L1 now, without holding registers.
+    if (r == 0 && active) l1_prefetch(z + j);
+    if (tid == 0) {
+        l1_prefetch(proj + C + Hv * Dv + h);
+        l1_prefetch(proj + C + Hv * Dv + Hv + h);
     }
     // The block has at least 256 threads ≥ GDN_DK_MAX: one q and one k value per thread.
     if (tid < Dk) {
@@ -119,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
     float rk = rsqrtf(kk + 1e-6f);
     float b = proj[C + Hv * Dv + h];
     float a = proj[C + Hv * Dv + Hv + h];
-    float decay = expf(neg_a[h] * softplus_f(a + dt_bias[h]));
+    float decay = expf(na * softplus_f(a + dtb));
     float beta = sigmoid_f(b);
 
     // Rows [i0, i0 + rows) of column j belong to this thread.

@@ -130,6 +130,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float*
                                             const float* __restrict__ ys, const float* __restrict__ sg,
                                             float* __restrict__ x, const float* __restrict__ scale,
                                             float* __restrict__ out, int K, int H, float eps) {
+    // The norm scale is a weight: asked of L1 before the wait.
+    for (int i = threadIdx.x; i < H; i += blockDim.x) l1_prefetch(scale + i);
     pdl_entry();
     int row = blockIdx.x;
     y += (long long)row * K * H;

@@ -7,6 +7,7 @@
 extern "C" __global__ void add_rmsnorm(float* __restrict__ x, const float* __restrict__ delta,
                                        const float* __restrict__ scale, float* __restrict__ out,
                                        int H, float eps) {
+    for (int i = threadIdx.x; i < H; i += blockDim.x) l1_prefetch(scale + i);
     pdl_entry();
     float* xr = x + (long long)blockIdx.x * H;
     const float* dr = delta ? delta + (long long)blockIdx.x * H : nullptr;
