@@ -11,7 +11,8 @@
 // K % G == 0; x f32 [K] (16-byte aligned); y f32 [N]; bias f32 [N] or null.
 //
 // The first blocks ask L2 for their rows of W, S and B before waiting on the kernel before it
-// (common.cuh, PREFETCH_BLOCKS).
+// (common.cuh, PREFETCH_BLOCKS), and every warp loads the words of its first groups before that
+// wait too (weights never depend on an earlier kernel).
 //
 // grid ceil(N / (16·T)), block 256, dynamic shared memory K·4.5 + (K/G)·4 bytes; T = `tiles`
 // (1 to 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
@@ -60,6 +61,33 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     float* gs = ws + nw;                                               // [ng] group sums
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
 
+    const int n0 = blockIdx.x * 16 * T;
+    long long r0[T], r1[T];
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+        r0[i] = min(n0 + 16 * i + gid, N - 1);
+        r1[i] = min(n0 + 16 * i + gid + 8, N - 1);
+    }
+    // Words of the warp's first U groups: weights do not depend on the kernel before, so these
+    // loads go out before waiting for it.
+    unsigned q0[U][T][P], q1[U][T][P];
+    auto load_groups = [&](int gb) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            int g = gb + 8 * u;
+            if (g < ng) {
+                long long at = (long long)g * (G / 8) + t * P;
+#pragma unroll
+                for (int i = 0; i < T; ++i) {
+                    load_words<P>(W + r0[i] * nw, at, q0[u][i]);
+                    load_words<P>(W + r1[i] * nw, at, q1[u][i]);
+                }
+            }
+        }
+    };
+    load_groups(v);
+    pdl_entry();
+
     for (int w = tid; w < nw; w += blockDim.x) {
         float4 a = *reinterpret_cast<const float4*>(x + 8 * w);
         float4 b = *reinterpret_cast<const float4*>(x + 8 * w + 4);
@@ -82,30 +110,11 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     }
     __syncthreads();
 
-    const int n0 = blockIdx.x * 16 * T;
-    long long r0[T], r1[T];
-#pragma unroll
-    for (int i = 0; i < T; ++i) {
-        r0[i] = min(n0 + 16 * i + gid, N - 1);
-        r1[i] = min(n0 + 16 * i + gid + 8, N - 1);
-    }
     float acc0[T], acc1[T];
 #pragma unroll
     for (int i = 0; i < T; ++i) acc0[i] = acc1[i] = 0.f;
     for (int gb = v; gb < ng; gb += 8 * U) {
-        unsigned q0[U][T][P], q1[U][T][P];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            int g = gb + 8 * u;
-            if (g < ng) {
-                long long at = (long long)g * (G / 8) + t * P;
-#pragma unroll
-                for (int i = 0; i < T; ++i) {
-                    load_words<P>(W + r0[i] * nw, at, q0[u][i]);
-                    load_words<P>(W + r1[i] * nw, at, q1[u][i]);
-                }
-            }
-        }
+        if (gb != v) load_groups(gb);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int g = gb + 8 * u;
@@ -176,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_vec_affine4(const unsigned
     l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);
     l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
     l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
-    pdl_entry();
+    // mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
     // The 8 warps' sums of the block's rows (one array for every instantiation).
     __shared__ float red[8][64];
     if (tiles == 4) {
