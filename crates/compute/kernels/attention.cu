@@ -11,13 +11,15 @@
 //   row_pos ≠ 0 (prefill: every row in the same slot, consecutive tokens): row b's position is
 //   pos[slot] + b instead of pos[slot].
 //
-// attn_partial: grid (Hq, S splits, B), block 128 (4 warps). Split s covers positions
-//   [s·c, min((s+1)·c, L)) with L = pos + 1, c = ceil(L / S). Each warp takes runs of ATTN_POS
+// attn_partial: grid (Hq, S splits, B), block 128 (4 warps). Of the S splits the first
+//   S_L = min(S, ceil(L / ATTN_SPLIT_MIN)) are used (short contexts: fewer, fuller splits and
+//   fewer partials to merge), L = pos + 1; split s < S_L covers positions [s·c, min((s+1)·c, L)),
+//   c = ceil(L / S_L). Each warp takes runs of ATTN_POS
 //   positions (every 4th run), keeps an online softmax (max m, sum l, acc), and the block merges
 //   its warps into
 //   part_ml[h, s] = (m, l) and part_o[h, s, :] = acc (unnormalised). Kv head = h / (Hq / Hkv). D ≤ 256.
 //
-// attn_combine: grid (Hq, B), block D (rounded up to 32): merges the S ≤ ATTN_MAX_SPLITS partials and
+// attn_combine: grid (Hq, B), block D (rounded up to 32): merges the S_L ≤ ATTN_MAX_SPLITS partials and
 //   multiplies by sigmoid(gate_h) → out [Hq·D].
 
 extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float* __restrict__ qn,
@@ -74,6 +76,13 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
 }
 
 #define ATTN_DMAX 256
+// Fewest positions a split of attn_partial takes (while there are splits left over).
+#define ATTN_SPLIT_MIN 16
+
+// Splits attn_partial uses for a context of L positions.
+__device__ __forceinline__ int attn_splits(int L, int S) {
+    return min(S, (L + ATTN_SPLIT_MIN - 1) / ATTN_SPLIT_MIN);
+}
 // Positions a warp works on at once: their loads are all in flight before the math.
 #define ATTN_POS 4
 
@@ -85,6 +94,8 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
     // Slots and positions change only between steps (never in the kernel before).
     int b = blockIdx.z, slot = slots[b];
     int L = pos_arr[slot] + 1;
+    int used = attn_splits(L, S);
+    if (blockIdx.y >= used) return;
     pdl_entry();
     __shared__ float wm[4], wl[4];
     __shared__ float wacc[4][ATTN_DMAX];
@@ -96,7 +107,7 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
     v_cache += slot * T * Hkv * D;
     part_o += (long long)b * Hq * S * D;
     part_ml += (long long)b * Hq * S * 2;
-    int c = (L + S - 1) / S;
+    int c = (L + used - 1) / used;
     int start = s * c, end = min(L, start + c);
     const int PER = ATTN_DMAX / 32;
     const long long row = (long long)Hkv * D;
@@ -176,9 +187,11 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                         const float* __restrict__ proj, float* __restrict__ out,
-                                        int D, int S, int Hq, long long P) {
+                                        int D, int S, int Hq, long long P,
+                                        const int* __restrict__ pos_arr, const int* __restrict__ slots) {
     int h = blockIdx.x, d = threadIdx.x;
     int row = blockIdx.y;
+    const int used = attn_splits(pos_arr[slots[row]] + 1, S);
     // The gate is two kernels old (the projection before attn_prep): read before the wait.
     proj += row * P;
     float gate = d < D ? proj[(long long)h * 2 * D + D + d] : 0.f;
@@ -190,11 +203,11 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     const float* ml = part_ml + (long long)h * S * 2;
     // Split weights e^{m_s − M} once per block, in shared memory; empty splits weigh 0.
     float mloc = NEG_INF;
-    for (int s = d; s < S; s += blockDim.x)
+    for (int s = d; s < used; s += blockDim.x)
         if (ml[2 * s + 1] > 0.f) mloc = fmaxf(mloc, ml[2 * s]);
     float M = block_max(mloc);
     float dl = 0.f;
-    for (int s = d; s < S; s += blockDim.x) {
+    for (int s = d; s < used; s += blockDim.x) {
         float l = ml[2 * s + 1];
         float f = l > 0.f ? expf(ml[2 * s] - M) : 0.f;
         wts[s] = f;
@@ -205,6 +218,6 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     float num = 0.f;
     const float* po = part_o + (long long)h * S * D + d;
 #pragma unroll 8
-    for (int s = 0; s < S; ++s) num = fmaf(po[(long long)s * D], wts[s], num);
+    for (int s = 0; s < used; ++s) num = fmaf(po[(long long)s * D], wts[s], num);
     out[(long long)h * D + d] = num / den * sigmoid_f(gate);
 }

@@ -589,9 +589,12 @@ pub fn attn_decode(
         .arg(&d)
         .arg(&s)
         .arg(&hq)
-        .arg(&ps);
+        .arg(&ps)
+        .arg(&pos)
+        .arg(&bt.slots);
     let threads = (a.d.div_ceil(32) * 32) as u32;
-    // SAFETY: out holds rows·hq·d floats; proj holds rows fused projections with the gates.
+    // SAFETY: out holds rows·hq·d floats; proj holds rows fused projections with the gates;
+    // positions and slots as for attn_partial.
     unsafe { b.launch(cfg((a.hq as u32, bt.rows as u32), threads, 0)) }
         .map_err(driver_err("attn_combine"))?;
     Ok(())
