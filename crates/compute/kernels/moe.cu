@@ -18,8 +18,8 @@
 //
 // moe_combine_norm: the same sum per row, added to the residual in place: x += sum ([B, H]),
 //   then out = rmsnorm(x) · scale (as norm.cu's add_rmsnorm: the same values in
-//   the same order with the same block size). Each thread loads the K terms of two elements
-//   COMBINE_LOADS at a time before summing them in order (K ≤ 33). grid B, block 1024.
+//   the same order with the same block size). Each thread loads the K terms of two elements and
+//   their weights COMBINE_LOADS at a time before summing them in order. grid B, block 1024.
 
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
