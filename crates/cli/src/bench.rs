@@ -87,9 +87,19 @@ pub struct BenchArgs {
     /// routing of random weights.
     #[arg(long, value_name = "ALPHA")]
     zipf: Option<f64>,
+    /// With offloaded experts: let the CPU compute some of the experts outside the GPU's cache
+    /// (on) or read them all over PCIe (off); several values are measured one after another.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OnOff::On])]
+    cpu_experts: Vec<OnOff>,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 /// The expert caches the flags ask for, in measurement order.
@@ -207,6 +217,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
                 model: Some(dir.clone()),
                 device: Device::Cpu,
                 expert_cache: None,
+                no_cpu_experts: false,
             })?;
             (m, dir.display().to_string())
         }
@@ -365,6 +376,7 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
                 model: Some(dir.clone()),
                 device: Device::Cuda,
                 expert_cache: None,
+                no_cpu_experts: false,
             })?;
             let max = m.config().max_position_embeddings;
             (
@@ -405,29 +417,46 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     // ms/token per (context, batch) with every expert cached: what offload stalls are measured
     // against.
     let mut all_cached: Vec<((usize, usize), f64)> = Vec::new();
+    let modes: &[OnOff] = if offload {
+        &a.cpu_experts
+    } else {
+        &[OnOff::Off]
+    };
     for (ci, &cache) in caches.iter().enumerate() {
         if offload && ci > 0 {
             model.set_expert_cache(cache)?;
         }
-        if let Some(slots) = model.expert_cache_slots() {
-            println!("experts  offloaded; {slots} cached per MoE layer ({cache:?})");
-        }
-        for &ctx in &contexts {
-            for &b in &a.batch {
-                let before = model.offload_stats();
-                let mut row = decode_at(&mut model, ctx, b.max(1), a.gen_len, bw)?;
-                if let (Some(s0), Some(s1)) = (before, model.offload_stats()) {
-                    let ms = row["ms_per_step"].as_f64().unwrap_or(0.0) / b.max(1) as f64;
-                    let key = (ctx, b.max(1));
-                    let base = all_cached.iter().find(|(k, _)| *k == key).map(|e| e.1);
-                    let slots = model.expert_cache_slots();
-                    if slots == Some(model.num_experts()) && base.is_none() {
-                        all_cached.push((key, ms));
+        for &mode in modes {
+            if offload {
+                model.set_host_experts(mode == OnOff::On)?;
+            }
+            if let Some(slots) = model.expert_cache_slots() {
+                println!("experts  offloaded; {slots} cached per MoE layer ({cache:?})");
+                match model.host_expert_costs() {
+                Some(c) => println!(
+                    "         cpu experts on: a far expert costs the GPU {:.1} µs, the host {:.1} µs + {:.1} µs per expert",
+                    c.link * 1e6, c.fixed * 1e6, c.each * 1e6
+                ),
+                None => println!("         cpu experts off"),
+            }
+            }
+            for &ctx in &contexts {
+                for &b in &a.batch {
+                    let before = model.offload_stats();
+                    let mut row = decode_at(&mut model, ctx, b.max(1), a.gen_len, bw)?;
+                    if let (Some(s0), Some(s1)) = (before, model.offload_stats()) {
+                        let ms = row["ms_per_step"].as_f64().unwrap_or(0.0) / b.max(1) as f64;
+                        let key = (ctx, b.max(1));
+                        let base = all_cached.iter().find(|(k, _)| *k == key).map(|e| e.1);
+                        let slots = model.expert_cache_slots();
+                        if slots == Some(model.num_experts()) && base.is_none() {
+                            all_cached.push((key, ms));
+                        }
+                        let stall = base.map(|b| ms - b);
+                        row["offload"] = offload_report(&s0, &s1, &row, link, slots, stall);
                     }
-                    let stall = base.map(|b| ms - b);
-                    row["offload"] = offload_report(&s0, &s1, &row, link, slots, stall);
+                    rows.push(row);
                 }
-                rows.push(row);
             }
         }
     }
@@ -454,13 +483,20 @@ fn offload_report(
     let far = (s1.far_bytes - s0.far_bytes) as f64 / tokens;
     let admit = (s1.admit_bytes - s0.admit_bytes) as f64 / tokens;
     let admitted = (s1.admitted - s0.admitted) as f64 / tokens;
+    let host = (s1.host - s0.host) as f64 / tokens;
+    let host_ms = (s1.host_seconds - s0.host_seconds) * 1e3 / tokens;
     let tok_s = row["tok_s"].as_f64().unwrap_or(0.0);
     let link_frac = (far + admit) * tok_s / link.max(1.0);
     let stall = stall_ms.map_or(String::new(), |m| {
         format!(", stall {m:.3} ms/token over all cached")
     });
+    let cpu = if s1.host > s0.host {
+        format!(", {host:.2} experts/token computed by the CPU ({host_ms:.3} ms/token)")
+    } else {
+        String::new()
+    };
     println!(
-        "         offload: hit rate {:.3}, PCIe {:.3} GB/token ({:.3} read by kernels + {:.3} admitted, {admitted:.2} experts/token), {:.0}% of the {:.1} GB/s link at this speed{stall}",
+        "         offload: hit rate {:.3}, PCIe {:.3} GB/token ({:.3} read by kernels + {:.3} admitted, {admitted:.2} experts/token), {:.0}% of the {:.1} GB/s link at this speed{cpu}{stall}",
         hit_rate,
         (far + admit) / 1e9,
         far / 1e9,
@@ -470,7 +506,8 @@ fn offload_report(
     );
     json!({"cache_slots_per_layer": slots, "hit_rate": hit_rate, "far_bytes_per_token": far,
            "admit_bytes_per_token": admit, "admitted_per_token": admitted,
-           "link_bytes_s": link, "link_fraction": link_frac, "stall_ms_per_token": stall_ms})
+           "link_bytes_s": link, "link_fraction": link_frac, "stall_ms_per_token": stall_ms,
+           "cpu_experts_per_token": host, "cpu_ms_per_token": host_ms})
 }
 
 /// Dense bf16 tensor-core peak of one H200 (SXM), FLOP/s: the MFU denominator.

@@ -74,6 +74,11 @@ pub struct ModelArgs {
     /// safetensors files when used (0: every use reads). Default: all resident.
     #[arg(long, value_name = "GB")]
     expert_cache: Option<f64>,
+    /// CUDA with --expert-cache: read every expert outside the GPU's cache over PCIe, instead of
+    /// letting the CPU compute the share of them that it computes faster than the link moves
+    /// them (bitwise the same logits either way).
+    #[arg(long)]
+    no_cpu_experts: bool,
 }
 
 impl ModelArgs {
@@ -87,6 +92,11 @@ impl ModelArgs {
             }
             Some(gb) => anyhow::bail!("--expert-cache {gb}: expected a size in GB, 0 or more"),
         }
+    }
+
+    /// Whether the CPU may compute offloaded experts (CUDA with `--expert-cache`).
+    pub fn cpu_experts(&self) -> bool {
+        !self.no_cpu_experts
     }
 
     /// The model directory: `--model`, or the built-in model.

@@ -77,6 +77,7 @@ fn factory(
     ctx: Option<usize>,
     max_seqs: usize,
     cache: ExpertCache,
+    cpu_experts: bool,
 ) -> EngineFactory {
     Box::new(move || {
         let mut model = Qwen3Hybrid::load(&dir)?;
@@ -90,7 +91,11 @@ fn factory(
         let gpu =
             cuda::Gpu::new(0).map_err(|e| EngineError::Input(format!("--device cuda: {e}")))?;
         let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
-        Engine::new_cuda_with(model, Arc::new(gpu), ctx, max_seqs, cache)
+        let mut engine = Engine::new_cuda_with(model, Arc::new(gpu), ctx, max_seqs, cache)?;
+        if !cpu_experts {
+            engine.set_host_experts(false)?;
+        }
+        Ok(engine)
     })
 }
 
@@ -137,8 +142,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let cache = a.model.expert_cache()?;
     let opts = options(&a, name, cuda)?;
     let slots = a.max_seqs.unwrap_or(0);
-    let server = Server::start(&dir, factory(dir.clone(), cuda, a.ctx, slots, cache), opts)
-        .with_context(|| format!("serving {}", dir.display()))?;
+    let server = Server::start(
+        &dir,
+        factory(
+            dir.clone(),
+            cuda,
+            a.ctx,
+            slots,
+            cache,
+            a.model.cpu_experts(),
+        ),
+        opts,
+    )
+    .with_context(|| format!("serving {}", dir.display()))?;
     eprintln!("{}", server.describe());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -11,6 +11,7 @@
 //   for their rows before waiting on the kernel before (common.cuh, PREFETCH_BLOCKS).
 //   Far experts: ids ≥ split name matrix ids − split of a second stack Wf (same layout; e.g. pinned
 //   host memory read over PCIe for offloaded experts); split = INT_MAX when there is none.
+//   Slots with ids < 0 are skipped (their output is left as it is: the host computes them).
 //
 // matvec_swiglu_bf16: h[s, n] = silu(Σ_k G_e[n, k] x_s[k]) · Σ_k U_e[n, k] x_s[k]
 //   W: [E, 2I, K] with gate rows 0..I and up rows I..2I (the HF gate_up layout); h: [S, I].
@@ -69,6 +70,7 @@ extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float
     int s = blockIdx.x;
     if (row >= N) return;
     long long e = ids ? ids[s] : 0;
+    if (e < 0) return;  // computed by the host (moe.cu, host experts)
     if (e >= split) {
         W = Wf;
         e -= split;
@@ -93,6 +95,7 @@ extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, cons
     int s = blockIdx.x;
     if (n >= I) return;
     long long e = ids ? ids[s] : 0;
+    if (e < 0) return;  // computed by the host (moe.cu, host experts)
     if (e >= split) {
         W = Wf;
         e -= split;

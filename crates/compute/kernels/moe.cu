@@ -182,3 +182,83 @@ extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float*
     float r = rsqrtf(block_sum(ss) / H + eps);
     for (int i = threadIdx.x; i < H; i += blockDim.x) out[i] = x[i] * r * scale[i];
 }
+
+// Experts computed by the host (expert offload's CPU fallback; see the model's offload module):
+// the router writes id −1 − e for an expert e the host computes. The expert kernels skip such
+// slots; these two kernels hand the host its inputs and take its outputs back, in one mailbox of
+// pinned host memory mapped into the device (layers take turns: the host answers one layer
+// before the next can ask).
+//
+// host_experts_publish: per row b of B: ids[b·KS .. +KS] → box_ids, and when one of them is < 0,
+//   x[b, 0..H) → box_x[b]; then the last block to finish bumps the device counter and writes it
+//   to box_flags[0] after a system-wide fence, so a host that sees the new number sees the data.
+//   state: device [counter, blocks arrived]; box_flags: host [published, answered, failed].
+//   grid B, block 256.
+extern "C" __global__ void host_experts_publish(const float* __restrict__ x, const int* __restrict__ ids,
+                                                int KS, int H, float* box_x, int* box_ids,
+                                                unsigned* state, volatile unsigned* box_flags) {
+    pdl_entry();
+    __shared__ int any;
+    const int b = blockIdx.x;
+    if (threadIdx.x == 0) any = 0;
+    __syncthreads();
+    for (int k = threadIdx.x; k < KS; k += blockDim.x) {
+        int id = ids[b * KS + k];
+        box_ids[b * KS + k] = id;
+        if (id < 0) any = 1;
+    }
+    __syncthreads();
+    if (any)
+        for (int i = threadIdx.x; i < H; i += blockDim.x) box_x[(long long)b * H + i] = x[(long long)b * H + i];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&state[1], 1u) == gridDim.x - 1) {
+        state[1] = 0;
+        unsigned s = state[0] + 1;
+        state[0] = s;
+        __threadfence_system();
+        box_flags[0] = s;
+    }
+}
+
+// How long host_experts_wait waits for the host before it gives up (ns).
+#define HOST_WAIT_NS 10000000000ull
+
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// host_experts_wait: per slot s of B·KS whose id < 0: waits until the host has written the
+//   device counter's value to box_flags[1] (its outputs for this layer are then in box_y), then
+//   copies box_y[s, 0..H) → y[s]. After HOST_WAIT_NS without an answer it sets box_flags[2] = 1
+//   (the host reports the step as failed) and leaves y as it is. grid B·KS, block 256.
+extern "C" __global__ void host_experts_wait(const int* __restrict__ ids, const float* box_y, float* __restrict__ y,
+                                             int H, const unsigned* __restrict__ state, volatile unsigned* box_flags) {
+    pdl_entry();
+    __shared__ int ok;
+    const int s = blockIdx.x;
+    if (ids[s] >= 0) return;
+    if (threadIdx.x == 0) {
+        const unsigned want = state[0];
+        const unsigned long long t0 = global_ns();
+        ok = 1;
+        while (load_acquire_sys((const unsigned*)box_flags + 1) != want) {
+            if (global_ns() - t0 > HOST_WAIT_NS) {
+                box_flags[2] = 1u;
+                ok = 0;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    if (!ok) return;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) y[(long long)s * H + i] = __ldcv(box_y + (long long)s * H + i);
+}

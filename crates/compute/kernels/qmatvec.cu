@@ -11,6 +11,7 @@
 //   grid (S, ceil(N/(8·R))), block 256: a warp per R rows, lanes on consecutive words.
 //   Far experts: ids ≥ split read matrix ids − split of a second stack (Wf, Sf, Bf) of the same
 //   layout, e.g. offloaded experts in pinned host memory; split = INT_MAX when there is none.
+//   Slots with ids < 0 are skipped (their output is left as it is: the host computes them).
 // Without ids (one matrix), the first blocks of slot 0 ask L2 for their rows before waiting on the
 // kernel before (common.cuh, PREFETCH_BLOCKS).
 // matvec_swiglu_affine: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
@@ -96,6 +97,7 @@ __device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf
     int s = blockIdx.x;
     if (row0 >= N) return;
     long long e = ids ? ids[s] : 0;
+    if (e < 0) return;  // computed by the host (moe.cu, host experts)
     if (e >= split) {
         W = Wf;
         S = Sf;
@@ -126,6 +128,7 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
     int s = blockIdx.x;
     if (n0 >= I) return;
     long long e = ids ? ids[s] : 0;
+    if (e < 0) return;  // computed by the host (moe.cu, host experts)
     if (e >= split) {
         W = Wf;
         S = Sf;

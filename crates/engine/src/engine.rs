@@ -123,6 +123,15 @@ impl Engine {
         }
     }
 
+    /// With offloaded experts on the GPU: whether the CPU may compute some of the experts outside
+    /// the cache (see [`GpuModel::set_host_experts`]; on by default).
+    pub fn set_host_experts(&mut self, on: bool) -> Result<()> {
+        match self.gpu.as_mut() {
+            Some(g) => g.set_host_experts(on).map_err(cuda_err),
+            None => Ok(()),
+        }
+    }
+
     /// Expert-offload statistics, when the GPU model offloads experts.
     pub fn offload_stats(&self) -> Option<OffloadStats> {
         self.gpu.as_ref().and_then(|g| g.offload_stats())

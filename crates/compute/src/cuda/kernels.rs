@@ -76,7 +76,13 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "moe.cu",
         include_str!("../../kernels/moe.cu"),
-        &["router_topk", "moe_combine", "moe_combine_norm"],
+        &[
+            "router_topk",
+            "moe_combine",
+            "moe_combine_norm",
+            "host_experts_publish",
+            "host_experts_wait",
+        ],
     ),
     (
         "sample.cu",

@@ -125,3 +125,72 @@ pub fn moe_combine_norm(
         .map_err(driver_err("moe_combine_norm"))?;
     Ok(())
 }
+
+/// The device side of the host-expert mailbox (`host_experts_*` in moe.cu): pinned host buffers
+/// mapped into the device, and the device's own counter.
+#[derive(Clone, Copy, Debug)]
+pub struct Mailbox {
+    /// Host f32 [rows, h]: inputs of rows with a host expert.
+    pub x: u64,
+    /// Host i32 [rows, per_row]: the routed ids of every row.
+    pub ids: u64,
+    /// Host f32 [rows · per_row, h]: the host's expert outputs, by slot.
+    pub y: u64,
+    /// Host u32 [published, answered, failed].
+    pub flags: u64,
+    /// Device u32 [counter, blocks arrived], zeroed before first use.
+    pub state: u64,
+}
+
+/// Hand the host the inputs of a layer whose router sent experts to it: `ids` (device,
+/// `rows·per_row`) and the rows of `x` (device, `rows·h`) that have an id < 0, then a new
+/// sequence number in `flags[0]`.
+pub fn host_experts_publish(
+    g: &Gpu,
+    m: Mailbox,
+    x: u64,
+    ids: u64,
+    per_row: usize,
+    h: usize,
+    rows: usize,
+) -> Result<()> {
+    let (ks, h32) = (per_row as i32, h as i32);
+    let mut b = g.launch_builder(g.kernels().get("host_experts_publish"));
+    b.arg(&x)
+        .arg(&ids)
+        .arg(&ks)
+        .arg(&h32)
+        .arg(&m.x)
+        .arg(&m.ids)
+        .arg(&m.state)
+        .arg(&m.flags);
+    // SAFETY: x holds rows·h floats and ids rows·per_row ints on the device; the mailbox's host
+    // buffers hold at least as many, flags 3 words, state 2 device words.
+    unsafe { b.launch(cfg((rows as u32, 1), 256, 0)) }
+        .map_err(driver_err("host_experts_publish"))?;
+    Ok(())
+}
+
+/// Wait for the host's answer to the last publish and copy its outputs into `y` (device,
+/// `slots·h`) at the slots whose id is < 0.
+pub fn host_experts_wait(
+    g: &Gpu,
+    m: Mailbox,
+    ids: u64,
+    y: u64,
+    h: usize,
+    slots: usize,
+) -> Result<()> {
+    let h32 = h as i32;
+    let mut b = g.launch_builder(g.kernels().get("host_experts_wait"));
+    b.arg(&ids)
+        .arg(&m.y)
+        .arg(&y)
+        .arg(&h32)
+        .arg(&m.state)
+        .arg(&m.flags);
+    // SAFETY: ids holds `slots` ints, y and the mailbox's y slots·h floats; flags 3 host words,
+    // state 2 device words.
+    unsafe { b.launch(cfg((slots as u32, 1), 256, 0)) }.map_err(driver_err("host_experts_wait"))?;
+    Ok(())
+}

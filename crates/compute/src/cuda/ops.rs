@@ -7,7 +7,10 @@ use cudarc::driver::LaunchConfig;
 
 use super::host::far_args;
 pub use super::host::Far;
-pub use super::moe::{moe_combine, moe_combine_norm, router_topk, Route};
+pub use super::moe::{
+    host_experts_publish, host_experts_wait, moe_combine, moe_combine_norm, router_topk, Mailbox,
+    Route,
+};
 use super::{driver_err, Gpu, Result};
 
 pub(crate) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {

@@ -18,6 +18,8 @@
 //! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
 //! layer pass.
 
+mod host_experts;
+mod host_team;
 mod offload;
 mod pool;
 mod prefill;
@@ -290,14 +292,22 @@ impl GpuModel {
                 .map_err(|e| unsupported(format!("graph launch: {e}")))?,
             None => self.enqueue_step(b)?,
         }
+        // The host computes the experts the step hands it, layer after layer, as it runs.
+        let served = self.serve_host_experts(b);
         // The residency policy digests the previous step while this one runs; its swaps follow
         // this step in stream order.
-        self.offload_policy()?;
+        let policy = match served {
+            Ok(_) => self.offload_policy(),
+            Err(_) => Ok(()),
+        };
         for (seq, _) in rows.iter_mut() {
             seq.pos += 1;
         }
         let next = g.read(&self.io, b)?.into_iter().map(|t| t as u32).collect();
-        self.offload_record(b);
+        let busy = served?;
+        policy?;
+        self.host_experts_failed()?;
+        self.offload_record(b, busy);
         Ok(next)
     }
 
@@ -639,10 +649,17 @@ impl GpuModel {
                     s.sg.ptr(),
                     b,
                 )?;
+                let mailbox = offload.as_ref().and(self.active_mailbox());
+                if let Some(m) = mailbox {
+                    ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
+                }
                 let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
                 ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
                 let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
                 ops::matvec(g, experts_down.mv(), s.h.ptr(), s.y.ptr(), down_slots)?;
+                if let Some(m) = mailbox {
+                    ops::host_experts_wait(g, m, ids, s.y.ptr(), h, n)?;
+                }
                 let bufs = MoeTail {
                     normed: s.normed.ptr(),
                     hs: s.hs.ptr(),

@@ -22,6 +22,7 @@ use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::{Far, Matvec};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
+use super::host_experts::HostExperts;
 use super::upload::{array_bytes, StackData};
 use super::{unsupported, DevMat, DevWeights, GpuFfn, GpuModel, Result, MAX_BATCH};
 use crate::layers::LinearWeight;
@@ -61,6 +62,9 @@ pub struct OffloadStats {
     pub misses: u64,
     /// Bytes the expert kernels read from host memory.
     pub far_bytes: u64,
+    /// Misses the host computed (CPU fallback; not read over PCIe), and the seconds it spent.
+    pub host: u64,
+    pub host_seconds: f64,
     /// Experts copied into the cache, and their bytes.
     pub admitted: u64,
     pub admit_bytes: u64,
@@ -213,12 +217,16 @@ fn copy_matrix(
 /// The offloaded experts of one MoE layer.
 pub(crate) struct LayerExperts {
     /// `[gate | up]` and down of every routed expert (then the shared one, when stacked).
-    gu: HostMat,
-    down: HostMat,
-    /// Where each routed expert is: its cache slot, or split + e.
+    pub(super) gu: HostMat,
+    pub(super) down: HostMat,
+    /// Where each routed expert is: its cache slot, split + e (read over PCIe), or −1 − e
+    /// (computed by the host); and the host's copy of that table.
     loc: DevBuf<i32>,
-    res: Residency,
-    experts: usize,
+    loc_host: Vec<i32>,
+    /// Experts outside the cache that the host computes.
+    host: Vec<bool>,
+    pub(super) res: Residency,
+    pub(super) experts: usize,
     stacked: bool,
 }
 
@@ -251,6 +259,8 @@ impl LayerExperts {
             gu,
             down,
             loc: g.zeros(experts)?,
+            loc_host: vec![0; experts],
+            host: vec![false; experts],
             res: Residency::new(experts, 0, Policy::default()),
             experts,
             stacked,
@@ -264,7 +274,7 @@ impl LayerExperts {
         Ok((self.gu.device_stack(g, n)?, self.down.device_stack(g, n)?))
     }
 
-    fn split(&self) -> usize {
+    pub(super) fn split(&self) -> usize {
         self.res.slots() + self.stacked as usize
     }
 
@@ -296,6 +306,37 @@ impl LayerExperts {
         copy_matrix(g, &self.down.pieces(), e, &cache.1.pieces(), to)
     }
 
+    /// Where expert `e` is now, as the router's `loc` table says it.
+    fn locate(&self, e: usize) -> i32 {
+        match self.res.slot_of(e) {
+            Some(c) => c as i32,
+            None if self.host[e] => -1 - e as i32,
+            None => (self.split() + e) as i32,
+        }
+    }
+
+    /// Point `loc[e]` at where expert `e` is now (in stream order).
+    fn relocate(&mut self, g: &Gpu, e: usize) -> Result<()> {
+        let v = self.locate(e);
+        if self.loc_host[e] != v {
+            g.set_i32(&self.loc, e, v)?;
+            self.loc_host[e] = v;
+        }
+        Ok(())
+    }
+
+    /// Let the host compute the experts outside the cache that `host` marks (the others are
+    /// read over PCIe), and rewrite the `loc` table (in stream order) when that moved any.
+    pub(super) fn set_host(&mut self, g: &Gpu, host: &[bool]) -> Result<()> {
+        self.host = host.to_vec();
+        let loc: Vec<i32> = (0..self.experts).map(|e| self.locate(e)).collect();
+        if loc != self.loc_host {
+            g.write(&mut self.loc, &loc)?;
+            self.loc_host = loc;
+        }
+        Ok(())
+    }
+
     /// Size the cache to `slots` (experts 0..slots cached) and fill it.
     fn resize(&mut self, g: &Gpu, slots: usize, gu: &mut DevMat, down: &mut DevMat) -> Result<()> {
         let slots = slots.min(self.experts);
@@ -311,11 +352,9 @@ impl LayerExperts {
             let e = if c < slots { c } else { self.experts };
             self.load(g, (gu, down), e, c)?;
         }
-        let split = self.split() as i32;
-        let loc: Vec<i32> = (0..self.experts as i32)
-            .map(|e| if (e as usize) < slots { e } else { split + e })
-            .collect();
-        g.write(&mut self.loc, &loc)
+        self.host = vec![false; self.experts];
+        self.loc_host = (0..self.experts).map(|e| self.locate(e)).collect();
+        g.write(&mut self.loc, &self.loc_host)
     }
 }
 
@@ -326,12 +365,16 @@ pub(crate) struct Offload {
     /// their pinned host copy.
     ids: DevBuf<i32>,
     ids_host: HostBuf<i32>,
-    per_row: usize,
+    pub(super) per_row: usize,
     /// Stacks of all experts of a layer, for prefill.
     stage: (DevMat, DevMat),
     stats: Cell<OffloadStats>,
     /// The routed ids and row count of the last completed step, until the policy has seen them.
     pending: Option<(Vec<i32>, usize)>,
+    /// Whether the host may compute experts (the CPU fallback; on unless turned off), and its
+    /// state when it is set up.
+    pub(super) host_wanted: bool,
+    pub(super) host: Option<HostExperts>,
 }
 
 impl Offload {
@@ -339,7 +382,7 @@ impl Offload {
         MAX_BATCH * self.per_row
     }
 
-    fn add(&self, f: impl FnOnce(&mut OffloadStats)) {
+    pub(super) fn add(&self, f: impl FnOnce(&mut OffloadStats)) {
         let mut s = self.stats.get();
         f(&mut s);
         self.stats.set(s);
@@ -348,7 +391,7 @@ impl Offload {
 
 impl GpuModel {
     /// The offloaded experts of layer `i`, if any.
-    fn layer_experts(&self, i: usize) -> Option<&LayerExperts> {
+    pub(super) fn layer_experts(&self, i: usize) -> Option<&LayerExperts> {
         match &self.layers[i].ffn {
             GpuFfn::Moe { offload, .. } => offload.as_deref(),
             GpuFfn::Dense { .. } => None,
@@ -380,11 +423,16 @@ impl GpuModel {
                 stage,
                 stats: Cell::new(OffloadStats::default()),
                 pending: None,
+                host_wanted: true,
+                host: None,
             });
         }
         self.graphs.clear();
+        let mut host_on = false;
         if let Some(o) = self.offload.as_mut() {
             o.pending = None;
+            o.host = None;
+            host_on = o.host_wanted;
         }
         let (free, total) = g.mem_info()?;
         // What the caches may take: the free memory less the state reserve (and within the
@@ -421,6 +469,9 @@ impl GpuModel {
             }
         }
         g.sync()?;
+        if host_on {
+            self.set_host_experts(true)?;
+        }
         Ok(slots)
     }
 
@@ -456,10 +507,12 @@ impl GpuModel {
         }
     }
 
-    /// After a `b`-row step has completed: keep its routed ids for [`Self::offload_policy`].
-    pub(super) fn offload_record(&mut self, b: usize) {
+    /// After a `b`-row step has completed (the host computed experts for `host_seconds`): keep
+    /// its routed ids for [`Self::offload_policy`].
+    pub(super) fn offload_record(&mut self, b: usize, host_seconds: f64) {
         if let Some(o) = self.offload.as_mut() {
             o.pending = Some((o.ids_host.as_slice().to_vec(), b));
+            o.add(|s| s.host_seconds += host_seconds);
         }
     }
 
@@ -488,14 +541,18 @@ impl GpuModel {
                 continue;
             };
             let split = lx.split();
-            let (mut used, mut missed) = (Vec::new(), Vec::new());
+            let (mut used, mut missed, mut host) = (Vec::new(), Vec::new(), 0);
             for r in 0..b {
                 for &id in &ids[i * len + r * per_row..][..top_k] {
-                    let id = id as usize;
-                    if id >= split {
-                        used.push(id - split);
-                        missed.push(id - split);
-                    } else if let Some(e) = lx.res.expert_in(id) {
+                    if id < 0 {
+                        let e = (-1 - id) as usize;
+                        used.push(e);
+                        missed.push(e);
+                        host += 1;
+                    } else if id as usize >= split {
+                        used.push(id as usize - split);
+                        missed.push(id as usize - split);
+                    } else if let Some(e) = lx.res.expert_in(id as usize) {
                         used.push(e);
                     }
                 }
@@ -503,15 +560,16 @@ impl GpuModel {
             let bytes = lx.expert_bytes() as u64;
             st.hits += (used.len() - missed.len()) as u64;
             st.misses += missed.len() as u64;
-            st.far_bytes += missed.len() as u64 * bytes;
+            st.host += host;
+            st.far_bytes += (missed.len() as u64 - host) * bytes;
             lx.res.observe(&used);
             for s in lx.res.plan(&missed) {
-                if let Some(v) = s.evicted {
-                    g.set_i32(&lx.loc, v, (split + v) as i32)?;
-                }
                 lx.load(&g, (experts_gu, experts_down), s.expert, s.slot)?;
-                g.set_i32(&lx.loc, s.expert, s.slot as i32)?;
                 lx.res.apply(s);
+                if let Some(v) = s.evicted {
+                    lx.relocate(&g, v)?;
+                }
+                lx.relocate(&g, s.expert)?;
                 st.admitted += 1;
                 st.admit_bytes += bytes;
             }
@@ -519,7 +577,7 @@ impl GpuModel {
         if let Some(o) = self.offload.as_ref() {
             o.stats.set(st);
         }
-        Ok(())
+        self.maybe_split_host_experts()
     }
 
     /// For a prefill pass of layer `i` whose `pairs` routed ids (expert indices; the shared

@@ -1,0 +1,372 @@
+//! Expert offload's CPU fallback: the host computes some of the experts outside the device
+//! cache instead of the GPU reading their weights over PCIe.
+//!
+//! Which ones is the pure policy of [`crate::host_split`], fed with each expert's expected uses
+//! (the residency policy's rates) and with costs measured when the cache is sized: the GPU's time
+//! to read one far expert, the host's to compute one and its fixed cost per layer. The router
+//! writes id `−1 − e` for a host expert e (its `loc` entry), the expert kernels skip those slots,
+//! and per MoE layer the step hands the host its inputs through a mailbox of mapped pinned
+//! memory (`host_experts_publish`, moe.cu) and waits for the outputs
+//! (`host_experts_wait`) just before the combine. The host answers layer after layer while the
+//! step's graph runs ([`GpuModel::serve_host_experts`], threads of [`super::host_team`]), with
+//! the twins of the GPU's expert kernels ([`deltamoe_compute::cpu::gpu_twin`]): the same operations in the same order, so the
+//! logits stay bitwise those of the all-resident model.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use deltamoe_compute::cpu::gpu_twin::{self, TwinMat};
+use deltamoe_compute::cuda::host::HostBuf;
+use deltamoe_compute::cuda::ops::{self, Mailbox, Slots};
+use deltamoe_compute::cuda::{DevBuf, Gpu};
+use super::host_team::{run_rounds, Job, Out};
+use super::offload::{HostMat, HostWeights, LayerExperts};
+use super::{unsupported, GpuFfn, GpuModel, Result, MAX_BATCH};
+use crate::host_split::{self, Costs};
+
+/// How long the host waits for the GPU to publish a layer before it reports the step failed.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Decode steps between two runs of the split policy.
+const SPLIT_EVERY: u64 = 16;
+
+/// The mailbox and the host's side of the hand-off.
+pub(crate) struct HostExperts {
+    x: HostBuf<f32>,
+    ids: HostBuf<i32>,
+    y: HostBuf<f32>,
+    flags: HostBuf<u32>,
+    state: DevBuf<u32>,
+    /// The sequence number of the last layer the host answered.
+    served: Cell<u32>,
+    costs: Costs,
+    /// Whether any layer sends experts to the host now (the step then has the hand-off kernels).
+    pub(super) active: bool,
+    /// Steps since the split policy last ran.
+    since_split: u64,
+}
+
+impl HostExperts {
+    fn new(g: &Gpu, hidden: usize, per_row: usize, costs: Costs) -> Result<HostExperts> {
+        Ok(HostExperts {
+            x: HostBuf::zeros(g, MAX_BATCH * hidden)?,
+            ids: HostBuf::zeros(g, MAX_BATCH * per_row)?,
+            y: HostBuf::zeros(g, MAX_BATCH * per_row * hidden)?,
+            flags: HostBuf::zeros(g, 3)?,
+            state: g.zeros(2)?,
+            served: Cell::new(0),
+            costs,
+            active: false,
+            since_split: 0,
+        })
+    }
+
+    pub(super) fn mailbox(&self) -> Mailbox {
+        Mailbox {
+            x: self.x.ptr(),
+            ids: self.ids.ptr(),
+            y: self.y.ptr(),
+            flags: self.flags.ptr(),
+            state: self.state.ptr(),
+        }
+    }
+
+    fn flag(&self, i: usize) -> &AtomicU32 {
+        // SAFETY: flags holds 3 u32 words of pinned host memory that live as long as self; the
+        // GPU writes words 0 and 2 and reads word 1, all through aligned 32-bit accesses.
+        unsafe { AtomicU32::from_ptr(self.flags.as_slice().as_ptr().add(i) as *mut u32) }
+    }
+
+    pub(super) fn costs(&self) -> Costs {
+        self.costs
+    }
+}
+
+impl HostMat {
+    /// Matrix `e` of the stack, for the host's kernels.
+    pub(super) fn twin(&self, e: usize) -> TwinMat<'_> {
+        let nk = self.n * self.k;
+        match &self.w {
+            HostWeights::Bf16(b) => TwinMat::Bf16(&b.as_slice()[e * nk..(e + 1) * nk]),
+            HostWeights::Affine {
+                words,
+                scales,
+                biases,
+                bits,
+                group,
+            } => {
+                let (nw, ng) = (nk * *bits as usize / 32, nk / group);
+                TwinMat::Affine {
+                    words: &words.as_slice()[e * nw..(e + 1) * nw],
+                    scales: &scales.as_slice()[e * ng..(e + 1) * ng],
+                    biases: &biases.as_slice()[e * ng..(e + 1) * ng],
+                    bits: *bits,
+                    group: *group,
+                }
+            }
+        }
+    }
+}
+
+/// Seconds the host takes to compute `n` experts of `lx`: the fastest of 5 rounds after a warm-up.
+fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
+    let x: Vec<f32> = (0..lx.gu.k)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+        .collect();
+    let mut out = vec![0f32; n * lx.gu.k];
+    let sink = Out {
+        ptr: out.as_mut_ptr(),
+        len: out.len(),
+    };
+    let job = |_| {
+        Some(Job {
+            lx,
+            experts: (0..n).map(|i| i % lx.gu.count.max(1)).collect(),
+            xs: vec![x.clone(); n],
+            slots: (0..n).collect(),
+        })
+    };
+    let times = run_rounds(6, sink, job, |_| {}).map_err(twin_err)?;
+    Ok(times[1..].iter().copied().fold(f64::INFINITY, f64::min))
+}
+
+fn twin_err(e: gpu_twin::TwinError) -> deltamoe_compute::cuda::CudaError {
+    unsupported(format!("host experts: {e}"))
+}
+
+impl GpuModel {
+    /// Let the host compute experts outside the caches when the split policy finds that faster
+    /// (`on`, the default of an offloaded model), or keep every far expert on the GPU. Measures
+    /// the costs the policy weighs: a far expert's read by the GPU and the host's time for one
+    /// and two experts. A model that offloads nothing ignores it.
+    pub fn set_host_experts(&mut self, on: bool) -> Result<()> {
+        self.graphs.clear();
+        let Some(o) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        o.host = None;
+        o.host_wanted = on;
+        let layers: Vec<usize> = (0..self.layers.len())
+            .filter(|&i| self.layer_experts(i).is_some())
+            .collect();
+        for &i in &layers {
+            if let GpuFfn::Moe {
+                offload: Some(lx), ..
+            } = &mut self.layers[i].ffn
+            {
+                lx.set_host(&self.gpu, &vec![false; lx.experts])?;
+            }
+        }
+        if !on || layers.is_empty() {
+            return Ok(());
+        }
+        let lx = self.layer_experts(layers[0]).ok_or_else(|| unsupported("no experts".into()))?;
+        let (one, two) = (time_host(lx, 1)?, time_host(lx, 2)?);
+        let each = (two - one).max(one / 4.0);
+        let link = self.time_far_expert(layers[0])?;
+        self.set_host_costs(Costs {
+            link,
+            fixed: (one - each).max(0.0),
+            each,
+        })
+    }
+
+    /// Let the host compute experts, the split policy weighing `costs` instead of measured ones
+    /// (tests, reproducible runs). A model that offloads nothing ignores it.
+    pub fn set_host_costs(&mut self, costs: Costs) -> Result<()> {
+        self.graphs.clear();
+        let hidden = self.hidden;
+        let Some(o) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        o.host_wanted = true;
+        o.host = Some(HostExperts::new(&self.gpu, hidden, o.per_row, costs)?);
+        self.split_host_experts()
+    }
+
+    /// The split policy's costs when the host computes experts.
+    pub fn host_expert_costs(&self) -> Option<Costs> {
+        Some(self.offload.as_ref()?.host.as_ref()?.costs())
+    }
+
+    /// Seconds the GPU takes to read and apply one far expert of layer `i` (gate/up and down of
+    /// four experts outside the cache at once, per expert; the best of 3 rounds).
+    fn time_far_expert(&self, i: usize) -> Result<f64> {
+        let lx = self
+            .layer_experts(i)
+            .ok_or_else(|| unsupported(format!("layer {i}")))?;
+        let GpuFfn::Moe {
+            experts_gu,
+            experts_down,
+            ..
+        } = &self.layers[i].ffn
+        else {
+            return Err(unsupported(format!("layer {i} is not an MoE layer")));
+        };
+        let (g, s) = (&*self.gpu, &self.scratch);
+        let outside: Vec<usize> = (0..lx.experts)
+            .filter(|&e| lx.res.slot_of(e).is_none())
+            .collect();
+        if outside.is_empty() {
+            return Ok(f64::INFINITY);
+        }
+        let mut best = f64::INFINITY;
+        let (a, b) = (g.timer()?, g.timer()?);
+        for round in 0..4 {
+            let ids: Vec<i32> = (0..4)
+                .map(|j| (lx.split() + outside[(round * 4 + j) % outside.len()]) as i32)
+                .collect();
+            let ids = g.upload(&ids)?;
+            let inter = experts_gu.n / 2;
+            g.mark(&a)?;
+            let gu = Slots::experts(4, ids.ptr(), 0, 1).with_far(Some(lx.far_gu()));
+            ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu)?;
+            let dn = Slots::experts(4, ids.ptr(), inter, 1).with_far(Some(lx.far_down()));
+            ops::matvec(g, experts_down.mv(), s.h.ptr(), s.y.ptr(), dn)?;
+            g.mark(&b)?;
+            g.sync()?;
+            // The first round warms the kernels up.
+            if round > 0 {
+                best = best.min(g.elapsed_ms(&a, &b)? as f64 / 1e3 / 4.0);
+            }
+        }
+        Ok(best)
+    }
+
+    /// Run the split policy on every offloaded layer and point the routing at its choice.
+    pub(super) fn split_host_experts(&mut self) -> Result<()> {
+        let Some(costs) = self.host_expert_costs() else {
+            return Ok(());
+        };
+        let (g, top_k) = (self.gpu.clone(), self.top_k);
+        let mut any = false;
+        for l in &mut self.layers {
+            let GpuFfn::Moe {
+                offload: Some(lx), ..
+            } = &mut l.ffn
+            else {
+                continue;
+            };
+            let rates = lx
+                .res
+                .rates()
+                .unwrap_or_else(|| vec![top_k as f64 / lx.experts as f64; lx.experts]);
+            let outside: Vec<usize> = (0..lx.experts)
+                .filter(|&e| lx.res.slot_of(e).is_none())
+                .collect();
+            let pick = host_split::split(
+                &outside.iter().map(|&e| rates[e]).collect::<Vec<_>>(),
+                costs,
+            );
+            let mut host = vec![false; lx.experts];
+            for (&e, &h) in outside.iter().zip(&pick) {
+                host[e] = h;
+            }
+            any |= pick.iter().any(|&h| h);
+            lx.set_host(&g, &host)?;
+        }
+        if let Some(hx) = self.offload.as_mut().and_then(|o| o.host.as_mut()) {
+            if hx.active != any {
+                hx.active = any;
+                self.graphs.clear();
+            }
+            hx.since_split = 0;
+        }
+        Ok(())
+    }
+
+    /// After a step's uses were counted: rerun the split policy every [`SPLIT_EVERY`] steps.
+    pub(super) fn maybe_split_host_experts(&mut self) -> Result<()> {
+        let Some(hx) = self.offload.as_mut().and_then(|o| o.host.as_mut()) else {
+            return Ok(());
+        };
+        hx.since_split += 1;
+        if hx.since_split < SPLIT_EVERY {
+            return Ok(());
+        }
+        self.split_host_experts()
+    }
+
+    /// The mailbox, when this step hands experts to the host.
+    pub(super) fn active_mailbox(&self) -> Option<Mailbox> {
+        let hx = self.offload.as_ref()?.host.as_ref()?;
+        hx.active.then(|| hx.mailbox())
+    }
+
+    /// While a `b`-row step runs: answer each offloaded layer's hand-off in turn, computing the
+    /// experts its router sent to the host. Returns the seconds spent computing.
+    pub(super) fn serve_host_experts(&self, b: usize) -> Result<f64> {
+        let Some(o) = self.offload.as_ref() else {
+            return Ok(0.0);
+        };
+        let Some(hx) = o.host.as_ref().filter(|h| h.active) else {
+            return Ok(0.0);
+        };
+        let (per_row, hidden) = (o.per_row, self.hidden);
+        let layers: Vec<&LayerExperts> = (0..self.layers.len())
+            .filter_map(|i| self.layer_experts(i))
+            .collect();
+        let base = hx.served.get();
+        let (published, answered) = (hx.flag(0), hx.flag(1));
+        let (ids, x) = (hx.ids.as_slice(), hx.x.as_slice());
+        let timeout = Mutex::new(None);
+        let next = |r: usize| {
+            let seq = base.wrapping_add(r as u32 + 1);
+            let t0 = Instant::now();
+            while published.load(Ordering::Acquire) != seq {
+                if t0.elapsed() > PUBLISH_TIMEOUT {
+                    if let Ok(mut t) = timeout.lock() {
+                        *t = Some(r);
+                    }
+                    return None;
+                }
+                std::hint::spin_loop();
+            }
+            let mut job = Job {
+                lx: layers[r],
+                experts: Vec::new(),
+                xs: Vec::new(),
+                slots: Vec::new(),
+            };
+            for (s, &id) in ids[..b * per_row].iter().enumerate() {
+                if id < 0 {
+                    let row = s / per_row;
+                    job.experts.push((-1 - id) as usize);
+                    job.xs.push(x[row * hidden..(row + 1) * hidden].to_vec());
+                    job.slots.push(s);
+                }
+            }
+            Some(job)
+        };
+        let finish = |r: usize| answered.store(base.wrapping_add(r as u32 + 1), Ordering::Release);
+        let out = Out {
+            ptr: hx.y.as_slice().as_ptr() as *mut f32,
+            len: hx.y.len(),
+        };
+        let times = run_rounds(layers.len(), out, next, finish).map_err(twin_err)?;
+        hx.served.set(base.wrapping_add(times.len() as u32));
+        if let Some(r) = timeout.into_inner().ok().flatten() {
+            return Err(unsupported(format!(
+                "the GPU did not hand offloaded layer {r}'s experts to the host within {} s",
+                PUBLISH_TIMEOUT.as_secs()
+            )));
+        }
+        Ok(times.iter().sum())
+    }
+
+    /// After a step completed: whether the GPU gave up waiting for the host.
+    pub(super) fn host_experts_failed(&self) -> Result<()> {
+        let Some(hx) = self.offload.as_ref().and_then(|o| o.host.as_ref()) else {
+            return Ok(());
+        };
+        if hx.flag(2).load(Ordering::Acquire) != 0 {
+            return Err(unsupported(
+                "the GPU stopped waiting for experts computed on the host; the step's results are void"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}

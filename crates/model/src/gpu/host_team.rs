@@ -1,0 +1,239 @@
+//! The host threads that compute experts for a decode step ([`super::host_experts`]): every
+//! thread of rayon's pool stays awake for the whole step and spins between layers, because a
+//! layer's host work is a few tens of microseconds and waking sleeping threads for each layer
+//! would cost as much.
+//!
+//! The step is a sequence of rounds, one per offloaded MoE layer. In round r the leader (pool
+//! thread 0) waits for the round's [`Job`] (the GPU's hand-off) and publishes it; then every
+//! thread takes pieces of [`PIECE_ROWS`] output rows, first of the experts' SwiGLU, then — once
+//! all of those are done — of their down projections, which land in the job's output slots;
+//! the leader finishes the round (the answer to the GPU) once every piece is done. Pieces write
+//! disjoint rows, so no locks; counters hand them out.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+use deltamoe_compute::cpu::gpu_twin::{self, TwinError, TwinInput};
+
+use super::offload::LayerExperts;
+
+/// Output rows per piece of host work.
+pub(super) const PIECE_ROWS: usize = 64;
+
+/// One round's work: expert `experts[t]` on input `xs[t]`, its output written at
+/// `out + slots[t]·hidden`.
+pub(super) struct Job<'a> {
+    pub lx: &'a LayerExperts,
+    pub experts: Vec<usize>,
+    pub xs: Vec<Vec<f32>>,
+    pub slots: Vec<usize>,
+}
+
+/// Where jobs write their outputs: `len` floats from `ptr`, written in disjoint rows.
+#[derive(Clone, Copy)]
+pub(super) struct Out {
+    pub ptr: *mut f32,
+    pub len: usize,
+}
+
+// SAFETY: the threads of a round write disjoint rows of the buffer (one piece each), and the
+// buffer outlives the rounds (the caller's contract on `run_rounds`).
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+/// Pieces of one phase of a round, handed out by a counter.
+#[derive(Default)]
+struct Phase {
+    claimed: AtomicUsize,
+    done: AtomicUsize,
+}
+
+impl Phase {
+    /// Take pieces of `0..n` and run `f` on each until none is left, then wait until every
+    /// thread's pieces are done.
+    fn run(&self, n: usize, f: impl Fn(usize)) {
+        loop {
+            let i = self.claimed.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                break;
+            }
+            f(i);
+            self.done.fetch_add(1, Ordering::Release);
+        }
+        while self.done.load(Ordering::Acquire) < n {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// One round's shared state.
+#[derive(Default)]
+struct Round<'a> {
+    job: OnceLock<Option<Job<'a>>>,
+    gu: Phase,
+    down: Phase,
+    /// The SwiGLU outputs `[tasks, inter]` (f32 bits).
+    h: OnceLock<Vec<AtomicU32>>,
+}
+
+/// Piece i of `tasks` outputs of `width` rows each: (task, first row, rows).
+fn piece(i: usize, width: usize) -> (usize, usize, usize) {
+    let per = width.div_ceil(PIECE_ROWS);
+    let (t, j) = (i / per, i % per);
+    let r0 = j * PIECE_ROWS;
+    (t, r0, PIECE_ROWS.min(width - r0))
+}
+
+/// Pieces of `tasks` outputs of `width` rows.
+fn pieces(tasks: usize, width: usize) -> usize {
+    tasks * width.div_ceil(PIECE_ROWS)
+}
+
+/// Run `rounds` rounds on every thread of rayon's pool. `next(r)` (called by the leader; it may
+/// wait) gives round r's job, None to stop early; `finish(r)` runs on the leader once round r's
+/// outputs are all written. Returns the seconds each round took from its job to its finish.
+/// `out` must hold every slot a job names and stay valid until this returns.
+pub(super) fn run_rounds<'a>(
+    rounds: usize,
+    out: Out,
+    next: impl Fn(usize) -> Option<Job<'a>> + Sync,
+    finish: impl Fn(usize) + Sync,
+) -> Result<Vec<f64>, TwinError> {
+    let state: Vec<Round<'a>> = (0..rounds).map(|_| Round::default()).collect();
+    let error: Mutex<Option<TwinError>> = Mutex::new(None);
+    let failed = AtomicBool::new(false);
+    let fail = |e: TwinError| {
+        failed.store(true, Ordering::Relaxed);
+        if let Ok(mut slot) = error.lock() {
+            slot.get_or_insert(e);
+        }
+    };
+    let times = rayon::broadcast(|ctx| {
+        let leader = ctx.index() == 0;
+        let mut times = Vec::new();
+        for (r, round) in state.iter().enumerate() {
+            let t0 = leader.then(|| {
+                let job = next(r);
+                let t = Instant::now();
+                if let Some(j) = &job {
+                    let inter = j.lx.gu.n / 2;
+                    let h = (0..j.experts.len() * inter).map(|_| AtomicU32::new(0));
+                    let _ = round.h.set(h.collect());
+                }
+                let _ = round.job.set(job);
+                t
+            });
+            let job = loop {
+                if let Some(j) = round.job.get() {
+                    break j;
+                }
+                std::hint::spin_loop();
+            };
+            let Some(job) = job else { break };
+            if !job.experts.is_empty() && !failed.load(Ordering::Relaxed) {
+                if let Err(e) = work(job, round, out) {
+                    fail(e);
+                }
+            }
+            if let Some(t0) = t0 {
+                times.push(t0.elapsed().as_secs_f64());
+                finish(r);
+            }
+        }
+        times
+    });
+    if let Some(e) = error.into_inner().ok().flatten() {
+        return Err(e);
+    }
+    Ok(times.into_iter().next().unwrap_or_default())
+}
+
+/// This thread's share of a round: SwiGLU pieces, then (after all threads' are done) down
+/// pieces.
+fn work(job: &Job, round: &Round, out: Out) -> Result<(), TwinError> {
+    let (lx, tasks) = (job.lx, job.experts.len());
+    let (inter, hidden) = (lx.gu.n / 2, lx.gu.k);
+    let h = round.h.get().map(Vec::as_slice).unwrap_or(&[]);
+    let error = Mutex::new(None);
+    let keep = |r: Result<(), TwinError>| {
+        if let (Err(e), Ok(mut slot)) = (r, error.lock()) {
+            slot.get_or_insert(e);
+        }
+    };
+    // Inputs prepared by each thread for the tasks it meets, on first use.
+    let mut inputs: Vec<Option<TwinInput>> = (0..tasks).map(|_| None).collect();
+    let cell = std::cell::RefCell::new(&mut inputs);
+    round.gu.run(pieces(tasks, inter), |i| {
+        let (t, r0, n) = piece(i, inter);
+        let m = lx.gu.twin(job.experts[t]);
+        let mut inputs = cell.borrow_mut();
+        let x = match &mut inputs[t] {
+            Some(x) => x,
+            slot => match TwinInput::new(&job.xs[t], &m) {
+                Ok(x) => slot.insert(x),
+                Err(e) => return keep(Err(e)),
+            },
+        };
+        let mut o = [0f32; PIECE_ROWS];
+        keep(gpu_twin::swiglu_rows(&m, inter, x, r0..r0 + n, &mut o[..n]));
+        for (j, v) in o[..n].iter().enumerate() {
+            h[t * inter + r0 + j].store(v.to_bits(), Ordering::Relaxed);
+        }
+    });
+    let mut inputs: Vec<Option<TwinInput>> = (0..tasks).map(|_| None).collect();
+    let cell = std::cell::RefCell::new(&mut inputs);
+    round.down.run(pieces(tasks, hidden), |i| {
+        let (t, r0, n) = piece(i, hidden);
+        let m = lx.down.twin(job.experts[t]);
+        let mut inputs = cell.borrow_mut();
+        let x = match &mut inputs[t] {
+            Some(x) => x,
+            slot => {
+                let ht: Vec<f32> = h[t * inter..(t + 1) * inter]
+                    .iter()
+                    .map(|v| f32::from_bits(v.load(Ordering::Relaxed)))
+                    .collect();
+                match TwinInput::new(&ht, &m) {
+                    Ok(x) => slot.insert(x),
+                    Err(e) => return keep(Err(e)),
+                }
+            }
+        };
+        let at = job.slots[t] * hidden + r0;
+        if at + n > out.len {
+            return keep(Err(TwinError::Shape(format!(
+                "host expert output slot {} past the mailbox",
+                job.slots[t]
+            ))));
+        }
+        // SAFETY: rows at..at + n of `out` (in bounds, checked above) belong to this piece
+        // alone: pieces cover disjoint rows of disjoint slots, and the buffer outlives the round.
+        let o = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(at), n) };
+        keep(gpu_twin::matvec_rows(&m, x, r0..r0 + n, o));
+    });
+    match error.into_inner() {
+        Ok(Some(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{piece, pieces, PIECE_ROWS};
+
+    #[test]
+    fn pieces_cover_every_row_once() {
+        for width in [1usize, 63, 64, 65, 150, 2048] {
+            let mut seen = vec![0u8; 3 * width];
+            for i in 0..pieces(3, width) {
+                let (t, r0, n) = piece(i, width);
+                assert!(n >= 1 && n <= PIECE_ROWS);
+                for r in r0..r0 + n {
+                    seen[t * width + r] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&c| c == 1), "{width}");
+        }
+    }
+}
