@@ -55,6 +55,37 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
+// silu(x) = x / (1 + e^−x) from IEEE-exact operations only (explicit fmaf, mul, div, rintf, bit
+// patterns), so the host twin `cpu::gpu_twin::silu_portable` computes the same bits; expf is a
+// hardware approximation no host can reproduce. Used where the host computes some routed experts
+// of a decode step and logits must not depend on which side did (matvec_swiglu_bf16,
+// matvec_swiglu_affine). No product feeds an add except inside an explicit fmaf, so contraction
+// cannot change it. Error ≤ 3 ulp where |silu(x)| ≥ 1e-36.
+//   x NaN: x. e^−x ≥ 2^128 (x ≤ −89, or overflow in the last fmaf): −0. e^−x < 2^−150 (x > 104): x.
+//   Else a = −x, n = rint(a·log2 e), r = a − n·ln2 (two fmaf, ln2 = LN2_HI + LN2_LO),
+//   e^r by Horner on the degree-7 Taylor polynomial (|r| ≤ 0.35: truncation < 0.05 ulp),
+//   1 + e^r·2^n as one fmaf with 2^n = 2^(n>>1) · 2^(n − (n>>1)) (each a normal power of two).
+__device__ __forceinline__ float silu_portable(float x) {
+    if (x != x) return x;
+    float a = -x;
+    if (a >= 89.f) return -0.f;
+    if (a < -104.f) return x;
+    float n = rintf(a * __uint_as_float(0x3fb8aa3bu));        // log2 e
+    float r = fmaf(-n, __uint_as_float(0x3f317218u), a);      // ln2, high part
+    r = fmaf(-n, __uint_as_float(0xb102e308u), r);            // ln2, low part
+    float p = __uint_as_float(0x39500d01u);                   // 1/7!
+    p = fmaf(p, r, __uint_as_float(0x3ab60b61u));             // 1/6!
+    p = fmaf(p, r, __uint_as_float(0x3c088889u));             // 1/5!
+    p = fmaf(p, r, __uint_as_float(0x3d2aaaabu));             // 1/4!
+    p = fmaf(p, r, __uint_as_float(0x3e2aaaabu));             // 1/3!
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.f);
+    p = fmaf(p, r, 1.f);
+    int k = (int)n, k1 = k >> 1;
+    float s1 = __int_as_float((k1 + 127) << 23), s2 = __int_as_float((k - k1 + 127) << 23);
+    return x / fmaf(p * s1, s2, 1.f);
+}
+
 // c += a · b for one m16n8k16 tensor-core tile, bf16 inputs, f32 accumulators (sm_80+): a is
 // the row fragment's four registers, b the column fragment's two.
 __device__ __forceinline__ void mma_bf16(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,

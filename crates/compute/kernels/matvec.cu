@@ -17,6 +17,8 @@
 //   W: [E, 2I, K] with gate rows 0..I and up rows I..2I (the HF gate_up layout); h: [S, I].
 //   Slots and inputs as matvec_bf16. grid (S, ceil(I / 8)), block 256: one warp per n computes
 //   the gate and up dot products together.
+//   silu is silu_portable (common.cuh): the host's cpu::gpu_twin computes these outputs bit for
+//   bit, so routed experts can run on either side.
 
 // Loads per lane in flight before any is used: enough bytes in flight to cover HBM latency.
 #define MV_UNROLL 4
@@ -104,5 +106,5 @@ extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, cons
     const float* xs = x + (s / x_div) * x_stride;
     float g = dot_row(base + (long long)n * K, xs, K, lane);
     float u = dot_row(base + (long long)(I + n) * K, xs, K, lane);
-    if (lane == 0) h[(long long)s * I + n] = silu_f(g) * u;
+    if (lane == 0) h[(long long)s * I + n] = silu_portable(g) * u;
 }

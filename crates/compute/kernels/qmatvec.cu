@@ -16,6 +16,8 @@
 // kernel before (common.cuh, PREFETCH_BLOCKS).
 // matvec_swiglu_affine: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
 //   first). grid (S, ceil(I/(8·R/2))), block 256: a warp per R/2 outputs (R rows).
+//   silu is silu_portable (common.cuh): the host's cpu::gpu_twin computes these outputs bit for
+//   bit, so routed experts can run on either side.
 
 // Words per lane and row in flight before any is used.
 #define QMV_UNROLL 4
@@ -147,7 +149,7 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
     dot_rows_affine<BITS, R>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, __ffs(G) - 1, lane, out);
 #pragma unroll
     for (int r = 0; r < NPW; ++r)
-        if (lane == r && r < nn) h[(long long)s * I + n0 + r] = silu_f(out[r]) * out[NPW + r];
+        if (lane == r && r < nn) h[(long long)s * I + n0 + r] = silu_portable(out[r]) * out[NPW + r];
 }
 
 #define QMV_DISPATCH(F, ...)                                          \

@@ -6,6 +6,11 @@ pub mod attention;
 pub mod conv;
 pub mod gdn;
 pub mod gdn_bf16;
+pub mod gpu_twin;
+#[cfg(test)]
+mod gpu_twin_tests;
+#[cfg(target_arch = "x86_64")]
+mod gpu_twin_x86;
 pub mod matmul;
 pub mod norm;
 pub mod quant;
