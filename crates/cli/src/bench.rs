@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// Decode steps timed per measurement.
     #[arg(long, default_value_t = 32)]
     gen_len: usize,
+    /// Decode steps run before each timed measurement (with offload: lets the expert cache
+    /// settle on the routing before it is timed).
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
     /// Context lengths for the CUDA decode measurements.
     #[arg(long, value_delimiter = ',', default_values_t = [128usize, 4096, 32768])]
     contexts: Vec<usize>,
@@ -89,7 +93,7 @@ pub struct BenchArgs {
     zipf: Option<f64>,
     /// With offloaded experts: let the CPU compute some of the experts outside the GPU's cache
     /// (on) or read them all over PCIe (off); several values are measured one after another.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OnOff::On])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OnOff::Off])]
     cpu_experts: Vec<OnOff>,
     /// Also write the results as JSON here.
     #[arg(long)]
@@ -217,7 +221,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
                 model: Some(dir.clone()),
                 device: Device::Cpu,
                 expert_cache: None,
-                no_cpu_experts: false,
+                cpu_experts: false,
             })?;
             (m, dir.display().to_string())
         }
@@ -287,7 +291,13 @@ fn layer_times(
 
 /// Decode `b` sequences together at context `ctx`: tok/s over all of them, bytes per step
 /// and fraction of the copy bandwidth; with one sequence also the eager time per layer kind.
-fn decode_at(model: &mut GpuModel, ctx: usize, b: usize, gen_len: usize, bw: f64) -> Result<Value> {
+fn decode_at(
+    model: &mut GpuModel,
+    ctx: usize,
+    b: usize,
+    (warmup, gen_len): (usize, usize),
+    bw: f64,
+) -> Result<Value> {
     let mut seqs = (0..b)
         .map(|_| model.new_seq())
         .collect::<Result<Vec<_>, _>>()?;
@@ -301,7 +311,7 @@ fn decode_at(model: &mut GpuModel, ctx: usize, b: usize, gen_len: usize, bw: f64
             *toks = model.step_batch(&mut rows)?;
             anyhow::Ok(())
         };
-    for _ in 0..3 {
+    for _ in 0..warmup {
         step(model, &mut seqs, &mut toks)?;
     }
     let t = Instant::now();
@@ -376,7 +386,7 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
                 model: Some(dir.clone()),
                 device: Device::Cuda,
                 expert_cache: None,
-                no_cpu_experts: false,
+                cpu_experts: false,
             })?;
             let max = m.config().max_position_embeddings;
             (
@@ -406,10 +416,10 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         .contexts
         .iter()
         .copied()
-        .filter(|&c| c + a.gen_len + 16 <= max_pos)
+        .filter(|&c| c + a.warmup + a.gen_len + 16 <= max_pos)
         .collect();
-    let max_ctx =
-        (contexts.iter().max().copied().unwrap_or(0) + a.gen_len + 16).max(prompt_max + 1);
+    let max_ctx = (contexts.iter().max().copied().unwrap_or(0) + a.warmup + a.gen_len + 16)
+        .max(prompt_max + 1);
     let max_batch = a.batch.iter().copied().max().unwrap_or(1).max(1);
     model.reserve(max_batch, max_ctx)?;
     let prefill = prefill_at(&mut model, &lens)?;
@@ -443,7 +453,7 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
             for &ctx in &contexts {
                 for &b in &a.batch {
                     let before = model.offload_stats();
-                    let mut row = decode_at(&mut model, ctx, b.max(1), a.gen_len, bw)?;
+                    let mut row = decode_at(&mut model, ctx, b.max(1), (a.warmup, a.gen_len), bw)?;
                     if let (Some(s0), Some(s1)) = (before, model.offload_stats()) {
                         let ms = row["ms_per_step"].as_f64().unwrap_or(0.0) / b.max(1) as f64;
                         let key = (ctx, b.max(1));

@@ -140,8 +140,8 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
     let t0 = Instant::now();
     let gpu = Arc::new(cuda::Gpu::new(0).context("--device cuda")?);
     let mut engine = Engine::new_cuda_with(model, gpu, DEFAULT_CUDA_CONTEXT, 1, cache)?;
-    if !args.cpu_experts() {
-        engine.set_host_experts(false)?;
+    if args.cpu_experts() {
+        engine.set_host_experts(true)?;
     }
     eprintln!(
         "backend: {}, weights uploaded in {:.2} s",

@@ -74,11 +74,11 @@ pub struct ModelArgs {
     /// safetensors files when used (0: every use reads). Default: all resident.
     #[arg(long, value_name = "GB")]
     expert_cache: Option<f64>,
-    /// CUDA with --expert-cache: read every expert outside the GPU's cache over PCIe, instead of
-    /// letting the CPU compute the share of them that it computes faster than the link moves
-    /// them (bitwise the same logits either way).
+    /// CUDA with --expert-cache: let the CPU compute the share of the experts outside the GPU's
+    /// cache that it computes faster than PCIe moves them (bitwise the same logits; off: every
+    /// such expert is read over PCIe).
     #[arg(long)]
-    no_cpu_experts: bool,
+    cpu_experts: bool,
 }
 
 impl ModelArgs {
@@ -96,7 +96,7 @@ impl ModelArgs {
 
     /// Whether the CPU may compute offloaded experts (CUDA with `--expert-cache`).
     pub fn cpu_experts(&self) -> bool {
-        !self.no_cpu_experts
+        self.cpu_experts
     }
 
     /// The model directory: `--model`, or the built-in model.

@@ -92,8 +92,8 @@ fn factory(
             cuda::Gpu::new(0).map_err(|e| EngineError::Input(format!("--device cuda: {e}")))?;
         let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
         let mut engine = Engine::new_cuda_with(model, Arc::new(gpu), ctx, max_seqs, cache)?;
-        if !cpu_experts {
-            engine.set_host_experts(false)?;
+        if cpu_experts {
+            engine.set_host_experts(true)?;
         }
         Ok(engine)
     })

@@ -236,22 +236,26 @@ __device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
     return v;
 }
 
-// host_experts_wait: per slot s of B·KS whose id < 0: waits until the host has written the
-//   device counter's value to box_flags[1] (its outputs for this layer are then in box_y), then
-//   copies box_y[s, 0..H) → y[s]. After HOST_WAIT_NS without an answer it sets box_flags[2] = 1
-//   (the host reports the step as failed) and leaves y as it is. grid B·KS, block 256.
+// host_experts_wait: waits until the host has written the device counter's value to
+//   box_flags[1] (its outputs for this layer are then in box_y), then per slot s of B·KS whose
+//   id < 0 copies box_y[s, 0..H) → y[s]. Block 0 waits even when no slot is the host's, so the
+//   host answers every layer in turn and never finds the mailbox holding a later layer's
+//   inputs. After HOST_WAIT_NS without an answer, or at once when box_flags[2] is set (by an
+//   earlier wait that gave up, or by the host when it failed), it sets box_flags[2] = 1 and
+//   leaves y as it is: the host reports the step as failed. grid B·KS, block 256.
 extern "C" __global__ void host_experts_wait(const int* __restrict__ ids, const float* box_y, float* __restrict__ y,
                                              int H, const unsigned* __restrict__ state, volatile unsigned* box_flags) {
     pdl_entry();
     __shared__ int ok;
     const int s = blockIdx.x;
-    if (ids[s] >= 0) return;
+    const bool host = ids[s] < 0;
+    if (!host && s > 0) return;
     if (threadIdx.x == 0) {
         const unsigned want = state[0];
         const unsigned long long t0 = global_ns();
         ok = 1;
         while (load_acquire_sys((const unsigned*)box_flags + 1) != want) {
-            if (global_ns() - t0 > HOST_WAIT_NS) {
+            if (box_flags[2] || global_ns() - t0 > HOST_WAIT_NS) {
                 box_flags[2] = 1u;
                 ok = 0;
                 break;
@@ -259,6 +263,6 @@ extern "C" __global__ void host_experts_wait(const int* __restrict__ ids, const 
         }
     }
     __syncthreads();
-    if (!ok) return;
+    if (!ok || !host) return;
     for (int i = threadIdx.x; i < H; i += blockDim.x) y[(long long)s * H + i] = __ldcv(box_y + (long long)s * H + i);
 }

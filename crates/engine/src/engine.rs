@@ -124,7 +124,7 @@ impl Engine {
     }
 
     /// With offloaded experts on the GPU: whether the CPU may compute some of the experts outside
-    /// the cache (see [`GpuModel::set_host_experts`]; on by default).
+    /// the cache (see [`GpuModel::set_host_experts`]; off by default).
     pub fn set_host_experts(&mut self, on: bool) -> Result<()> {
         match self.gpu.as_mut() {
             Some(g) => g.set_host_experts(on).map_err(cuda_err),

@@ -85,7 +85,7 @@ fn offloaded_experts_give_bitwise_identical_logits() {
                 let mut gm = GpuModel::upload_with(&model, gpu.clone(), cache).unwrap();
                 match mode {
                     Host::Off => gm.set_host_experts(false).unwrap(),
-                    Host::Measured => {}
+                    Host::Measured => gm.set_host_experts(true).unwrap(),
                     Host::Half => gm.set_host_costs(costs(1.0)).unwrap(),
                     Host::All => gm.set_host_costs(costs(1e-6)).unwrap(),
                 }

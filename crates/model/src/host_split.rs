@@ -46,27 +46,27 @@ pub fn split(rates: &[f64], c: Costs) -> Vec<bool> {
     }
 }
 
-/// Expected time per layer and step of an assignment under the cost model (seconds).
-pub fn layer_time(rates: &[f64], host: &[bool], c: Costs) -> f64 {
-    let (mut link_t, mut host_t, mut any) = (0.0, c.fixed, false);
-    for (p, &h) in rates.iter().zip(host) {
-        if h {
-            host_t += p * c.each;
-            any = true;
-        } else {
-            link_t += p * c.link;
-        }
-    }
-    if any {
-        link_t.max(host_t)
-    } else {
-        link_t
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Expected time per layer and step of an assignment under the cost model (seconds).
+    fn layer_time(rates: &[f64], host: &[bool], c: Costs) -> f64 {
+        let (mut link_t, mut host_t, mut any) = (0.0, c.fixed, false);
+        for (p, &h) in rates.iter().zip(host) {
+            if h {
+                host_t += p * c.each;
+                any = true;
+            } else {
+                link_t += p * c.link;
+            }
+        }
+        if any {
+            link_t.max(host_t)
+        } else {
+            link_t
+        }
+    }
 
     /// Qwen3.6-35B-A3B at half cache, uniform routing: 128 experts outside, 8 uses per step of
     /// 256 experts.
@@ -132,7 +132,7 @@ mod tests {
             };
             let h = split(&rates, c);
             let t = layer_time(&rates, &h, c);
-            assert!(t <= layer_time(&rates, &vec![false; 128], c), "{each}");
+            assert!(t <= layer_time(&rates, &[false; 128], c), "{each}");
         }
         let c = Costs {
             link: 30e-6,

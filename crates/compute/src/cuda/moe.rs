@@ -171,8 +171,8 @@ pub fn host_experts_publish(
     Ok(())
 }
 
-/// Wait for the host's answer to the last publish and copy its outputs into `y` (device,
-/// `slots·h`) at the slots whose id is < 0.
+/// Wait for the host's answer to the last publish (always, so that host and GPU go layer by
+/// layer) and copy its outputs into `y` (device, `slots·h`) at the slots whose id is < 0.
 pub fn host_experts_wait(
     g: &Gpu,
     m: Mailbox,

@@ -17,14 +17,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use deltamoe_compute::cpu::gpu_twin::{self, TwinMat};
-use deltamoe_compute::cuda::host::HostBuf;
-use deltamoe_compute::cuda::ops::{self, Mailbox, Slots};
-use deltamoe_compute::cuda::{DevBuf, Gpu};
 use super::host_team::{run_rounds, Job, Out};
 use super::offload::{HostMat, HostWeights, LayerExperts};
 use super::{unsupported, GpuFfn, GpuModel, Result, MAX_BATCH};
 use crate::host_split::{self, Costs};
+use deltamoe_compute::cpu::gpu_twin::{self, TwinMat};
+use deltamoe_compute::cuda::host::HostBuf;
+use deltamoe_compute::cuda::ops::{self, Mailbox, Slots};
+use deltamoe_compute::cuda::{DevBuf, Gpu};
 
 /// How long the host waits for the GPU to publish a layer before it reports the step failed.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
@@ -110,7 +110,8 @@ impl HostMat {
     }
 }
 
-/// Seconds the host takes to compute `n` experts of `lx`: the fastest of 5 rounds after a warm-up.
+/// Seconds the host takes to compute `n` experts of `lx`: the median of 7 rounds after a
+/// warm-up, each on other experts (as at decode, their weights are not in the CPU's caches).
 fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
     let x: Vec<f32> = (0..lx.gu.k)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
@@ -120,16 +121,20 @@ fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
-    let job = |_| {
+    let job = |r: usize| {
         Some(Job {
             lx,
-            experts: (0..n).map(|i| i % lx.gu.count.max(1)).collect(),
+            experts: (0..n)
+                .map(|i| (r * n + i) * 7 % lx.experts.max(1))
+                .collect(),
             xs: vec![x.clone(); n],
             slots: (0..n).collect(),
         })
     };
-    let times = run_rounds(6, sink, job, |_| {}).map_err(twin_err)?;
-    Ok(times[1..].iter().copied().fold(f64::INFINITY, f64::min))
+    let mut times = run_rounds(8, sink, job, |_| {}).map_err(twin_err)?;
+    times.remove(0);
+    times.sort_by(f64::total_cmp);
+    Ok(times.get(times.len() / 2).copied().unwrap_or(f64::INFINITY))
 }
 
 fn twin_err(e: gpu_twin::TwinError) -> deltamoe_compute::cuda::CudaError {
@@ -138,7 +143,7 @@ fn twin_err(e: gpu_twin::TwinError) -> deltamoe_compute::cuda::CudaError {
 
 impl GpuModel {
     /// Let the host compute experts outside the caches when the split policy finds that faster
-    /// (`on`, the default of an offloaded model), or keep every far expert on the GPU. Measures
+    /// (`on`), or keep every far expert on the GPU (the default). Measures
     /// the costs the policy weighs: a far expert's read by the GPU and the host's time for one
     /// and two experts. A model that offloads nothing ignores it.
     pub fn set_host_experts(&mut self, on: bool) -> Result<()> {
@@ -162,7 +167,9 @@ impl GpuModel {
         if !on || layers.is_empty() {
             return Ok(());
         }
-        let lx = self.layer_experts(layers[0]).ok_or_else(|| unsupported("no experts".into()))?;
+        let lx = self
+            .layer_experts(layers[0])
+            .ok_or_else(|| unsupported("no experts".into()))?;
         let (one, two) = (time_host(lx, 1)?, time_host(lx, 2)?);
         let each = (two - one).max(one / 4.0);
         let link = self.time_far_expert(layers[0])?;
@@ -315,8 +322,13 @@ impl GpuModel {
         let next = |r: usize| {
             let seq = base.wrapping_add(r as u32 + 1);
             let t0 = Instant::now();
-            while published.load(Ordering::Acquire) != seq {
-                if t0.elapsed() > PUBLISH_TIMEOUT {
+            loop {
+                let p = published.load(Ordering::Acquire);
+                if p == seq {
+                    break;
+                }
+                // The GPU waits for every layer's answer, so it can never be ahead.
+                if p.wrapping_sub(seq) as i32 > 0 || t0.elapsed() > PUBLISH_TIMEOUT {
                     if let Ok(mut t) = timeout.lock() {
                         *t = Some(r);
                     }
@@ -345,11 +357,20 @@ impl GpuModel {
             ptr: hx.y.as_slice().as_ptr() as *mut f32,
             len: hx.y.len(),
         };
-        let times = run_rounds(layers.len(), out, next, finish).map_err(twin_err)?;
+        let done = run_rounds(layers.len(), out, next, finish);
+        let times = match done {
+            Ok(t) if t.len() == layers.len() => t,
+            // The GPU must not wait for answers that will not come: the failure flag stops
+            // its waits; the step is reported failed and the counters resynchronized.
+            _ => {
+                hx.flag(2).store(1, Ordering::Release);
+                done.map_err(twin_err)?
+            }
+        };
         hx.served.set(base.wrapping_add(times.len() as u32));
         if let Some(r) = timeout.into_inner().ok().flatten() {
             return Err(unsupported(format!(
-                "the GPU did not hand offloaded layer {r}'s experts to the host within {} s",
+                "the GPU did not hand offloaded layer {r}'s experts to the host in step (waited up to {} s)",
                 PUBLISH_TIMEOUT.as_secs()
             )));
         }
@@ -362,6 +383,10 @@ impl GpuModel {
             return Ok(());
         };
         if hx.flag(2).load(Ordering::Acquire) != 0 {
+            // Start the next step in step with the GPU's counter.
+            let counter = self.gpu.read(&hx.state, 1)?;
+            hx.served.set(counter[0]);
+            hx.flag(2).store(0, Ordering::Release);
             return Err(unsupported(
                 "the GPU stopped waiting for experts computed on the host; the step's results are void"
                     .into(),

@@ -228,7 +228,7 @@ mod tests {
             let mut seen = vec![0u8; 3 * width];
             for i in 0..pieces(3, width) {
                 let (t, r0, n) = piece(i, width);
-                assert!(n >= 1 && n <= PIECE_ROWS);
+                assert!((1..=PIECE_ROWS).contains(&n));
                 for r in r0..r0 + n {
                     seen[t * width + r] += 1;
                 }

@@ -304,9 +304,10 @@ impl GpuModel {
             seq.pos += 1;
         }
         let next = g.read(&self.io, b)?.into_iter().map(|t| t as u32).collect();
+        let failed = self.host_experts_failed();
         let busy = served?;
+        failed?;
         policy?;
-        self.host_experts_failed()?;
         self.offload_record(b, busy);
         Ok(next)
     }

@@ -371,7 +371,7 @@ pub(crate) struct Offload {
     stats: Cell<OffloadStats>,
     /// The routed ids and row count of the last completed step, until the policy has seen them.
     pending: Option<(Vec<i32>, usize)>,
-    /// Whether the host may compute experts (the CPU fallback; on unless turned off), and its
+    /// Whether the host may compute experts (the CPU fallback; off unless turned on), and its
     /// state when it is set up.
     pub(super) host_wanted: bool,
     pub(super) host: Option<HostExperts>,
@@ -423,7 +423,7 @@ impl GpuModel {
                 stage,
                 stats: Cell::new(OffloadStats::default()),
                 pending: None,
-                host_wanted: true,
+                host_wanted: false,
                 host: None,
             });
         }
