@@ -81,6 +81,11 @@ pub enum TwinMat<'a> {
     },
 }
 
+/// Words and groups of one affine row of width `k`.
+fn affine_row(k: usize, bits: u32, group: usize) -> (usize, usize) {
+    (k * bits as usize / 32, k / group)
+}
+
 /// Which preparation of x a matrix needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -88,11 +93,35 @@ enum Kind {
     Affine(u32),
 }
 
-impl TwinMat<'_> {
+impl<'a> TwinMat<'a> {
     fn kind(&self) -> Kind {
         match self {
             TwinMat::Bf16(_) => Kind::Bf16,
             TwinMat::Affine { bits, .. } => Kind::Affine(*bits),
+        }
+    }
+
+    /// Rows `rows` of this `[N, k]` matrix as a matrix of their own (matrix e of a stack of
+    /// `[N, k]` matrices is rows `e·N..(e+1)·N` of the stack). Panics past the end.
+    pub fn row_range(&self, k: usize, rows: Range<usize>) -> TwinMat<'a> {
+        match *self {
+            TwinMat::Bf16(w) => TwinMat::Bf16(&w[rows.start * k..rows.end * k]),
+            TwinMat::Affine {
+                words,
+                scales,
+                biases,
+                bits,
+                group,
+            } => {
+                let (wpr, gpr) = affine_row(k, bits, group);
+                TwinMat::Affine {
+                    words: &words[rows.start * wpr..rows.end * wpr],
+                    scales: &scales[rows.start * gpr..rows.end * gpr],
+                    biases: &biases[rows.start * gpr..rows.end * gpr],
+                    bits,
+                    group,
+                }
+            }
         }
     }
 
@@ -118,7 +147,7 @@ impl TwinMat<'_> {
                 if !k.is_multiple_of(group) {
                     return shape_err(format!("K = {k} is not a multiple of the group {group}"));
                 }
-                let (wpr, gpr) = (k * bits as usize / 32, k / group);
+                let (wpr, gpr) = affine_row(k, bits, group);
                 let n = words.len() / wpr;
                 if words.len() != n * wpr || scales.len() != n * gpr || biases.len() != n * gpr {
                     return shape_err(format!(
@@ -383,9 +412,8 @@ impl<'a> RowDot<'a> {
     fn row(&mut self, r: usize) -> f32 {
         let k = self.x.len();
         let mut acc = [0.0f32; LANES];
-        match self.m {
+        match self.m.row_range(k, r..r + 1) {
             TwinMat::Bf16(w) => {
-                let w = &w[r * k..(r + 1) * k];
                 let vec8 = k.is_multiple_of(8);
                 let step = if vec8 { VEC8_STEP } else { LANES };
                 let done = match self.path {
@@ -410,11 +438,7 @@ impl<'a> RowDot<'a> {
                 bits,
                 group,
             } => {
-                let v = 32 / bits as usize;
-                let (nw, gpr) = (k / v, k / group);
-                let words = &words[r * nw..(r + 1) * nw];
-                let scales = &scales[r * gpr..(r + 1) * gpr];
-                let biases = &biases[r * gpr..(r + 1) * gpr];
+                let (v, nw) = (32 / bits as usize, words.len());
                 let done = match self.path {
                     Path::Portable => 0,
                     #[cfg(target_arch = "x86_64")]

@@ -9,8 +9,8 @@
 //! memory (`host_experts_publish`, moe.cu) and waits for the outputs
 //! (`host_experts_wait`) just before the combine. The host answers layer after layer while the
 //! step's graph runs ([`GpuModel::serve_host_experts`], threads of [`super::host_team`]), with
-//! the twins of the GPU's expert kernels ([`deltamoe_compute::cpu::gpu_twin`]): the same operations in the same order, so the
-//! logits stay bitwise those of the all-resident model.
+//! the twins of the GPU's expert kernels ([`deltamoe_compute::cpu::gpu_twin`]): the same
+//! operations in the same order, so the logits stay bitwise those of the all-resident model.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -87,26 +87,23 @@ impl HostExperts {
 impl HostMat {
     /// Matrix `e` of the stack, for the host's kernels.
     pub(super) fn twin(&self, e: usize) -> TwinMat<'_> {
-        let nk = self.n * self.k;
-        match &self.w {
-            HostWeights::Bf16(b) => TwinMat::Bf16(&b.as_slice()[e * nk..(e + 1) * nk]),
+        let stack = match &self.w {
+            HostWeights::Bf16(b) => TwinMat::Bf16(b.as_slice()),
             HostWeights::Affine {
                 words,
                 scales,
                 biases,
                 bits,
                 group,
-            } => {
-                let (nw, ng) = (nk * *bits as usize / 32, nk / group);
-                TwinMat::Affine {
-                    words: &words.as_slice()[e * nw..(e + 1) * nw],
-                    scales: &scales.as_slice()[e * ng..(e + 1) * ng],
-                    biases: &biases.as_slice()[e * ng..(e + 1) * ng],
-                    bits: *bits,
-                    group: *group,
-                }
-            }
-        }
+            } => TwinMat::Affine {
+                words: words.as_slice(),
+                scales: scales.as_slice(),
+                biases: biases.as_slice(),
+                bits: *bits,
+                group: *group,
+            },
+        };
+        stack.row_range(self.k, e * self.n..(e + 1) * self.n)
     }
 }
 
@@ -153,26 +150,22 @@ impl GpuModel {
         };
         o.host = None;
         o.host_wanted = on;
-        let layers: Vec<usize> = (0..self.layers.len())
-            .filter(|&i| self.layer_experts(i).is_some())
-            .collect();
-        for &i in &layers {
+        for l in &mut self.layers {
             if let GpuFfn::Moe {
                 offload: Some(lx), ..
-            } = &mut self.layers[i].ffn
+            } = &mut l.ffn
             {
                 lx.set_host(&self.gpu, &vec![false; lx.experts])?;
             }
         }
-        if !on || layers.is_empty() {
+        let first = (0..self.layers.len()).find(|&i| self.layer_experts(i).is_some());
+        let (true, Some(first)) = (on, first) else {
             return Ok(());
-        }
-        let lx = self
-            .layer_experts(layers[0])
-            .ok_or_else(|| unsupported("no experts".into()))?;
+        };
+        let (lx, ..) = self.offloaded(first)?;
         let (one, two) = (time_host(lx, 1)?, time_host(lx, 2)?);
         let each = (two - one).max(one / 4.0);
-        let link = self.time_far_expert(layers[0])?;
+        let link = self.time_far_expert(first)?;
         self.set_host_costs(Costs {
             link,
             fixed: (one - each).max(0.0),
@@ -201,18 +194,8 @@ impl GpuModel {
     /// Seconds the GPU takes to read and apply one far expert of layer `i` (gate/up and down of
     /// four experts outside the cache at once, per expert; the best of 3 rounds).
     fn time_far_expert(&self, i: usize) -> Result<f64> {
-        let lx = self
-            .layer_experts(i)
-            .ok_or_else(|| unsupported(format!("layer {i}")))?;
-        let GpuFfn::Moe {
-            experts_gu,
-            experts_down,
-            ..
-        } = &self.layers[i].ffn
-        else {
-            return Err(unsupported(format!("layer {i} is not an MoE layer")));
-        };
-        let (g, s) = (&*self.gpu, &self.scratch);
+        let (lx, experts_gu, experts_down) = self.offloaded(i)?;
+        let (g, s, inter) = (&*self.gpu, &self.scratch, experts_gu.n / 2);
         let outside: Vec<usize> = (0..lx.experts)
             .filter(|&e| lx.res.slot_of(e).is_none())
             .collect();
@@ -226,7 +209,6 @@ impl GpuModel {
                 .map(|j| (lx.split() + outside[(round * 4 + j) % outside.len()]) as i32)
                 .collect();
             let ids = g.upload(&ids)?;
-            let inter = experts_gu.n / 2;
             g.mark(&a)?;
             let gu = Slots::experts(4, ids.ptr(), 0, 1).with_far(Some(lx.far_gu()));
             ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu)?;

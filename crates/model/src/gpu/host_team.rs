@@ -51,19 +51,28 @@ struct Phase {
 
 impl Phase {
     /// Take pieces of `0..n` and run `f` on each until none is left, then wait until every
-    /// thread's pieces are done.
-    fn run(&self, n: usize, f: impl Fn(usize)) {
+    /// thread's pieces are done. Returns `f`'s first error (its piece still counts as done).
+    fn run(
+        &self,
+        n: usize,
+        mut f: impl FnMut(usize) -> Result<(), TwinError>,
+    ) -> Result<(), TwinError> {
+        let mut first = Ok(());
         loop {
             let i = self.claimed.fetch_add(1, Ordering::Relaxed);
             if i >= n {
                 break;
             }
-            f(i);
+            let r = f(i);
+            if first.is_ok() {
+                first = r;
+            }
             self.done.fetch_add(1, Ordering::Release);
         }
         while self.done.load(Ordering::Acquire) < n {
             std::hint::spin_loop();
         }
+        first
     }
 }
 
@@ -149,73 +158,58 @@ pub(super) fn run_rounds<'a>(
     Ok(times.into_iter().next().unwrap_or_default())
 }
 
+/// `slot`'s input, made by `make` on this thread's first use of it.
+fn prepared(
+    slot: &mut Option<TwinInput>,
+    make: impl FnOnce() -> Result<TwinInput, TwinError>,
+) -> Result<&TwinInput, TwinError> {
+    match slot {
+        Some(x) => Ok(x),
+        None => Ok(slot.insert(make()?)),
+    }
+}
+
 /// This thread's share of a round: SwiGLU pieces, then (after all threads' are done) down
 /// pieces.
 fn work(job: &Job, round: &Round, out: Out) -> Result<(), TwinError> {
     let (lx, tasks) = (job.lx, job.experts.len());
     let (inter, hidden) = (lx.gu.n / 2, lx.gu.k);
     let h = round.h.get().map(Vec::as_slice).unwrap_or(&[]);
-    let error = Mutex::new(None);
-    let keep = |r: Result<(), TwinError>| {
-        if let (Err(e), Ok(mut slot)) = (r, error.lock()) {
-            slot.get_or_insert(e);
-        }
-    };
-    // Inputs prepared by each thread for the tasks it meets, on first use.
     let mut inputs: Vec<Option<TwinInput>> = (0..tasks).map(|_| None).collect();
-    let cell = std::cell::RefCell::new(&mut inputs);
     round.gu.run(pieces(tasks, inter), |i| {
         let (t, r0, n) = piece(i, inter);
         let m = lx.gu.twin(job.experts[t]);
-        let mut inputs = cell.borrow_mut();
-        let x = match &mut inputs[t] {
-            Some(x) => x,
-            slot => match TwinInput::new(&job.xs[t], &m) {
-                Ok(x) => slot.insert(x),
-                Err(e) => return keep(Err(e)),
-            },
-        };
+        let x = prepared(&mut inputs[t], || TwinInput::new(&job.xs[t], &m))?;
         let mut o = [0f32; PIECE_ROWS];
-        keep(gpu_twin::swiglu_rows(&m, inter, x, r0..r0 + n, &mut o[..n]));
+        gpu_twin::swiglu_rows(&m, inter, x, r0..r0 + n, &mut o[..n])?;
         for (j, v) in o[..n].iter().enumerate() {
             h[t * inter + r0 + j].store(v.to_bits(), Ordering::Relaxed);
         }
-    });
+        Ok(())
+    })?;
     let mut inputs: Vec<Option<TwinInput>> = (0..tasks).map(|_| None).collect();
-    let cell = std::cell::RefCell::new(&mut inputs);
     round.down.run(pieces(tasks, hidden), |i| {
         let (t, r0, n) = piece(i, hidden);
         let m = lx.down.twin(job.experts[t]);
-        let mut inputs = cell.borrow_mut();
-        let x = match &mut inputs[t] {
-            Some(x) => x,
-            slot => {
-                let ht: Vec<f32> = h[t * inter..(t + 1) * inter]
-                    .iter()
-                    .map(|v| f32::from_bits(v.load(Ordering::Relaxed)))
-                    .collect();
-                match TwinInput::new(&ht, &m) {
-                    Ok(x) => slot.insert(x),
-                    Err(e) => return keep(Err(e)),
-                }
-            }
-        };
+        let x = prepared(&mut inputs[t], || {
+            let ht: Vec<f32> = h[t * inter..(t + 1) * inter]
+                .iter()
+                .map(|v| f32::from_bits(v.load(Ordering::Relaxed)))
+                .collect();
+            TwinInput::new(&ht, &m)
+        })?;
         let at = job.slots[t] * hidden + r0;
         if at + n > out.len {
-            return keep(Err(TwinError::Shape(format!(
+            return Err(TwinError::Shape(format!(
                 "host expert output slot {} past the mailbox",
                 job.slots[t]
-            ))));
+            )));
         }
         // SAFETY: rows at..at + n of `out` (in bounds, checked above) belong to this piece
         // alone: pieces cover disjoint rows of disjoint slots, and the buffer outlives the round.
         let o = unsafe { std::slice::from_raw_parts_mut(out.ptr.add(at), n) };
-        keep(gpu_twin::matvec_rows(&m, x, r0..r0 + n, o));
-    });
-    match error.into_inner() {
-        Ok(Some(e)) => Err(e),
-        _ => Ok(()),
-    }
+        gpu_twin::matvec_rows(&m, x, r0..r0 + n, o)
+    })
 }
 
 #[cfg(test)]

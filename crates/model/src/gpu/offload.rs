@@ -398,6 +398,19 @@ impl GpuModel {
         }
     }
 
+    /// Layer `i`'s offloaded experts and its device stacks (the cache).
+    pub(super) fn offloaded(&self, i: usize) -> Result<(&LayerExperts, &DevMat, &DevMat)> {
+        match &self.layers[i].ffn {
+            GpuFfn::Moe {
+                experts_gu,
+                experts_down,
+                offload: Some(lx),
+                ..
+            } => Ok((lx, experts_gu, experts_down)),
+            _ => Err(unsupported(format!("layer {i} has no offloaded experts"))),
+        }
+    }
+
     /// Size the expert caches of an offloaded model (one built with offload; see
     /// [`ExpertCache`]) and fill them. Returns the cache slots per layer.
     pub fn set_expert_cache(&mut self, spec: ExpertCache) -> Result<usize> {
@@ -589,16 +602,9 @@ impl GpuModel {
         ids: &DevBuf<i32>,
         pairs: usize,
     ) -> Result<(Matvec, Matvec)> {
-        let (Some(o), Some(lx)) = (self.offload.as_ref(), self.layer_experts(i)) else {
-            return Err(unsupported(format!("layer {i} has no offloaded experts")));
-        };
-        let GpuFfn::Moe {
-            experts_gu,
-            experts_down,
-            ..
-        } = &self.layers[i].ffn
-        else {
-            return Err(unsupported(format!("layer {i} is not an MoE layer")));
+        let (lx, experts_gu, experts_down) = self.offloaded(i)?;
+        let Some(o) = self.offload.as_ref() else {
+            return Err(unsupported("the model offloads no experts".into()));
         };
         let g = &*self.gpu;
         let mut used = vec![false; lx.experts + 1];
