@@ -125,6 +125,14 @@ __device__ __forceinline__ void l1_prefetch(const void* p) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
+// Ask L1 for the lines of [p, p + bytes): thread i of n takes lines i, i + n, …
+__device__ __forceinline__ void l1_prefetch_range(const void* p, long long bytes, int i, int n) {
+    const char* c = reinterpret_cast<const char*>(p);
+    long long first = (reinterpret_cast<unsigned long long>(c) & 127ull);
+    for (long long off = (long long)i * 128 - first; off < bytes; off += (long long)n * 128)
+        l1_prefetch(c + (off < 0 ? 0 : off));
+}
+
 // Bytes one bulk L2 prefetch instruction asks for.
 #define L2_PIECE 16384
 

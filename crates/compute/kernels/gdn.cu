@@ -70,6 +70,16 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
     int slot = slots[row];
     float na = neg_a[h], dtb = dt_bias[h];
     if (r == 0 && j < Dv) l1_prefetch(norm_w + j);
+    // The state is this kernel's own (last written by this layer's step of the token before,
+    // which completed two kernels back): its column is loaded before the wait.
+    int rows = (Dk + GDN_ROW_GROUPS - 1) / GDN_ROW_GROUPS;
+    int i0 = r * rows;
+    bool active = j < Dv;
+    float* S = state + (long long)slot * Hv * Dk * Dv + (long long)h * Dk * Dv + j;
+    float col[GDN_ROWS_MAX];
+#pragma unroll
+    for (int t = 0; t < GDN_ROWS_MAX; ++t)
+        if (active && t < rows && i0 + t < Dk) col[t] = S[(long long)(i0 + t) * Dv];
     pdl_entry();
     __shared__ float qs[GDN_DK_MAX];
     __shared__ float ks[GDN_DK_MAX];
@@ -81,20 +91,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
     mixed += (long long)row * C;
     proj += row * P;
     out += (long long)row * Hv * Dv;
-    state += (long long)slot * Hv * Dk * Dv;
     const float* q = mixed + kh * Dk;
     const float* k = mixed + Hk * Dk + kh * Dk;
     const float* v = mixed + 2 * Hk * Dk + h * Dv;
     const float* z = proj + C + h * Dv;
     // The inputs this thread needs, their loads issued together (one round trip, not one per use).
-    int rows = (Dk + GDN_ROW_GROUPS - 1) / GDN_ROW_GROUPS;
-    int i0 = r * rows;
-    bool active = j < Dv;
-    float* S = state + (long long)h * Dk * Dv + j;
-    float col[GDN_ROWS_MAX];
-#pragma unroll
-    for (int t = 0; t < GDN_ROWS_MAX; ++t)
-        if (active && t < rows && i0 + t < Dk) col[t] = S[(long long)(i0 + t) * Dv];
     float qi = tid < Dk ? q[tid] : 0.f, ki = tid < Dk ? k[tid] : 0.f;
     float vj = active ? v[j] : 0.f;
     // z, b and a are used later only: asked of L1 now, without holding registers.

@@ -11,14 +11,16 @@
 // K % G == 0; x f32 [K] (16-byte aligned); y f32 [N]; bias f32 [N] or null.
 //
 // The first blocks ask L2 for their rows of W, S and B before waiting on the kernel before it
-// (common.cuh, PREFETCH_BLOCKS), and every warp loads the words of its first groups before that
-// wait too (weights never depend on an earlier kernel).
+// (common.cuh, PREFETCH_BLOCKS), every warp loads the words of its first groups before that wait
+// too (weights never depend on an earlier kernel), and every block asks L1 for its rows' scales
+// and biases, read once per group after the products.
 //
 // grid ceil(N / (16·T)), block 256, dynamic shared memory K·4.5 + (K/G)·4 bytes; T = `tiles`
 // (1 to 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
 // position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
 // x_lo, the word's sum and the sum of x over each group. Warp v takes the groups g ≡ v (mod 8),
-// ⌊4/T⌋ at a time with all their loads in flight (2·T·P words per group and lane). Within a group, lane
+// U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight (2·T·P words per group and
+// lane, at most 24; two blocks per SM: launch bounds cap the registers at 128). Within a group, lane
 // (gid, t) of the mma holds rows gid and gid + 8 of each tile and the group's words t·P ..
 // t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word j of every lane forms one 32-wide
 // k chunk, two k16 steps whose k slots {2t, 2t+1} and {2t+8, 2t+9} take nibbles (i, i+4) and
@@ -52,8 +54,8 @@ template <int P, int T>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, float (*red)[64]) {
-    // Groups in flight per warp iteration: 8·P words per lane in all.
-    constexpr int U = 4 / T;
+    // Groups in flight per warp iteration: 2·T·P·U ≤ 24 words per lane (at most 4 groups).
+    constexpr int U = 12 / (T * P) < 1 ? 1 : (12 / (T * P) > 4 ? 4 : 12 / (T * P));
     extern __shared__ __align__(16) unsigned char vec_smem[];
     const int G = 32 * P, nw = K / 8, ng = K / G;
     uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs
@@ -86,6 +88,13 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
     };
     load_groups(v);
+    // Scales and biases are used once per group by lanes t = 0: their rows (contiguous for the
+    // block) are asked of L1 now, so those loads do not each wait on L2.
+    {
+        long long rows = min(16 * T, N - n0);
+        l1_prefetch_range(S + (long long)n0 * ng, rows * ng * 2, tid, blockDim.x);
+        l1_prefetch_range(Bs + (long long)n0 * ng, rows * ng * 2, tid, blockDim.x);
+    }
     pdl_entry();
 
     for (int w = tid; w < nw; w += blockDim.x) {
@@ -177,7 +186,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     else mma_vec_t<1, T>(W, S, B, x, y, N, K, bias, red);
 
 // tiles: row tiles of 16 per block (1 to 4).
-extern "C" __global__ void __launch_bounds__(256) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                   const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                   float* __restrict__ y, int N, int K, int G, int tiles,
                                                                   const float* __restrict__ bias) {

@@ -7,10 +7,10 @@
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
 //   loc (optional, [E]): where each routed expert's weights are (an index into the stacked
 //   weights, see matvec.cu's far experts); ids[r] = loc ? loc[expert] : expert.
-//   Selection without serial rounds: the smallest of 32 group maxima bounds the K-th largest p
-//   from below, the experts at or above it are ranked against each other at once. The softmax
-//   sum runs in one warp's order (lane l adds experts l, l + 32, …), the picks' sum in rank
-//   order. grid B, block 256 (any multiple of 32).
+//   One warp per row, no block barriers: lane l takes experts l, l + 32, … (the softmax sum in
+//   that order, then the lanes meet); the K-th largest of the 32 lanes' maxima bounds the K-th
+//   largest p from below, and only the experts at or above it are ranked against each other.
+//   The picks' sum runs in rank order. grid B, block 32.
 //   E ≤ 1024, K ≤ 32.
 //
 // moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0).
@@ -21,7 +21,7 @@
 //   the same order with the same block size). Each thread loads the K terms of two elements and
 //   their weights COMBINE_LOADS at a time before summing them in order. grid B, block 1024.
 
-extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
+extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __restrict__ logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
                                        float* __restrict__ w, float* __restrict__ sg, long long L,
                                        const int* __restrict__ loc) {
@@ -29,9 +29,8 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     __shared__ float p[1024];
     __shared__ int cand[1024];
     __shared__ float chosen[32];
-    __shared__ float sums[3];  // softmax sum, threshold, sum of the picks
-    __shared__ int ncand;
-    const int tid = threadIdx.x, nt = blockDim.x;
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x;
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
     logits += row * L;
     ids += row * KS;
@@ -40,37 +39,50 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     // The shared gate's logit, loaded with the others rather than after the selection.
     const float gate_logit = has_shared_gate ? logits[E] : 0.f;
     float mx = NEG_INF;
-    for (int e = tid; e < E; e += nt) mx = fmaxf(mx, logits[e]);
-    mx = block_max(mx);
-    for (int e = tid; e < E; e += nt) p[e] = expf(logits[e] - mx);
-    if (tid == 0) ncand = 0;
-    __syncthreads();
-    // Warp 0: lane l sums experts l, l + 32, … (then the lanes meet: the softmax sum) and takes
-    // their max; the smallest of those 32 group maxima is a threshold no top-K expert is below
-    // (K ≤ 32 groups each hold an expert at least that large).
-    if (tid < 32) {
-        // A lane without experts (E < 32) takes no part in the smallest maximum.
-        float part = 0.f, gmax = tid < E ? NEG_INF : __int_as_float(0x7f800000);
-        for (int e = tid; e < E; e += 32) {
-            part += p[e];
-            gmax = fmaxf(gmax, p[e]);
-        }
-        part = warp_sum(part);
-        float t = -warp_max(-gmax);
-        if (tid == 0) {
-            sums[0] = part;
-            sums[1] = t;
-        }
+#pragma unroll 8
+    for (int e = lane; e < E; e += 32) {
+        float v = logits[e];
+        p[e] = v;
+        mx = fmaxf(mx, v);
     }
-    __syncthreads();
-    const float sum = sums[0], thr = sums[1];
-    for (int e = tid; e < E; e += nt)
-        if (p[e] >= thr) cand[atomicAdd(&ncand, 1)] = e;
-    __syncthreads();
+    mx = warp_max(mx);
+    // Lane l sums experts l, l + 32, … (then the lanes meet: the softmax sum) and takes their
+    // maximum. K of the 32 group maxima are at least the K-th largest of them, and each is an
+    // expert: no top-K expert is below it, so it bounds the candidates.
+    float part = 0.f, gmax = NEG_INF;
+    for (int e = lane; e < E; e += 32) {
+        float v = expf(p[e] - mx);
+        p[e] = v;
+        part += v;
+        gmax = fmaxf(gmax, v);
+    }
+    const float sum = warp_sum(part);
+    int greater = 0, at_least = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        float o = __shfl_sync(all, gmax, j);
+        greater += o > gmax;
+        at_least += o >= gmax;
+    }
+    unsigned kth = __ballot_sync(all, greater < K && at_least >= K);
+    const float thr = __shfl_sync(all, gmax, __ffs(kth) - 1);
+    // The candidates, packed lane by lane (their order does not change the ranks).
+    int mine = 0;
+    for (int e = lane; e < E; e += 32) mine += p[e] >= thr;
+    int upto = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        int o = __shfl_up_sync(all, upto, d);
+        if (lane >= d) upto += o;
+    }
+    const int nc = __shfl_sync(all, upto, 31);
+    int at = upto - mine;
+    for (int e = lane; e < E; e += 32)
+        if (p[e] >= thr) cand[at++] = e;
+    __syncwarp();
     // Rank of each candidate among the candidates (the others are all smaller): larger p first,
     // ties to the lower index.
-    const int nc = ncand;
-    for (int i = tid; i < nc; i += nt) {
+    for (int i = lane; i < nc; i += 32) {
         int e = cand[i];
         float v = p[e];
         int rank = 0;
@@ -84,15 +96,13 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
             chosen[rank] = v / sum;
         }
     }
-    __syncthreads();
-    if (tid == 0) {
-        float total = 0.f;
+    __syncwarp();
+    float total = 0.f;
+    if (lane == 0)
         for (int r = 0; r < K; ++r) total += chosen[r];
-        sums[2] = total;
-    }
-    __syncthreads();
-    if (tid < K) w[tid] = renorm ? chosen[tid] / sums[2] : chosen[tid];
-    if (tid == 0 && has_shared_gate) {
+    total = __shfl_sync(all, total, 0);
+    if (lane < K) w[lane] = renorm ? chosen[lane] / total : chosen[lane];
+    if (lane == 0 && has_shared_gate) {
         float g = sigmoid_f(gate_logit);
         sg[0] = g;
         if (shared_slot >= 0) {

@@ -58,7 +58,7 @@ pub fn router_topk(
     // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold rows rows of
     // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows;
     // loc, when given, holds `experts` ints.
-    unsafe { b.launch(cfg((rows as u32, 1), 256, 0)) }.map_err(driver_err("router_topk"))?;
+    unsafe { b.launch(cfg((rows as u32, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
     Ok(())
 }
 
