@@ -9,7 +9,7 @@
 //! f32 `[T, Hv, Dv]`; a workspace of [`workspace_bytes`]. With `norm_qk` the kernels l2-normalise
 //! q and k (eps 1e-6) and scale q by 1/sqrt(Dk); without it q and k must arrive so.
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::LaunchConfig;
 
 use super::{driver_err, CudaError, Gpu, Result};
@@ -126,11 +126,7 @@ pub enum StateTile {
 /// 32 columns when that still fits the blocks in one wave of one block per multiprocessor
 /// (Hv = 32, Dv = 128: 128 blocks), else 64 (fewer, longer blocks rather than a second wave).
 pub fn default_tile(g: &Gpu, d: GdnChunkDims) -> Result<StateTile> {
-    let sms = g
-        .stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(driver_err("reading the multiprocessor count"))? as usize;
+    let sms = g.multiprocessors();
     Ok(if d.hv * d.dv.div_ceil(32) <= sms {
         StateTile::V32
     } else {

@@ -17,6 +17,7 @@ pub mod vec;
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
@@ -54,6 +55,7 @@ pub struct Gpu {
     kernels: Kernels,
     name: String,
     compute_capability: (i32, i32),
+    multiprocessors: usize,
     /// Launch with programmatic dependent launch (see [`launch`]).
     pdl: std::sync::atomic::AtomicBool,
 }
@@ -126,6 +128,9 @@ impl Gpu {
             .compute_capability()
             .map_err(driver_err("reading the compute capability"))?;
         let name = ctx.name().map_err(driver_err("reading the device name"))?;
+        let multiprocessors =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(driver_err("reading the multiprocessor count"))? as usize;
         let kernels = Kernels::load(&ctx, compute_capability)?;
         Ok(Gpu {
             ctx,
@@ -133,6 +138,7 @@ impl Gpu {
             kernels,
             name,
             compute_capability,
+            multiprocessors,
             pdl: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -143,6 +149,11 @@ impl Gpu {
 
     pub fn compute_capability(&self) -> (i32, i32) {
         self.compute_capability
+    }
+
+    /// Streaming multiprocessors of the device (132 on an H100 SXM or H200).
+    pub fn multiprocessors(&self) -> usize {
+        self.multiprocessors
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {

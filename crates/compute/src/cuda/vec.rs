@@ -24,17 +24,19 @@ pub(super) fn takes(m: &Matvec, sl: &Slots) -> bool {
         && m.k <= VEC_MAX_K
 }
 
-/// Blocks of the single-row kernel resident at once on a 132-SM part (two per multiprocessor).
-const RESIDENT_BLOCKS: usize = 264;
+/// Blocks of the single-row kernel resident at once per multiprocessor (two: 128 registers ×
+/// 256 threads each).
+const BLOCKS_PER_SM: usize = 2;
 
-/// Row tiles of 16 per block of the single-row kernel (1 to 4) for N rows. The time of a launch
-/// goes as waves × tiles (a wave: the blocks resident at once, each working through its tiles),
-/// so the choice minimizes that, preferring more tiles per block (x staged fewer times, all rows
-/// asked of L2 before the wait) within 5%: N = 12,352 (a GDN input projection, 772 tiles) takes
-/// one wave of 3 tiles where 2 tiles per block would take two waves.
-pub fn tiles(n: usize) -> usize {
+/// Row tiles of 16 per block of the single-row kernel (1 to 4) for N rows when `resident`
+/// blocks run at once. The time of a launch goes as waves × tiles (a wave: the blocks resident
+/// at once, each working through its tiles), so the choice minimizes that, preferring more tiles
+/// per block (x staged fewer times, all rows asked of L2 before the wait) within 5%: on 132 SMs,
+/// N = 12,352 (a GDN input projection, 772 tiles) takes one wave of 3 tiles where 2 tiles per
+/// block would take two waves.
+pub fn tiles(n: usize, resident: usize) -> usize {
     let row_tiles = n.div_ceil(16).max(1);
-    let cost = |t: usize| row_tiles.div_ceil(t).div_ceil(RESIDENT_BLOCKS) * t;
+    let cost = |t: usize| row_tiles.div_ceil(t).div_ceil(resident.max(1)) * t;
     let best = (1..=4).map(cost).min().unwrap_or(1);
     (1..=4)
         .rev()
@@ -55,7 +57,7 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
             "mma_vec_affine4 takes 4-bit affine weights".into(),
         ));
     };
-    let tiles = tiles(m.n);
+    let tiles = tiles(m.n, BLOCKS_PER_SM * g.multiprocessors());
     let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
     let smem = (m.k * 4 + m.k / 2 + m.k / group * 4) as u32;
     let mut b = g.launch_builder(g.kernels().get("mma_vec_affine4"));
@@ -82,11 +84,13 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
 mod tests {
     #[test]
     fn single_row_tiles_minimize_waves_times_tiles() {
-        assert_eq!(super::tiles(2048), 1);
-        assert_eq!(super::tiles(12_352), 3);
-        assert_eq!(super::tiles(9216), 3);
-        assert_eq!(super::tiles(20_608), 1);
-        assert_eq!(super::tiles(248_320), 4);
-        assert_eq!(super::tiles(1), 1);
+        assert_eq!(super::tiles(2048, 264), 1);
+        assert_eq!(super::tiles(12_352, 264), 3);
+        assert_eq!(super::tiles(9216, 264), 3);
+        assert_eq!(super::tiles(20_608, 264), 1);
+        assert_eq!(super::tiles(248_320, 264), 4);
+        assert_eq!(super::tiles(1, 264), 1);
+        // 108 SMs (A100): 772 tiles in one wave of 4 rather than two of 3.
+        assert_eq!(super::tiles(12_352, 216), 4);
     }
 }
