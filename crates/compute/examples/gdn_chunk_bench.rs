@@ -167,7 +167,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             };
             let b = Bufs::new(&gpu, d, 7)?;
             let p = b.ptrs();
-            let tile = default_tile(&gpu, d)?;
+            let tile = default_tile(&gpu, d);
             let fwd = time_ms(&gpu, || Ok(gdn_chunk_forward(&gpu, p, d, true)?))?;
             let prep = time_ms(&gpu, || Ok(gdn_chunk_prep(&gpu, p, d, true)?))?;
             let s32 = time_ms(&gpu, || Ok(gdn_chunk_state(&gpu, p, d, StateTile::V32)?))?;

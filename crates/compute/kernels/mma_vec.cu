@@ -55,7 +55,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                           const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, float (*red)[64]) {
     // Groups in flight per warp iteration: 2·T·P·U ≤ 24 words per lane (at most 4 groups).
-    constexpr int U = 12 / (T * P) < 1 ? 1 : (12 / (T * P) > 4 ? 4 : 12 / (T * P));
+    constexpr int U_FIT = 12 / (T * P);
+    constexpr int U = U_FIT < 1 ? 1 : U_FIT > 4 ? 4 : U_FIT;
     extern __shared__ __align__(16) unsigned char vec_smem[];
     const int G = 32 * P, nw = K / 8, ng = K / G;
     uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs

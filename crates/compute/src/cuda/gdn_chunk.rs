@@ -125,13 +125,12 @@ pub enum StateTile {
 
 /// 32 columns when that still fits the blocks in one wave of one block per multiprocessor
 /// (Hv = 32, Dv = 128: 128 blocks), else 64 (fewer, longer blocks rather than a second wave).
-pub fn default_tile(g: &Gpu, d: GdnChunkDims) -> Result<StateTile> {
-    let sms = g.multiprocessors();
-    Ok(if d.hv * d.dv.div_ceil(32) <= sms {
+pub fn default_tile(g: &Gpu, d: GdnChunkDims) -> StateTile {
+    if d.hv * d.dv.div_ceil(32) <= g.multiprocessors() {
         StateTile::V32
     } else {
         StateTile::V64
-    })
+    }
 }
 
 fn raise_smem(g: &Gpu, name: &str, bytes: usize) -> Result<()> {
@@ -232,7 +231,7 @@ pub fn gdn_chunk_state(g: &Gpu, b: GdnChunkBufs, d: GdnChunkDims, tile: StateTil
 /// initial state.
 pub fn gdn_chunk_forward(g: &Gpu, b: GdnChunkBufs, d: GdnChunkDims, norm_qk: bool) -> Result<()> {
     gdn_chunk_prep(g, b, d, norm_qk)?;
-    gdn_chunk_state(g, b, d, default_tile(g, d)?)
+    gdn_chunk_state(g, b, d, default_tile(g, d))
 }
 
 #[cfg(test)]
