@@ -7,6 +7,9 @@
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
 //   loc (optional, [E]): where each routed expert's weights are (an index into the stacked
 //   weights, see matvec.cu's far experts); ids[r] = loc ? loc[expert] : expert.
+//   host_take (optional, [K + 1]): of a row's c picks with ids ≥ far_from (outside the device
+//   cache), the first host_take[c] in rank order are handed to the host instead: id
+//   −1 − (id − far_from) (moe.cu's host experts; the host split policy makes the table).
 //   One warp per row, no block barriers: lane l takes experts l, l + 32, … (the softmax sum in
 //   that order, then the lanes meet); the K-th largest of the 32 lanes' maxima bounds the K-th
 //   largest p from below, and only the experts at or above it are ranked against each other.
@@ -24,13 +27,17 @@
 extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __restrict__ logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
                                        float* __restrict__ w, float* __restrict__ sg, long long L,
-                                       const int* __restrict__ loc) {
+                                       const int* __restrict__ loc, int far_from,
+                                       const int* __restrict__ host_take) {
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x;
+    // The table is written once by the host: read before waiting on the kernel before.
+    const int take = host_take && lane <= K ? host_take[lane] : 0;
     pdl_entry();
     __shared__ float p[1024];
     __shared__ int cand[1024];
     __shared__ float chosen[32];
-    const unsigned all = 0xffffffffu;
-    const int lane = threadIdx.x;
+    __shared__ int chosen_id[32];
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
     logits += row * L;
     ids += row * KS;
@@ -92,11 +99,19 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __rest
             rank += (u > v) | ((u == v) & (f < e));
         }
         if (rank < K) {
-            ids[rank] = loc ? loc[e] : e;
+            chosen_id[rank] = loc ? loc[e] : e;
             chosen[rank] = v / sum;
         }
     }
     __syncwarp();
+    {
+        int id = lane < K ? chosen_id[lane] : 0;
+        const bool far = host_take && lane < K && id >= far_from;
+        const unsigned fb = __ballot_sync(all, far);
+        const int h = __shfl_sync(all, take, __popc(fb));
+        if (far && __popc(fb & ((1u << lane) - 1u)) < h) id = -1 - (id - far_from);
+        if (lane < K) ids[lane] = id;
+    }
     float total = 0.f;
     if (lane == 0)
         for (int r = 0; r < K; ++r) total += chosen[r];

@@ -320,6 +320,8 @@ fn router_combine_embed_argmax_match_cpu() {
             shared_gate: true,
             shared_slot: Some(e),
             loc: 0,
+            host_take: 0,
+            far_from: 0,
         };
         ops::router_topk(&g, dl.ptr(), e + 1, route, ids.ptr(), w.ptr(), sg.ptr(), 1).unwrap();
         assert_eq!(g.read(&ids, k + 1).unwrap()[k], e as i32, "shared slot id");
@@ -354,6 +356,39 @@ fn router_combine_embed_argmax_match_cpu() {
         let got_at = g.read(&ids, k + 1).unwrap();
         let want_at: Vec<i32> = idx.iter().map(|&i| loc[i]).chain([e as i32]).collect();
         assert_eq!(got_at, want_at, "router ids through loc E={e}");
+        // Locations from 1000 + e / 2 on are outside the cache: of c such picks the host takes
+        // the first c / 2 in rank order (as ids −1 − (location − far_from)).
+        let far_from = 1000 + e / 2;
+        let table: Vec<i32> = (0..=k as i32).map(|c| c / 2).collect();
+        let dt = g.upload(&table).unwrap();
+        let split = ops::Route {
+            host_take: dt.ptr(),
+            far_from,
+            ..at
+        };
+        ops::router_topk(&g, dl.ptr(), e + 1, split, ids.ptr(), w.ptr(), sg.ptr(), 1).unwrap();
+        let c = want_at[..k]
+            .iter()
+            .filter(|&&v| v as usize >= far_from)
+            .count();
+        let mut handed = 0;
+        let want_split: Vec<i32> = want_at
+            .iter()
+            .enumerate()
+            .map(|(r, &v)| {
+                if r < k && v as usize >= far_from && handed < c / 2 {
+                    handed += 1;
+                    -1 - (v - far_from as i32)
+                } else {
+                    v
+                }
+            })
+            .collect();
+        assert_eq!(
+            g.read(&ids, k + 1).unwrap(),
+            want_split,
+            "host split E={e} c={c}"
+        );
         let s: f32 = idx.iter().map(|&i| p[i]).sum();
         let want: Vec<f32> = idx
             .iter()

@@ -1,15 +1,19 @@
-//! Which experts outside a layer's device cache the host computes instead of the GPU reading
-//! their weights over PCIe (expert offload's CPU fallback): a pure function of the experts'
-//! expected uses and of measured costs, tested here without a GPU.
+//! How many of a token's experts outside a layer's device cache the host computes instead of
+//! the GPU reading their weights over PCIe (expert offload's CPU fallback): a pure function of
+//! measured costs, tested here without a GPU.
 //!
-//! Cost model, per layer and decode step: the GPU reads a far expert's weights once per use,
-//! `link` seconds each, while the host computes its experts in parallel with that, `fixed` +
-//! `each` seconds per use (the fixed part: the hand-off of the layer's inputs and outputs and
-//! waking the host's threads). The layer waits for the slower of the two. With expected uses
-//! `p_e`, the link's load is `Σ_far p_e · link` and the host's `fixed + Σ_host p_e · each`.
-//! [`split`] assigns experts, the most used first, to whichever side then finishes first
-//! (longest-processing-time-first scheduling on two machines), and keeps the host out when
-//! that does not beat the link alone.
+//! Cost model, per layer and row: the GPU reads a far expert's weights once per use, `link`
+//! seconds each, while the host computes its experts in parallel with that, `fixed` + `each`
+//! seconds per expert (the fixed part: the hand-off of the layer's inputs and outputs and
+//! waking the host's threads). The layer waits for the slower of the two. The router knows how
+//! many of the row's picks are outside the cache (`c`) and hands the host [`take`]`(c)` of them:
+//! the count that minimises the slower side's time. Deciding per token, rather than marking
+//! experts for the host ahead of time, keeps the two sides balanced whatever the routing (a
+//! fixed assignment leaves one side waiting for the other when a layer's misses fall unevenly).
+//!
+//! Handing off costs the GPU time even when the host gets nothing (its outputs are awaited in
+//! every layer), so the host takes part only while [`expected_gain`] at the observed miss rate
+//! beats that cost.
 
 /// Measured costs of one expert use (seconds).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -22,124 +26,124 @@ pub struct Costs {
     pub each: f64,
 }
 
-/// For experts outside the cache with expected uses per step `rates`, which ones the host
-/// computes (true) rather than the GPU over PCIe.
-pub fn split(rates: &[f64], c: Costs) -> Vec<bool> {
-    let mut order: Vec<usize> = (0..rates.len()).collect();
-    order.sort_by(|&a, &b| rates[b].total_cmp(&rates[a]).then(a.cmp(&b)));
-    let mut host = vec![false; rates.len()];
-    let (mut link_t, mut host_t) = (0.0, c.fixed);
-    for e in order {
-        let p = rates[e].max(0.0);
-        if host_t + p * c.each < link_t + p * c.link {
-            host[e] = true;
-            host_t += p * c.each;
-        } else {
-            link_t += p * c.link;
+/// Time of a layer whose `c` far experts are split `h` to the host, the rest to the link.
+fn layer_time(c: usize, h: usize, k: Costs) -> f64 {
+    let host = if h > 0 {
+        k.fixed + h as f64 * k.each
+    } else {
+        0.0
+    };
+    host.max((c - h) as f64 * k.link)
+}
+
+/// Of `c` experts outside the cache in one row, how many the host computes: the fewest that
+/// reach the lowest layer time.
+pub fn take(c: usize, k: Costs) -> usize {
+    let mut best = 0;
+    for h in 1..=c {
+        if layer_time(c, h, k) < layer_time(c, best, k) {
+            best = h;
         }
     }
-    let link_only: f64 = rates.iter().map(|p| p.max(0.0) * c.link).sum();
-    if host.iter().any(|&h| h) && link_t.max(host_t) < link_only {
-        host
-    } else {
-        vec![false; rates.len()]
+    best
+}
+
+/// Expected time saved per layer and row by [`take`] when each of a row's `top_k` picks is
+/// outside the cache with probability `p`, independently.
+pub fn expected_gain(top_k: usize, p: f64, k: Costs) -> f64 {
+    let p = p.clamp(0.0, 1.0);
+    let mut binom = 1.0;
+    let mut gain = 0.0;
+    for c in 0..=top_k {
+        if c > 0 {
+            binom *= (top_k + 1 - c) as f64 / c as f64;
+        }
+        let pc = binom * p.powi(c as i32) * (1.0 - p).powi((top_k - c) as i32);
+        gain += pc * (layer_time(c, 0, k) - layer_time(c, take(c, k), k));
     }
+    gain
+}
+
+/// [`take`] for every count 0..=`top_k`: the router's table.
+pub fn table(top_k: usize, k: Costs) -> Vec<i32> {
+    (0..=top_k).map(|c| take(c, k) as i32).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Expected time per layer and step of an assignment under the cost model (seconds).
-    fn layer_time(rates: &[f64], host: &[bool], c: Costs) -> f64 {
-        let (mut link_t, mut host_t, mut any) = (0.0, c.fixed, false);
-        for (p, &h) in rates.iter().zip(host) {
-            if h {
-                host_t += p * c.each;
-                any = true;
-            } else {
-                link_t += p * c.link;
-            }
+    fn costs(fixed: f64, each: f64) -> Costs {
+        Costs {
+            link: 30e-6,
+            fixed,
+            each,
         }
-        if any {
-            link_t.max(host_t)
-        } else {
-            link_t
-        }
-    }
-
-    /// Qwen3.6-35B-A3B at half cache, uniform routing: 128 experts outside, 8 uses per step of
-    /// 256 experts.
-    fn uniform() -> Vec<f64> {
-        vec![8.0 / 256.0; 128]
     }
 
     #[test]
     fn equal_speeds_share_the_misses() {
-        let c = Costs {
-            link: 30e-6,
-            fixed: 5e-6,
-            each: 30e-6,
-        };
-        let h = split(&uniform(), c);
-        let n = h.iter().filter(|&&x| x).count();
-        assert!((56..=64).contains(&n), "{n}");
-        assert!(layer_time(&uniform(), &h, c) < 0.6 * layer_time(&uniform(), &[false; 128], c));
+        let k = costs(0.0, 30e-6);
+        assert_eq!(table(8, k), [0, 0, 1, 1, 2, 2, 3, 3, 4]);
     }
 
     #[test]
     fn a_slow_host_is_left_out() {
-        let c = Costs {
-            link: 30e-6,
-            fixed: 200e-6,
-            each: 300e-6,
-        };
-        assert!(split(&uniform(), c).iter().all(|&x| !x));
+        assert!(table(8, costs(200e-6, 300e-6)).iter().all(|&h| h == 0));
     }
 
     #[test]
     fn a_fast_host_takes_more() {
-        let c = Costs {
-            link: 30e-6,
-            fixed: 5e-6,
-            each: 10e-6,
-        };
-        let n = split(&uniform(), c).iter().filter(|&&x| x).count();
-        assert!(n > 90, "{n}");
+        // Host 10 µs an expert against the link's 30: three of every four.
+        let t = table(8, costs(5e-6, 10e-6));
+        assert_eq!(t[4], 3);
+        assert_eq!(t[8], 6);
+        // A host far faster than the link takes them all.
+        assert!(table(8, costs(0.0, 1e-9))
+            .iter()
+            .enumerate()
+            .all(|(c, &h)| h as usize == c));
     }
 
     #[test]
-    fn few_misses_do_not_pay_the_fixed_cost() {
-        // A hot cache: the experts outside are rarely used.
-        let rates = vec![0.001; 128];
-        let c = Costs {
-            link: 30e-6,
-            fixed: 20e-6,
-            each: 30e-6,
-        };
-        assert!(split(&rates, c).iter().all(|&x| !x));
+    fn one_miss_does_not_pay_the_fixed_cost() {
+        // The host's fixed cost makes a lone miss cheaper over the link.
+        let k = costs(20e-6, 20e-6);
+        assert_eq!(take(1, k), 0);
+        assert!(take(4, k) > 0);
     }
 
     #[test]
-    fn the_most_used_go_first_and_the_split_never_loses() {
-        // Zipf-like rates: whatever the split, its expected time is at most the link's alone.
-        let rates: Vec<f64> = (0..128).map(|i| 0.5 / (i + 1) as f64).collect();
+    fn the_gain_follows_the_miss_rate() {
+        let k = costs(5e-6, 30e-6);
+        assert_eq!(expected_gain(8, 0.0, k), 0.0);
+        let (rare, half, all) = (
+            expected_gain(8, 0.03, k),
+            expected_gain(8, 0.5, k),
+            expected_gain(8, 1.0, k),
+        );
+        assert!(
+            rare < 3e-6 && rare < half && half < all,
+            "{rare} {half} {all}"
+        );
+        // Every pick outside: 8 over the link (240 µs) against 4 + 4 (125 µs).
+        assert!((all - 115e-6).abs() < 1e-9, "{all}");
+    }
+
+    #[test]
+    fn the_split_never_loses_to_the_link_alone() {
         for each in [5e-6, 20e-6, 40e-6, 80e-6] {
-            let c = Costs {
-                link: 30e-6,
-                fixed: 8e-6,
-                each,
-            };
-            let h = split(&rates, c);
-            let t = layer_time(&rates, &h, c);
-            assert!(t <= layer_time(&rates, &[false; 128], c), "{each}");
+            for fixed in [0.0, 8e-6, 50e-6] {
+                let k = costs(fixed, each);
+                for c in 0..=10 {
+                    let h = take(c, k);
+                    assert!(h <= c);
+                    assert!(
+                        layer_time(c, h, k) <= layer_time(c, 0, k),
+                        "{each} {fixed} {c}"
+                    );
+                }
+            }
         }
-        let c = Costs {
-            link: 30e-6,
-            fixed: 0.0,
-            each: 25e-6,
-        };
-        // The hottest expert outside is assigned first, to the faster side: the host here.
-        assert!(split(&rates, c)[0]);
     }
 }

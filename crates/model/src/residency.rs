@@ -92,21 +92,6 @@ impl Residency {
         self.slot_expert.get(slot).copied().flatten()
     }
 
-    /// Each expert's expected uses per step under [`Policy::Frequency`]: its decayed use count
-    /// scaled to a rate and corrected for the steps seen so far (`s·(1 − d) / (1 − d^steps)`).
-    /// None before the first step and under [`Policy::Lru`].
-    pub fn rates(&self) -> Option<Vec<f64>> {
-        let Policy::Frequency { decay, .. } = self.policy else {
-            return None;
-        };
-        if self.step == 0 {
-            return None;
-        }
-        let d = decay as f64;
-        let norm = (1.0 - d) / (1.0 - d.powi(self.step.min(i32::MAX as u64) as i32));
-        Some(self.score.iter().map(|&s| s as f64 * norm).collect())
-    }
-
     /// Record one step's uses (an expert may appear several times: once per row using it).
     pub fn observe(&mut self, used: &[usize]) {
         self.step += 1;
@@ -363,17 +348,5 @@ mod tests {
         let f = simulate(&t, 256, 64, Policy::default());
         // Under Zipf(1) the 64 hottest of 256 experts carry ~75% of the picks.
         assert!(f.hit_rate() > 0.6, "{f:?}");
-    }
-
-    #[test]
-    fn rates_estimate_uses_per_step() {
-        let mut r = Residency::new(256, 64, Policy::default());
-        assert!(r.rates().is_none());
-        for step in trace(256, 8, 40, 0.0, 0) {
-            r.observe(&step);
-        }
-        // 8 uses per step in all, whatever the number of steps seen.
-        let total: f64 = r.rates().unwrap().iter().sum();
-        assert!((total - 8.0).abs() < 1e-3, "{total}");
     }
 }

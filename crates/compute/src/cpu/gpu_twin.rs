@@ -315,14 +315,30 @@ pub(super) enum Path {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// Affine rows with AVX-512 ([`super::gpu_twin_x512`]), bf16 rows as `Avx2`.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+/// Every path this CPU runs, the fastest last.
+pub(super) fn paths() -> Vec<Path> {
+    #[allow(unused_mut)]
+    let mut p = vec![Path::Portable];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::quant_x86::available() {
+            p.push(Path::Avx2);
+        }
+        if super::gpu_twin_x512::available() {
+            p.push(Path::Avx512);
+        }
+    }
+    p
 }
 
 pub(super) fn best_path() -> Path {
-    #[cfg(target_arch = "x86_64")]
-    if super::quant_x86::available() {
-        return Path::Avx2;
-    }
-    Path::Portable
+    static BEST: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
+    *BEST.get_or_init(|| paths().last().copied().unwrap_or(Path::Portable))
 }
 
 pub(super) fn matvec_rows_on(
@@ -338,7 +354,9 @@ pub(super) fn matvec_rows_on(
     }
     let mut d = RowDot::new(path, m, x);
     let affine = matches!(m, TwinMat::Affine { .. });
+    let ahead = d.ahead();
     for (out, r) in y.iter_mut().zip(rows) {
+        d.prefetch(r + ahead, n);
         let v = d.row(r);
         // matvec_affine writes `out + (bias ? bias : 0.f)`; matvec_bf16 adds only a real bias.
         *out = if affine { v + 0.0 } else { v };
@@ -362,7 +380,10 @@ pub(super) fn swiglu_rows_on(
         ));
     }
     let mut d = RowDot::new(path, m, x);
+    let ahead = d.ahead();
     for (out, r) in h.iter_mut().zip(range) {
+        d.prefetch(r + ahead, n);
+        d.prefetch(i + r + ahead, n);
         let g = d.row(r);
         let u = d.row(i + r);
         *out = silu_portable(g) * u;
@@ -387,8 +408,8 @@ struct RowDot<'a> {
     path: Path,
     m: TwinMat<'a>,
     x: &'a TwinInput,
-    /// AVX2 affine: the row's scales and biases in f32, padded by 8 (one unaligned load of 8
-    /// from any group).
+    /// SIMD affine: the row's scales and biases in f32, padded by 16 (one unaligned load of a
+    /// register from any group).
     sc: Vec<f32>,
     bi: Vec<f32>,
 }
@@ -403,8 +424,40 @@ impl<'a> RowDot<'a> {
             path,
             m: *m,
             x,
-            sc: vec![0.0; gpr + 8],
-            bi: vec![0.0; gpr + 8],
+            sc: vec![0.0; gpr + 16],
+            bi: vec![0.0; gpr + 16],
+        }
+    }
+
+    /// Rows ahead of the current one whose weights to ask the caches for: about 2 KiB ahead, at
+    /// most 8 rows (weights come from DRAM, and a piece's rows are too few for the hardware
+    /// prefetcher to ramp up).
+    fn ahead(&self) -> usize {
+        let bytes = match self.m {
+            TwinMat::Bf16(_) => 2 * self.x.len(),
+            TwinMat::Affine { bits, .. } => self.x.len() * bits as usize / 8,
+        };
+        (2048 / bytes.max(1)).clamp(1, 8)
+    }
+
+    /// Ask the caches for row `r`'s weights (nothing past the last of `n` rows).
+    fn prefetch(&self, r: usize, n: usize) {
+        if r >= n {
+            return;
+        }
+        let k = self.x.len();
+        match self.m.row_range(k, r..r + 1) {
+            TwinMat::Bf16(w) => prefetch_bytes(w),
+            TwinMat::Affine {
+                words,
+                scales,
+                biases,
+                ..
+            } => {
+                prefetch_bytes(words);
+                prefetch_bytes(scales);
+                prefetch_bytes(biases);
+            }
         }
     }
 
@@ -419,9 +472,9 @@ impl<'a> RowDot<'a> {
                 let done = match self.path {
                     Path::Portable => 0,
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `Avx2` is only chosen when the CPU has avx2 and fma; `xt` was built
-                    // for this K (`check`), holding `k / 256` full steps.
-                    Path::Avx2 => unsafe {
+                    // SAFETY: `Avx2` and `Avx512` are only chosen when the CPU has avx2 and fma;
+                    // `xt` was built for this K (`check`), holding `k / 256` full steps.
+                    Path::Avx2 | Path::Avx512 => unsafe {
                         if vec8 {
                             super::gpu_twin_x86::bf16_vec8(w, &self.x.xt, k / step, &mut acc)
                         } else {
@@ -442,7 +495,7 @@ impl<'a> RowDot<'a> {
                 let done = match self.path {
                     Path::Portable => 0,
                     #[cfg(target_arch = "x86_64")]
-                    Path::Avx2 => {
+                    Path::Avx2 | Path::Avx512 => {
                         let mut a = super::gpu_twin_x86::Affine {
                             words,
                             scales,
@@ -454,10 +507,17 @@ impl<'a> RowDot<'a> {
                             xs: &self.x.xs,
                             steps: nw / LANES,
                         };
-                        // SAFETY: `Avx2` is only chosen when the CPU has avx2 and fma; `a`'s
-                        // slices meet `run`'s requirements: `xt`, `xs` were built for this K and
-                        // bit width (`check`), `sc`, `bi` hold gpr + 8 values.
-                        unsafe { a.run(bits, &mut acc) }
+                        // SAFETY: `Avx2` is only chosen when the CPU has avx2 and fma, `Avx512`
+                        // when it also has avx512f; `a`'s slices meet `run`'s requirements:
+                        // `xt`, `xs` were built for this K and bit width (`check`), `sc`, `bi`
+                        // hold gpr + 16 values.
+                        unsafe {
+                            if self.path == Path::Avx512 {
+                                a.run_avx512(bits, &mut acc)
+                            } else {
+                                a.run(bits, &mut acc)
+                            }
+                        }
                     }
                 };
                 let g = Group {
@@ -472,11 +532,27 @@ impl<'a> RowDot<'a> {
         }
         match self.path {
             Path::Portable => warp_sum(acc),
-            // SAFETY: `Avx2` is only chosen when the CPU has avx2 and fma.
+            // SAFETY: `Avx2` and `Avx512` are only chosen when the CPU has avx2 and fma.
             #[cfg(target_arch = "x86_64")]
-            Path::Avx2 => unsafe { super::gpu_twin_x86::warp_sum(&acc) },
+            Path::Avx2 | Path::Avx512 => unsafe { super::gpu_twin_x86::warp_sum(&acc) },
         }
     }
+}
+
+/// Ask the CPU's caches for the lines of `v` (a hint: no effect on results).
+fn prefetch_bytes<T>(v: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(v);
+        let p = v.as_ptr() as *const i8;
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: `off` is within `v`; a prefetch reads nothing and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
 }
 
 /// `warp_sum` of common.cuh as lane 0 sees it.

@@ -1,11 +1,11 @@
-//! Host tests of [`super::gpu_twin`]: `silu_portable`'s accuracy and constants, the AVX2 path
-//! against the portable one (bitwise) for every format at odd sizes, both against an f64 dot
+//! Host tests of [`super::gpu_twin`]: `silu_portable`'s accuracy and constants, the SIMD paths
+//! this CPU has (AVX2, AVX-512) against the portable one (bitwise) for every format at odd sizes, both against an f64 dot
 //! product (loosely), and the shape checks. GPU parity: tests/cuda_twin.rs.
 
 use rand::{Rng, SeedableRng};
 
 use super::gpu_twin::{
-    best_path, matvec_rows, matvec_rows_on, silu_portable, swiglu_rows_on, Path, TwinError,
+    best_path, matvec_rows, matvec_rows_on, paths, silu_portable, swiglu_rows_on, Path, TwinError,
     TwinInput, TwinMat,
 };
 use crate::dtype::{bf16_to_f32, f32_to_bf16};
@@ -168,14 +168,15 @@ fn input(r: &mut impl Rng, k: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Both paths, bitwise, for `matvec_rows` over all rows and a range from row 3, and
-/// `swiglu_rows` (I = n / 2, odd in the tests); the matvec against f64.
+/// Every path this CPU has against the portable one, bitwise, for `matvec_rows` over all rows
+/// and a range from row 3, and `swiglu_rows` (I = n / 2, odd in the tests); the matvec against
+/// f64.
 fn check_paths(name: &str, m: &Matrix, n: usize, x: &[f32]) {
     let k = x.len();
-    let (view, paths) = (m.view(), [Path::Portable, best_path()]);
+    let (view, paths) = (m.view(), paths());
     let xin = TwinInput::new(x, &view).unwrap();
     let mut outs = Vec::new();
-    for p in paths {
+    for &p in &paths {
         let mut y = vec![0.0; n];
         matvec_rows_on(p, &view, &xin, 0..n, &mut y).unwrap();
         let mut part = vec![0.0; n - 3];
@@ -184,18 +185,14 @@ fn check_paths(name: &str, m: &Matrix, n: usize, x: &[f32]) {
         swiglu_rows_on(p, &view, n / 2, &xin, 1..n / 2, &mut h).unwrap();
         outs.push((y, part, h));
     }
-    let (a, b) = (&outs[0], &outs[1]);
+    let a = &outs[0];
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    assert_eq!(
-        bits(&a.0),
-        bits(&b.0),
-        "{name}: matvec, {:?} vs {:?}",
-        paths[0],
-        paths[1]
-    );
     assert_eq!(bits(&a.0[3..]), bits(&a.1), "{name}: row range");
-    assert_eq!(bits(&a.1), bits(&b.1), "{name}: row range, paths");
-    assert_eq!(bits(&a.2), bits(&b.2), "{name}: swiglu");
+    for (b, p) in outs.iter().zip(&paths).skip(1) {
+        assert_eq!(bits(&a.0), bits(&b.0), "{name}: matvec, {p:?}");
+        assert_eq!(bits(&a.1), bits(&b.1), "{name}: row range, {p:?}");
+        assert_eq!(bits(&a.2), bits(&b.2), "{name}: swiglu, {p:?}");
+    }
     for (r, &got) in a.0.iter().enumerate() {
         let (mut want, mut mag) = (0.0f64, 0.0f64);
         for (w, &xv) in m.row(r, k).iter().zip(x) {
@@ -218,7 +215,7 @@ fn check_paths(name: &str, m: &Matrix, n: usize, x: &[f32]) {
 }
 
 #[test]
-fn avx2_and_portable_paths_agree_bitwise() {
+fn simd_and_portable_paths_agree_bitwise() {
     let mut r = rng();
     // bf16: K % 8 = 0 with and without a partial 256-step, and K % 8 ≠ 0 (odd, < 32, > 32).
     for k in [8usize, 256, 264, 1000, 2048, 7, 31, 33, 777] {
@@ -248,9 +245,11 @@ fn avx2_and_portable_paths_agree_bitwise() {
 }
 
 #[test]
-fn avx2_path_is_used_where_available() {
+fn fastest_path_is_used_where_available() {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx512f") {
+        assert_eq!(best_path(), Path::Avx512);
+    } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         assert_eq!(best_path(), Path::Avx2);
     }
 }

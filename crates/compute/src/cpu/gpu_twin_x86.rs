@@ -46,12 +46,36 @@ impl Affine<'_> {
     /// 2^wpg_log + 1 when steps > 0.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn run(&mut self, bits: u32, acc: &mut [f32; LANES]) -> usize {
+        self.scales_to_f32(8);
+        match bits {
+            4 => self.steps_of::<4, 8>(acc),
+            8 => self.steps_of::<8, 4>(acc),
+            _ => self.steps_of::<2, 16>(acc),
+        }
+        self.steps
+    }
+
+    /// The same as [`Affine::run`] on the AVX-512 path ([`super::gpu_twin_x512`]), with `sc`
+    /// and `bi` holding at least `scales.len()` + 16 values.
+    ///
+    /// # Safety
+    /// The CPU has avx512f, avx2 and fma; otherwise as [`Affine::run`].
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn run_avx512(&mut self, bits: u32, acc: &mut [f32; LANES]) -> usize {
+        self.scales_to_f32(16);
+        super::gpu_twin_x512::steps(self, bits, acc);
+        self.steps
+    }
+
+    /// The row's scales and biases in f32 (`sc`, `bi`), which must hold `pad` more values.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scales_to_f32(&mut self, pad: usize) {
         let gpr = self.scales.len();
         debug_assert!(
             self.words.len() >= LANES * self.steps && self.xs.len() >= LANES * self.steps
         );
         debug_assert!(
-            self.biases.len() == gpr && self.sc.len() >= gpr + 8 && self.bi.len() >= gpr + 8
+            self.biases.len() == gpr && self.sc.len() >= gpr + pad && self.bi.len() >= gpr + pad
         );
         debug_assert!(self.steps == 0 || gpr > (LANES * self.steps - 8) >> self.wpg_log);
         let mut g = 0;
@@ -70,12 +94,6 @@ impl Affine<'_> {
             self.sc[g] = bf16_to_f32(self.scales[g]);
             self.bi[g] = bf16_to_f32(self.biases[g]);
         }
-        match bits {
-            4 => self.steps_of::<4, 8>(acc),
-            8 => self.steps_of::<8, 4>(acc),
-            _ => self.steps_of::<2, 16>(acc),
-        }
-        self.steps
     }
 
     /// [`Affine::run`] for `B` bits, `V` = 32/B values per word.

@@ -10,6 +10,8 @@ pub mod gpu_twin;
 #[cfg(test)]
 mod gpu_twin_tests;
 #[cfg(target_arch = "x86_64")]
+mod gpu_twin_x512;
+#[cfg(target_arch = "x86_64")]
 mod gpu_twin_x86;
 pub mod matmul;
 pub mod norm;

@@ -19,6 +19,11 @@ pub struct Route {
     /// Device int[experts]: the stacked index each routed expert's weights are at (see
     /// [`super::Far`]); 0 when expert e is at index e.
     pub loc: u64,
+    /// Device int[top_k + 1] (0 for none): of a row's c picks at stacked indices ≥ `far_from`
+    /// (outside the device cache), the first `host_take[c]` go to the host, their ids written
+    /// as −1 − (index − far_from) ([`crate::cuda::ops::host_experts_publish`]).
+    pub host_take: u64,
+    pub far_from: usize,
 }
 
 /// Per row (of `rows`, logits `logit_stride` floats apart): softmax + top-k over the router
@@ -43,6 +48,7 @@ pub fn router_topk(
     );
     let slot = r.shared_slot.map_or(-1, |s| s as i32);
     let ls = logit_stride as i64;
+    let far_from = i32::try_from(r.far_from).unwrap_or(i32::MAX);
     let mut b = g.launch_builder(g.kernels().get("router_topk"));
     b.arg(&logits)
         .arg(&e32)
@@ -54,10 +60,12 @@ pub fn router_topk(
         .arg(&w)
         .arg(&sg)
         .arg(&ls)
-        .arg(&r.loc);
+        .arg(&r.loc)
+        .arg(&far_from)
+        .arg(&r.host_take);
     // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold rows rows of
     // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows;
-    // loc, when given, holds `experts` ints.
+    // loc, when given, holds `experts` ints, host_take top_k + 1.
     unsafe { b.launch(cfg((rows as u32, 1), 32, 0)) }.map_err(driver_err("router_topk"))?;
     Ok(())
 }
@@ -140,6 +148,9 @@ pub struct Mailbox {
     pub flags: u64,
     /// Device u32 [counter, blocks arrived], zeroed before first use.
     pub state: u64,
+    /// Device i32 [top_k + 1]: how many of a row's picks outside the cache the router hands
+    /// the host ([`Route::host_take`]).
+    pub take: u64,
 }
 
 /// Hand the host the inputs of a layer whose router sent experts to it: `ids` (device,

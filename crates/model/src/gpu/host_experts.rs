@@ -1,10 +1,11 @@
 //! Expert offload's CPU fallback: the host computes some of the experts outside the device
 //! cache instead of the GPU reading their weights over PCIe.
 //!
-//! Which ones is the pure policy of [`crate::host_split`], fed with each expert's expected uses
-//! (the residency policy's rates) and with costs measured when the cache is sized: the GPU's time
-//! to read one far expert, the host's to compute one and its fixed cost per layer. The router
-//! writes id `−1 − e` for a host expert e (its `loc` entry), the expert kernels skip those slots,
+//! How many is the pure policy of [`crate::host_split`], fed with costs measured when the host
+//! is enabled: the GPU's time to read one far expert, the host's to compute one and its fixed
+//! cost per layer. Per row and layer, the router hands the host that many of the picks outside
+//! the cache (its table, [`Route::host_take`](deltamoe_compute::cuda::ops::Route)) by writing
+//! id `−1 − e` for expert e, the expert kernels skip those slots,
 //! and per MoE layer the step hands the host its inputs through a mailbox of mapped pinned
 //! memory (`host_experts_publish`, moe.cu) and waits for the outputs
 //! (`host_experts_wait`) just before the combine. The host answers layer after layer while the
@@ -19,18 +20,23 @@ use std::time::{Duration, Instant};
 
 use super::host_team::{run_rounds, Job, Out};
 use super::offload::{HostMat, HostWeights, LayerExperts};
-use super::{unsupported, GpuFfn, GpuModel, Result, MAX_BATCH};
+use super::{unsupported, GpuModel, Result, MAX_BATCH};
 use crate::host_split::{self, Costs};
 use deltamoe_compute::cpu::gpu_twin::{self, TwinMat};
 use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::{self, Mailbox, Slots};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
+/// The GPU's cost per layer of handing a layer to the host and awaiting its answer even when
+/// the host has nothing to compute: 4.2 µs on an H200 (0.168 ms per token over 40 layers, every
+/// expert of Qwen3.6-35B-A3B cached). The host takes part only while it saves more.
+const HANDOFF: f64 = 4.2e-6;
+
+/// Decode steps between two checks of whether the host should take part.
+const CHECK_EVERY: u64 = 16;
+
 /// How long the host waits for the GPU to publish a layer before it reports the step failed.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Decode steps between two runs of the split policy.
-const SPLIT_EVERY: u64 = 16;
 
 /// The mailbox and the host's side of the hand-off.
 pub(crate) struct HostExperts {
@@ -39,27 +45,40 @@ pub(crate) struct HostExperts {
     y: HostBuf<f32>,
     flags: HostBuf<u32>,
     state: DevBuf<u32>,
+    /// The router's table: of c picks outside the cache, the host takes `take[c]`.
+    take: DevBuf<i32>,
     /// The sequence number of the last layer the host answered.
     served: Cell<u32>,
     costs: Costs,
-    /// Whether any layer sends experts to the host now (the step then has the hand-off kernels).
+    top_k: usize,
+    /// Whether the host takes part (the step then has the hand-off kernels).
     pub(super) active: bool,
-    /// Steps since the split policy last ran.
-    since_split: u64,
+    /// Picks outside the cache and all picks since the last check, and the steps.
+    window: (u64, u64, u64),
 }
 
 impl HostExperts {
-    fn new(g: &Gpu, hidden: usize, per_row: usize, costs: Costs) -> Result<HostExperts> {
+    /// `miss`: the expected share of picks outside the cache, until one is observed.
+    fn new(
+        g: &Gpu,
+        hidden: usize,
+        (per_row, top_k): (usize, usize),
+        costs: Costs,
+        miss: f64,
+    ) -> Result<HostExperts> {
+        let table = host_split::table(top_k, costs);
         Ok(HostExperts {
             x: HostBuf::zeros(g, MAX_BATCH * hidden)?,
             ids: HostBuf::zeros(g, MAX_BATCH * per_row)?,
             y: HostBuf::zeros(g, MAX_BATCH * per_row * hidden)?,
             flags: HostBuf::zeros(g, 3)?,
             state: g.zeros(2)?,
+            take: g.upload(&table)?,
             served: Cell::new(0),
             costs,
-            active: false,
-            since_split: 0,
+            top_k,
+            active: worth_it(top_k, miss, costs),
+            window: (0, 0, 0),
         })
     }
 
@@ -70,6 +89,7 @@ impl HostExperts {
             y: self.y.ptr(),
             flags: self.flags.ptr(),
             state: self.state.ptr(),
+            take: self.take.ptr(),
         }
     }
 
@@ -124,7 +144,7 @@ fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
             experts: (0..n)
                 .map(|i| (r * n + i) * 7 % lx.experts.max(1))
                 .collect(),
-            xs: vec![x.clone(); n],
+            xs: vec![x.as_slice(); n],
             slots: (0..n).collect(),
         })
     };
@@ -132,6 +152,11 @@ fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
     times.remove(0);
     times.sort_by(f64::total_cmp);
     Ok(times.get(times.len() / 2).copied().unwrap_or(f64::INFINITY))
+}
+
+/// Whether handing experts to the host saves more than the hand-off costs at miss rate `miss`.
+fn worth_it(top_k: usize, miss: f64, costs: Costs) -> bool {
+    host_split::expected_gain(top_k, miss, costs) > HANDOFF
 }
 
 fn twin_err(e: gpu_twin::TwinError) -> deltamoe_compute::cuda::CudaError {
@@ -150,14 +175,6 @@ impl GpuModel {
         };
         o.host = None;
         o.host_wanted = on;
-        for l in &mut self.layers {
-            if let GpuFfn::Moe {
-                offload: Some(lx), ..
-            } = &mut l.ffn
-            {
-                lx.set_host(&self.gpu, &vec![false; lx.experts])?;
-            }
-        }
         let first = (0..self.layers.len()).find(|&i| self.layer_experts(i).is_some());
         let (true, Some(first)) = (on, first) else {
             return Ok(());
@@ -177,13 +194,42 @@ impl GpuModel {
     /// (tests, reproducible runs). A model that offloads nothing ignores it.
     pub fn set_host_costs(&mut self, costs: Costs) -> Result<()> {
         self.graphs.clear();
-        let hidden = self.hidden;
+        let (hidden, top_k) = (self.hidden, self.top_k);
         let Some(o) = self.offload.as_mut() else {
             return Ok(());
         };
         o.host_wanted = true;
-        o.host = Some(HostExperts::new(&self.gpu, hidden, o.per_row, costs)?);
-        self.split_host_experts()
+        let per_row = o.per_row;
+        // Until misses are observed: each pick outside the cache as often as the cache is short.
+        let short: Vec<f64> = (0..self.layers.len())
+            .filter_map(|i| self.layer_experts(i))
+            .map(|lx| 1.0 - lx.res.slots() as f64 / lx.experts.max(1) as f64)
+            .collect();
+        let miss = short.iter().sum::<f64>() / short.len().max(1) as f64;
+        let hx = HostExperts::new(&self.gpu, hidden, (per_row, top_k), costs, miss)?;
+        if let Some(o) = self.offload.as_mut() {
+            o.host = Some(hx);
+        }
+        Ok(())
+    }
+
+    /// After a step's uses were counted (`outside` of `picks` routed picks were outside the
+    /// caches): every [`CHECK_EVERY`] steps, let the host take part or not by the miss rate seen.
+    pub(super) fn check_host_experts(&mut self, outside: u64, picks: u64) {
+        let Some(hx) = self.offload.as_mut().and_then(|o| o.host.as_mut()) else {
+            return;
+        };
+        let w = &mut hx.window;
+        *w = (w.0 + outside, w.1 + picks, w.2 + 1);
+        if w.2 < CHECK_EVERY || w.1 == 0 {
+            return;
+        }
+        let on = worth_it(hx.top_k, w.0 as f64 / w.1 as f64, hx.costs);
+        hx.window = (0, 0, 0);
+        if on != hx.active {
+            hx.active = on;
+            self.graphs.clear();
+        }
     }
 
     /// The split policy's costs when the host computes experts.
@@ -222,60 +268,6 @@ impl GpuModel {
             }
         }
         Ok(best)
-    }
-
-    /// Run the split policy on every offloaded layer and point the routing at its choice.
-    pub(super) fn split_host_experts(&mut self) -> Result<()> {
-        let Some(costs) = self.host_expert_costs() else {
-            return Ok(());
-        };
-        let (g, top_k) = (self.gpu.clone(), self.top_k);
-        let mut any = false;
-        for l in &mut self.layers {
-            let GpuFfn::Moe {
-                offload: Some(lx), ..
-            } = &mut l.ffn
-            else {
-                continue;
-            };
-            let rates = lx
-                .res
-                .rates()
-                .unwrap_or_else(|| vec![top_k as f64 / lx.experts as f64; lx.experts]);
-            let outside: Vec<usize> = (0..lx.experts)
-                .filter(|&e| lx.res.slot_of(e).is_none())
-                .collect();
-            let pick = host_split::split(
-                &outside.iter().map(|&e| rates[e]).collect::<Vec<_>>(),
-                costs,
-            );
-            let mut host = vec![false; lx.experts];
-            for (&e, &h) in outside.iter().zip(&pick) {
-                host[e] = h;
-            }
-            any |= pick.iter().any(|&h| h);
-            lx.set_host(&g, &host)?;
-        }
-        if let Some(hx) = self.offload.as_mut().and_then(|o| o.host.as_mut()) {
-            if hx.active != any {
-                hx.active = any;
-                self.graphs.clear();
-            }
-            hx.since_split = 0;
-        }
-        Ok(())
-    }
-
-    /// After a step's uses were counted: rerun the split policy every [`SPLIT_EVERY`] steps.
-    pub(super) fn maybe_split_host_experts(&mut self) -> Result<()> {
-        let Some(hx) = self.offload.as_mut().and_then(|o| o.host.as_mut()) else {
-            return Ok(());
-        };
-        hx.since_split += 1;
-        if hx.since_split < SPLIT_EVERY {
-            return Ok(());
-        }
-        self.split_host_experts()
     }
 
     /// The mailbox, when this step hands experts to the host.
@@ -328,7 +320,7 @@ impl GpuModel {
                 if id < 0 {
                     let row = s / per_row;
                     job.experts.push((-1 - id) as usize);
-                    job.xs.push(x[row * hidden..(row + 1) * hidden].to_vec());
+                    job.xs.push(&x[row * hidden..(row + 1) * hidden]);
                     job.slots.push(s);
                 }
             }

@@ -633,9 +633,14 @@ impl GpuModel {
                 let per_row = self.top_k + shared.is_none() as usize;
                 let mut route = self.route(shared.is_none());
                 let (mut far_gu, mut far_down) = (None, None);
+                let mailbox = offload.as_ref().and(self.active_mailbox());
                 if let Some(lx) = offload {
                     route.shared_slot = lx.shared_slot();
                     route.loc = lx.loc();
+                    route.far_from = lx.split();
+                    if let Some(m) = mailbox {
+                        route.host_take = m.take;
+                    }
                     (far_gu, far_down) = (Some(lx.far_gu()), Some(lx.far_down()));
                 }
                 let (ids, n) = (self.moe_ids(layer), b * per_row);
@@ -650,7 +655,6 @@ impl GpuModel {
                     s.sg.ptr(),
                     b,
                 )?;
-                let mailbox = offload.as_ref().and(self.active_mailbox());
                 if let Some(m) = mailbox {
                     ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
                 }
@@ -732,6 +736,8 @@ impl GpuModel {
             shared_gate: true,
             shared_slot: stacked.then_some(self.num_experts),
             loc: 0,
+            host_take: 0,
+            far_from: 0,
         }
     }
 

@@ -172,6 +172,11 @@ impl HostMat {
             .collect()
     }
 
+    /// Bytes of one row of one matrix.
+    pub(super) fn row_bytes(&self) -> usize {
+        self.matrix_bytes() / self.n.max(1)
+    }
+
     fn matrix_bytes(&self) -> usize {
         array_bytes(self.n, self.k, self.affine()).iter().sum()
     }
@@ -219,12 +224,10 @@ pub(crate) struct LayerExperts {
     /// `[gate | up]` and down of every routed expert (then the shared one, when stacked).
     pub(super) gu: HostMat,
     pub(super) down: HostMat,
-    /// Where each routed expert is: its cache slot, split + e (read over PCIe), or −1 − e
-    /// (computed by the host); and the host's copy of that table.
+    /// Where each routed expert is: its cache slot or split + e (outside the cache: read over
+    /// PCIe, or handed to the host by the router); and the host's copy of that table.
     loc: DevBuf<i32>,
     loc_host: Vec<i32>,
-    /// Experts outside the cache that the host computes.
-    host: Vec<bool>,
     pub(super) res: Residency,
     pub(super) experts: usize,
     stacked: bool,
@@ -260,7 +263,6 @@ impl LayerExperts {
             down,
             loc: g.zeros(experts)?,
             loc_host: vec![0; experts],
-            host: vec![false; experts],
             res: Residency::new(experts, 0, Policy::default()),
             experts,
             stacked,
@@ -310,7 +312,6 @@ impl LayerExperts {
     fn locate(&self, e: usize) -> i32 {
         match self.res.slot_of(e) {
             Some(c) => c as i32,
-            None if self.host[e] => -1 - e as i32,
             None => (self.split() + e) as i32,
         }
     }
@@ -321,18 +322,6 @@ impl LayerExperts {
         if self.loc_host[e] != v {
             g.set_i32(&self.loc, e, v)?;
             self.loc_host[e] = v;
-        }
-        Ok(())
-    }
-
-    /// Let the host compute the experts outside the cache that `host` marks (the others are
-    /// read over PCIe), and rewrite the `loc` table (in stream order) when that moved any.
-    pub(super) fn set_host(&mut self, g: &Gpu, host: &[bool]) -> Result<()> {
-        self.host = host.to_vec();
-        let loc: Vec<i32> = (0..self.experts).map(|e| self.locate(e)).collect();
-        if loc != self.loc_host {
-            g.write(&mut self.loc, &loc)?;
-            self.loc_host = loc;
         }
         Ok(())
     }
@@ -352,7 +341,6 @@ impl LayerExperts {
             let e = if c < slots { c } else { self.experts };
             self.load(g, (gu, down), e, c)?;
         }
-        self.host = vec![false; self.experts];
         self.loc_host = (0..self.experts).map(|e| self.locate(e)).collect();
         g.write(&mut self.loc, &self.loc_host)
     }
@@ -541,6 +529,7 @@ impl GpuModel {
         let (per_row, len) = (o.per_row, o.layer_len());
         let (g, top_k) = (self.gpu.clone(), self.top_k);
         let mut st = o.stats.get();
+        let (misses0, mut picks) = (st.misses, 0);
         st.steps += 1;
         st.tokens += b as u64;
         for (i, l) in self.layers.iter_mut().enumerate() {
@@ -571,6 +560,7 @@ impl GpuModel {
                 }
             }
             let bytes = lx.expert_bytes() as u64;
+            picks += (b * top_k) as u64;
             st.hits += (used.len() - missed.len()) as u64;
             st.misses += missed.len() as u64;
             st.host += host;
@@ -590,7 +580,8 @@ impl GpuModel {
         if let Some(o) = self.offload.as_ref() {
             o.stats.set(st);
         }
-        self.maybe_split_host_experts()
+        self.check_host_experts(st.misses - misses0, picks);
+        Ok(())
     }
 
     /// For a prefill pass of layer `i` whose `pairs` routed ids (expert indices; the shared
