@@ -14,9 +14,7 @@ use super::gpu_twin_x86::Affine;
 
 /// Whether the CPU runs this path (it also uses the AVX2 helpers for scales and the lane sum).
 pub fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
+    super::quant_x86::available() && is_x86_feature_detected!("avx512f")
 }
 
 /// Lane positions 0..16.

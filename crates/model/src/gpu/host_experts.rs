@@ -195,21 +195,18 @@ impl GpuModel {
     pub fn set_host_costs(&mut self, costs: Costs) -> Result<()> {
         self.graphs.clear();
         let (hidden, top_k) = (self.hidden, self.top_k);
-        let Some(o) = self.offload.as_mut() else {
-            return Ok(());
-        };
-        o.host_wanted = true;
-        let per_row = o.per_row;
         // Until misses are observed: each pick outside the cache as often as the cache is short.
         let short: Vec<f64> = (0..self.layers.len())
             .filter_map(|i| self.layer_experts(i))
             .map(|lx| 1.0 - lx.res.slots() as f64 / lx.experts.max(1) as f64)
             .collect();
         let miss = short.iter().sum::<f64>() / short.len().max(1) as f64;
-        let hx = HostExperts::new(&self.gpu, hidden, (per_row, top_k), costs, miss)?;
-        if let Some(o) = self.offload.as_mut() {
-            o.host = Some(hx);
-        }
+        let Some(o) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        o.host_wanted = true;
+        let shape = (o.per_row, top_k);
+        o.host = Some(HostExperts::new(&self.gpu, hidden, shape, costs, miss)?);
         Ok(())
     }
 
