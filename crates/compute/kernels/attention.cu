@@ -192,10 +192,11 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     int h = blockIdx.x, d = threadIdx.x;
     int row = blockIdx.y;
     const int used = attn_splits(pos_arr[slots[row]] + 1, S);
-    // The gate is two kernels old (the projection before attn_prep): read before the wait.
+    pdl_entry();
+    // The gate comes from the projection three kernels back: read after the wait (kernels ahead
+    // of their wait may overlap any earlier kernel of the step, see pdl_entry).
     proj += row * P;
     float gate = d < D ? proj[(long long)h * 2 * D + D + d] : 0.f;
-    pdl_entry();
     __shared__ float wts[ATTN_MAX_SPLITS];
     part_o += (long long)row * Hq * S * D;
     part_ml += (long long)row * Hq * S * 2;

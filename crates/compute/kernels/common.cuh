@@ -110,13 +110,17 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 }
 
 // Programmatic dependent launch (sm_90+; no-ops before, and without the launch attribute):
-// every kernel first waits until the kernel before it in the stream has completed and its
-// writes are visible, then lets the next kernel start launching, so that its launch and block
-// scheduling overlap this kernel's work. Called first thing in every kernel (`PDL_ENTRY`).
+// every kernel first lets the next kernel in the stream start launching, then waits until the
+// kernel before it has completed and its writes are visible. The next kernel's blocks thus take
+// whatever room this one leaves and do their own work before their wait (weights asked of L2 or
+// loaded into registers) while this one and the one before still run. What a kernel reads
+// before its wait must not come from any kernel of the same step: with every kernel triggering
+// at entry, several kernels ahead may be in that phase at once. Called in every kernel after
+// those loads (`pdl_entry`).
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 

@@ -28,8 +28,8 @@ extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* 
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int row = blockIdx.y;
     bool live = c < C;
-    // The weights, the slot and the conv state do not come from the kernel before (the state is
-    // this kernel's own): loaded before waiting for it, so only proj's load follows the wait.
+    // The weights, the slot and the conv state come from no kernel of this step (the state is
+    // this kernel's own): loaded before the wait, so only proj's load follows it.
     float wv[GDN_CONV_KMAX], st[GDN_CONV_KMAX];
     if (live) {
         state += (long long)slots[row] * (K - 1) * C;
@@ -70,8 +70,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restr
     int slot = slots[row];
     float na = neg_a[h], dtb = dt_bias[h];
     if (r == 0 && j < Dv) l1_prefetch(norm_w + j);
-    // The state is this kernel's own (last written by this layer's step of the token before,
-    // which completed two kernels back): its column is loaded before the wait.
+    // The state is this kernel's own (last written by this layer's step of the token before, an
+    // earlier step): its column is loaded before the wait.
     int rows = (Dk + GDN_ROW_GROUPS - 1) / GDN_ROW_GROUPS;
     int i0 = r * rows;
     bool active = j < Dv;
