@@ -1,6 +1,7 @@
 //! Host tests of [`super::gpu_twin`]: `silu_portable`'s accuracy and constants, the SIMD paths
-//! this CPU has (AVX2, AVX-512) against the portable one (bitwise) for every format at odd sizes, both against an f64 dot
-//! product (loosely), and the shape checks. GPU parity: tests/cuda_twin.rs.
+//! this CPU has (AVX2, AVX-512) against the portable one (bitwise) for every format at odd
+//! sizes, all against an f64 dot product (loosely), and the shape checks. GPU parity:
+//! tests/cuda_twin.rs.
 
 use rand::{Rng, SeedableRng};
 

@@ -268,7 +268,8 @@ mod tests {
         // row 288; 512 and 2048 outputs.
         let (gu, down) = (piece_rows(2 * 1152), piece_rows(288));
         assert!(pieces(1, 512, gu) >= 32 && pieces(1, 2048, down) >= 32);
-        // bf16 rows of 4096 values: one output a piece at most.
+        // bf16 rows of 4096 values (a gate + up output reads 16 KiB): two outputs a piece; an
+        // output past 32 KiB: one.
         assert_eq!(piece_rows(2 * 8192), 2);
         assert_eq!(piece_rows(1 << 20), 1);
         assert_eq!(piece_rows(1), PIECE_ROWS);
