@@ -1,11 +1,13 @@
 // One input row through a 4-bit MLX affine matrix on tensor cores (decode projections, lm_head):
 // y[n] = Σ_k W[n, k] x[k] (+ bias[n]), at about f32 accuracy. Dequantizing on CUDA cores costs
-// several instructions per weight, more than the issue rate allows at memory speed; here a weight
-// costs about one (two codes per lop3 + bf16x2 fma) and the products run as mma.sync.
+// several instructions per weight, more than the issue rate allows at memory speed; here two
+// codes cost a shift and a lop3, and the products run as mma.sync.
 //
-// Numerics as mma_rows.cu: the weights enter exactly as their integer codes q (bf16), the FMA
-// dequant form is applied per group of G: Σ_k w x = scale·Σ_k q x + bias·Σ_k x, and x is split
-// into x_hi = bf16(x) and x_lo = bf16(x − x_hi) (two products per tile, ~16 significant bits).
+// Numerics: the weights enter exactly as 128 + q (bf16, the code under a fixed exponent), x is
+// split into x_hi = bf16(x) and x_lo = bf16(x − x_hi) (two products per tile, ~16 significant
+// bits), and per group of G the FMA dequant form is applied with the offset taken off:
+// Σ_k w x = scale·(Σ_k (128 + q) x' − 128·Σ_k x') + bias·Σ_k x, x' = x_hi + x_lo (the group's
+// sum of x' in f32, as the products see it).
 //
 // Layouts: words u32 [N, K/8] (LSB first), scales and biases bf16 [N, K/G], G ∈ {32, 64, 128},
 // K % G == 0; x f32 [K] (16-byte aligned); y f32 [N]; bias f32 [N] or null.
@@ -15,12 +17,13 @@
 // too (weights never depend on an earlier kernel), and every block asks L1 for its rows' scales
 // and biases, read once per group after the products.
 //
-// grid ceil(N / (16·T)), block 256, dynamic shared memory K·4.5 + (K/G)·4 bytes; T = `tiles`
+// grid ceil(N / (16·T)), block 256, dynamic shared memory K·5 + (K/G)·8 bytes; T = `tiles`
 // (1 to 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
 // position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
-// x_lo, the word's sum and the sum of x over each group. Warp v takes the groups g ≡ v (mod 8),
-// U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight (2·T·P words per group and
-// lane, at most 24; two blocks per SM: launch bounds cap the registers at 128). Within a group, lane
+// x_lo, the word's sums of x and of x_hi + x_lo, and the same sums over each group. Warp v takes
+// the groups g ≡ v (mod 8), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
+// (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds cap the
+// registers at 128). Within a group, lane
 // (gid, t) of the mma holds rows gid and gid + 8 of each tile and the group's words t·P ..
 // t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word j of every lane forms one 32-wide
 // k chunk, two k16 steps whose k slots {2t, 2t+1} and {2t+8, 2t+9} take nibbles (i, i+4) and
@@ -29,10 +32,12 @@
 // t = 0 fold the group's partial sums in with its scale and bias; the 8 warps' sums meet in
 // shared memory.
 
-// Nibbles i and i + 4 of w as exact bf16x2 (q_i, q_{i+4}): (q | 0x4300) is 128 + q in bf16.
+// Nibbles i and i + 4 of w as exact bf16x2 (128 + q_i, 128 + q_{i+4}): (q | 0x4300) is 128 + q
+// in bf16. A shift and one three-input lop3, (a & b) | c; the offset of 128 leaves the products
+// and is taken off each group's sum (128 · Σ x over the group, as the products see x).
 __device__ __forceinline__ unsigned nib_pair(unsigned w, int i) {
-    unsigned p = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u, r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w >> (4 * i)), "r"(0x000F000Fu), "r"(0x43004300u));
     return r;
 }
 
@@ -60,8 +65,10 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     extern __shared__ __align__(16) unsigned char vec_smem[];
     const int G = 32 * P, nw = K / 8, ng = K / G;
     uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs
-    float* ws = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [nw] word sums
-    float* gs = ws + nw;                                               // [ng] group sums
+    float* ws = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [nw] word sums of x
+    float* wh = ws + nw;                                               // [nw] of hi + lo
+    float* gs = wh + nw;                                               // [ng] group sums of x
+    float* gh = gs + ng;                                               // [ng] of hi + lo
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
 
     const int n0 = blockIdx.x * 16 * T;
@@ -111,12 +118,20 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         xs[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
         xs[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
         ws[w] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+        float hl = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) hl += (bf16lo(h[i]) + bf16hi(h[i])) + (bf16lo(l[i]) + bf16hi(l[i]));
+        wh[w] = hl;
     }
     __syncthreads();
     for (int g = tid; g < ng; g += blockDim.x) {
-        float sum = 0.f;
-        for (int w = g * (G / 8); w < (g + 1) * (G / 8); ++w) sum += ws[w];
+        float sum = 0.f, sum_hl = 0.f;
+        for (int w = g * (G / 8); w < (g + 1) * (G / 8); ++w) {
+            sum += ws[w];
+            sum_hl += wh[w];
+        }
         gs[g] = sum;
+        gh[g] = sum_hl;
     }
     __syncthreads();
 
@@ -154,11 +169,11 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 }
             }
             if (t == 0) {
-                float xg = gs[g];
+                float xg = gs[g], off = 128.f * gh[g];
 #pragma unroll
                 for (int i = 0; i < T; ++i) {
-                    acc0[i] = fmaf(bf16f(S[r0[i] * ng + g]), c[i][0], fmaf(bf16f(Bs[r0[i] * ng + g]), xg, acc0[i]));
-                    acc1[i] = fmaf(bf16f(S[r1[i] * ng + g]), c[i][2], fmaf(bf16f(Bs[r1[i] * ng + g]), xg, acc1[i]));
+                    acc0[i] = fmaf(bf16f(S[r0[i] * ng + g]), c[i][0] - off, fmaf(bf16f(Bs[r0[i] * ng + g]), xg, acc0[i]));
+                    acc1[i] = fmaf(bf16f(S[r1[i] * ng + g]), c[i][2] - off, fmaf(bf16f(Bs[r1[i] * ng + g]), xg, acc1[i]));
                 }
             }
         }

@@ -25,6 +25,16 @@
 // picks 4 for large matrices and 1 for small ones, where more warps beat fewer loads.
 #define QMV_ROWS 4
 
+// Code i of word p as an exact f32: 2^23 + q has q in its low mantissa bits, so OR-ing q into
+// 0x4B000000 and subtracting 2^23 converts it without the slower integer conversion. The shift,
+// mask and OR are a shift and one three-input lop3, (a & b) | c.
+template <int BITS>
+__device__ __forceinline__ float code_f32(unsigned p, int i) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(p >> (i * BITS)), "r"((1u << BITS) - 1u), "r"(0x4B000000u));
+    return __uint_as_float(r) - 8388608.0f;
+}
+
 // Rows `rows[0..R)` (R ≤ QMV_ROWS valid: `nrows`) of one matrix against x, FMA dequant form.
 // Lane l reads words l, l + 32, … of each row (128 contiguous bytes per warp load); the V = 32/BITS
 // inputs of a word are loaded once (float4s) and used for every row. Group of word w is
@@ -35,7 +45,6 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
                                 const float* __restrict__ x, int K, int gshift, int lane,
                                 float out[R]) {
     const int V = 32 / BITS;
-    const unsigned int mask = (1u << BITS) - 1u;
     const int nw = K / V;
     const long long gpr = K >> gshift;
     float acc[R];
@@ -71,12 +80,7 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
                 if (r < nrows) {
                     float qx = 0.f;
 #pragma unroll
-                    for (int i = 0; i < V; ++i) {
-                        // 2^23 + q is exact in f32, so OR-ing q into 0x4B000000 and subtracting
-                        // 2^23 converts q without the slower integer conversion.
-                        float qf = __uint_as_float(((p[u][r] >> (i * BITS)) & mask) | 0x4B000000u) - 8388608.0f;
-                        qx = fmaf(qf, xv[i], qx);
-                    }
+                    for (int i = 0; i < V; ++i) qx = fmaf(code_f32<BITS>(p[u][r], i), xv[i], qx);
                     long long gi = rows[r] * gpr + g;
                     acc[r] = fmaf(bf16f(S[gi]), qx, fmaf(bf16f(B[gi]), xs, acc[r]));
                 }

@@ -7,7 +7,7 @@
 use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat};
 use super::{driver_err, CudaError, Gpu, Result};
 
-/// Largest K the single-row tensor-core kernel stages in shared memory (4.5 bytes per input).
+/// Largest K the single-row tensor-core kernel stages in shared memory (5 bytes per input).
 const VEC_MAX_K: usize = 8192;
 
 /// Whether one input row through `m` goes to the single-row tensor-core kernel (mma_vec.cu):
@@ -59,7 +59,7 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
     };
     let tiles = tiles(m.n, BLOCKS_PER_SM * g.multiprocessors());
     let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
-    let smem = (m.k * 4 + m.k / 2 + m.k / group * 4) as u32;
+    let smem = (m.k * 5 + m.k / group * 8) as u32;
     let mut b = g.launch_builder(g.kernels().get("mma_vec_affine4"));
     b.arg(&m.w)
         .arg(&scales)
@@ -73,7 +73,7 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
         .arg(&m.bias);
     // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 (G | K, G ∈ {32, 64, 128},
     // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
-    // the dynamic shared memory holds the staged x, the word and the group sums (K·4.5 + K/G·4
+    // the dynamic shared memory holds the staged x, the word and the group sums (K·5 + K/G·8
     // bytes, under 48 KB for K ≤ VEC_MAX_K).
     unsafe { b.launch(cfg((blocks(m.n, 16 * tiles), 1), 256, smem)) }
         .map_err(driver_err("mma_vec_affine4"))?;
