@@ -41,10 +41,57 @@ __device__ __forceinline__ unsigned nib_pair(unsigned w, int i) {
     return r;
 }
 
-// P consecutive words of a row at word offset `at` (16-byte aligned for P = 4, 8-byte for 2).
-template <int P>
+// Bytes of the staged input (x_hi/x_lo pairs, word and group sums) rounded to 16: the staged
+// weight tile follows it.
+__device__ __forceinline__ int vec_stage_bytes(int K, int ng) {
+    return (K * 5 + ng * 8 + 15) & ~15;
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// An mbarrier expecting one arrival (sm_90 bulk copies complete their bytes on it).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The one arrival, with the bytes the copies will bring.
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+// Copy `bytes` (a multiple of 16; both ends 16-byte aligned) from global to shared memory,
+// completing on `bar`.
+__device__ __forceinline__ void bulk_to_smem(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+// Wait until the barrier's phase `parity` completed (all its bytes arrived).
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+
+// P consecutive words of a row at word offset `at` (16-byte aligned for P = 4, 8-byte for 2):
+// streamed from global memory, or (SM) read from the block's staged tile in shared memory.
+template <int P, bool SM>
 __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, long long at, unsigned out[P]) {
-    if (P == 4) {
+    if (SM) {
+        if (P == 4) {
+            uint4 v = *reinterpret_cast<const uint4*>(row + at);
+            out[0] = v.x; out[1] = v.y; out[2 % P] = v.z; out[3 % P] = v.w;
+        } else if (P == 2) {
+            uint2 v = *reinterpret_cast<const uint2*>(row + at);
+            out[0] = v.x; out[1 % P] = v.y;
+        } else {
+            out[0] = row[at];
+        }
+    } else if (P == 4) {
         uint4 v = __ldcs(reinterpret_cast<const uint4*>(row + at));
         out[0] = v.x; out[1] = v.y; out[2 % P] = v.z; out[3 % P] = v.w;
     } else if (P == 2) {
@@ -55,7 +102,12 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
     }
 }
 
-template <int P, int T>
+// Words between the starts of two rows of a staged tile: 32 bytes of padding put the 8 rows a
+// warp's lanes read at once (gid = 0..7) on different banks.
+#define VEC_ROW_PAD 8
+
+// SM: the block's rows of W, S and B were staged in shared memory (mma_vec_affine4_staged).
+template <int P, int T, bool SM>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, float (*red)[64]) {
@@ -72,11 +124,26 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
 
     const int n0 = blockIdx.x * 16 * T;
+    // Staged tile (SM): 16·T rows of words, nw + VEC_ROW_PAD apart, then the rows' scales and
+    // biases [16·T, ng] each, then the barrier the copies complete on.
+    const int rs = nw + VEC_ROW_PAD;
+    unsigned* tw = reinterpret_cast<unsigned*>(vec_smem + vec_stage_bytes(K, ng));
+    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + 16 * T * rs);
+    bf16_t* tb = ts + 16 * T * ng;
+    unsigned long long* bar = reinterpret_cast<unsigned long long*>(tb + 16 * T * ng);
     long long r0[T], r1[T];
 #pragma unroll
     for (int i = 0; i < T; ++i) {
         r0[i] = min(n0 + 16 * i + gid, N - 1);
         r1[i] = min(n0 + 16 * i + gid + 8, N - 1);
+    }
+    // Where rows r0, r1 are read: the global matrix, or the tile (row − n0).
+    const unsigned* w0[T];
+    const unsigned* w1[T];
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+        w0[i] = SM ? tw + (r0[i] - n0) * rs : W + r0[i] * nw;
+        w1[i] = SM ? tw + (r1[i] - n0) * rs : W + r1[i] * nw;
     }
     // Words of the warp's first U groups: weights do not depend on the kernel before, so these
     // loads go out before waiting for it.
@@ -89,19 +156,35 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 long long at = (long long)g * (G / 8) + t * P;
 #pragma unroll
                 for (int i = 0; i < T; ++i) {
-                    load_words<P>(W + r0[i] * nw, at, q0[u][i]);
-                    load_words<P>(W + r1[i] * nw, at, q1[u][i]);
+                    load_words<P, SM>(w0[i], at, q0[u][i]);
+                    load_words<P, SM>(w1[i], at, q1[u][i]);
                 }
             }
         }
     };
-    load_groups(v);
-    // Scales and biases are used once per group by lanes t = 0: their rows (contiguous for the
-    // block) are asked of L1 now, so those loads do not each wait on L2.
-    {
-        long long rows = min(16 * T, N - n0);
-        l1_prefetch_range(S + (long long)n0 * ng, rows * ng * 2, tid, blockDim.x);
-        l1_prefetch_range(Bs + (long long)n0 * ng, rows * ng * 2, tid, blockDim.x);
+    const int rows = min(16 * T, N - n0);
+    if (SM) {
+        // One bulk copy per row of words (to its padded place) and one each for the scales and
+        // biases, all completing on one barrier; issued before the wait, as weights never depend
+        // on an earlier kernel, so the tile fills while the kernels before still run.
+        if (tid == 0) mbar_init(bar);
+        __syncthreads();
+        if (v == 0) {
+            if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
+            __syncwarp();
+            for (int r = lane; r < rows; r += 32)
+                bulk_to_smem(tw + r * rs, W + (long long)(n0 + r) * nw, K / 2, bar);
+            if (lane == 0) {
+                bulk_to_smem(ts, S + (long long)n0 * ng, rows * ng * 2, bar);
+                bulk_to_smem(tb, Bs + (long long)n0 * ng, rows * ng * 2, bar);
+            }
+        }
+    } else {
+        load_groups(v);
+        // Scales and biases are used once per group by lanes t = 0: their rows (contiguous for
+        // the block) are asked of L1 now, so those loads do not each wait on L2.
+        l1_prefetch_range(S + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
+        l1_prefetch_range(Bs + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
     }
     pdl_entry();
 
@@ -134,6 +217,10 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         gh[g] = sum_hl;
     }
     __syncthreads();
+    if (SM) {
+        mbar_wait(bar, 0);
+        load_groups(v);
+    }
 
     float acc0[T], acc1[T];
 #pragma unroll
@@ -172,8 +259,12 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 float xg = gs[g], off = 128.f * gh[g];
 #pragma unroll
                 for (int i = 0; i < T; ++i) {
-                    acc0[i] = fmaf(bf16f(S[r0[i] * ng + g]), c[i][0] - off, fmaf(bf16f(Bs[r0[i] * ng + g]), xg, acc0[i]));
-                    acc1[i] = fmaf(bf16f(S[r1[i] * ng + g]), c[i][2] - off, fmaf(bf16f(Bs[r1[i] * ng + g]), xg, acc1[i]));
+                    long long a0 = SM ? (r0[i] - n0) * ng + g : r0[i] * ng + g;
+                    long long a1 = SM ? (r1[i] - n0) * ng + g : r1[i] * ng + g;
+                    const bf16_t* sc = SM ? ts : S;
+                    const bf16_t* bi = SM ? tb : Bs;
+                    acc0[i] = fmaf(bf16f(sc[a0]), c[i][0] - off, fmaf(bf16f(bi[a0]), xg, acc0[i]));
+                    acc1[i] = fmaf(bf16f(sc[a1]), c[i][2] - off, fmaf(bf16f(bi[a1]), xg, acc1[i]));
                 }
             }
         }
@@ -196,10 +287,21 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     }
 }
 
-#define VEC_DISPATCH(T)                                                   \
-    if (G == 128) mma_vec_t<4, T>(W, S, B, x, y, N, K, bias, red);        \
-    else if (G == 64) mma_vec_t<2, T>(W, S, B, x, y, N, K, bias, red);    \
-    else mma_vec_t<1, T>(W, S, B, x, y, N, K, bias, red);
+#define VEC_DISPATCH(T, SM)                                                   \
+    if (G == 128) mma_vec_t<4, T, SM>(W, S, B, x, y, N, K, bias, red);        \
+    else if (G == 64) mma_vec_t<2, T, SM>(W, S, B, x, y, N, K, bias, red);    \
+    else mma_vec_t<1, T, SM>(W, S, B, x, y, N, K, bias, red);
+
+#define VEC_TILES(SM)            \
+    if (tiles == 4) {            \
+        VEC_DISPATCH(4, SM)      \
+    } else if (tiles == 3) {     \
+        VEC_DISPATCH(3, SM)      \
+    } else if (tiles == 2) {     \
+        VEC_DISPATCH(2, SM)      \
+    } else {                     \
+        VEC_DISPATCH(1, SM)      \
+    }
 
 // tiles: row tiles of 16 per block (1 to 4).
 extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
@@ -213,13 +315,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsig
     // mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
     // The 8 warps' sums of the block's rows (one array for every instantiation).
     __shared__ float red[8][64];
-    if (tiles == 4) {
-        VEC_DISPATCH(4)
-    } else if (tiles == 3) {
-        VEC_DISPATCH(3)
-    } else if (tiles == 2) {
-        VEC_DISPATCH(2)
-    } else {
-        VEC_DISPATCH(1)
-    }
+    VEC_TILES(false)
+}
+
+// As mma_vec_affine4 with the block's rows of W, S and B staged in shared memory by bulk copies
+// issued before the wait (one launch wave: every block resident while the kernel before runs).
+// Needs K/G % 8 == 0 (the scale rows copied whole 16-byte units) and 16-byte aligned matrices.
+extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4_staged(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                         const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                         float* __restrict__ y, int N, int K, int G, int tiles,
+                                                                         const float* __restrict__ bias) {
+    __shared__ float red[8][64];
+    VEC_TILES(true)
 }

@@ -4,6 +4,8 @@
 //! mma.sync exactly, two per instruction, with the FMA dequant form per group and the input as
 //! bf16 hi + lo (see the kernel's header).
 
+use cudarc::driver::sys::CUfunction_attribute;
+
 use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat};
 use super::{driver_err, CudaError, Gpu, Result};
 
@@ -57,10 +59,25 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
             "mma_vec_affine4 takes 4-bit affine weights".into(),
         ));
     };
-    let tiles = tiles(m.n, BLOCKS_PER_SM * g.multiprocessors());
+    let resident = BLOCKS_PER_SM * g.multiprocessors();
+    let tiles = tiles(m.n, resident);
     let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
-    let smem = (m.k * 5 + m.k / group * 8) as u32;
-    let mut b = g.launch_builder(g.kernels().get("mma_vec_affine4"));
+    let aligned = [m.w, scales, biases].iter().all(|p| p % 16 == 0);
+    let blocks = blocks(m.n, 16 * tiles);
+    let staged = staged_smem(m.k, group, tiles).filter(|_| aligned && blocks as usize <= resident);
+    let (name, smem) = match staged {
+        Some(bytes) => ("mma_vec_affine4_staged", bytes),
+        None => ("mma_vec_affine4", stage_smem(m.k, group)),
+    };
+    let func = g.kernels().get(name);
+    if staged.is_some() {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(driver_err(name))?;
+    }
+    let mut b = g.launch_builder(func);
     b.arg(&m.w)
         .arg(&scales)
         .arg(&biases)
@@ -73,11 +90,32 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
         .arg(&m.bias);
     // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 (G | K, G ∈ {32, 64, 128},
     // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
-    // the dynamic shared memory holds the staged x, the word and the group sums (K·5 + K/G·8
-    // bytes, under 48 KB for K ≤ VEC_MAX_K).
-    unsafe { b.launch(cfg((blocks(m.n, 16 * tiles), 1), 256, smem)) }
-        .map_err(driver_err("mma_vec_affine4"))?;
+    // the dynamic shared memory holds the staged x, the word and the group sums (under 48 KB for
+    // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`,
+    // which also checks the copies' 16-byte units; the matrices' alignment is checked above).
+    unsafe { b.launch(cfg((blocks, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
+}
+
+/// Dynamic shared memory of the single-row kernel: x as bf16 hi/lo pairs, the word sums and the
+/// group sums (K·5 + K/G·8 bytes, rounded up to 16).
+fn stage_smem(k: usize, group: usize) -> usize {
+    (k * 5 + k / group * 8).next_multiple_of(16)
+}
+
+/// Most dynamic shared memory a staged block may take: two blocks per SM within the 227 KB an
+/// sm_90 multiprocessor gives (with each block's 2 KB of static memory and 1 KB reserved).
+const STAGED_MAX_SMEM: usize = 110 * 1024;
+
+/// Dynamic shared memory of the staged single-row kernel (`mma_vec_affine4_staged`) with `tiles`
+/// row tiles of 16 per block: the input staging, then 16·T rows of words (K/2 bytes each, 32
+/// bytes of padding between rows), the rows' scales and biases and an 8-byte barrier; `None`
+/// when the scale rows are not whole 16-byte units (K/G % 8 ≠ 0: the bulk copies move 16-byte
+/// units) or the tile does not fit two blocks per SM.
+pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
+    let (rows, ng) = (16 * tiles, k / group);
+    let bytes = stage_smem(k, group) + rows * (k / 2 + 32) + rows * ng * 4 + 16;
+    (ng.is_multiple_of(8) && bytes <= STAGED_MAX_SMEM).then_some(bytes)
 }
 
 #[cfg(test)]
@@ -92,5 +130,16 @@ mod tests {
         assert_eq!(super::tiles(1, 264), 1);
         // 108 SMs (A100): 772 tiles in one wave of 4 rather than two of 3.
         assert_eq!(super::tiles(12_352, 216), 4);
+    }
+
+    #[test]
+    fn staged_tiles_fit_two_blocks_per_sm_in_whole_copy_units() {
+        // GDN input projection of the 35B shape: 48 rows of 2048 inputs, groups of 64.
+        let b = super::staged_smem(2048, 64, 3).unwrap();
+        assert_eq!(b, 10_496 + 48 * 1056 + 48 * 32 * 4 + 16);
+        assert!(super::staged_smem(4096, 64, 1).is_some());
+        // 8192 inputs with 4 tiles: 270 KB, over the limit; 4 groups a row: not 16-byte units.
+        assert_eq!(super::staged_smem(8192, 64, 4), None);
+        assert_eq!(super::staged_smem(128, 32, 1), None);
     }
 }
