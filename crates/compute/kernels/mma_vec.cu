@@ -23,14 +23,18 @@
 // x_lo, the word's sums of x and of x_hi + x_lo, and the same sums over each group. Warp v takes
 // the groups g ≡ v (mod 8), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
 // (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds cap the
-// registers at 128). Within a group, lane
-// (gid, t) of the mma holds rows gid and gid + 8 of each tile and the group's words t·P ..
-// t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word j of every lane forms one 32-wide
-// k chunk, two k16 steps whose k slots {2t, 2t+1} and {2t+8, 2t+9} take nibbles (i, i+4) and
-// (i+1, i+5) of the lane's word, and x the same pairs (any consistent mapping of k gives the same
-// sum). Only input column 0 is real (B is zero in lanes with gid ≠ 0). After each group, lanes
-// t = 0 fold the group's partial sums in with its scale and bias; the 8 warps' sums meet in
-// shared memory.
+// registers at 128). Within a group, lane (gid, t) of the mma holds rows gid and gid + 8 of each
+// tile and the group's words t·P .. t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word
+// j of every lane forms one 32-wide k chunk, two k16 steps whose k slots {2t, 2t+1} and
+// {2t+8, 2t+9} take nibbles (i, i+4) and (i+1, i+5) of the lane's word, and x the same pairs (any
+// consistent mapping of k gives the same sum). Only input column 0 is real (B is zero in lanes
+// with gid ≠ 0). After each group, lanes t = 0 fold the group's partial sums in with its scale
+// and bias; the 8 warps' sums meet in shared memory.
+//
+// mma_vec_affine4_staged, for a launch of one wave: each block instead copies its rows of W, S
+// and B into shared memory (after the staged x, rounded to 16 bytes: 16·T rows of K/2 + 32
+// bytes, then 16·T·(K/G)·4 bytes of scales and biases, then an 8-byte barrier) with bulk copies
+// issued before its wait, and the same loop reads the words from there.
 
 // Nibbles i and i + 4 of w as exact bf16x2 (128 + q_i, 128 + q_{i+4}): (q | 0x4300) is 128 + q
 // in bf16. A shift and one three-input lop3, (a & b) | c; the offset of 128 leaves the products
