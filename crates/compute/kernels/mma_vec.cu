@@ -55,30 +55,46 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
-// An mbarrier expecting one arrival (sm_90 bulk copies complete their bytes on it).
+// The bulk copies and their barrier exist from sm_90 on; before, these helpers are empty and the
+// host never launches the staged entry (cuda/vec.rs).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define VEC_BULK 1
+#else
+#define VEC_BULK 0
+#endif
+
+// An mbarrier expecting one arrival (bulk copies complete their bytes on it).
 __device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+#if VEC_BULK
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 
 // The one arrival, with the bytes the copies will bring.
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+#if VEC_BULK
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
 }
 
 // Copy `bytes` (a multiple of 16; both ends 16-byte aligned) from global to shared memory,
 // completing on `bar`.
 __device__ __forceinline__ void bulk_to_smem(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+#if VEC_BULK
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_u32(dst)), "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+#endif
 }
 
 // Wait until the barrier's phase `parity` completed (all its bytes arrived).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if VEC_BULK
     unsigned done = 0;
     while (!done)
         asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
                      : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+#endif
 }
 
 // P consecutive words of a row at word offset `at` (16-byte aligned for P = 4, 8-byte for 2):

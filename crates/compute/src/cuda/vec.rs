@@ -62,9 +62,10 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
     let resident = BLOCKS_PER_SM * g.multiprocessors();
     let tiles = tiles(m.n, resident);
     let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
-    let aligned = [m.w, scales, biases].iter().all(|p| p % 16 == 0);
+    // Bulk copies need sm_90 and 16-byte aligned matrices.
+    let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
     let blocks = blocks(m.n, 16 * tiles);
-    let staged = staged_smem(m.k, group, tiles).filter(|_| aligned && blocks as usize <= resident);
+    let staged = staged_smem(m.k, group, tiles).filter(|_| bulk && blocks as usize <= resident);
     let (name, smem) = match staged {
         Some(bytes) => ("mma_vec_affine4_staged", bytes),
         None => ("mma_vec_affine4", stage_smem(m.k, group)),
@@ -92,7 +93,8 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
     // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
     // the dynamic shared memory holds the staged x, the word and the group sums (under 48 KB for
     // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`,
-    // which also checks the copies' 16-byte units; the matrices' alignment is checked above).
+    // which also checks the copies' 16-byte units; the device's sm_90 and the matrices' alignment
+    // are checked above).
     unsafe { b.launch(cfg((blocks, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
 }
