@@ -99,26 +99,21 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 
 // P consecutive words of a row at word offset `at` (16-byte aligned for P = 4, 8-byte for 2):
 // streamed from global memory, or (SM) read from the block's staged tile in shared memory.
+template <bool SM, typename V>
+__device__ __forceinline__ V load_word(const V* p) {
+    return SM ? *p : __ldcs(p);
+}
+
 template <int P, bool SM>
 __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, long long at, unsigned out[P]) {
-    if (SM) {
-        if (P == 4) {
-            uint4 v = *reinterpret_cast<const uint4*>(row + at);
-            out[0] = v.x; out[1] = v.y; out[2 % P] = v.z; out[3 % P] = v.w;
-        } else if (P == 2) {
-            uint2 v = *reinterpret_cast<const uint2*>(row + at);
-            out[0] = v.x; out[1 % P] = v.y;
-        } else {
-            out[0] = row[at];
-        }
-    } else if (P == 4) {
-        uint4 v = __ldcs(reinterpret_cast<const uint4*>(row + at));
+    if (P == 4) {
+        uint4 v = load_word<SM>(reinterpret_cast<const uint4*>(row + at));
         out[0] = v.x; out[1] = v.y; out[2 % P] = v.z; out[3 % P] = v.w;
     } else if (P == 2) {
-        uint2 v = __ldcs(reinterpret_cast<const uint2*>(row + at));
+        uint2 v = load_word<SM>(reinterpret_cast<const uint2*>(row + at));
         out[0] = v.x; out[1 % P] = v.y;
     } else {
-        out[0] = __ldcs(row + at);
+        out[0] = load_word<SM>(row + at);
     }
 }
 

@@ -9,7 +9,6 @@
 //! f32 `[T, Hv, Dv]`; a workspace of [`workspace_bytes`]. With `norm_qk` the kernels l2-normalise
 //! q and k (eps 1e-6) and scale q by 1/sqrt(Dk); without it q and k must arrive so.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::LaunchConfig;
 
 use super::{driver_err, CudaError, Gpu, Result};
@@ -133,16 +132,6 @@ pub fn default_tile(g: &Gpu, d: GdnChunkDims) -> StateTile {
     }
 }
 
-fn raise_smem(g: &Gpu, name: &str, bytes: usize) -> Result<()> {
-    g.kernels()
-        .get(name)
-        .set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(driver_err(name))
-}
-
 /// First launch: T, P, coefficients and decays of every chunk into the workspace.
 pub fn gdn_chunk_prep(g: &Gpu, b: GdnChunkBufs, d: GdnChunkDims, norm_qk: bool) -> Result<()> {
     d.check()?;
@@ -154,7 +143,7 @@ pub fn gdn_chunk_prep(g: &Gpu, b: GdnChunkBufs, d: GdnChunkDims, norm_qk: bool) 
     let (tinv, pmat, coef, decay) = (ws(l.tinv), ws(l.pmat), ws(l.coef), ws(l.decay));
     let (t, hk, hv, dk) = (d.t as i32, d.hk as i32, d.hv as i32, d.dk as i32);
     let norm = norm_qk as i32;
-    raise_smem(g, "gdn_chunk_prep", PREP_SMEM)?;
+    g.raise_smem("gdn_chunk_prep", PREP_SMEM)?;
     let mut l = g.launch_builder(g.kernels().get("gdn_chunk_prep"));
     l.arg(&b.q)
         .arg(&b.k)
@@ -199,7 +188,7 @@ pub fn gdn_chunk_state(g: &Gpu, b: GdnChunkBufs, d: GdnChunkDims, tile: StateTil
         StateTile::V64 => ("gdn_chunk_state64", 64),
     };
     let smem = state_smem(bv);
-    raise_smem(g, name, smem)?;
+    g.raise_smem(name, smem)?;
     let func = match tile {
         StateTile::V32 => g.kernels().get("gdn_chunk_state32"),
         StateTile::V64 => g.kernels().get("gdn_chunk_state64"),

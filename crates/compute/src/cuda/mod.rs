@@ -17,7 +17,7 @@ pub mod vec;
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
@@ -162,6 +162,17 @@ impl Gpu {
 
     pub fn kernels(&self) -> &Kernels {
         &self.kernels
+    }
+
+    /// Let kernel `name` take `bytes` of dynamic shared memory (above the default 48 KB).
+    pub(crate) fn raise_smem(&self, name: &str, bytes: usize) -> Result<()> {
+        self.kernels
+            .get(name)
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(driver_err(name))
     }
 
     /// (free, total) device memory in bytes.

@@ -6,7 +6,7 @@
 //! sequence's slot. CPU twins: `cpu::conv`, `cpu::norm`, `cpu::attention`, and the per-pair
 //! expert products of [`super::ops::matvec`].
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::LaunchConfig;
 
 use super::ops::{AttnDims, Batch, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
@@ -217,12 +217,11 @@ pub fn attn_prefill(
     if t == 0 {
         return Ok(());
     }
-    let (dt, func) = match a.d {
-        0..=64 => (64, g.kernels().get("flash_prefill_64")),
-        65..=128 => (128, g.kernels().get("flash_prefill_128")),
-        _ => (256, g.kernels().get("flash_prefill_256")),
+    let (dt, name) = match a.d {
+        0..=64 => (64, "flash_prefill_64"),
+        65..=128 => (128, "flash_prefill_128"),
+        _ => (256, "flash_prefill_256"),
     };
-    let name = "flash_prefill";
     let max_smem = g
         .stream()
         .context()
@@ -241,15 +240,11 @@ pub fn attn_prefill(
             a.d
         )));
     }
-    func.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .map_err(driver_err(name))?;
+    g.raise_smem(name, smem)?;
     let (ps, t32, p32) = (proj_stride as i64, t as i32, pos0 as i32);
     let (hq, hkv, d) = (a.hq as i32, a.hkv as i32, a.d as i32);
     let scale_log2 = std::f32::consts::LOG2_E / (a.d as f32).sqrt();
-    let mut b = g.launch_builder(func);
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&q)
         .arg(&k_cache)
         .arg(&v_cache)

@@ -4,8 +4,6 @@
 //! mma.sync exactly, two per instruction, with the FMA dequant form per group and the input as
 //! bf16 hi + lo (see the kernel's header).
 
-use cudarc::driver::sys::CUfunction_attribute;
-
 use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat};
 use super::{driver_err, CudaError, Gpu, Result};
 
@@ -70,15 +68,10 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
         Some(bytes) => ("mma_vec_affine4_staged", bytes),
         None => ("mma_vec_affine4", stage_smem(m.k, group)),
     };
-    let func = g.kernels().get(name);
     if staged.is_some() {
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(driver_err(name))?;
+        g.raise_smem(name, smem)?;
     }
-    let mut b = g.launch_builder(func);
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&m.w)
         .arg(&scales)
         .arg(&biases)
