@@ -31,10 +31,35 @@
 // with gid ≠ 0). After each group, lanes t = 0 fold the group's partial sums in with its scale
 // and bias; the 8 warps' sums meet in shared memory.
 //
+// VecIo (one per launch, by value) adds to either entry, for a decode layer's fused steps:
+// - norm: x is a raw residual row to be taken through an RMSNorm first: the block stages
+//   x·norm and takes Σ x² on the way, and scales its outputs by r = 1/sqrt(mean(x²) + eps)
+//   (W (x·r·norm) = r·W (x·norm), so the sum is met only after the products); block 0 then
+//   writes x·r·norm to `normed` when given. The norms before a layer's mixer and its ffn.
+// - accumulate: y[n] += W x (+ bias) instead of y[n] = …: the residual add after a projection.
+// - conv (conv_c > 0): rows n < conv_c are also the GDN conv1d inputs of channel n (gdn.cu's
+//   gdn_conv_step, the same arithmetic): mixed[n] = silu(Σ_j conv_w[n, j]·st[j, n] +
+//   conv_w[n, Kc−1]·y[n]) with st = conv_state + slots[0]·(Kc−1)·conv_c, which then shifts by
+//   one and takes y[n]. Each row belongs to one block, so the state update has one writer.
+//
 // mma_vec_affine4_staged, for a launch of one wave: each block instead copies its rows of W, S
 // and B into shared memory (after the staged x, rounded to 16 bytes: 16·T rows of K/2 + 32
 // bytes, then 16·T·(K/G)·4 bytes of scales and biases, then an 8-byte barrier) with bulk copies
 // issued before its wait, and the same loop reads the words from there.
+
+#define VEC_CONV_KMAX 8
+
+struct VecIo {
+    const float* norm;
+    float* normed;
+    float eps;
+    int accumulate;
+    const int* slots;
+    float* conv_state;
+    const float* conv_w;
+    float* mixed;
+    int conv_c, conv_k;
+};
 
 // Nibbles i and i + 4 of w as exact bf16x2 (128 + q_i, 128 + q_{i+4}): (q | 0x4300) is 128 + q
 // in bf16. A shift and one three-input lop3, (a & b) | c; the offset of 128 leaves the products
@@ -121,11 +146,36 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 // warp's lanes read at once (gid = 0..7) on different banks.
 #define VEC_ROW_PAD 8
 
+// The conv epilogue for channel c with this token's input v (gdn.cu's gdn_conv_step).
+__device__ __forceinline__ void conv_step(const VecIo& io, float* st, int c, float v) {
+    const int C = io.conv_c, Kc = io.conv_k;
+    const float* wc = io.conv_w + (long long)c * Kc;
+    float wv[VEC_CONV_KMAX], sv[VEC_CONV_KMAX];
+#pragma unroll
+    for (int j = 0; j < VEC_CONV_KMAX; ++j) {
+        if (j < Kc) wv[j] = wc[j];
+        if (j < Kc - 1) sv[j] = st[(long long)j * C + c];
+    }
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC_CONV_KMAX; ++j)
+        if (j == Kc - 1) acc = wv[j] * v;
+#pragma unroll
+    for (int j = 0; j < VEC_CONV_KMAX; ++j)
+        if (j < Kc - 1) acc = fmaf(wv[j], sv[j], acc);
+#pragma unroll
+    for (int j = 0; j + 1 < VEC_CONV_KMAX; ++j)
+        if (j + 1 < Kc - 1) st[(long long)j * C + c] = sv[j + 1];
+    if (Kc > 1) st[(long long)(Kc - 2) * C + c] = v;
+    io.mixed[c] = silu_f(acc);
+}
+
 // SM: the block's rows of W, S and B were staged in shared memory (mma_vec_affine4_staged).
 template <int P, int T, bool SM>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
-                          int N, int K, const float* __restrict__ bias, float (*red)[64]) {
+                          int N, int K, const float* __restrict__ bias, const VecIo& io,
+                          float (*red)[64]) {
     // Groups in flight per warp iteration: 2·T·P·U ≤ 24 words per lane (at most 4 groups).
     constexpr int U_FIT = 12 / (T * P);
     constexpr int U = U_FIT < 1 ? 1 : U_FIT > 4 ? 4 : U_FIT;
@@ -201,11 +251,32 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         l1_prefetch_range(S + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
         l1_prefetch_range(Bs + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
     }
+    // The conv epilogue's weights and state are not written by the kernel before (the state
+    // by this layer's step of the token before): asked of L1 now.
+    const int conv_rows = io.conv_c > 0 ? max(0, min(rows, io.conv_c - n0)) : 0;
+    float* conv_st = io.conv_state + (conv_rows ? (long long)io.slots[0] * (io.conv_k - 1) * io.conv_c : 0);
+    if (tid < conv_rows) {
+        l1_prefetch(io.conv_w + (long long)(n0 + tid) * io.conv_k);
+        for (int j = 0; j + 1 < io.conv_k; ++j) l1_prefetch(conv_st + (long long)j * io.conv_c + n0 + tid);
+    }
+    if (io.norm)
+        for (int k = tid * 32; k < K; k += 32 * blockDim.x) l1_prefetch(io.norm + k);
     pdl_entry();
 
+    // With an input norm, x·norm is staged and x's sum of squares taken on the way; the row's
+    // factor r is needed only for the outputs (Σ_k W[n, k]·x[k]·r·norm[k] = r·Σ_k W[n, k]·x[k]·norm[k]),
+    // so the block's sum is met after the products.
+    float ss = 0.f;
     for (int w = tid; w < nw; w += blockDim.x) {
         float4 a = *reinterpret_cast<const float4*>(x + 8 * w);
         float4 b = *reinterpret_cast<const float4*>(x + 8 * w + 4);
+        if (io.norm) {
+            ss += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) + ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
+            const float4 sa = *reinterpret_cast<const float4*>(io.norm + 8 * w);
+            const float4 sb = *reinterpret_cast<const float4*>(io.norm + 8 * w + 4);
+            a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
+            b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
+        }
         float lo4[4] = {a.x, a.y, a.z, a.w}, hi4[4] = {b.x, b.y, b.z, b.w};
         unsigned h[4], l[4];
 #pragma unroll
@@ -291,21 +362,39 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             red[v][16 * i + gid + 8] = acc1[i];
         }
     }
+    // The input norm's factor: the warps' sums of squares meet in shared memory.
+    __shared__ float ssq[8];
+    if (io.norm) {
+        ss = warp_sum(ss);
+        if (lane == 0) ssq[v] = ss;
+    }
     __syncthreads();
+    float r_norm = 1.f;
+    if (io.norm) {
+        float total = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) total += ssq[i];
+        r_norm = rsqrtf(total / K + io.eps);
+        if (io.normed && blockIdx.x == 0)
+            for (int k = tid; k < K; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
+    }
     for (int r = tid; r < 16 * T; r += blockDim.x) {
         if (n0 + r < N) {
             float sum = 0.f;
 #pragma unroll
             for (int i = 0; i < 8; ++i) sum += red[i][r];
-            y[n0 + r] = sum + (bias ? bias[n0 + r] : 0.f);
+            float out = sum * r_norm + (bias ? bias[n0 + r] : 0.f);
+            if (io.accumulate) out = y[n0 + r] + out;
+            y[n0 + r] = out;
+            if (r < conv_rows) conv_step(io, conv_st, n0 + r, out);
         }
     }
 }
 
 #define VEC_DISPATCH(T, SM)                                                   \
-    if (G == 128) mma_vec_t<4, T, SM>(W, S, B, x, y, N, K, bias, red);        \
-    else if (G == 64) mma_vec_t<2, T, SM>(W, S, B, x, y, N, K, bias, red);    \
-    else mma_vec_t<1, T, SM>(W, S, B, x, y, N, K, bias, red);
+    if (G == 128) mma_vec_t<4, T, SM>(W, S, B, x, y, N, K, bias, io, red);        \
+    else if (G == 64) mma_vec_t<2, T, SM>(W, S, B, x, y, N, K, bias, io, red);    \
+    else mma_vec_t<1, T, SM>(W, S, B, x, y, N, K, bias, io, red);
 
 #define VEC_TILES(SM)            \
     if (tiles == 4) {            \
@@ -322,7 +411,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                   const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                   float* __restrict__ y, int N, int K, int G, int tiles,
-                                                                  const float* __restrict__ bias) {
+                                                                  const float* __restrict__ bias, const VecIo io) {
     long long n0 = (long long)blockIdx.x * 16 * tiles;
     l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);
     l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
@@ -339,7 +428,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsig
 extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4_staged(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                          const bf16_t* __restrict__ B, const float* __restrict__ x,
                                                                          float* __restrict__ y, int N, int K, int G, int tiles,
-                                                                         const float* __restrict__ bias) {
+                                                                         const float* __restrict__ bias, const VecIo io) {
     __shared__ float red[8][64];
     VEC_TILES(true)
 }

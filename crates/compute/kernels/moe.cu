@@ -16,8 +16,10 @@
 //   The picks' sum runs in rank order. grid B, block 32.
 //   E ≤ 1024, K ≤ 32.
 //
-// moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0).
-//   y: [B, K, H]; w: [B, K]; ys, delta: [B, H]. grid (ceil(H/256), B), block 256.
+// moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0),
+//   or with accumulate delta[b, i] += that sum (the residual add; the same value as
+//   moe_combine_norm's x). y: [B, K, H]; w: [B, K]; ys, delta: [B, H]. grid (ceil(H/256), B),
+//   block 256.
 //
 // moe_combine_norm: the same sum per row, added to the residual in place: x += sum ([B, H]),
 //   then out = rmsnorm(x) · scale (as norm.cu's add_rmsnorm: the same values in
@@ -129,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __rest
 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        const float* __restrict__ ys, const float* __restrict__ sg,
-                                       float* __restrict__ delta, int K, int H) {
+                                       float* __restrict__ delta, int K, int H, int accumulate) {
     pdl_entry();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= H) return;
@@ -144,7 +146,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     float acc = 0.f;
     for (int k = 0; k < K; ++k) acc = fmaf(w[k], y[(long long)k * H + i], acc);
     if (ys) acc = fmaf(sg[0], ys[i], acc);
-    delta[i] = acc;
+    delta[i] = accumulate ? delta[i] + acc : acc;
 }
 
 // Terms per element loaded before any is summed: Qwen3.6-35B-A3B's 8 routed experts + the shared

@@ -6,7 +6,7 @@
 // FMA dequant form per word: acc += scale·Σ q·x + bias·Σ x (one word never spans two groups).
 // x must be 16-byte aligned (device buffers are).
 //
-// matvec_affine: y[s, n] = Σ_k W_e[n, k] x_s[k] (+ bias_vec[e·N + n]); e = ids ? ids[s] : 0;
+// matvec_affine{BITS}_r{R}: y[s, n] = Σ_k W_e[n, k] x_s[k] (+ bias_vec[e·N + n]); e = ids ? ids[s] : 0;
 //   x_s = x + (s / x_div)·x_stride (x_stride a multiple of 4); slots as in matvec.cu.
 //   grid (S, ceil(N/(8·R))), block 256: a warp per R rows, lanes on consecutive words.
 //   Far experts: ids ≥ split read matrix ids − split of a second stack (Wf, Sf, Bf) of the same
@@ -14,10 +14,18 @@
 //   Slots with ids < 0 are skipped (their output is left as it is: the host computes them).
 // Without ids (one matrix), the first blocks of slot 0 ask L2 for their rows before waiting on the
 // kernel before (common.cuh, PREFETCH_BLOCKS).
-// matvec_swiglu_affine: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
+// matvec_swiglu_affine{BITS}_r{R}: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
 //   first). grid (S, ceil(I/(8·R/2))), block 256: a warp per R/2 outputs (R rows).
 //   silu is silu_portable (common.cuh): the host's cpu::gpu_twin computes these outputs bit for
 //   bit, so routed experts can run on either side.
+
+// moe_down_combine_affine{BITS}: one MoE layer's expert down projections and their weighted sum
+//   added to the residual: x[b, n] += Σ_{k<KS} w[b·KS + k] · (D_e[n] · h[b·KS + k]) with
+//   e = ids[b·KS + k] (far experts as matvec_affine; no host slots), D_e [N, K]. The same values
+//   as matvec_affine{BITS} into y then moe.cu's moe_combine with accumulate: each dot in
+//   dot_rows_affine's order (the same for any rows per warp), the terms summed in k order.
+//   grid (ceil(N/4), B), block 32·KS: warp k computes the block's 4 rows for slot k, the block
+//   meets in shared memory and 4 threads add the sums. KS ≤ 32.
 
 // Words per lane and row in flight before any is used.
 #define QMV_UNROLL 4
@@ -156,51 +164,119 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
         if (lane == r && r < nn) h[(long long)s * I + n0 + r] = silu_portable(out[r]) * out[NPW + r];
 }
 
-#define QMV_DISPATCH(F, ...)                                          \
-    if (rows == 4) {                                                  \
-        if (bits == 4) F<4, 4>(__VA_ARGS__);                          \
-        else if (bits == 8) F<8, 4>(__VA_ARGS__);                     \
-        else F<2, 4>(__VA_ARGS__);                                    \
-    } else {                                                          \
-        if (bits == 4) F<4, 2>(__VA_ARGS__);                          \
-        else if (bits == 8) F<8, 2>(__VA_ARGS__);                     \
-        else F<2, 2>(__VA_ARGS__);                                    \
+template <int BITS>
+__device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
+                                               const bf16_t* __restrict__ B, const float* __restrict__ h,
+                                               float* __restrict__ x, const float* __restrict__ w,
+                                               const int* __restrict__ ids, int N, int K, int G, int KS,
+                                               const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,
+                                               const bf16_t* __restrict__ Bf, int split) {
+    __shared__ float part[32][4];
+    const int k = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.y;
+    const int n0 = blockIdx.x * 4, nrows = min(4, N - n0);
+    const int s = row * KS + k;
+    long long e = ids[s];
+    if (e >= split) {
+        W = Wf;
+        S = Sf;
+        B = Bf;
+        e -= split;
     }
-
-// rows: rows per warp, 4 or 2 (see QMV_ROWS).
-extern "C" __global__ void matvec_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                         const bf16_t* __restrict__ B, const float* __restrict__ x,
-                                         float* __restrict__ y, int N, int K, int G, int bits, int rows,
-                                         const int* __restrict__ ids, long long x_stride, int x_div,
-                                         const float* __restrict__ bias, const unsigned int* __restrict__ Wf,
-                                         const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
-                                         int split) {
-    if (!ids && blockIdx.x == 0) {
-        long long r0 = (long long)blockIdx.y * 8 * rows, rb = (long long)K * bits / 8, sb = K / G * 2;
-        l2_prefetch_rows(W, r0, 8 * rows, N, rb, blockIdx.y);
-        l2_prefetch_rows(S, r0, 8 * rows, N, sb, blockIdx.y);
-        l2_prefetch_rows(B, r0, 8 * rows, N, sb, blockIdx.y);
+    long long rows[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) rows[r] = e * N + n0 + min(r, nrows - 1);
+    float out[4];
+    dot_rows_affine<BITS, 4>(W, S, B, rows, nrows, h + (long long)s * K, K, __ffs(G) - 1, lane, out);
+    if (lane < 4) part[k][lane] = out[lane];
+    __syncthreads();
+    if (threadIdx.x < nrows) {
+        const int r = threadIdx.x;
+        float acc = 0.f;
+        for (int j = 0; j < KS; ++j) acc = fmaf(w[row * KS + j], part[j][r], acc);
+        float* xr = x + (long long)row * N + n0 + r;
+        *xr = *xr + acc;
     }
-    pdl_entry();
-    QMV_DISPATCH(matvec_affine_t, W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split)
 }
 
-extern "C" __global__ void matvec_swiglu_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                                const bf16_t* __restrict__ B, const float* __restrict__ x,
-                                                float* __restrict__ h, int I, int K, int G, int bits, int rows,
-                                                const int* __restrict__ ids, long long x_stride, int x_div,
-                                                const unsigned int* __restrict__ Wf,
-                                                const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
-                                                int split) {
+#define QMV_DOWN_COMBINE(BITS)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) moe_down_combine_affine##BITS(                                  \
+        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
+        const float* __restrict__ h, float* __restrict__ x, const float* __restrict__ w, const int* __restrict__ ids,    \
+        int N, int K, int G, int KS, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,                \
+        const bf16_t* __restrict__ Bf, int split) {                                                                     \
+        pdl_entry();                                                                                                    \
+        down_combine_t<BITS>(W, S, B, h, x, w, ids, N, K, G, KS, Wf, Sf, Bf, split);                                   \
+    }
+
+QMV_DOWN_COMBINE(2)
+QMV_DOWN_COMBINE(4)
+QMV_DOWN_COMBINE(8)
+
+// The entry points, one per (bits, rows per warp) so that each gets the registers it needs
+// (one kernel holding every form would take the largest form's count everywhere): blocks
+// resident per SM at least QMV_MIN_BLOCKS_R2 with 2 rows per warp (the expert projections of a
+// decode step: 9 experts × 64 blocks fit one wave on 132 SMs), QMV_MIN_BLOCKS_R4 with 4.
+#define QMV_MIN_BLOCKS_R2 5
+#define QMV_MIN_BLOCKS_R4 4
+
+template <int BITS, int R>
+__device__ __forceinline__ void matvec_affine_entry(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
+                                                    const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                    float* __restrict__ y, int N, int K, int G,
+                                                    const int* __restrict__ ids, long long x_stride, int x_div,
+                                                    const float* __restrict__ bias, const unsigned int* __restrict__ Wf,
+                                                    const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
+                                                    int split) {
     if (!ids && blockIdx.x == 0) {
-        long long n0 = (long long)blockIdx.y * 4 * rows, rb = (long long)K * bits / 8, sb = K / G * 2;
+        long long r0 = (long long)blockIdx.y * 8 * R, rb = (long long)K * BITS / 8, sb = K / G * 2;
+        l2_prefetch_rows(W, r0, 8 * R, N, rb, blockIdx.y);
+        l2_prefetch_rows(S, r0, 8 * R, N, sb, blockIdx.y);
+        l2_prefetch_rows(B, r0, 8 * R, N, sb, blockIdx.y);
+    }
+    pdl_entry();
+    matvec_affine_t<BITS, R>(W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split);
+}
+
+template <int BITS, int R>
+__device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
+                                                    const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                    float* __restrict__ h, int I, int K, int G,
+                                                    const int* __restrict__ ids, long long x_stride, int x_div,
+                                                    const unsigned int* __restrict__ Wf,
+                                                    const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
+                                                    int split) {
+    if (!ids && blockIdx.x == 0) {
+        long long n0 = (long long)blockIdx.y * 4 * R, rb = (long long)K * BITS / 8, sb = K / G * 2;
         for (int half = 0; half < 2; ++half) {
             long long r0 = half * (long long)I;
-            l2_prefetch_rows(W, r0 + n0, 4 * rows, r0 + I, rb, blockIdx.y);
-            l2_prefetch_rows(S, r0 + n0, 4 * rows, r0 + I, sb, blockIdx.y);
-            l2_prefetch_rows(B, r0 + n0, 4 * rows, r0 + I, sb, blockIdx.y);
+            l2_prefetch_rows(W, r0 + n0, 4 * R, r0 + I, rb, blockIdx.y);
+            l2_prefetch_rows(S, r0 + n0, 4 * R, r0 + I, sb, blockIdx.y);
+            l2_prefetch_rows(B, r0 + n0, 4 * R, r0 + I, sb, blockIdx.y);
         }
     }
     pdl_entry();
-    QMV_DISPATCH(swiglu_affine_t, W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split)
+    swiglu_affine_t<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);
 }
+
+#define QMV_ENTRIES(BITS, R, MINB)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, MINB) matvec_affine##BITS##_r##R(                                 \
+        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
+        const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, const int* __restrict__ ids,            \
+        long long x_stride, int x_div, const float* __restrict__ bias, const unsigned int* __restrict__ Wf,             \
+        const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf, int split) {                                     \
+        matvec_affine_entry<BITS, R>(W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split);           \
+    }                                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, MINB) matvec_swiglu_affine##BITS##_r##R(                          \
+        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
+        const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, const int* __restrict__ ids,            \
+        long long x_stride, int x_div, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,              \
+        const bf16_t* __restrict__ Bf, int split) {                                                                     \
+        swiglu_affine_entry<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);                 \
+    }
+
+QMV_ENTRIES(2, 2, QMV_MIN_BLOCKS_R2)
+QMV_ENTRIES(4, 2, QMV_MIN_BLOCKS_R2)
+QMV_ENTRIES(8, 2, QMV_MIN_BLOCKS_R2)
+QMV_ENTRIES(2, 4, QMV_MIN_BLOCKS_R4)
+QMV_ENTRIES(4, 4, QMV_MIN_BLOCKS_R4)
+QMV_ENTRIES(8, 4, QMV_MIN_BLOCKS_R4)

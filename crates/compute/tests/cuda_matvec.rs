@@ -387,3 +387,217 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
         assert_close(&name, &g.read(&dy, n).unwrap(), &want, 3e-5);
     }
 }
+
+/// The single-row kernel's fused input norm, residual add and GDN conv step (`VecIo`) against the
+/// separate launches they replace (add_rmsnorm, matvec, the add, gdn_conv_step), staged and
+/// streamed launches: the normalized row within float rounding (its sum of squares runs in
+/// another order), the outputs within the single-row kernel's 3e-5 of the largest (the norm's
+/// factor scales the outputs rather than the staged input), the shifted conv state exactly.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
+    use deltamoe_compute::cpu::quant::quantize;
+    use deltamoe_compute::cuda::ops::Batch;
+    use deltamoe_compute::cuda::vec::{self, VecIo};
+    let g = gpu();
+    let mut r = rng();
+    for &(group, n, k, c, taps) in &[
+        (64usize, 12352usize, 2048usize, 8192usize, 4usize),
+        (64, 2051, 4096, 0, 0),
+        (128, 1001, 4096, 999, 3),
+        (32, 300, 256, 17, 1),
+    ] {
+        let w = rand_vec(&mut r, n * k, -1.0, 1.0);
+        let q = quantize(&w, k, group, 4).unwrap();
+        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+        let (ds, db) = (
+            g.upload(&bf(&q.scales)).unwrap(),
+            g.upload(&bf(&q.biases)).unwrap(),
+        );
+        let dw = g.upload(&q.words).unwrap();
+        let m = Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: 0,
+            format: WeightFormat::Affine {
+                bits: 4,
+                group,
+                scales: ds.ptr(),
+                biases: db.ptr(),
+            },
+        };
+        assert!(vec::takes(&m, &Slots::one()));
+        let x = rand_vec(&mut r, k, -3.0, 3.0);
+        let scale = rand_vec(&mut r, k, 0.5, 1.5);
+        let res = rand_vec(&mut r, n, -1.0, 1.0);
+        let cw = rand_vec(&mut r, c.max(1) * taps.max(1), -1.0, 1.0);
+        let st = rand_vec(&mut r, (2 * taps.saturating_sub(1) * c).max(1), -1.0, 1.0);
+        let up = |v: &[f32]| g.upload(v).unwrap();
+        let (dx, dscale, dcw, slots) = (up(&x), up(&scale), up(&cw), g.upload(&[1i32]).unwrap());
+        // Separate launches.
+        let (normed, y) = (g.zeros::<f32>(k).unwrap(), up(&res));
+        let (t, st_a, mixed_a) = (
+            g.zeros::<f32>(n).unwrap(),
+            up(&st),
+            g.zeros::<f32>(c.max(1)).unwrap(),
+        );
+        ops::add_rmsnorm(&g, dx.ptr(), 0, dscale.ptr(), normed.ptr(), 1, k, 1e-6).unwrap();
+        ops::matvec(&g, m, normed.ptr(), t.ptr(), Slots::one()).unwrap();
+        let tv = g.read(&t, n).unwrap();
+        let want_y: Vec<f32> = res.iter().zip(&tv).map(|(a, b)| a + b).collect();
+        let dwant = up(&want_y);
+        if c > 0 {
+            let bt = Batch {
+                rows: 1,
+                slots: slots.ptr(),
+            };
+            ops::gdn_conv_step(
+                &g,
+                dwant.ptr(),
+                n,
+                st_a.ptr(),
+                dcw.ptr(),
+                mixed_a.ptr(),
+                c,
+                taps,
+                bt,
+            )
+            .unwrap();
+        }
+        // One launch.
+        let (normed_b, y_b) = (g.zeros::<f32>(k).unwrap(), y);
+        let (st_b, mixed_b) = (up(&st), g.zeros::<f32>(c.max(1)).unwrap());
+        let io = VecIo {
+            norm: dscale.ptr(),
+            normed: normed_b.ptr(),
+            eps: 1e-6,
+            accumulate: 1,
+            slots: slots.ptr(),
+            conv_state: st_b.ptr(),
+            conv_w: dcw.ptr(),
+            mixed: mixed_b.ptr(),
+            conv_c: c as i32,
+            conv_k: taps as i32,
+        };
+        vec::matvec(&g, m, dx.ptr(), y_b.ptr(), io).unwrap();
+        let name = format!("fused g{group} {n}x{k} conv {c}x{taps}");
+        let nv = g.read(&normed, k).unwrap();
+        assert_close(
+            &format!("{name} normed"),
+            &g.read(&normed_b, k).unwrap(),
+            &nv,
+            1e-6,
+        );
+        assert_close(
+            &format!("{name} y"),
+            &g.read(&y_b, n).unwrap(),
+            &want_y,
+            3e-5,
+        );
+        if c > 0 {
+            let (ma, mb) = (g.read(&mixed_a, c).unwrap(), g.read(&mixed_b, c).unwrap());
+            assert_close(&format!("{name} mixed"), &mb, &ma, 3e-5);
+            let len = st.len();
+            let (sa, sb) = (g.read(&st_a, len).unwrap(), g.read(&st_b, len).unwrap());
+            // Slot 1's newest entry holds this token's input (as y: float-close), the rest the
+            // shifted entries (exact).
+            let newest = len / 2 + taps.saturating_sub(2) * c;
+            let name = format!("{name} state");
+            if taps >= 2 {
+                assert_close(&name, &sb[newest..], &sa[newest..], 3e-5);
+            }
+            let end = if taps >= 2 { newest } else { len };
+            assert_eq!(sa[..end], sb[..end], "{name}");
+        }
+    }
+}
+
+/// The fused expert down projections + weighted combine into the residual against the expert
+/// down matvec then `moe_combine` with accumulate: bitwise equal (the same dots in the same order,
+/// the same sum), for each bit width, odd rows, two batch rows, a far stack.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn moe_down_combine_equals_down_then_combine() {
+    use deltamoe_compute::cpu::quant::quantize;
+    use deltamoe_compute::cuda::ops::Far;
+    let g = gpu();
+    let mut r = rng();
+    for &(bits, group, n, k, experts, per_row, rows) in &[
+        (4u32, 64usize, 37usize, 128usize, 6usize, 3usize, 2usize),
+        (8, 32, 2048, 512, 5, 9, 1),
+        (2, 128, 101, 256, 4, 11, 2),
+    ] {
+        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+        let q = quantize(&w, k, group, bits).unwrap();
+        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+        let (dw, ds, db) = (
+            g.upload(&q.words).unwrap(),
+            g.upload(&bf(&q.scales)).unwrap(),
+            g.upload(&bf(&q.biases)).unwrap(),
+        );
+        let m = Matvec {
+            w: dw.ptr(),
+            n,
+            k,
+            bias: 0,
+            format: WeightFormat::Affine {
+                bits,
+                group,
+                scales: ds.ptr(),
+                biases: db.ptr(),
+            },
+        };
+        // The same stack doubles as the far one: ids ≥ split read expert id − split of it.
+        let split = experts - 1;
+        let far = Far {
+            w: dw.ptr(),
+            scales: ds.ptr(),
+            biases: db.ptr(),
+            split,
+        };
+        let slots = rows * per_row;
+        let ids: Vec<i32> = (0..slots)
+            .map(|s| ((s * 5 + 1) % (experts + 1)) as i32)
+            .collect();
+        let h = rand_vec(&mut r, slots * k, -1.0, 1.0);
+        let wts = rand_vec(&mut r, slots, 0.0, 1.0);
+        let x0 = rand_vec(&mut r, rows * n, -2.0, 2.0);
+        let (di, dh, dwt) = (
+            g.upload(&ids).unwrap(),
+            g.upload(&h).unwrap(),
+            g.upload(&wts).unwrap(),
+        );
+        let sl = Slots::experts(slots, di.ptr(), k, 1).with_far(Some(far));
+        let (xa, xb, y) = (
+            g.upload(&x0).unwrap(),
+            g.upload(&x0).unwrap(),
+            g.zeros::<f32>(slots * n).unwrap(),
+        );
+        ops::matvec(&g, m, dh.ptr(), y.ptr(), sl).unwrap();
+        ops::moe_combine(
+            &g,
+            y.ptr(),
+            dwt.ptr(),
+            0,
+            0,
+            xa.ptr(),
+            per_row,
+            n,
+            rows,
+            true,
+        )
+        .unwrap();
+        ops::moe_down_combine(&g, m, dh.ptr(), xb.ptr(), dwt.ptr(), sl, per_row, rows).unwrap();
+        let (a, b) = (
+            g.read(&xa, rows * n).unwrap(),
+            g.read(&xb, rows * n).unwrap(),
+        );
+        assert_eq!(
+            a, b,
+            "down + combine, {bits}-bit {n}x{k}, {per_row} slots x {rows}"
+        );
+        let moved = a.iter().zip(&x0).filter(|(u, v)| u != v).count();
+        assert!(moved > rows * n / 2, "the sums reached the residual");
+    }
+}

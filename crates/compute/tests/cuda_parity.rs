@@ -427,6 +427,7 @@ fn router_combine_embed_argmax_match_cpu() {
             k,
             h,
             1,
+            false,
         )
         .unwrap();
         let wv = g.read(&w, k).unwrap();
@@ -468,6 +469,26 @@ fn router_combine_embed_argmax_match_cpu() {
             g.read(&na, h).unwrap(),
             g.read(&nb, h).unwrap(),
             "combine_norm out"
+        );
+        // Accumulated into the residual: bitwise combine_norm's residual.
+        let xc = g.upload(&x0).unwrap();
+        ops::moe_combine(
+            &g,
+            dy.ptr(),
+            w.ptr(),
+            dys.ptr(),
+            sg.ptr(),
+            xc.ptr(),
+            k,
+            h,
+            1,
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            g.read(&xc, h).unwrap(),
+            g.read(&xb, h).unwrap(),
+            "combine accumulate"
         );
     }
     let (v, h) = (1003, 65);

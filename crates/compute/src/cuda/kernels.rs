@@ -119,7 +119,23 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "qmatvec.cu",
         include_str!("../../kernels/qmatvec.cu"),
-        &["matvec_affine", "matvec_swiglu_affine"],
+        &[
+            "matvec_affine2_r2",
+            "matvec_affine4_r2",
+            "matvec_affine8_r2",
+            "matvec_affine2_r4",
+            "matvec_affine4_r4",
+            "matvec_affine8_r4",
+            "matvec_swiglu_affine2_r2",
+            "matvec_swiglu_affine4_r2",
+            "matvec_swiglu_affine8_r2",
+            "matvec_swiglu_affine2_r4",
+            "matvec_swiglu_affine4_r4",
+            "matvec_swiglu_affine8_r4",
+            "moe_down_combine_affine2",
+            "moe_down_combine_affine4",
+            "moe_down_combine_affine8",
+        ],
     ),
 ];
 
@@ -242,6 +258,22 @@ mod tests {
         use super::super::ops::affine_rows_per_warp;
         assert_eq!(affine_rows_per_warp(8 * 1024), 2);
         assert_eq!(affine_rows_per_warp(248_320), 4);
+    }
+
+    #[test]
+    fn every_affine_entry_point_is_registered() {
+        let registered: Vec<&str> = super::FILES
+            .iter()
+            .flat_map(|f| f.2.iter().copied())
+            .collect();
+        for swiglu in [false, true] {
+            for bits in [2, 4, 8] {
+                for rows in [2, 4] {
+                    let name = super::super::ops::affine_kernel(swiglu, bits, rows);
+                    assert!(registered.contains(&name), "{name}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -1,8 +1,85 @@
 //! Launch wrappers of `kernels/moe.cu`: the router's softmax + top-k and the weighted combine of
-//! the experts' outputs (alone, or with the residual add and the next RMSNorm fused in).
+//! the experts' outputs (alone, or with the residual add and the next RMSNorm fused in), and of
+//! the expert down projections with that combine (`qmatvec.cu`).
 
-use super::ops::{blocks, cfg, NORM_THREADS};
-use super::{driver_err, Gpu, Result};
+use super::host::far_args;
+use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, NORM_THREADS};
+use super::{driver_err, CudaError, Gpu, Result};
+
+/// Whether [`moe_down_combine`] takes expert down projections `m` with `per_row` slots a row:
+/// 2/4/8-bit affine weights (the CUDA-core kernels the host's twin matches) and at most 32 slots.
+pub fn down_combine_takes(m: &Matvec, per_row: usize) -> bool {
+    matches!(
+        m.format,
+        WeightFormat::Affine {
+            bits: 2 | 4 | 8,
+            ..
+        }
+    ) && (1..=32).contains(&per_row)
+}
+
+/// One MoE layer's expert down projections and their weighted sum added to the residual, in one
+/// launch: for each row b of `rows`, `x_b += Σ_k w[b, k] · D_{ids[b, k]} h[b·per_row + k]` over
+/// `per_row` slots (`sl`: the down projection's expert slots, far stack included; no host
+/// slots). The same values as [`super::ops::matvec`] into y then [`moe_combine`] with
+/// `accumulate`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_down_combine(
+    g: &Gpu,
+    m: Matvec,
+    h: u64,
+    x: u64,
+    w: u64,
+    sl: Slots,
+    per_row: usize,
+    rows: usize,
+) -> Result<()> {
+    let WeightFormat::Affine {
+        bits,
+        group,
+        scales,
+        biases,
+    } = m.format
+    else {
+        return Err(CudaError::Unsupported(
+            "the fused expert down + combine takes affine weights".into(),
+        ));
+    };
+    if !down_combine_takes(&m, per_row) || sl.n != rows * per_row {
+        return Err(CudaError::Unsupported(format!(
+            "the fused expert down + combine takes 2/4/8-bit weights and 1 to 32 slots a row \
+             ({bits}-bit, {per_row} slots, {} of {rows} rows)",
+            sl.n
+        )));
+    }
+    let name = match bits {
+        2 => "moe_down_combine_affine2",
+        4 => "moe_down_combine_affine4",
+        _ => "moe_down_combine_affine8",
+    };
+    let (n32, k32, g32, ks32) = (m.n as i32, m.k as i32, group as i32, per_row as i32);
+    let (fw, fs, fb, split) = far_args(&sl);
+    let mut b = g.launch_builder(g.kernels().get(name));
+    b.arg(&m.w)
+        .arg(&scales)
+        .arg(&biases)
+        .arg(&h)
+        .arg(&x)
+        .arg(&w)
+        .arg(&sl.ids)
+        .arg(&n32)
+        .arg(&k32)
+        .arg(&g32)
+        .arg(&ks32);
+    b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
+    // SAFETY: W holds (max id + 1)·N·K·bits/32 words and scales, biases (max id + 1)·N·K/group
+    // bf16 (group | K, checked at upload), the far stack the ids ≥ split; h holds rows·per_row
+    // rows of K floats (16-byte aligned: K is a multiple of the group, ≥ 32), x rows·N,
+    // w and ids rows·per_row; per_row ≤ 32 warps a block (checked above).
+    let grid = (blocks(m.n, 4), rows as u32);
+    unsafe { b.launch(cfg(grid, 32 * per_row as u32, 0)) }.map_err(driver_err(name))?;
+    Ok(())
+}
 
 /// Routing of one token for [`router_topk`].
 #[derive(Clone, Copy, Debug)]
@@ -70,7 +147,8 @@ pub fn router_topk(
     Ok(())
 }
 
-/// Per row (of `rows`): `delta = Σ_k w_k y_k (+ sg · ys)` over width `h`.
+/// Per row (of `rows`): `delta = Σ_k w_k y_k (+ sg · ys)` over width `h`, or `delta +=` that
+/// sum when `accumulate` (the residual add, equal to [`moe_combine_norm`]'s).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_combine(
     g: &Gpu,
@@ -82,8 +160,9 @@ pub fn moe_combine(
     k: usize,
     h: usize,
     rows: usize,
+    accumulate: bool,
 ) -> Result<()> {
-    let (k32, h32) = (k as i32, h as i32);
+    let (k32, h32, acc) = (k as i32, h as i32, accumulate as i32);
     let mut b = g.launch_builder(g.kernels().get("moe_combine"));
     b.arg(&y)
         .arg(&w)
@@ -91,7 +170,8 @@ pub fn moe_combine(
         .arg(&sg)
         .arg(&delta)
         .arg(&k32)
-        .arg(&h32);
+        .arg(&h32)
+        .arg(&acc);
     // SAFETY: y holds rows·k·h floats, w rows·k, delta and ys rows·h floats, sg rows.
     unsafe { b.launch(cfg((blocks(h, 256), rows as u32), 256, 0)) }
         .map_err(driver_err("moe_combine"))?;

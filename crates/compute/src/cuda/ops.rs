@@ -8,8 +8,8 @@ use cudarc::driver::LaunchConfig;
 use super::host::far_args;
 pub use super::host::Far;
 pub use super::moe::{
-    host_experts_publish, host_experts_wait, moe_combine, moe_combine_norm, router_topk, Mailbox,
-    Route,
+    down_combine_takes, host_experts_publish, host_experts_wait, moe_combine, moe_combine_norm,
+    moe_down_combine, router_topk, Mailbox, Route,
 };
 use super::{driver_err, Gpu, Result};
 
@@ -114,6 +114,26 @@ pub fn affine_rows_per_warp(rows: usize) -> usize {
         4
     } else {
         2
+    }
+}
+
+/// The CUDA-core affine kernel (qmatvec.cu) for `bits` and `rows` per warp (2 or 4, from
+/// [`affine_rows_per_warp`]), `swiglu` or plain: one entry point per form, each with the
+/// registers it needs.
+pub(super) fn affine_kernel(swiglu: bool, bits: u32, rows: usize) -> &'static str {
+    match (swiglu, bits, rows) {
+        (false, 2, 2) => "matvec_affine2_r2",
+        (false, 4, 2) => "matvec_affine4_r2",
+        (false, 8, 2) => "matvec_affine8_r2",
+        (false, 2, _) => "matvec_affine2_r4",
+        (false, 4, _) => "matvec_affine4_r4",
+        (false, _, _) => "matvec_affine8_r4",
+        (true, 2, 2) => "matvec_swiglu_affine2_r2",
+        (true, 4, 2) => "matvec_swiglu_affine4_r2",
+        (true, 8, 2) => "matvec_swiglu_affine8_r2",
+        (true, 2, _) => "matvec_swiglu_affine2_r4",
+        (true, 4, _) => "matvec_swiglu_affine4_r4",
+        (true, _, _) => "matvec_swiglu_affine8_r4",
     }
 }
 
@@ -227,7 +247,7 @@ fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> R
 pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
     check_stride(&m, sl.x_stride)?;
     if super::vec::takes(&m, &sl) {
-        return super::vec::matvec(g, m, x, y);
+        return super::vec::matvec(g, m, x, y, super::vec::VecIo::default());
     }
     if batched_rows(&m, &sl) {
         return matvec_rows(g, m, x, y, sl, false);
@@ -261,11 +281,11 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
             scales,
             biases,
         } => {
-            let (g32, b32) = (group as i32, bits as i32);
+            let g32 = group as i32;
             let rpw = affine_rows_per_warp(m.n * slots);
             let grid = (slots as u32, blocks(m.n, 8 * rpw));
-            let r32 = rpw as i32;
-            let mut b = g.launch_builder(g.kernels().get("matvec_affine"));
+            let name = affine_kernel(false, bits, rpw);
+            let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&scales)
                 .arg(&biases)
@@ -273,15 +293,13 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
                 .arg(&y)
                 .arg(&n32)
                 .arg(&k32)
-                .arg(&g32)
-                .arg(&b32)
-                .arg(&r32);
+                .arg(&g32);
             b.arg(&ids).arg(&xs).arg(&xd).arg(&m.bias);
             b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
             // SAFETY: as the bf16 case with words (max id + 1)·N·K·bits/32 u32 and scales,
             // biases (max id + 1)·N·K/group bf16; bits ∈ {2, 4, 8} and group | K (checked at
             // upload).
-            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_affine"))?;
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
         }
     }
     Ok(())
@@ -321,11 +339,11 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
             scales,
             biases,
         } => {
-            let (g32, b32) = (group as i32, bits as i32);
+            let g32 = group as i32;
             let rpw = affine_rows_per_warp(m.n * slots);
             let grid = (slots as u32, blocks(i, 8 * rpw / 2));
-            let r32 = rpw as i32;
-            let mut b = g.launch_builder(g.kernels().get("matvec_swiglu_affine"));
+            let name = affine_kernel(true, bits, rpw);
+            let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&scales)
                 .arg(&biases)
@@ -333,13 +351,11 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
                 .arg(&h)
                 .arg(&i32_)
                 .arg(&k32)
-                .arg(&g32)
-                .arg(&b32)
-                .arg(&r32);
+                .arg(&g32);
             b.arg(&ids).arg(&xs).arg(&xd);
             b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
             // SAFETY: as `matvec`'s affine case with 2I rows per expert.
-            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_affine"))?;
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
         }
     }
     Ok(())

@@ -6,13 +6,46 @@
 
 use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat};
 use super::{driver_err, CudaError, Gpu, Result};
+use cudarc::driver::DeviceRepr;
+
+/// What a single-row product does besides `y = W x` (`VecIo` in mma_vec.cu, passed by value):
+/// an RMSNorm of its input, the residual add and the GDN conv step, so a decode layer needs no
+/// launches of its own for them. The default does none of them. Pointers are device addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VecIo {
+    /// RMSNorm scale `[K]`: x is a raw residual row, normalized (·scale) as it is staged.
+    pub norm: u64,
+    /// With `norm`: `[K]` that receives the normalized row (0: not written).
+    pub normed: u64,
+    pub eps: f32,
+    /// 1: `y += W x` (the residual add) instead of `y = W x`.
+    pub accumulate: i32,
+    /// Conv step (when `conv_c` > 0): the row's sequence slot, device int[1].
+    pub slots: u64,
+    /// The layer's conv state `[slots, conv_k − 1, conv_c]`.
+    pub conv_state: u64,
+    /// Conv weights `[conv_c, conv_k]`.
+    pub conv_w: u64,
+    /// `[conv_c]`: silu of the conv of rows 0..conv_c of y.
+    pub mixed: u64,
+    pub conv_c: i32,
+    pub conv_k: i32,
+}
+
+// SAFETY: plain old data of the kernel's parameter layout (8-byte pointers, then 4-byte fields in
+// pairs: no padding), read by value.
+unsafe impl DeviceRepr for VecIo {}
+
+/// Longest conv the epilogue takes (`VEC_CONV_KMAX` in mma_vec.cu).
+pub const VEC_CONV_KMAX: usize = 8;
 
 /// Largest K the single-row tensor-core kernel stages in shared memory (5 bytes per input).
 const VEC_MAX_K: usize = 8192;
 
 /// Whether one input row through `m` goes to the single-row tensor-core kernel (mma_vec.cu):
 /// 4-bit affine weights with groups of 32, 64 or 128.
-pub(super) fn takes(m: &Matvec, sl: &Slots) -> bool {
+pub fn takes(m: &Matvec, sl: &Slots) -> bool {
     let WeightFormat::Affine { bits: 4, group, .. } = m.format else {
         return false;
     };
@@ -44,8 +77,9 @@ pub fn tiles(n: usize, resident: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// `y = W x (+ bias)` for one input row of a 4-bit affine matrix on tensor cores.
-pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
+/// `y = W x (+ bias)` for one input row of a 4-bit affine matrix on tensor cores, with what `io`
+/// adds (see [`VecIo`]; the caller checked [`takes`]).
+pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     let WeightFormat::Affine {
         group,
         scales,
@@ -59,6 +93,18 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
     };
     let resident = BLOCKS_PER_SM * g.multiprocessors();
     let tiles = tiles(m.n, resident);
+    if io.conv_c as usize > m.n {
+        return Err(CudaError::Unsupported(format!(
+            "a conv step over {} channels after a product of {} rows",
+            io.conv_c, m.n
+        )));
+    }
+    if io.conv_c > 0 && !(1..=VEC_CONV_KMAX as i32).contains(&io.conv_k) {
+        return Err(CudaError::Unsupported(format!(
+            "a conv of {} taps (the fused conv step takes 1 to {VEC_CONV_KMAX})",
+            io.conv_k
+        )));
+    }
     let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
     // Bulk copies need sm_90 and 16-byte aligned matrices.
     let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
@@ -81,13 +127,16 @@ pub(super) fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64) -> Result<()> {
         .arg(&k32)
         .arg(&g32)
         .arg(&t32)
-        .arg(&m.bias);
+        .arg(&m.bias)
+        .arg(&io);
     // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 (G | K, G ∈ {32, 64, 128},
     // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
     // the dynamic shared memory holds the staged x, the word and the group sums (under 48 KB for
     // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`,
     // which also checks the copies' 16-byte units; the device's sm_90 and the matrices' alignment
-    // are checked above).
+    // are checked above). With `io`: norm, normed hold K floats (16-byte aligned), the conv's
+    // weights conv_c·conv_k floats, its state a slot's (conv_k − 1)·conv_c floats at slots[0]
+    // (conv_c ≤ N, conv_k ≤ VEC_CONV_KMAX, checked above) and mixed conv_c floats.
     unsafe { b.launch(cfg((blocks, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
 }

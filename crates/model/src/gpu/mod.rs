@@ -20,6 +20,7 @@
 
 mod host_experts;
 mod host_team;
+mod mixer;
 mod offload;
 mod pool;
 mod prefill;
@@ -37,6 +38,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Route, Slots, ATTN_DMAX};
+use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
 use crate::config::ModelConfig;
@@ -98,11 +100,12 @@ pub(crate) struct GpuLayer {
     ffn: GpuFfn,
 }
 
-/// The residual an MoE layer's output joins and the scale of the norm after the layer, for
-/// [`GpuModel::moe_tail`] to fuse in (device addresses).
+/// The residual an MoE layer's output joins and the scale of the norm after the layer (none in
+/// the fused decode form, where the next projection normalizes), for [`GpuModel::moe_tail`] to
+/// fuse in (device addresses).
 pub(crate) struct NextNorm {
     pub x: u64,
-    pub scale: u64,
+    pub scale: Option<u64>,
 }
 
 /// The buffers [`GpuModel::moe_tail`] reads and writes (device addresses).
@@ -482,7 +485,7 @@ impl GpuModel {
     /// The residual add + input norm (unless the layer before applied them) and the mixer of
     /// layer `i`.
     fn enqueue_mixer(&self, i: usize, b: usize) -> Result<()> {
-        if !self.normed_by_previous(i) {
+        if !self.fused(b) && !self.normed_by_previous(i) {
             let delta = if i == 0 { 0 } else { self.scratch.delta.ptr() };
             self.add_norm(delta, self.layers[i].input_norm.ptr(), b)?;
         }
@@ -492,117 +495,13 @@ impl GpuModel {
         }
     }
 
-    /// The residual add + post norm and the ffn of layer `i`.
+    /// The residual add + post norm (in the fused form, the router's) and the ffn of layer `i`.
     fn enqueue_ffn(&self, i: usize, b: usize) -> Result<()> {
-        let l = &self.layers[i];
-        self.add_norm(self.scratch.delta.ptr(), l.post_norm.ptr(), b)?;
+        if !self.fused(b) {
+            let l = &self.layers[i];
+            self.add_norm(self.scratch.delta.ptr(), l.post_norm.ptr(), b)?;
+        }
         self.enqueue_ffn_only(i, b)
-    }
-
-    fn enqueue_gdn(&self, i: usize, b: usize) -> Result<()> {
-        let GpuMixer::Linear {
-            proj,
-            conv_w,
-            neg_a,
-            dt_bias,
-            norm_w,
-            out,
-            dims,
-            conv_dim,
-            kernel,
-        } = &self.layers[i].mixer
-        else {
-            return Err(unsupported(format!("layer {i} is not a GDN layer")));
-        };
-        let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
-        let (conv, rec) = (pool.conv[i].as_ref(), pool.rec[i].as_ref());
-        let (conv, rec) = (conv.map_or(0, |x| x.ptr()), rec.map_or(0, |x| x.ptr()));
-        let bt = self.batch(b);
-        let x_rows = Slots::rows(b, self.hidden);
-        ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), x_rows)?;
-        ops::gdn_conv_step(
-            g,
-            s.proj.ptr(),
-            proj.n,
-            conv,
-            conv_w.ptr(),
-            s.mixed.ptr(),
-            *conv_dim,
-            *kernel,
-            bt,
-        )?;
-        ops::gdn_step(
-            g,
-            s.mixed.ptr(),
-            s.proj.ptr(),
-            proj.n,
-            rec,
-            neg_a.ptr(),
-            dt_bias.ptr(),
-            norm_w.ptr(),
-            s.mix_out.ptr(),
-            *dims,
-            self.eps,
-            bt,
-        )?;
-        ops::matvec(
-            g,
-            out.mv(),
-            s.mix_out.ptr(),
-            s.delta.ptr(),
-            Slots::rows(b, out.k),
-        )
-    }
-
-    fn enqueue_attention(&self, i: usize, b: usize) -> Result<()> {
-        let GpuMixer::Full { proj, qn, kn, out } = &self.layers[i].mixer else {
-            return Err(unsupported(format!("layer {i} is not an attention layer")));
-        };
-        let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
-        let kc = pool.k_cache[i].as_ref().map_or(0, |x| x.ptr());
-        let vc = pool.v_cache[i].as_ref().map_or(0, |x| x.ptr());
-        let bt = self.batch(b);
-        let x_rows = Slots::rows(b, self.hidden);
-        ops::matvec(g, proj.mv(), s.normed.ptr(), s.proj.ptr(), x_rows)?;
-        ops::attn_prep(
-            g,
-            s.proj.ptr(),
-            proj.n,
-            qn.ptr(),
-            kn.ptr(),
-            self.inv_freq.ptr(),
-            s.q.ptr(),
-            kc,
-            vc,
-            pool.pos.ptr(),
-            self.attn,
-            self.eps,
-            bt,
-            pool.ctx,
-        )?;
-        ops::attn_decode(
-            g,
-            s.q.ptr(),
-            kc,
-            vc,
-            pool.pos.ptr(),
-            s.part_o.ptr(),
-            s.part_ml.ptr(),
-            s.proj.ptr(),
-            proj.n,
-            s.mix_out.ptr(),
-            self.attn,
-            ATTN_SPLITS,
-            bt,
-            pool.ctx,
-        )?;
-        ops::matvec(
-            g,
-            out.mv(),
-            s.mix_out.ptr(),
-            s.delta.ptr(),
-            Slots::rows(b, out.k),
-        )
     }
 
     /// The ffn of `layer` on `normed`; an MoE ffn also joins its output to the residual and
@@ -644,7 +543,19 @@ impl GpuModel {
                     (far_gu, far_down) = (Some(lx.far_gu()), Some(lx.far_down()));
                 }
                 let (ids, n) = (self.moe_ids(layer), b * per_row);
-                ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), x_rows)?;
+                let fused = self.fused(b);
+                if fused {
+                    // The post norm of x, staged by every block; block 0 leaves it in `normed`.
+                    let io = VecIo {
+                        norm: self.layers[layer].post_norm.ptr(),
+                        normed: s.normed.ptr(),
+                        eps: self.eps,
+                        ..VecIo::default()
+                    };
+                    vec::matvec(g, router.mv(), s.x.ptr(), s.router.ptr(), io)?;
+                } else {
+                    ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), x_rows)?;
+                }
                 ops::router_topk(
                     g,
                     s.router.ptr(),
@@ -661,7 +572,17 @@ impl GpuModel {
                 let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
                 ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
                 let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
-                ops::matvec(g, experts_down.mv(), s.h.ptr(), s.y.ptr(), down_slots)?;
+                let down = experts_down.mv();
+                if fused
+                    && shared.is_none()
+                    && mailbox.is_none()
+                    && ops::down_combine_takes(&down, per_row)
+                {
+                    // The down projections add their weighted sum into the residual themselves.
+                    let (x, w) = (s.x.ptr(), s.weights.ptr());
+                    return ops::moe_down_combine(g, down, s.h.ptr(), x, w, down_slots, per_row, b);
+                }
+                ops::matvec(g, down, s.h.ptr(), s.y.ptr(), down_slots)?;
                 if let Some(m) = mailbox {
                     ops::host_experts_wait(g, m, ids, s.y.ptr(), h, n)?;
                 }
@@ -676,7 +597,7 @@ impl GpuModel {
                 };
                 let next = NextNorm {
                     x: s.x.ptr(),
-                    scale: self.norm_after(layer),
+                    scale: (!fused).then(|| self.norm_after(layer)),
                 };
                 self.moe_tail(shared.as_ref(), bufs, per_row, b, Some(next))
             }
@@ -718,11 +639,15 @@ impl GpuModel {
             }
             None => (0, 0),
         };
+        let (w, y) = (t.weights, t.y);
         match next {
-            Some(n) => ops::moe_combine_norm(
-                g, t.y, t.weights, ys, sg, n.x, n.scale, t.normed, per_row, h, rows, self.eps,
-            ),
-            None => ops::moe_combine(g, t.y, t.weights, ys, sg, t.delta, per_row, h, rows),
+            Some(NextNorm { x, scale: Some(sc) }) => {
+                ops::moe_combine_norm(g, y, w, ys, sg, x, sc, t.normed, per_row, h, rows, self.eps)
+            }
+            Some(NextNorm { x, scale: None }) => {
+                ops::moe_combine(g, y, w, ys, sg, x, per_row, h, rows, true)
+            }
+            None => ops::moe_combine(g, y, w, ys, sg, t.delta, per_row, h, rows, false),
         }
     }
 
@@ -759,7 +684,9 @@ impl GpuModel {
     /// Final norm, lm_head and each row's next token (greedy or sampled on the device).
     fn enqueue_head(&self, b: usize) -> Result<()> {
         let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
-        if !self.normed_by_previous(self.layers.len()) {
+        if self.fused(b) {
+            self.add_norm(0, self.final_norm.ptr(), b)?;
+        } else if !self.normed_by_previous(self.layers.len()) {
             self.add_norm(s.delta.ptr(), self.final_norm.ptr(), b)?;
         }
         let rows = Slots::rows(b, self.hidden);
