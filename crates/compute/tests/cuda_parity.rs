@@ -408,6 +408,20 @@ fn router_combine_embed_argmax_match_cpu() {
             &[sigmoid(logits[e])],
             1e-6,
         );
+        // Ties (seven distinct logits) go to the lower index.
+        let tied: Vec<f32> = (0..=e).map(|i| (i % 7) as f32 * 0.5).collect();
+        let dtied = g.upload(&tied).unwrap();
+        let (tids, tw, tsg) = (
+            g.zeros::<i32>(k + 1).unwrap(),
+            g.zeros::<f32>(k + 1).unwrap(),
+            g.zeros::<f32>(1).unwrap(),
+        );
+        let (ti, tp) = (tids.ptr(), dtied.ptr());
+        ops::router_topk(&g, tp, e + 1, route, ti, tw.ptr(), tsg.ptr(), 1).unwrap();
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| tied[b].total_cmp(&tied[a]));
+        let want_tied: Vec<i32> = order[..k].iter().map(|&i| i as i32).collect();
+        assert_eq!(g.read(&tids, k).unwrap(), want_tied, "router ties E={e}");
 
         let h = 77;
         let y = rand_vec(&mut r, k * h, -1.0, 1.0);

@@ -12,7 +12,8 @@
 //! runs every op on the GPU with a batch dimension: embedding, add+RMSNorm, fused projections,
 //! the GDN conv and delta-rule kernels, attention prep and split-K decode, router top-k, expert
 //! SwiGLU and down projections (all K experts of all B rows in one launch each), combine, final
-//! norm, lm_head and sampling. Sequence state lives in a pool of slots ([`pool`]); the token ids
+//! norm, lm_head and sampling; at batch 1 the norms, residual adds, conv step and combine ride on
+//! the products instead ([`mixer`]). Sequence state lives in a pool of slots ([`pool`]); the token ids
 //! and slot indices of a step live in device memory, so the step is captured once per batch size
 //! into a CUDA graph and replayed; the only host↔device traffic per token is its id and slot.
 //! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
