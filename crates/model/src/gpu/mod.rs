@@ -13,9 +13,10 @@
 //! the GDN conv and delta-rule kernels, attention prep and split-K decode, router top-k, expert
 //! SwiGLU and down projections (all K experts of all B rows in one launch each), combine, final
 //! norm, lm_head and sampling; at batch 1 the norms, residual adds, conv step and combine ride on
-//! the products instead ([`mixer`]). Sequence state lives in a pool of slots ([`pool`]); the token ids
-//! and slot indices of a step live in device memory, so the step is captured once per batch size
-//! into a CUDA graph and replayed; the only host↔device traffic per token is its id and slot.
+//! the products instead ([`mixer`]). Sequence state lives in a pool of slots ([`pool`]); the
+//! token ids and slot indices of a step live in device memory, so the step is captured once per
+//! batch size into a CUDA graph and replayed; the only host↔device traffic per token is its id
+//! and slot.
 //! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
 //! layer pass.
 
@@ -483,8 +484,8 @@ impl GpuModel {
         self.enqueue_ffn(i, b)
     }
 
-    /// The residual add + input norm (unless the layer before applied them) and the mixer of
-    /// layer `i`.
+    /// The residual add + input norm (unless the layer before applied them, or the fused form's
+    /// input projection does) and the mixer of layer `i`.
     fn enqueue_mixer(&self, i: usize, b: usize) -> Result<()> {
         if !self.fused(b) && !self.normed_by_previous(i) {
             let delta = if i == 0 { 0 } else { self.scratch.delta.ptr() };
