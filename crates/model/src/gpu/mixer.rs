@@ -1,11 +1,12 @@
 //! A decode step's token mixers (Gated DeltaNet and gated attention), and the choice of the fused
 //! decode form.
 //!
-//! In the fused form (one row, MoE ffns, every mixer projection and router on the single-row
-//! tensor-core kernel) the residual `x` is whole at every sublayer boundary: the input
-//! projection normalizes `x` as it stages it and, for a GDN layer, runs the conv step on its
-//! output rows; the output projection adds into `x`; the router normalizes `x` for the ffn and
-//! leaves that row in `normed` for the experts; the expert down projections (or, with the shared
+//! In the fused form (one row, every mixer projection on the single-row tensor-core kernel) the
+//! residual `x` is whole at every sublayer boundary: the input projection normalizes `x` as it
+//! stages it and, for a GDN layer, runs the conv step on its output rows; the output projection
+//! adds into `x`; the router normalizes `x` for the ffn and leaves that row in `normed` for the
+//! experts (a router the kernel does not take, e.g. 8-bit, or a dense ffn gets the norm as its own
+//! launch); the expert down projections (or, with the shared
 //! expert apart or experts on the host, the combine after them) add their weighted sum into `x`.
 //! That saves the add+norm, conv and combine launches of every layer. Otherwise the norms run as their own launches on
 //! `normed` and each sublayer's output waits in `delta` for the next add+norm.
@@ -15,39 +16,33 @@ use deltamoe_compute::cuda::vec::{self, VecIo};
 
 use super::{unsupported, GpuFfn, GpuMixer, GpuModel, Result, ATTN_SPLITS};
 
-/// Whether a step of `rows` rows runs the fused decode form: one row, every ffn an MoE, and
-/// every matrix a fused step rides on (`mats`: mixer input and output projections, routers)
-/// taken by the single-row kernel.
-pub(crate) fn fused_decode(
-    rows: usize,
-    all_moe: bool,
-    mut mats: impl Iterator<Item = Matvec>,
-) -> bool {
-    rows == 1 && all_moe && mats.all(|m| vec::takes(&m, &Slots::one()))
+/// Whether a step of `rows` rows runs the fused decode form: one row and every mixer input and
+/// output projection (`mats`) taken by the single-row kernel.
+pub(crate) fn fused_decode(rows: usize, mut mats: impl Iterator<Item = Matvec>) -> bool {
+    rows == 1 && mats.all(|m| vec::takes(&m, &Slots::one()))
 }
 
 impl GpuModel {
     /// Whether a `b`-row step runs the fused decode form (see the module doc).
     pub(super) fn fused(&self, b: usize) -> bool {
-        let all_moe = self
-            .layers
-            .iter()
-            .all(|l| matches!(l.ffn, GpuFfn::Moe { .. }));
         let mats = self.layers.iter().flat_map(|l| {
             let (proj, out) = match &l.mixer {
                 GpuMixer::Linear { proj, out, .. } | GpuMixer::Full { proj, out, .. } => {
                     (proj, out)
                 }
             };
-            let router = match &l.ffn {
-                GpuFfn::Moe { router, .. } => Some(router.mv()),
-                GpuFfn::Dense { .. } => None,
-            };
-            [Some(proj.mv()), Some(out.mv()), router]
-                .into_iter()
-                .flatten()
+            [proj.mv(), out.mv()]
         });
-        fused_decode(b, all_moe, mats)
+        fused_decode(b, mats)
+    }
+
+    /// In the fused form, whether layer `i`'s ffn normalizes the residual itself: an MoE whose
+    /// router the single-row kernel takes (else the norm runs as its own launch).
+    pub(super) fn router_normalizes(&self, i: usize) -> bool {
+        match &self.layers[i].ffn {
+            GpuFfn::Moe { router, .. } => vec::takes(&router.mv(), &Slots::one()),
+            GpuFfn::Dense { .. } => false,
+        }
     }
 
     /// The mixer's input projection of `x` (`normed`, or in the fused form the residual with
@@ -214,14 +209,13 @@ mod tests {
     }
 
     #[test]
-    fn fused_decode_takes_one_row_of_4bit_moe_layers() {
-        let layer = || [mat(12_352, 2048, 4), mat(2048, 4096, 4), mat(257, 2048, 4)];
-        assert!(fused_decode(1, true, layer().into_iter()));
-        // Batches, dense ffns, bf16 or 8-bit weights, or inputs past the staging limit do not.
-        assert!(!fused_decode(2, true, layer().into_iter()));
-        assert!(!fused_decode(1, false, layer().into_iter()));
-        assert!(!fused_decode(1, true, [mat(2048, 4096, 16)].into_iter()));
-        assert!(!fused_decode(1, true, [mat(2048, 4096, 8)].into_iter()));
-        assert!(!fused_decode(1, true, [mat(2048, 16_384, 4)].into_iter()));
+    fn fused_decode_takes_one_row_of_4bit_mixer_projections() {
+        let layer = || [mat(12_352, 2048, 4), mat(2048, 4096, 4)];
+        assert!(fused_decode(1, layer().into_iter()));
+        // Batches, bf16 or 8-bit weights, or inputs past the staging limit do not.
+        assert!(!fused_decode(2, layer().into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 4096, 16)].into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 4096, 8)].into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 16_384, 4)].into_iter()));
     }
 }

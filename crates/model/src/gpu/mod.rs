@@ -497,11 +497,14 @@ impl GpuModel {
         }
     }
 
-    /// The residual add + post norm (in the fused form, the router's) and the ffn of layer `i`.
+    /// The residual add + post norm (in the fused form the residual is whole, and the router
+    /// normalizes it when it can) and the ffn of layer `i`.
     fn enqueue_ffn(&self, i: usize, b: usize) -> Result<()> {
+        let post = self.layers[i].post_norm.ptr();
         if !self.fused(b) {
-            let l = &self.layers[i];
-            self.add_norm(self.scratch.delta.ptr(), l.post_norm.ptr(), b)?;
+            self.add_norm(self.scratch.delta.ptr(), post, b)?;
+        } else if !self.router_normalizes(i) {
+            self.add_norm(0, post, b)?;
         }
         self.enqueue_ffn_only(i, b)
     }
@@ -515,13 +518,14 @@ impl GpuModel {
         match ffn {
             GpuFfn::Dense { gate_up, down } => {
                 ops::matvec_swiglu(g, gate_up.mv(), s.normed.ptr(), s.h.ptr(), x_rows)?;
-                ops::matvec(
-                    g,
-                    down.mv(),
-                    s.h.ptr(),
-                    s.delta.ptr(),
-                    Slots::rows(b, down.k),
-                )
+                let dm = down.mv();
+                ops::matvec(g, dm, s.h.ptr(), s.delta.ptr(), Slots::rows(b, down.k))?;
+                if self.fused(b) {
+                    // The residual stays whole: the output joins it now (the norm written with
+                    // it goes unused; the next projection normalizes).
+                    self.add_norm(s.delta.ptr(), self.norm_after(layer), b)?;
+                }
+                Ok(())
             }
             GpuFfn::Moe {
                 router,
@@ -546,7 +550,7 @@ impl GpuModel {
                 }
                 let (ids, n) = (self.moe_ids(layer), b * per_row);
                 let fused = self.fused(b);
-                if fused {
+                if fused && self.router_normalizes(layer) {
                     // The post norm of x, staged by every block; block 0 leaves it in `normed`.
                     let io = VecIo {
                         norm: self.layers[layer].post_norm.ptr(),
