@@ -178,3 +178,36 @@ __device__ __forceinline__ void l2_prefetch_rows(const void* base, long long row
     rows = min(rows, n_rows - row0);
     l2_prefetch_block(reinterpret_cast<const char*>(base) + row0 * row_bytes, rows * row_bytes);
 }
+
+// Largest GDN conv kernel the decode conv step takes.
+#define CONV_KMAX 8
+
+// One channel c of the GDN decode conv (gdn.cu's gdn_conv_step, mma_vec.cu's conv epilogue): its
+// K taps w[c, 0..K) and its state column st[j·C + c] (j < K − 1, oldest first) into registers.
+__device__ __forceinline__ void conv_load(const float* __restrict__ w, const float* st, int c, int C, int K,
+                                          float wv[CONV_KMAX], float sv[CONV_KMAX]) {
+    const float* wc = w + (long long)c * K;
+#pragma unroll
+    for (int j = 0; j < CONV_KMAX; ++j) {
+        if (j < K) wv[j] = wc[j];
+        if (j < K - 1) sv[j] = st[(long long)j * C + c];
+    }
+}
+
+// The step with this token's input x: the state column shifts by one and takes x; returns
+// silu(Σ_{j<K−1} w_j·st_j + w_{K−1}·x).
+__device__ __forceinline__ float conv_advance(const float wv[CONV_KMAX], const float sv[CONV_KMAX], float* st, int c,
+                                              int C, int K, float x) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < CONV_KMAX; ++j)
+        if (j == K - 1) acc = wv[j] * x;
+#pragma unroll
+    for (int j = 0; j < CONV_KMAX; ++j)
+        if (j < K - 1) acc = fmaf(wv[j], sv[j], acc);
+#pragma unroll
+    for (int j = 0; j + 1 < CONV_KMAX; ++j)
+        if (j + 1 < K - 1) st[(long long)j * C + c] = sv[j + 1];
+    if (K > 1) st[(long long)(K - 2) * C + c] = x;
+    return silu_f(acc);
+}

@@ -6,7 +6,8 @@
 //
 // gdn_conv_step: mixed_b[c] = silu(Σ_{j<K-1} w[c, j] · st[j, c] + w[c, K-1] · proj_b[c]), then the
 //   conv state st = conv + slots[b]·(K-1)·C, [K-1, C] oldest first, shifts by one and takes
-//   proj_b[c]. w: [C, K], K ≤ GDN_CONV_KMAX. grid (ceil(C/256), B), block 256.
+//   proj_b[c] (common.cuh's conv_load/conv_advance). w: [C, K], K ≤ CONV_KMAX.
+//   grid (ceil(C/256), B), block 256.
 //
 // gdn_step: one block per (value head h, row b), block (Dv rounded up to 32) × GDN_ROW_GROUPS threads;
 //   state S_h of row b at state + (slots[b]·Hv + h)·Dk·Dv;
@@ -16,7 +17,6 @@
 //   δ_j = β (v_j − Σ_i k_i S_ij) (partial sums over the R row groups merged in shared memory);
 //   S_ij += k_i δ_j; o_j = Σ_i q_i S_ij; then the gated RMSNorm out_j = o_j / rms(o) · w_j · silu(z_j).
 //   Dk ≤ GDN_DK_MAX, Dv ≤ GDN_DV_MAX.
-#define GDN_CONV_KMAX 8
 #define GDN_DK_MAX 128
 #define GDN_DV_MAX 128
 #define GDN_ROW_GROUPS 8
@@ -30,33 +30,16 @@ extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* 
     bool live = c < C;
     // The weights, the slot and the conv state come from no kernel of this step (the state is
     // this kernel's own): loaded before the wait, so only proj's load follows it.
-    float wv[GDN_CONV_KMAX], st[GDN_CONV_KMAX];
+    float wv[CONV_KMAX], st[CONV_KMAX];
     if (live) {
         state += (long long)slots[row] * (K - 1) * C;
-        const float* wc = w + (long long)c * K;
-#pragma unroll
-        for (int j = 0; j < GDN_CONV_KMAX; ++j) {
-            if (j < K) wv[j] = wc[j];
-            if (j < K - 1) st[j] = state[(long long)j * C + c];
-        }
+        conv_load(w, state, c, C, K, wv, st);
     }
     pdl_entry();
     if (!live) return;
     proj += row * P;
     mixed += (long long)row * C;
-    float x = proj[c];
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < GDN_CONV_KMAX; ++j)
-        if (j == K - 1) acc = wv[j] * x;
-#pragma unroll
-    for (int j = 0; j < GDN_CONV_KMAX; ++j)
-        if (j < K - 1) acc = fmaf(wv[j], st[j], acc);
-#pragma unroll
-    for (int j = 0; j + 1 < GDN_CONV_KMAX; ++j)
-        if (j + 1 < K - 1) state[(long long)j * C + c] = st[j + 1];
-    if (K > 1) state[(long long)(K - 2) * C + c] = x;
-    mixed[c] = silu_f(acc);
+    mixed[c] = conv_advance(wv, st, state, c, C, K, proj[c]);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restrict__ mixed, const float* __restrict__ proj,

@@ -37,17 +37,15 @@
 //   (W (x·r·norm) = r·W (x·norm), so the sum is met only after the products); block 0 then
 //   writes x·r·norm to `normed` when given. The norms before a layer's mixer and its ffn.
 // - accumulate: y[n] += W x (+ bias) instead of y[n] = …: the residual add after a projection.
-// - conv (conv_c > 0): rows n < conv_c are also the GDN conv1d inputs of channel n (gdn.cu's
-//   gdn_conv_step, the same arithmetic): mixed[n] = silu(Σ_j conv_w[n, j]·st[j, n] +
-//   conv_w[n, Kc−1]·y[n]) with st = conv_state + slots[0]·(Kc−1)·conv_c, which then shifts by
-//   one and takes y[n]. Each row belongs to one block, so the state update has one writer.
+// - conv (conv_c > 0): rows n < conv_c are also the GDN conv1d inputs of channel n, by gdn.cu's
+//   gdn_conv_step's code (common.cuh's conv_load/conv_advance): mixed[n] = silu(Σ_j conv_w[n, j]
+//   ·st[j, n] + conv_w[n, Kc−1]·y[n]) with st = conv_state + slots[0]·(Kc−1)·conv_c, which then
+//   shifts by one and takes y[n]. Each row belongs to one block, so the state update has one writer.
 //
 // mma_vec_affine4_staged, for a launch of one wave: each block instead copies its rows of W, S
 // and B into shared memory (after the staged x, rounded to 16 bytes: 16·T rows of K/2 + 32
 // bytes, then 16·T·(K/G)·4 bytes of scales and biases, then an 8-byte barrier) with bulk copies
 // issued before its wait, and the same loop reads the words from there.
-
-#define VEC_CONV_KMAX 8
 
 struct VecIo {
     const float* norm;
@@ -145,30 +143,6 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 // Words between the starts of two rows of a staged tile: 32 bytes of padding put the 8 rows a
 // warp's lanes read at once (gid = 0..7) on different banks.
 #define VEC_ROW_PAD 8
-
-// The conv epilogue for channel c with this token's input v (gdn.cu's gdn_conv_step).
-__device__ __forceinline__ void conv_step(const VecIo& io, float* st, int c, float v) {
-    const int C = io.conv_c, Kc = io.conv_k;
-    const float* wc = io.conv_w + (long long)c * Kc;
-    float wv[VEC_CONV_KMAX], sv[VEC_CONV_KMAX];
-#pragma unroll
-    for (int j = 0; j < VEC_CONV_KMAX; ++j) {
-        if (j < Kc) wv[j] = wc[j];
-        if (j < Kc - 1) sv[j] = st[(long long)j * C + c];
-    }
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < VEC_CONV_KMAX; ++j)
-        if (j == Kc - 1) acc = wv[j] * v;
-#pragma unroll
-    for (int j = 0; j < VEC_CONV_KMAX; ++j)
-        if (j < Kc - 1) acc = fmaf(wv[j], sv[j], acc);
-#pragma unroll
-    for (int j = 0; j + 1 < VEC_CONV_KMAX; ++j)
-        if (j + 1 < Kc - 1) st[(long long)j * C + c] = sv[j + 1];
-    if (Kc > 1) st[(long long)(Kc - 2) * C + c] = v;
-    io.mixed[c] = silu_f(acc);
-}
 
 // SM: the block's rows of W, S and B were staged in shared memory (mma_vec_affine4_staged).
 template <int P, int T, bool SM>
@@ -386,7 +360,11 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             float out = sum * r_norm + (bias ? bias[n0 + r] : 0.f);
             if (io.accumulate) out = y[n0 + r] + out;
             y[n0 + r] = out;
-            if (r < conv_rows) conv_step(io, conv_st, n0 + r, out);
+            if (r < conv_rows) {
+                float wv[CONV_KMAX], sv[CONV_KMAX];
+                conv_load(io.conv_w, conv_st, n0 + r, io.conv_c, io.conv_k, wv, sv);
+                io.mixed[n0 + r] = conv_advance(wv, sv, conv_st, n0 + r, io.conv_c, io.conv_k, out);
+            }
         }
     }
 }

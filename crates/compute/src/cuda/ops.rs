@@ -427,7 +427,8 @@ pub fn gdn_conv_step(
     Ok(())
 }
 
-/// Largest conv kernel `gdn_conv_step` supports (`GDN_CONV_KMAX` in gdn.cu).
+/// Largest conv kernel the GDN decode conv step supports, alone (`gdn_conv_step`) or fused into
+/// the input projection (`CONV_KMAX` in common.cuh).
 pub const GDN_CONV_KMAX: usize = 8;
 
 /// Gated DeltaNet geometry for [`gdn_step`].

@@ -4,7 +4,7 @@
 //! mma.sync exactly, two per instruction, with the FMA dequant form per group and the input as
 //! bf16 hi + lo (see the kernel's header).
 
-use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat};
+use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, GDN_CONV_KMAX};
 use super::{driver_err, CudaError, Gpu, Result};
 use cudarc::driver::DeviceRepr;
 
@@ -36,9 +36,6 @@ pub struct VecIo {
 // SAFETY: plain old data of the kernel's parameter layout (8-byte pointers, then 4-byte fields in
 // pairs: no padding), read by value.
 unsafe impl DeviceRepr for VecIo {}
-
-/// Longest conv the epilogue takes (`VEC_CONV_KMAX` in mma_vec.cu).
-pub const VEC_CONV_KMAX: usize = 8;
 
 /// Largest K the single-row tensor-core kernel stages in shared memory (5 bytes per input).
 const VEC_MAX_K: usize = 8192;
@@ -99,9 +96,9 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
             io.conv_c, m.n
         )));
     }
-    if io.conv_c > 0 && !(1..=VEC_CONV_KMAX as i32).contains(&io.conv_k) {
+    if io.conv_c > 0 && !(1..=GDN_CONV_KMAX as i32).contains(&io.conv_k) {
         return Err(CudaError::Unsupported(format!(
-            "a conv of {} taps (the fused conv step takes 1 to {VEC_CONV_KMAX})",
+            "a conv of {} taps (the fused conv step takes 1 to {GDN_CONV_KMAX})",
             io.conv_k
         )));
     }
@@ -136,7 +133,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     // which also checks the copies' 16-byte units; the device's sm_90 and the matrices' alignment
     // are checked above). With `io`: norm, normed hold K floats (16-byte aligned), the conv's
     // weights conv_c·conv_k floats, its state a slot's (conv_k − 1)·conv_c floats at slots[0]
-    // (conv_c ≤ N, conv_k ≤ VEC_CONV_KMAX, checked above) and mixed conv_c floats.
+    // (conv_c ≤ N, conv_k ≤ GDN_CONV_KMAX, checked above) and mixed conv_c floats.
     unsafe { b.launch(cfg((blocks, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
 }
