@@ -4,8 +4,8 @@
 // codes cost a shift and a lop3, and the products run as mma.sync.
 //
 // Numerics: the weights enter exactly as 128 + q (bf16, the code under a fixed exponent), x is
-// split into x_hi = bf16(x) and x_lo = bf16(x − x_hi) (two products per tile, ~16 significant
-// bits), and per group of G the FMA dequant form is applied with the offset taken off:
+// split into x_hi = bf16(x) and x_lo = bf16(x − x_hi) (columns 0 and 1 of one product, ~16
+// significant bits), and per group of G the FMA dequant form is applied with the offset taken off:
 // Σ_k w x = scale·(Σ_k (128 + q) x' − 128·Σ_k x') + bias·Σ_k x, x' = x_hi + x_lo (the group's
 // sum of x' in f32, as the products see it).
 //
@@ -27,9 +27,11 @@
 // tile and the group's words t·P .. t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word
 // j of every lane forms one 32-wide k chunk, two k16 steps whose k slots {2t, 2t+1} and
 // {2t+8, 2t+9} take nibbles (i, i+4) and (i+1, i+5) of the lane's word, and x the same pairs (any
-// consistent mapping of k gives the same sum). Only input column 0 is real (B is zero in lanes
-// with gid ≠ 0). After each group, lanes t = 0 fold the group's partial sums in with its scale
-// and bias; the 8 warps' sums meet in shared memory.
+// consistent mapping of k gives the same sum). Input columns 0 and 1 are x_hi and x_lo (B is
+// zero in lanes with gid ≥ 2), so one mma per k16 step takes both: half the products of two
+// mmas with column 0 alone, which bound the kernel when its weights are already on chip. After
+// each group, lanes t = 0 (which hold columns 0 and 1) fold the group's two partial sums in
+// with its scale and bias; the 8 warps' sums meet in shared memory.
 //
 // VecIo (one per launch, by value) adds to either entry, for a decode layer's fused steps:
 // - norm: x is a raw residual row to be taken through an RMSNorm first: the block stages
@@ -297,21 +299,18 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 #pragma unroll
             for (int j = 0; j < P; ++j) {
                 int wpos = g * (G / 8) + t * P + j;
-                uint4 xh = make_uint4(0u, 0u, 0u, 0u), xl = xh;
-                if (gid == 0) {
-                    xh = xs[2 * wpos];
-                    xl = xs[2 * wpos + 1];
-                }
+                // Column 0 of B is x_hi (lanes gid = 0), column 1 x_lo (gid = 1): one product
+                // takes both halves.
+                uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+                if (gid < 2) xb = xs[2 * wpos + gid];
 #pragma unroll
                 for (int st = 0; st < 2; ++st) {
-                    unsigned bh0 = st == 0 ? xh.x : xh.z, bh1 = st == 0 ? xh.y : xh.w;
-                    unsigned bl0 = st == 0 ? xl.x : xl.z, bl1 = st == 0 ? xl.y : xl.w;
+                    unsigned b0 = st == 0 ? xb.x : xb.z, b1 = st == 0 ? xb.y : xb.w;
 #pragma unroll
                     for (int i = 0; i < T; ++i) {
                         unsigned a0 = nib_pair(q0[u][i][j], 2 * st), a1 = nib_pair(q1[u][i][j], 2 * st);
                         unsigned a2 = nib_pair(q0[u][i][j], 2 * st + 1), a3 = nib_pair(q1[u][i][j], 2 * st + 1);
-                        mma_bf16(c[i], a0, a1, a2, a3, bh0, bh1);
-                        mma_bf16(c[i], a0, a1, a2, a3, bl0, bl1);
+                        mma_bf16(c[i], a0, a1, a2, a3, b0, b1);
                     }
                 }
             }
@@ -323,8 +322,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                     long long a1 = SM ? (r1[i] - n0) * ng + g : r1[i] * ng + g;
                     const bf16_t* sc = SM ? ts : S;
                     const bf16_t* bi = SM ? tb : Bs;
-                    acc0[i] = fmaf(bf16f(sc[a0]), c[i][0] - off, fmaf(bf16f(bi[a0]), xg, acc0[i]));
-                    acc1[i] = fmaf(bf16f(sc[a1]), c[i][2] - off, fmaf(bf16f(bi[a1]), xg, acc1[i]));
+                    acc0[i] = fmaf(bf16f(sc[a0]), (c[i][0] + c[i][1]) - off, fmaf(bf16f(bi[a0]), xg, acc0[i]));
+                    acc1[i] = fmaf(bf16f(sc[a1]), (c[i][2] + c[i][3]) - off, fmaf(bf16f(bi[a1]), xg, acc1[i]));
                 }
             }
         }
