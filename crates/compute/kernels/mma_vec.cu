@@ -17,10 +17,10 @@
 // too (weights never depend on an earlier kernel), and every block asks L1 for its rows' scales
 // and biases, read once per group after the products.
 //
-// grid ceil(N / (16·T)), block 256, dynamic shared memory K·5 + (K/G)·8 bytes; T = `tiles`
+// grid ceil(N / (16·T)), block 256, dynamic shared memory K·4 + (K/G)·8 bytes; T = `tiles`
 // (1 to 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
 // position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
-// x_lo, the word's sums of x and of x_hi + x_lo, and the same sums over each group. Warp v takes
+// x_lo, and the sums of x and of x_hi + x_lo over each group. Warp v takes
 // the groups g ≡ v (mod 8), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
 // (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds cap the
 // registers at 128). Within a group, lane (gid, t) of the mma holds rows gid and gid + 8 of each
@@ -48,6 +48,14 @@
 // and B into shared memory (after the staged x, rounded to 16 bytes: 16·T rows of K/2 + 32
 // bytes, then 16·T·(K/G)·4 bytes of scales and biases, then an 8-byte barrier) with bulk copies
 // issued before its wait, and the same loop reads the words from there.
+//
+// mma_vec_affine4_ring, for a launch of more tiles than resident blocks (the lm_head): a grid of
+// at most the resident blocks, each staging x once and working through the tiles blockIdx.x,
+// blockIdx.x + gridDim.x, … (VEC_RING_TILES row tiles each) from `nbuf` staged tiles laid out as
+// above one after another, then their nbuf barriers. The block's first nbuf tiles are copied
+// before its wait; a buffer is refilled with the tile nbuf steps on once every warp is past it,
+// so later tiles arrive under the products of earlier ones. On the 35B lm_head (248,320 × 2048,
+// an H200) 119 µs where the streamed form took 135.
 
 struct VecIo {
     const float* norm;
@@ -70,10 +78,10 @@ __device__ __forceinline__ unsigned nib_pair(unsigned w, int i) {
     return r;
 }
 
-// Bytes of the staged input (x_hi/x_lo pairs, word and group sums) rounded to 16: the staged
+// Bytes of the staged input (x_hi/x_lo pairs, group sums) rounded to 16: the staged
 // weight tile follows it.
 __device__ __forceinline__ int vec_stage_bytes(int K, int ng) {
-    return (K * 5 + ng * 8 + 15) & ~15;
+    return (K * 4 + ng * 8 + 15) & ~15;
 }
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -112,6 +120,14 @@ __device__ __forceinline__ void bulk_to_smem(void* dst, const void* src, unsigne
 #endif
 }
 
+// Order this thread's earlier generic accesses to shared memory before later bulk copies into it
+// (the async proxy), for a buffer that is read and then refilled.
+__device__ __forceinline__ void fence_proxy_async() {
+#if VEC_BULK
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // Wait until the barrier's phase `parity` completed (all its bytes arrived).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
 #if VEC_BULK
@@ -142,52 +158,90 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
     }
 }
 
+// Words of x (8 inputs each) a thread loads at once when staging the input.
+#define VEC_X_WORDS 4
+
 // Words between the starts of two rows of a staged tile: 32 bytes of padding put the 8 rows a
 // warp's lanes read at once (gid = 0..7) on different banks.
 #define VEC_ROW_PAD 8
 
-// SM: the block's rows of W, S and B were staged in shared memory (mma_vec_affine4_staged).
-template <int P, int T, bool SM>
+// Where the single-row kernel reads its weights: straight from global memory (one tile per
+// block), a tile staged in shared memory by bulk copies before the wait (one tile per block,
+// one wave), or a ring of tiles in shared memory refilled while the block works through the
+// tiles blockIdx.x, blockIdx.x + gridDim.x, … (launches of more than one wave).
+#define VEC_GLOBAL 0
+#define VEC_STAGED 1
+#define VEC_RING 2
+
+// Bytes of one staged tile of 16·T rows: the words (rows nw + VEC_ROW_PAD words apart), then
+// the rows' scales and biases [16·T, ng] each (a multiple of 16 bytes when ng % 8 == 0).
+__device__ __forceinline__ int vec_tile_bytes(int K, int ng, int T) {
+    return 16 * T * ((K / 8 + VEC_ROW_PAD) * 4 + ng * 4);
+}
+
+// Rows n0 .. n0 + rows of W, S and B into the staged tile at `tw`, completing on `bar`: one
+// bulk copy per row of words (to its padded place) and one each for the scales and biases. Warp 0.
+__device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, const bf16_t* Bs, int K, int ng,
+                                         int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane) {
+    const int nw = K / 8, rs = nw + VEC_ROW_PAD;
+    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + 16 * T * rs);
+    bf16_t* tb = ts + 16 * T * ng;
+    if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
+    __syncwarp();
+    for (int r = lane; r < rows; r += 32) bulk_to_smem(tw + r * rs, W + (long long)(n0 + r) * nw, K / 2, bar);
+    if (lane == 0) {
+        bulk_to_smem(ts, S + (long long)n0 * ng, rows * ng * 2, bar);
+        bulk_to_smem(tb, Bs + (long long)n0 * ng, rows * ng * 2, bar);
+    }
+}
+
+template <int P, int T, int MODE>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
-                          int N, int K, const float* __restrict__ bias, const VecIo& io,
+                          int N, int K, const float* __restrict__ bias, const VecIo& io, int nbuf,
                           float (*red)[64]) {
+    constexpr bool SM = MODE != VEC_GLOBAL;
     // Groups in flight per warp iteration: 2·T·P·U ≤ 24 words per lane (at most 4 groups).
     constexpr int U_FIT = 12 / (T * P);
     constexpr int U = U_FIT < 1 ? 1 : U_FIT > 4 ? 4 : U_FIT;
     extern __shared__ __align__(16) unsigned char vec_smem[];
     const int G = 32 * P, nw = K / 8, ng = K / G;
     uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs
-    float* ws = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [nw] word sums of x
-    float* wh = ws + nw;                                               // [nw] of hi + lo
-    float* gs = wh + nw;                                               // [ng] group sums of x
+    float* gs = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [ng] group sums of x
     float* gh = gs + ng;                                               // [ng] of hi + lo
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
+    const int rs = nw + VEC_ROW_PAD, ntiles = (N + 16 * T - 1) / (16 * T);
+    // Staged tiles (SM): nbuf of them after the staged x, then one barrier each.
+    unsigned char* tiles0 = vec_smem + vec_stage_bytes(K, ng);
+    const int tile_bytes = vec_tile_bytes(K, ng, T);
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(tiles0 + (size_t)nbuf * tile_bytes);
+    const int step = MODE == VEC_RING ? gridDim.x : ntiles;
 
-    const int n0 = blockIdx.x * 16 * T;
-    // Staged tile (SM): 16·T rows of words, nw + VEC_ROW_PAD apart, then the rows' scales and
-    // biases [16·T, ng] each, then the barrier the copies complete on.
-    const int rs = nw + VEC_ROW_PAD;
-    unsigned* tw = reinterpret_cast<unsigned*>(vec_smem + vec_stage_bytes(K, ng));
-    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + 16 * T * rs);
-    bf16_t* tb = ts + 16 * T * ng;
-    unsigned long long* bar = reinterpret_cast<unsigned long long*>(tb + 16 * T * ng);
-    long long r0[T], r1[T];
+    int tile = blockIdx.x, n0 = tile * 16 * T;
+    // The lane's rows of the tile at n0 as offsets from n0 (clamped to N − 1), and where the tile
+    // is read: the global matrix, or staged tile `buf` (words rs apart, then scales, biases).
+    int o0[T], o1[T];
+    const unsigned* wt = W;
+    int wstride = nw;
+    const bf16_t* sc = S;
+    const bf16_t* bi = Bs;
+    auto locate = [&](int buf) {
 #pragma unroll
-    for (int i = 0; i < T; ++i) {
-        r0[i] = min(n0 + 16 * i + gid, N - 1);
-        r1[i] = min(n0 + 16 * i + gid + 8, N - 1);
-    }
-    // Where rows r0, r1 are read: the global matrix, or the tile (row − n0).
-    const unsigned* w0[T];
-    const unsigned* w1[T];
-#pragma unroll
-    for (int i = 0; i < T; ++i) {
-        w0[i] = SM ? tw + (r0[i] - n0) * rs : W + r0[i] * nw;
-        w1[i] = SM ? tw + (r1[i] - n0) * rs : W + r1[i] * nw;
-    }
-    // Words of the warp's first U groups: weights do not depend on the kernel before, so these
-    // loads go out before waiting for it.
+        for (int i = 0; i < T; ++i) {
+            o0[i] = min(16 * i + gid, N - 1 - n0);
+            o1[i] = min(16 * i + gid + 8, N - 1 - n0);
+        }
+        if (SM) {
+            wt = reinterpret_cast<const unsigned*>(tiles0 + (size_t)buf * tile_bytes);
+            wstride = rs;
+            sc = reinterpret_cast<const bf16_t*>(wt + 16 * T * rs);
+            bi = sc + 16 * T * ng;
+        } else {
+            wt = W + (long long)n0 * nw;
+            sc = S + (long long)n0 * ng;
+            bi = Bs + (long long)n0 * ng;
+        }
+    };
     unsigned q0[U][T][P], q1[U][T][P];
     auto load_groups = [&](int gb) {
 #pragma unroll
@@ -197,39 +251,37 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 long long at = (long long)g * (G / 8) + t * P;
 #pragma unroll
                 for (int i = 0; i < T; ++i) {
-                    load_words<P, SM>(w0[i], at, q0[u][i]);
-                    load_words<P, SM>(w1[i], at, q1[u][i]);
+                    load_words<P, SM>(wt + o0[i] * wstride, at, q0[u][i]);
+                    load_words<P, SM>(wt + o1[i] * wstride, at, q1[u][i]);
                 }
             }
         }
     };
-    const int rows = min(16 * T, N - n0);
+    locate(0);
     if (SM) {
-        // One bulk copy per row of words (to its padded place) and one each for the scales and
-        // biases, all completing on one barrier; issued before the wait, as weights never depend
-        // on an earlier kernel, so the tile fills while the kernels before still run.
-        if (tid == 0) mbar_init(bar);
+        // Weights never depend on an earlier kernel: the copies of the block's first tiles are
+        // issued before the wait, so they fill while the kernels before still run.
+        if (tid == 0)
+            for (int b = 0; b < nbuf; ++b) mbar_init(&bars[b]);
         __syncthreads();
-        if (v == 0) {
-            if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
-            __syncwarp();
-            for (int r = lane; r < rows; r += 32)
-                bulk_to_smem(tw + r * rs, W + (long long)(n0 + r) * nw, K / 2, bar);
-            if (lane == 0) {
-                bulk_to_smem(ts, S + (long long)n0 * ng, rows * ng * 2, bar);
-                bulk_to_smem(tb, Bs + (long long)n0 * ng, rows * ng * 2, bar);
+        if (v == 0)
+            for (int b = 0; b < nbuf && tile + b * step < ntiles; ++b) {
+                const int m0 = (tile + b * step) * 16 * T;
+                vec_fill(W, S, Bs, K, ng, T, m0, min(16 * T, N - m0),
+                         reinterpret_cast<unsigned*>(tiles0 + (size_t)b * tile_bytes), &bars[b], lane);
             }
-        }
     } else {
+        // The words of the warp's first U groups go out before the wait too, and the block's
+        // scales and biases (used once per group by lanes t = 0) are asked of L1.
         load_groups(v);
-        // Scales and biases are used once per group by lanes t = 0: their rows (contiguous for
-        // the block) are asked of L1 now, so those loads do not each wait on L2.
+        const int rows = min(16 * T, N - n0);
         l1_prefetch_range(S + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
         l1_prefetch_range(Bs + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
     }
     // The conv epilogue's weights and state are not written by the kernel before (the state
-    // by this layer's step of the token before): asked of L1 now.
-    const int conv_rows = io.conv_c > 0 ? max(0, min(rows, io.conv_c - n0)) : 0;
+    // by this layer's step of the token before): asked of L1 now. (No conv with a ring: the host
+    // fuses it only into single-wave launches.)
+    const int conv_rows = io.conv_c > 0 ? max(0, min(min(16 * T, N - n0), io.conv_c - n0)) : 0;
     float* conv_st = io.conv_state + (conv_rows ? (long long)io.slots[0] * (io.conv_k - 1) * io.conv_c : 0);
     if (tid < conv_rows) {
         l1_prefetch(io.conv_w + (long long)(n0 + tid) * io.conv_k);
@@ -240,102 +292,61 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     pdl_entry();
 
     // With an input norm, x·norm is staged and x's sum of squares taken on the way; the row's
-    // factor r is needed only for the outputs (Σ_k W[n, k]·x[k]·r·norm[k] = r·Σ_k W[n, k]·x[k]·norm[k]),
-    // so the block's sum is met after the products.
+    // factor r scales the outputs (Σ_k W[n, k]·x[k]·r·norm[k] = r·Σ_k W[n, k]·x[k]·norm[k]).
+    // A thread's words of x (up to VEC_X_WORDS, all of them for K ≤ 8192 on 256 threads) are
+    // loaded together: one round trip to L2 where a loop of single words took one per word. A
+    // group's G/8 words sit on consecutive lanes of one warp, which sum them by shuffles; lanes
+    // past the last word take part with zeros.
     float ss = 0.f;
-    for (int w = tid; w < nw; w += blockDim.x) {
-        float4 a = *reinterpret_cast<const float4*>(x + 8 * w);
-        float4 b = *reinterpret_cast<const float4*>(x + 8 * w + 4);
-        if (io.norm) {
-            ss += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) + ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
-            const float4 sa = *reinterpret_cast<const float4*>(io.norm + 8 * w);
-            const float4 sb = *reinterpret_cast<const float4*>(io.norm + 8 * w + 4);
-            a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
-            b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
-        }
-        float lo4[4] = {a.x, a.y, a.z, a.w}, hi4[4] = {b.x, b.y, b.z, b.w};
-        unsigned h[4], l[4];
+    const int wpg = G / 8;
+    for (int wb = tid; wb - lane < nw; wb += VEC_X_WORDS * blockDim.x) {
+        float4 xa[VEC_X_WORDS], xb[VEC_X_WORDS];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            h[i] = pack_bf16(lo4[i], hi4[i]);
-            l[i] = pack_bf16(lo4[i] - bf16lo(h[i]), hi4[i] - bf16hi(h[i]));
-        }
-        xs[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
-        xs[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
-        ws[w] = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-        float hl = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) hl += (bf16lo(h[i]) + bf16hi(h[i])) + (bf16lo(l[i]) + bf16hi(l[i]));
-        wh[w] = hl;
-    }
-    __syncthreads();
-    for (int g = tid; g < ng; g += blockDim.x) {
-        float sum = 0.f, sum_hl = 0.f;
-        for (int w = g * (G / 8); w < (g + 1) * (G / 8); ++w) {
-            sum += ws[w];
-            sum_hl += wh[w];
-        }
-        gs[g] = sum;
-        gh[g] = sum_hl;
-    }
-    __syncthreads();
-    if (SM) {
-        mbar_wait(bar, 0);
-        load_groups(v);
-    }
-
-    float acc0[T], acc1[T];
-#pragma unroll
-    for (int i = 0; i < T; ++i) acc0[i] = acc1[i] = 0.f;
-    for (int gb = v; gb < ng; gb += 8 * U) {
-        if (gb != v) load_groups(gb);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            int g = gb + 8 * u;
-            if (g >= ng) break;
-            float c[T][4];
-#pragma unroll
-            for (int i = 0; i < T; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
-#pragma unroll
-            for (int j = 0; j < P; ++j) {
-                int wpos = g * (G / 8) + t * P + j;
-                // Column 0 of B is x_hi (lanes gid = 0), column 1 x_lo (gid = 1): one product
-                // takes both halves.
-                uint4 xb = make_uint4(0u, 0u, 0u, 0u);
-                if (gid < 2) xb = xs[2 * wpos + gid];
-#pragma unroll
-                for (int st = 0; st < 2; ++st) {
-                    unsigned b0 = st == 0 ? xb.x : xb.z, b1 = st == 0 ? xb.y : xb.w;
-#pragma unroll
-                    for (int i = 0; i < T; ++i) {
-                        unsigned a0 = nib_pair(q0[u][i][j], 2 * st), a1 = nib_pair(q1[u][i][j], 2 * st);
-                        unsigned a2 = nib_pair(q0[u][i][j], 2 * st + 1), a3 = nib_pair(q1[u][i][j], 2 * st + 1);
-                        mma_bf16(c[i], a0, a1, a2, a3, b0, b1);
-                    }
-                }
+        for (int u = 0; u < VEC_X_WORDS; ++u) {
+            const int w = wb + u * blockDim.x;
+            xa[u] = xb[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (w < nw) {
+                xa[u] = *reinterpret_cast<const float4*>(x + 8 * w);
+                xb[u] = *reinterpret_cast<const float4*>(x + 8 * w + 4);
             }
-            if (t == 0) {
-                float xg = gs[g], off = 128.f * gh[g];
+        }
 #pragma unroll
-                for (int i = 0; i < T; ++i) {
-                    long long a0 = SM ? (r0[i] - n0) * ng + g : r0[i] * ng + g;
-                    long long a1 = SM ? (r1[i] - n0) * ng + g : r1[i] * ng + g;
-                    const bf16_t* sc = SM ? ts : S;
-                    const bf16_t* bi = SM ? tb : Bs;
-                    acc0[i] = fmaf(bf16f(sc[a0]), (c[i][0] + c[i][1]) - off, fmaf(bf16f(bi[a0]), xg, acc0[i]));
-                    acc1[i] = fmaf(bf16f(sc[a1]), (c[i][2] + c[i][3]) - off, fmaf(bf16f(bi[a1]), xg, acc1[i]));
-                }
+        for (int u = 0; u < VEC_X_WORDS; ++u) {
+            const int w = wb + u * blockDim.x;
+            if (w - lane >= nw) break;
+            float4 a = xa[u], b = xb[u];
+            if (io.norm && w < nw) {
+                ss += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) + ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
+                const float4 sa = *reinterpret_cast<const float4*>(io.norm + 8 * w);
+                const float4 sb = *reinterpret_cast<const float4*>(io.norm + 8 * w + 4);
+                a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
+                b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
+            }
+            float lo4[4] = {a.x, a.y, a.z, a.w}, hi4[4] = {b.x, b.y, b.z, b.w};
+            unsigned h[4], l[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                h[i] = pack_bf16(lo4[i], hi4[i]);
+                l[i] = pack_bf16(lo4[i] - bf16lo(h[i]), hi4[i] - bf16hi(h[i]));
+            }
+            if (w < nw) {
+                xs[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
+                xs[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
+            }
+            float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)), sum_hl = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sum_hl += (bf16lo(h[i]) + bf16hi(h[i])) + (bf16lo(l[i]) + bf16hi(l[i]));
+            for (int o = 1; o < wpg; o <<= 1) {
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                sum_hl += __shfl_xor_sync(0xffffffffu, sum_hl, o);
+            }
+            if (w < nw && w % wpg == 0) {
+                gs[w / wpg] = sum;
+                gh[w / wpg] = sum_hl;
             }
         }
     }
-    if (t == 0) {
-#pragma unroll
-        for (int i = 0; i < T; ++i) {
-            red[v][16 * i + gid] = acc0[i];
-            red[v][16 * i + gid + 8] = acc1[i];
-        }
-    }
-    // The input norm's factor: the warps' sums of squares meet in shared memory.
+    // The warps' sums of squares meet in shared memory with the staged x.
     __shared__ float ssq[8];
     if (io.norm) {
         ss = warp_sum(ss);
@@ -348,40 +359,111 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 #pragma unroll
         for (int i = 0; i < 8; ++i) total += ssq[i];
         r_norm = rsqrtf(total / K + io.eps);
-        if (io.normed && blockIdx.x == 0)
-            for (int k = tid; k < K; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
     }
-    for (int r = tid; r < 16 * T; r += blockDim.x) {
-        if (n0 + r < N) {
-            float sum = 0.f;
+
+    for (int it = 0; tile < ntiles; ++it, tile += step) {
+        const int buf = MODE == VEC_RING ? it % nbuf : 0;
+        if (it > 0) {
+            n0 = tile * 16 * T;
+            locate(buf);
+        }
+        if (SM) {
+            mbar_wait(&bars[buf], (it / nbuf) & 1);
+            load_groups(v);
+        }
+        float acc0[T], acc1[T];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) sum += red[i][r];
-            float out = sum * r_norm + (bias ? bias[n0 + r] : 0.f);
-            if (io.accumulate) out = y[n0 + r] + out;
-            y[n0 + r] = out;
-            if (r < conv_rows) {
-                float wv[CONV_KMAX], sv[CONV_KMAX];
-                conv_load(io.conv_w, conv_st, n0 + r, io.conv_c, io.conv_k, wv, sv);
-                io.mixed[n0 + r] = conv_advance(wv, sv, conv_st, n0 + r, io.conv_c, io.conv_k, out);
+        for (int i = 0; i < T; ++i) acc0[i] = acc1[i] = 0.f;
+        for (int gb = v; gb < ng; gb += 8 * U) {
+            if (gb != v) load_groups(gb);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                int g = gb + 8 * u;
+                if (g >= ng) break;
+                float c[T][4];
+#pragma unroll
+                for (int i = 0; i < T; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    int wpos = g * (G / 8) + t * P + j;
+                    // Column 0 of B is x_hi (lanes gid = 0), column 1 x_lo (gid = 1): one product
+                    // takes both halves.
+                    uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+                    if (gid < 2) xb = xs[2 * wpos + gid];
+#pragma unroll
+                    for (int st = 0; st < 2; ++st) {
+                        unsigned b0 = st == 0 ? xb.x : xb.z, b1 = st == 0 ? xb.y : xb.w;
+#pragma unroll
+                        for (int i = 0; i < T; ++i) {
+                            unsigned a0 = nib_pair(q0[u][i][j], 2 * st), a1 = nib_pair(q1[u][i][j], 2 * st);
+                            unsigned a2 = nib_pair(q0[u][i][j], 2 * st + 1), a3 = nib_pair(q1[u][i][j], 2 * st + 1);
+                            mma_bf16(c[i], a0, a1, a2, a3, b0, b1);
+                        }
+                    }
+                }
+                if (t == 0) {
+                    float xg = gs[g], off = 128.f * gh[g];
+#pragma unroll
+                    for (int i = 0; i < T; ++i) {
+                        const int a0 = o0[i] * ng + g, a1 = o1[i] * ng + g;
+                        acc0[i] = fmaf(bf16f(sc[a0]), (c[i][0] + c[i][1]) - off, fmaf(bf16f(bi[a0]), xg, acc0[i]));
+                        acc1[i] = fmaf(bf16f(sc[a1]), (c[i][2] + c[i][3]) - off, fmaf(bf16f(bi[a1]), xg, acc1[i]));
+                    }
+                }
             }
         }
+        if (t == 0) {
+#pragma unroll
+            for (int i = 0; i < T; ++i) {
+                red[v][16 * i + gid] = acc0[i];
+                red[v][16 * i + gid + 8] = acc1[i];
+            }
+        }
+        __syncthreads();
+        // Every warp is past this tile's words: the ring refills the buffer with the tile nbuf
+        // steps on (the proxy fence orders the generic reads before the bulk writes).
+        if (MODE == VEC_RING && v == 0 && tile + nbuf * step < ntiles) {
+            fence_proxy_async();
+            const int m0 = (tile + nbuf * step) * 16 * T;
+            vec_fill(W, S, Bs, K, ng, T, m0, min(16 * T, N - m0),
+                     reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane);
+        }
+        for (int r = tid; r < 16 * T; r += blockDim.x) {
+            if (n0 + r < N) {
+                float sum = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) sum += red[i][r];
+                float out = sum * r_norm + (bias ? bias[n0 + r] : 0.f);
+                if (io.accumulate) out = y[n0 + r] + out;
+                y[n0 + r] = out;
+                if (r < conv_rows) {
+                    float wv[CONV_KMAX], sv[CONV_KMAX];
+                    conv_load(io.conv_w, conv_st, n0 + r, io.conv_c, io.conv_k, wv, sv);
+                    io.mixed[n0 + r] = conv_advance(wv, sv, conv_st, n0 + r, io.conv_c, io.conv_k, out);
+                }
+            }
+        }
+        if (MODE != VEC_RING) break;
+        __syncthreads();
     }
+    if (io.norm && io.normed && blockIdx.x == 0)
+        for (int k = tid; k < K; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
 }
 
-#define VEC_DISPATCH(T, SM)                                                   \
-    if (G == 128) mma_vec_t<4, T, SM>(W, S, B, x, y, N, K, bias, io, red);        \
-    else if (G == 64) mma_vec_t<2, T, SM>(W, S, B, x, y, N, K, bias, io, red);    \
-    else mma_vec_t<1, T, SM>(W, S, B, x, y, N, K, bias, io, red);
+#define VEC_DISPATCH(T, MODE)                                                              \
+    if (G == 128) mma_vec_t<4, T, MODE>(W, S, B, x, y, N, K, bias, io, nbuf, red);           \
+    else if (G == 64) mma_vec_t<2, T, MODE>(W, S, B, x, y, N, K, bias, io, nbuf, red);       \
+    else mma_vec_t<1, T, MODE>(W, S, B, x, y, N, K, bias, io, nbuf, red);
 
-#define VEC_TILES(SM)            \
-    if (tiles == 4) {            \
-        VEC_DISPATCH(4, SM)      \
-    } else if (tiles == 3) {     \
-        VEC_DISPATCH(3, SM)      \
-    } else if (tiles == 2) {     \
-        VEC_DISPATCH(2, SM)      \
-    } else {                     \
-        VEC_DISPATCH(1, SM)      \
+#define VEC_TILES(MODE)            \
+    if (tiles == 4) {              \
+        VEC_DISPATCH(4, MODE)      \
+    } else if (tiles == 3) {       \
+        VEC_DISPATCH(3, MODE)      \
+    } else if (tiles == 2) {       \
+        VEC_DISPATCH(2, MODE)      \
+    } else {                       \
+        VEC_DISPATCH(1, MODE)      \
     }
 
 // tiles: row tiles of 16 per block (1 to 4).
@@ -396,7 +478,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsig
     // mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
     // The 8 warps' sums of the block's rows (one array for every instantiation).
     __shared__ float red[8][64];
-    VEC_TILES(false)
+    const int nbuf = 1;
+    VEC_TILES(VEC_GLOBAL)
 }
 
 // As mma_vec_affine4 with the block's rows of W, S and B staged in shared memory by bulk copies
@@ -407,5 +490,21 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4_staged(cons
                                                                          float* __restrict__ y, int N, int K, int G, int tiles,
                                                                          const float* __restrict__ bias, const VecIo io) {
     __shared__ float red[8][64];
-    VEC_TILES(true)
+    const int nbuf = 1;
+    VEC_TILES(VEC_STAGED)
+}
+
+// Row tiles of 16 per tile of the ring kernel.
+#define VEC_RING_TILES 2
+
+// As mma_vec_affine4_staged for a launch of more row tiles than blocks: block b works through
+// tiles b, b + gridDim.x, … of VEC_RING_TILES row tiles each from a ring of `nbuf` staged
+// tiles, each refilled by bulk copies as soon as the block is past it (no conv epilogue). The
+// input is staged once per block.
+extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4_ring(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                       const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                       float* __restrict__ y, int N, int K, int G,
+                                                                       const float* __restrict__ bias, const VecIo io, int nbuf) {
+    __shared__ float red[8][64];
+    VEC_DISPATCH(VEC_RING_TILES, VEC_RING)
 }

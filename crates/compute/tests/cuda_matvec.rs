@@ -327,9 +327,9 @@ fn slot_forms(rows: usize) {
 
 /// One input row through a 4-bit affine matrix goes to the single-row tensor-core kernel
 /// (mma_vec.cu): against the CPU's quantized matmul on the same words, odd N (one to four 16-row
-/// tiles per block), each group size, with a bias. Like the multi-row tensor-core forms,
-/// the input enters as bf16 hi + lo (16 significant bits, relative error ≤ 2⁻¹⁸ per input) with
-/// f32 accumulation: 3e-5 of the largest output.
+/// tiles per block; staged, streamed and ring launches), each group size, with a bias. Like the
+/// multi-row tensor-core forms, the input enters as bf16 hi + lo (16 significant bits, relative
+/// error ≤ 2⁻¹⁸ per input) with f32 accumulation: 3e-5 of the largest output.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn single_row_4bit_on_tensor_cores_matches_cpu() {
@@ -347,6 +347,9 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
         (32, 17003, 128),
         (32, 12352, 2048),
         (64, 67000, 128),
+        // More row tiles than resident blocks with whole 16-byte scale rows: the ring kernel.
+        (64, 20011, 1024),
+        (128, 30001, 2048),
     ] {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
         let q = quantize(&w, k, group, 4).unwrap();
@@ -389,8 +392,8 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
 }
 
 /// The single-row kernel's fused input norm, residual add and GDN conv step (`VecIo`) against the
-/// separate launches they replace (add_rmsnorm, matvec, the add, gdn_conv_step), staged and
-/// streamed launches: the normalized row within float rounding (its sum of squares runs in
+/// separate launches they replace (add_rmsnorm, matvec, the add, gdn_conv_step), staged, ring
+/// and streamed launches: the normalized row within float rounding (its sum of squares runs in
 /// another order), the outputs within the single-row kernel's 3e-5 of the largest (the norm's
 /// factor scales the outputs rather than the staged input), the shifted conv state exactly.
 #[test]
@@ -404,6 +407,7 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
     for &(group, n, k, c, taps) in &[
         (64usize, 12352usize, 2048usize, 8192usize, 4usize),
         (64, 2051, 4096, 0, 0),
+        (64, 20011, 1024, 0, 0),
         (128, 1001, 4096, 999, 3),
         (32, 300, 256, 17, 1),
     ] {

@@ -56,7 +56,11 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "mma_vec.cu",
         include_str!("../../kernels/mma_vec.cu"),
-        &["mma_vec_affine4", "mma_vec_affine4_staged"],
+        &[
+            "mma_vec_affine4",
+            "mma_vec_affine4_staged",
+            "mma_vec_affine4_ring",
+        ],
     ),
     (
         "norm.cu",

@@ -105,13 +105,19 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
     // Bulk copies need sm_90 and 16-byte aligned matrices.
     let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
-    let blocks = blocks(m.n, 16 * tiles);
-    let staged = staged_smem(m.k, group, tiles).filter(|_| bulk && blocks as usize <= resident);
-    let (name, smem) = match staged {
-        Some(bytes) => ("mma_vec_affine4_staged", bytes),
-        None => ("mma_vec_affine4", stage_smem(m.k, group)),
+    let n_blocks = blocks(m.n, 16 * tiles);
+    let one_wave = n_blocks as usize <= resident;
+    let staged = staged_smem(m.k, group, tiles).filter(|_| bulk && one_wave);
+    let ring = ring_plan(m.k, group, RING_TILES).filter(|_| bulk && !one_wave && io.conv_c == 0);
+    let (name, smem, grid, nbuf) = match (staged, ring) {
+        (Some(bytes), _) => ("mma_vec_affine4_staged", bytes, n_blocks, None),
+        (None, Some((nbuf, bytes))) => {
+            let grid = blocks(m.n, 16 * RING_TILES).min(resident as u32);
+            ("mma_vec_affine4_ring", bytes, grid, Some(nbuf as i32))
+        }
+        (None, None) => ("mma_vec_affine4", stage_smem(m.k, group), n_blocks, None),
     };
-    if staged.is_some() {
+    if name != "mma_vec_affine4" {
         g.raise_smem(name, smem)?;
     }
     let mut b = g.launch_builder(g.kernels().get(name));
@@ -122,26 +128,31 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
         .arg(&y)
         .arg(&n32)
         .arg(&k32)
-        .arg(&g32)
-        .arg(&t32)
-        .arg(&m.bias)
-        .arg(&io);
+        .arg(&g32);
+    if nbuf.is_none() {
+        b.arg(&t32);
+    }
+    b.arg(&m.bias).arg(&io);
+    if let Some(n) = &nbuf {
+        b.arg(n);
+    }
     // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 (G | K, G ∈ {32, 64, 128},
     // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
     // the dynamic shared memory holds the staged x, the word and the group sums (under 48 KB for
-    // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`,
-    // which also checks the copies' 16-byte units; the device's sm_90 and the matrices' alignment
-    // are checked above). With `io`: norm, normed hold K floats (16-byte aligned), the conv's
+    // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`),
+    // for the ring kernel its `nbuf` tiles and barriers (`ring_plan`; both check the copies'
+    // 16-byte units, the device's sm_90 and the matrices' alignment are checked above); the
+    // ring's blocks walk its tiles with a stride of the grid, each tile bounds-checked against N. With `io`: norm, normed hold K floats (16-byte aligned), the conv's
     // weights conv_c·conv_k floats, its state a slot's (conv_k − 1)·conv_c floats at slots[0]
     // (conv_c ≤ N, conv_k ≤ GDN_CONV_KMAX, checked above) and mixed conv_c floats.
-    unsafe { b.launch(cfg((blocks, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
+    unsafe { b.launch(cfg((grid, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
 }
 
-/// Dynamic shared memory of the single-row kernel: x as bf16 hi/lo pairs, the word sums and the
-/// group sums (K·5 + K/G·8 bytes, rounded up to 16).
+/// Dynamic shared memory of the single-row kernel: x as bf16 hi/lo pairs and the group sums
+/// (K·4 + K/G·8 bytes, rounded up to 16).
 fn stage_smem(k: usize, group: usize) -> usize {
-    (k * 5 + k / group * 8).next_multiple_of(16)
+    (k * 4 + k / group * 8).next_multiple_of(16)
 }
 
 /// Most dynamic shared memory a staged block may take: two blocks per SM within the 227 KB an
@@ -157,6 +168,25 @@ pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
     let (rows, ng) = (16 * tiles, k / group);
     let bytes = stage_smem(k, group) + rows * (k / 2 + 32) + rows * ng * 4 + 16;
     (ng.is_multiple_of(8) && bytes <= STAGED_MAX_SMEM).then_some(bytes)
+}
+
+/// Row tiles of 16 per block of the ring kernel (`mma_vec_affine4_ring`, VEC_RING_TILES there).
+const RING_TILES: usize = 2;
+
+/// Most tiles the ring kernel keeps staged per block.
+const RING_MAX_BUFFERS: usize = 4;
+
+/// Staged tiles per block of the ring kernel with `tiles` row tiles of 16 each, and its dynamic
+/// shared memory: the input staging, then as many tiles (laid out as `staged_smem`'s) and
+/// 8-byte barriers as fit two blocks per SM, at most RING_MAX_BUFFERS; `None` under two (one
+/// tile computing while the next fills) or when the scale rows are not whole 16-byte units.
+pub fn ring_plan(k: usize, group: usize, tiles: usize) -> Option<(usize, usize)> {
+    let (rows, ng) = (16 * tiles, k / group);
+    let tile = rows * (k / 2 + 32) + rows * ng * 4;
+    let fixed = stage_smem(k, group);
+    let nbuf = (STAGED_MAX_SMEM.saturating_sub(fixed) / (tile + 8)).min(RING_MAX_BUFFERS);
+    (ng.is_multiple_of(8) && nbuf >= 2)
+        .then(|| (nbuf, (fixed + nbuf * (tile + 8)).next_multiple_of(16)))
 }
 
 #[cfg(test)]
@@ -177,10 +207,25 @@ mod tests {
     fn staged_tiles_fit_two_blocks_per_sm_in_whole_copy_units() {
         // GDN input projection of the 35B shape: 48 rows of 2048 inputs, groups of 64.
         let b = super::staged_smem(2048, 64, 3).unwrap();
-        assert_eq!(b, 10_496 + 48 * 1056 + 48 * 32 * 4 + 16);
+        assert_eq!(b, 8448 + 48 * 1056 + 48 * 32 * 4 + 16);
         assert!(super::staged_smem(4096, 64, 1).is_some());
-        // 8192 inputs with 4 tiles: 270 KB, over the limit; 4 groups a row: not 16-byte units.
+        // An attention output projection of the 35B shape (8192 inputs): 106 KB with one tile.
+        assert_eq!(super::staged_smem(8192, 64, 1), Some(108_048));
+        // 8192 inputs with 4 tiles: 324 KB, over the limit; 4 groups a row: not 16-byte units.
         assert_eq!(super::staged_smem(8192, 64, 4), None);
         assert_eq!(super::staged_smem(128, 32, 1), None);
+    }
+
+    #[test]
+    fn ring_keeps_two_to_four_tiles_within_two_blocks_per_sm() {
+        // lm_head of the 35B shape: 2048 inputs, groups of 64, tiles of 32 rows (37,888 bytes).
+        assert_eq!(
+            super::ring_plan(2048, 64, 2),
+            Some((2, 8448 + 2 * (37_888 + 8)))
+        );
+        assert_eq!(super::ring_plan(2048, 64, 1).map(|p| p.0), Some(4));
+        // 8192 inputs: one tile of 32 rows is 139 KB.
+        assert_eq!(super::ring_plan(8192, 64, 2), None);
+        assert_eq!(super::ring_plan(256, 64, 2), None);
     }
 }
