@@ -173,10 +173,16 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 #define VEC_STAGED 1
 #define VEC_RING 2
 
-// Bytes of one staged tile of 16·T rows: the words (rows nw + VEC_ROW_PAD words apart), then
-// the rows' scales and biases [16·T, ng] each (a multiple of 16 bytes when ng % 8 == 0).
+// Words of one staged tile of 16·T rows (rows nw + VEC_ROW_PAD words apart): its scales follow
+// them, then its biases 16·T·ng further.
+__device__ __forceinline__ int vec_tile_words(int K, int T) {
+    return 16 * T * (K / 8 + VEC_ROW_PAD);
+}
+
+// Bytes of one staged tile: the words, then the rows' scales and biases [16·T, ng] each (a
+// multiple of 16 bytes when ng % 8 == 0).
 __device__ __forceinline__ int vec_tile_bytes(int K, int ng, int T) {
-    return 16 * T * ((K / 8 + VEC_ROW_PAD) * 4 + ng * 4);
+    return vec_tile_words(K, T) * 4 + 16 * T * ng * 4;
 }
 
 // Rows n0 .. n0 + rows of W, S and B into the staged tile at `tw`, completing on `bar`: one
@@ -184,7 +190,7 @@ __device__ __forceinline__ int vec_tile_bytes(int K, int ng, int T) {
 __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, const bf16_t* Bs, int K, int ng,
                                          int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane) {
     const int nw = K / 8, rs = nw + VEC_ROW_PAD;
-    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + 16 * T * rs);
+    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, T));
     bf16_t* tb = ts + 16 * T * ng;
     if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
     __syncwarp();
@@ -234,7 +240,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         if (SM) {
             wt = reinterpret_cast<const unsigned*>(tiles0 + (size_t)buf * tile_bytes);
             wstride = rs;
-            sc = reinterpret_cast<const bf16_t*>(wt + 16 * T * rs);
+            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, T));
             bi = sc + 16 * T * ng;
         } else {
             wt = W + (long long)n0 * nw;

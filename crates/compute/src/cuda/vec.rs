@@ -138,11 +138,12 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     }
     // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 (G | K, G ∈ {32, 64, 128},
     // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
-    // the dynamic shared memory holds the staged x, the word and the group sums (under 48 KB for
+    // the dynamic shared memory holds the staged x and the group sums (under 48 KB for
     // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`),
     // for the ring kernel its `nbuf` tiles and barriers (`ring_plan`; both check the copies'
     // 16-byte units, the device's sm_90 and the matrices' alignment are checked above); the
-    // ring's blocks walk its tiles with a stride of the grid, each tile bounds-checked against N. With `io`: norm, normed hold K floats (16-byte aligned), the conv's
+    // ring's blocks walk its tiles with a stride of the grid, each tile bounds-checked against
+    // N. With `io`: norm, normed hold K floats (16-byte aligned), the conv's
     // weights conv_c·conv_k floats, its state a slot's (conv_k − 1)·conv_c floats at slots[0]
     // (conv_c ≤ N, conv_k ≤ GDN_CONV_KMAX, checked above) and mixed conv_c floats.
     unsafe { b.launch(cfg((grid, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
@@ -165,9 +166,15 @@ const STAGED_MAX_SMEM: usize = 110 * 1024;
 /// when the scale rows are not whole 16-byte units (K/G % 8 ≠ 0: the bulk copies move 16-byte
 /// units) or the tile does not fit two blocks per SM.
 pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
-    let (rows, ng) = (16 * tiles, k / group);
-    let bytes = stage_smem(k, group) + rows * (k / 2 + 32) + rows * ng * 4 + 16;
-    (ng.is_multiple_of(8) && bytes <= STAGED_MAX_SMEM).then_some(bytes)
+    let bytes = stage_smem(k, group) + tile_smem(k, group, tiles) + 16;
+    ((k / group).is_multiple_of(8) && bytes <= STAGED_MAX_SMEM).then_some(bytes)
+}
+
+/// Bytes of one staged tile of `tiles` row tiles of 16 (`vec_tile_bytes` in mma_vec.cu): the
+/// rows of words, 32 bytes of padding after each, then the rows' scales and biases.
+fn tile_smem(k: usize, group: usize, tiles: usize) -> usize {
+    let rows = 16 * tiles;
+    rows * (k / 2 + 32) + rows * (k / group) * 4
 }
 
 /// Row tiles of 16 per block of the ring kernel (`mma_vec_affine4_ring`, VEC_RING_TILES there).
@@ -181,11 +188,9 @@ const RING_MAX_BUFFERS: usize = 4;
 /// 8-byte barriers as fit two blocks per SM, at most RING_MAX_BUFFERS; `None` under two (one
 /// tile computing while the next fills) or when the scale rows are not whole 16-byte units.
 pub fn ring_plan(k: usize, group: usize, tiles: usize) -> Option<(usize, usize)> {
-    let (rows, ng) = (16 * tiles, k / group);
-    let tile = rows * (k / 2 + 32) + rows * ng * 4;
-    let fixed = stage_smem(k, group);
+    let (tile, fixed) = (tile_smem(k, group, tiles), stage_smem(k, group));
     let nbuf = (STAGED_MAX_SMEM.saturating_sub(fixed) / (tile + 8)).min(RING_MAX_BUFFERS);
-    (ng.is_multiple_of(8) && nbuf >= 2)
+    ((k / group).is_multiple_of(8) && nbuf >= 2)
         .then(|| (nbuf, (fixed + nbuf * (tile + 8)).next_multiple_of(16)))
 }
 
