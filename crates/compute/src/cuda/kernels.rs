@@ -136,6 +136,12 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "matvec_swiglu_affine2_r4",
             "matvec_swiglu_affine4_r4",
             "matvec_swiglu_affine8_r4",
+            "matvec_affine2_r2_far",
+            "matvec_affine4_r2_far",
+            "matvec_affine8_r2_far",
+            "matvec_swiglu_affine2_r2_far",
+            "matvec_swiglu_affine4_r2_far",
+            "matvec_swiglu_affine8_r2_far",
             "moe_down_combine_affine2",
             "moe_down_combine_affine4",
             "moe_down_combine_affine8",
@@ -273,8 +279,10 @@ mod tests {
         for swiglu in [false, true] {
             for bits in [2, 4, 8] {
                 for rows in [2, 4] {
-                    let name = super::super::ops::affine_kernel(swiglu, bits, rows);
-                    assert!(registered.contains(&name), "{name}");
+                    for far in [false, true] {
+                        let name = super::super::ops::affine_kernel(swiglu, bits, rows, far);
+                        assert!(registered.contains(&name), "{name}");
+                    }
                 }
             }
         }

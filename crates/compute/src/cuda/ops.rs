@@ -119,9 +119,16 @@ pub fn affine_rows_per_warp(rows: usize) -> usize {
 
 /// The CUDA-core affine kernel (qmatvec.cu) for `bits` and `rows` per warp (2 or 4, from
 /// [`affine_rows_per_warp`]), `swiglu` or plain: one entry point per form, each with the
-/// registers it needs.
-pub(super) fn affine_kernel(swiglu: bool, bits: u32, rows: usize) -> &'static str {
+/// registers it needs; with 2 rows a warp, launches that read a `far` stack (experts over PCIe)
+/// take the `_far` entries, which keep more blocks resident.
+pub(super) fn affine_kernel(swiglu: bool, bits: u32, rows: usize, far: bool) -> &'static str {
     match (swiglu, bits, rows) {
+        (false, 2, 2) if far => "matvec_affine2_r2_far",
+        (false, 4, 2) if far => "matvec_affine4_r2_far",
+        (false, 8, 2) if far => "matvec_affine8_r2_far",
+        (true, 2, 2) if far => "matvec_swiglu_affine2_r2_far",
+        (true, 4, 2) if far => "matvec_swiglu_affine4_r2_far",
+        (true, 8, 2) if far => "matvec_swiglu_affine8_r2_far",
         (false, 2, 2) => "matvec_affine2_r2",
         (false, 4, 2) => "matvec_affine4_r2",
         (false, 8, 2) => "matvec_affine8_r2",
@@ -284,7 +291,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
             let g32 = group as i32;
             let rpw = affine_rows_per_warp(m.n * slots);
             let grid = (slots as u32, blocks(m.n, 8 * rpw));
-            let name = affine_kernel(false, bits, rpw);
+            let name = affine_kernel(false, bits, rpw, sl.far.is_some());
             let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&scales)
@@ -342,7 +349,7 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
             let g32 = group as i32;
             let rpw = affine_rows_per_warp(m.n * slots);
             let grid = (slots as u32, blocks(i, 8 * rpw / 2));
-            let name = affine_kernel(true, bits, rpw);
+            let name = affine_kernel(true, bits, rpw, sl.far.is_some());
             let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&scales)
