@@ -271,6 +271,16 @@ mod tests {
     }
 
     #[test]
+    fn gdn_step_takes_a_cluster_of_32_column_blocks_per_head_on_hopper() {
+        use super::super::ops::gdn_step_split;
+        assert_eq!(gdn_step_split(128, true), (4, 32));
+        assert_eq!(gdn_step_split(100, true), (4, 32));
+        assert_eq!(gdn_step_split(32, true), (1, 32));
+        assert_eq!(gdn_step_split(128, false), (1, 128));
+        assert_eq!(gdn_step_split(40, false), (1, 64));
+    }
+
+    #[test]
     fn every_affine_entry_point_is_registered() {
         let registered: Vec<&str> = super::FILES
             .iter()

@@ -17,6 +17,7 @@ pub struct Launch<'a> {
     gpu: &'a Gpu,
     func: sys::CUfunction,
     args: Vec<*mut c_void>,
+    cluster: u32,
     _args: PhantomData<&'a ()>,
 }
 
@@ -27,6 +28,13 @@ impl<'a> Launch<'a> {
         self
     }
 
+    /// Group the blocks into clusters of `x` consecutive blocks along x (sm_90+; the grid's x
+    /// dimension a multiple of `x`), whose shared memories the blocks may read (`mapa`).
+    pub fn cluster(&mut self, x: u32) -> &mut Self {
+        self.cluster = x;
+        self
+    }
+
     /// Launch on the GPU's stream.
     ///
     /// # Safety
@@ -34,10 +42,22 @@ impl<'a> Launch<'a> {
     /// buffer the kernel touches must be valid for the accesses the grid makes.
     pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
         self.gpu.ctx.bind_to_thread()?;
-        let mut attr: CUlaunchAttribute_st = std::mem::zeroed();
-        attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [CUlaunchAttribute_st; 2] = std::mem::zeroed();
+        let mut n = 0;
         let pdl = self.gpu.pdl_active();
+        if pdl {
+            attrs[n].id =
+                CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if self.cluster > 1 {
+            attrs[n].id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = self.cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
         let config = CUlaunchConfig_st {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -47,8 +67,12 @@ impl<'a> Launch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.gpu.stream.cu_stream(),
-            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: pdl as u32,
+            attrs: if n > 0 {
+                attrs.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: n as u32,
         };
         sys::cuLaunchKernelEx(
             &config,
@@ -67,6 +91,7 @@ impl Gpu {
             gpu: self,
             func: func.cu_function(),
             args: Vec::with_capacity(24),
+            cluster: 1,
             _args: PhantomData,
         }
     }

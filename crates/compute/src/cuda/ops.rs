@@ -454,6 +454,19 @@ pub const GDN_DV_MAX: usize = 128;
 /// Row groups per head in `gdn_step` (`GDN_ROW_GROUPS` in gdn.cu).
 const GDN_ROW_GROUPS: u32 = 8;
 
+/// CTAs per value head of [`gdn_step`] and the state columns each takes (threads along x): with
+/// clusters (sm_90+), one CTA of 32 columns per 32 of the head's `dv`, a cluster per head, so a
+/// CTA holds a quarter of a 128 × 128 state and is resident beside the kernels around it; before,
+/// one CTA of all the columns.
+pub(crate) fn gdn_step_split(dv: usize, clusters: bool) -> (u32, u32) {
+    let cols = dv.div_ceil(32) as u32;
+    if clusters {
+        (cols, 32)
+    } else {
+        (1, cols * 32)
+    }
+}
+
 /// Delta-rule step + gated RMSNorm for every value head of every row of `bt` (see gdn.cu).
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_step(
@@ -481,14 +494,17 @@ pub fn gdn_step(
         .arg(&norm_w)
         .arg(&out);
     b.arg(&hk).arg(&hv).arg(&dk).arg(&dv).arg(&eps);
-    b.arg(&bt.slots).arg(&ps);
-    let cols = (d.dv.div_ceil(32) * 32) as u32;
+    let (nc, cols) = gdn_step_split(d.dv, g.compute_capability().0 >= 9);
+    let nc32 = nc as i32;
+    b.arg(&bt.slots).arg(&ps).arg(&nc32);
+    b.cluster(nc);
     let launch = LaunchConfig {
-        grid_dim: (d.hv as u32, bt.rows as u32, 1),
+        grid_dim: (d.hv as u32 * nc, bt.rows as u32, 1),
         block_dim: (cols, GDN_ROW_GROUPS, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: dk ≤ GDN_DK_MAX and dv ≤ GDN_DV_MAX (checked at upload); state holds
+    // SAFETY: dk ≤ GDN_DK_MAX and dv ≤ GDN_DV_MAX (checked at upload), so a cluster has at most
+    // 4 CTAs (the portable limit is 8) and the grid's x is a multiple of it; state holds
     // (max slot + 1)·hv·dk·dv floats, out rows·hv·dv, proj rows fused projections (conv dim +
     // hv·dv + 2·hv floats each, proj_stride apart), mixed rows·conv dim.
     unsafe { b.launch(launch) }.map_err(driver_err("gdn_step"))?;
