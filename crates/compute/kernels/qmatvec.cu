@@ -15,7 +15,8 @@
 // Without ids (one matrix), the first blocks of slot 0 ask L2 for their rows before waiting on the
 // kernel before (common.cuh, PREFETCH_BLOCKS).
 // matvec_swiglu_affine{BITS}_r{R}: h[s, n] = silu(G_e[n]·x_s) · U_e[n]·x_s with W_e [2I, K] (gate rows
-//   first). grid (S, ceil(I/(8·R/2))), block 256: a warp per R/2 outputs (R rows).
+//   first). grid (S, ceil(I/(W·R/2))), block 32·W: a warp per R/2 outputs (R rows); W = 4 for the
+//   near one-row entries (_r2 without _far), 8 for the others (ops.rs, swiglu_warps_per_block).
 //   silu is silu_portable (common.cuh): the host's cpu::gpu_twin computes these outputs bit for
 //   bit, so routed experts can run on either side.
 
@@ -147,7 +148,7 @@ __device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf
         if (lane == r && r < nrows) y[(long long)s * N + row0 + r] = out[r] + (bias ? bias[rows[r]] : 0.f);
 }
 
-// grid (ceil(I / (8·R/2)), S), block 256: warp w computes outputs n0..n0+R/2 from their gate and
+// grid (ceil(I / (W·R/2)), S), block 32·W: warp w computes outputs n0..n0+R/2 from their gate and
 // up rows together.
 template <int BITS, int R>
 __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
@@ -155,7 +156,7 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
                                 int x_div, const unsigned int* Wf, const bf16_t* Sf, const bf16_t* Bf,
                                 int split) {
     const int NPW = R / 2;
-    int n0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * NPW;
+    int n0 = (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)) * NPW;
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;
     if (n0 >= I) return;
@@ -244,6 +245,13 @@ QMV_DOWN_COMBINE(8)
 #define QMV_MIN_BLOCKS_R2 4
 #define QMV_MIN_BLOCKS_R4 4
 #define QMV_MIN_BLOCKS_FAR 5
+// The one-row SwiGLU (9 experts × 512 outputs, a warp each on the 35B shape: 4608 warps) fits
+// one wave only below 57 registers (36 warps an SM); in blocks of 4 warps, 9 an SM, the cap is
+// 56, still high enough for a batch's words to be issued together, and the 576 blocks of 8
+// warps that ran in two waves at 64 registers become 1152 of 4 in one: 35B 4-bit decode
+// 551.2 → 560.8 tok/s on an H200 (two alternating pairs; 4-warp blocks at 64 registers 550.2).
+#define QMV_SWIGLU_R2_THREADS 128
+#define QMV_MIN_BLOCKS_SWIGLU_R2 9
 
 template <int BITS, int R>
 __device__ __forceinline__ void matvec_affine_entry(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
@@ -284,7 +292,9 @@ __device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restri
     swiglu_affine_t<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);
 }
 
-#define QMV_ENTRIES(BITS, R, MINB, SFX)                                                                                    \
+#define QMV_ENTRIES(BITS, R, MINB, SFX) QMV_ENTRIES_SW(BITS, R, MINB, SFX, 256, MINB)
+// SWT, SWMINB: the SwiGLU entry's block size and resident blocks (launch bounds).
+#define QMV_ENTRIES_SW(BITS, R, MINB, SFX, SWT, SWMINB)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256, MINB) matvec_affine##BITS##_r##R##SFX(                               \
         const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
         const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, const int* __restrict__ ids,            \
@@ -292,7 +302,7 @@ __device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restri
         const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf, int split) {                                     \
         matvec_affine_entry<BITS, R>(W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split);           \
     }                                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256, MINB) matvec_swiglu_affine##BITS##_r##R##SFX(                        \
+    extern "C" __global__ void __launch_bounds__(SWT, SWMINB) matvec_swiglu_affine##BITS##_r##R##SFX(                        \
         const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
         const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, const int* __restrict__ ids,            \
         long long x_stride, int x_div, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,              \
@@ -300,9 +310,9 @@ __device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restri
         swiglu_affine_entry<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);                 \
     }
 
-QMV_ENTRIES(2, 2, QMV_MIN_BLOCKS_R2, )
-QMV_ENTRIES(4, 2, QMV_MIN_BLOCKS_R2, )
-QMV_ENTRIES(8, 2, QMV_MIN_BLOCKS_R2, )
+QMV_ENTRIES_SW(2, 2, QMV_MIN_BLOCKS_R2, , QMV_SWIGLU_R2_THREADS, QMV_MIN_BLOCKS_SWIGLU_R2)
+QMV_ENTRIES_SW(4, 2, QMV_MIN_BLOCKS_R2, , QMV_SWIGLU_R2_THREADS, QMV_MIN_BLOCKS_SWIGLU_R2)
+QMV_ENTRIES_SW(8, 2, QMV_MIN_BLOCKS_R2, , QMV_SWIGLU_R2_THREADS, QMV_MIN_BLOCKS_SWIGLU_R2)
 QMV_ENTRIES(2, 4, QMV_MIN_BLOCKS_R4, )
 QMV_ENTRIES(4, 4, QMV_MIN_BLOCKS_R4, )
 QMV_ENTRIES(8, 4, QMV_MIN_BLOCKS_R4, )

@@ -271,6 +271,14 @@ mod tests {
     }
 
     #[test]
+    fn near_one_row_swiglu_takes_blocks_of_4_warps() {
+        use super::super::ops::swiglu_warps_per_block;
+        assert_eq!(swiglu_warps_per_block(2, false), 4);
+        assert_eq!(swiglu_warps_per_block(2, true), 8);
+        assert_eq!(swiglu_warps_per_block(4, false), 8);
+    }
+
+    #[test]
     fn gdn_step_takes_a_cluster_of_32_column_blocks_per_head_on_hopper() {
         use super::super::ops::gdn_step_split;
         assert_eq!(gdn_step_split(128, true), (4, 32));

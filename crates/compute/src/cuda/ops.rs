@@ -117,6 +117,17 @@ pub fn affine_rows_per_warp(rows: usize) -> usize {
     }
 }
 
+/// Warps per block of the CUDA-core affine SwiGLU for `rows_per_warp` (from
+/// [`affine_rows_per_warp`]): 4 for the near one-row entries, whose 9 blocks an SM at 56
+/// registers hold a decode step's experts in one wave; 8 for the others.
+pub(crate) fn swiglu_warps_per_block(rows_per_warp: usize, far: bool) -> u32 {
+    if rows_per_warp == 2 && !far {
+        4
+    } else {
+        8
+    }
+}
+
 /// The CUDA-core affine kernel (qmatvec.cu) for `bits` and `rows` per warp (2 or 4, from
 /// [`affine_rows_per_warp`]), `swiglu` or plain: one entry point per form, each with the
 /// registers it needs; with 2 rows a warp, launches that read a `far` stack (experts over PCIe)
@@ -348,7 +359,8 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
         } => {
             let g32 = group as i32;
             let rpw = affine_rows_per_warp(m.n * slots);
-            let grid = (slots as u32, blocks(i, 8 * rpw / 2));
+            let wpb = swiglu_warps_per_block(rpw, sl.far.is_some());
+            let grid = (slots as u32, blocks(i, wpb as usize * rpw / 2));
             let name = affine_kernel(true, bits, rpw, sl.far.is_some());
             let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
@@ -361,8 +373,9 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
                 .arg(&g32);
             b.arg(&ids).arg(&xs).arg(&xd);
             b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
-            // SAFETY: as `matvec`'s affine case with 2I rows per expert.
-            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
+            // SAFETY: as `matvec`'s affine case with 2I rows per expert; the block size is the
+            // one the entry's launch bounds name (qmatvec.cu, QMV_SWIGLU_R2_THREADS).
+            unsafe { b.launch(cfg(grid, 32 * wpb, 0)) }.map_err(driver_err(name))?;
         }
     }
     Ok(())
