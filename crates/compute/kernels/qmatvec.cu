@@ -33,13 +33,6 @@
 // Most rows a warp computes together (each input value loaded then serves them all): the host
 // picks 4 for large matrices and 1 for small ones, where more warps beat fewer loads.
 #define QMV_ROWS 4
-// Rows of the fused expert down + combine per block (each warp computes them for its slot), and
-// its words per lane and row in flight: an expert down row is short (K = 512 on the 35B shape, 64
-// words at 4 bits, two per lane), so QMV_UNROLL's 4 would hold two dead words a row; with 2 the
-// kernel takes 51 registers instead of 64 and its 512 blocks fit one wave (35B 4-bit decode
-// +1.2% on an H200). 8 rows a block (one wave at half the warps) measured −4%.
-#define DOWN_ROWS 4
-#define DOWN_UNROLL 2
 
 // Code i of word p as an exact f32: 2^23 + q has q in its low mantissa bits, so OR-ing q into
 // 0x4B000000 and subtracting 2^23 converts it without the slower integer conversion. The shift,
@@ -55,7 +48,7 @@ __device__ __forceinline__ float code_f32(unsigned p, int i) {
 // Lane l reads words l, l + 32, … of each row (128 contiguous bytes per warp load); the V = 32/BITS
 // inputs of a word are loaded once (float4s) and used for every row. Group of word w is
 // (w·V) >> gshift. Returns the warp-summed dot products in every lane.
-template <int BITS, int R, bool SB_L1, int UNROLL = QMV_UNROLL>
+template <int BITS, int R, bool SB_L1>
 __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                 const bf16_t* __restrict__ B, const long long* rows, int nrows,
                                 const float* __restrict__ x, int K, int gshift, int lane,
@@ -77,17 +70,17 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int base = lane; base < nw; base += 32 * UNROLL) {
-        unsigned int p[UNROLL][R];
+    for (int base = lane; base < nw; base += 32 * QMV_UNROLL) {
+        unsigned int p[QMV_UNROLL][R];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
+        for (int u = 0; u < QMV_UNROLL; ++u)
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 int wi = base + 32 * u;
                 p[u][r] = (wi < nw && r < nrows) ? __ldcs(W + rows[r] * nw + wi) : 0u;
             }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
+        for (int u = 0; u < QMV_UNROLL; ++u) {
             int wi = base + 32 * u;
             if (wi >= nw) break;
             int k = wi * V, g = k >> gshift;
@@ -190,9 +183,9 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
                                                const int* __restrict__ ids, int N, int K, int G, int KS,
                                                const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,
                                                const bf16_t* __restrict__ Bf, int split) {
-    __shared__ float part[32][DOWN_ROWS];
+    __shared__ float part[32][4];
     const int k = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.y;
-    const int n0 = blockIdx.x * DOWN_ROWS, nrows = min(DOWN_ROWS, N - n0);
+    const int n0 = blockIdx.x * 4, nrows = min(4, N - n0);
     const int s = row * KS + k;
     long long e = ids[s];
     if (e >= split) {
@@ -201,12 +194,12 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
         B = Bf;
         e -= split;
     }
-    long long rows[DOWN_ROWS];
+    long long rows[4];
 #pragma unroll
-    for (int r = 0; r < DOWN_ROWS; ++r) rows[r] = e * N + n0 + min(r, nrows - 1);
-    float out[DOWN_ROWS];
-    dot_rows_affine<BITS, DOWN_ROWS, true, DOWN_UNROLL>(W, S, B, rows, nrows, h + (long long)s * K, K, __ffs(G) - 1, lane, out);
-    if (lane < DOWN_ROWS) part[k][lane] = out[lane];
+    for (int r = 0; r < 4; ++r) rows[r] = e * N + n0 + min(r, nrows - 1);
+    float out[4];
+    dot_rows_affine<BITS, 4, true>(W, S, B, rows, nrows, h + (long long)s * K, K, __ffs(G) - 1, lane, out);
+    if (lane < 4) part[k][lane] = out[lane];
     __syncthreads();
     if (threadIdx.x < nrows) {
         const int r = threadIdx.x;
