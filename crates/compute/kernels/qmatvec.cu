@@ -287,20 +287,20 @@ __device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restri
 
 #define QMV_ENTRIES(BITS, R, MINB, SFX) QMV_ENTRIES_SW(BITS, R, MINB, SFX, 256, MINB)
 // SWT, SWMINB: the SwiGLU entry's block size and resident blocks (launch bounds).
-#define QMV_ENTRIES_SW(BITS, R, MINB, SFX, SWT, SWMINB)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, MINB) matvec_affine##BITS##_r##R##SFX(                               \
-        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
-        const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, const int* __restrict__ ids,            \
-        long long x_stride, int x_div, const float* __restrict__ bias, const unsigned int* __restrict__ Wf,             \
-        const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf, int split) {                                     \
-        matvec_affine_entry<BITS, R>(W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split);           \
-    }                                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(SWT, SWMINB) matvec_swiglu_affine##BITS##_r##R##SFX(                        \
-        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
-        const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, const int* __restrict__ ids,            \
-        long long x_stride, int x_div, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,              \
-        const bf16_t* __restrict__ Bf, int split) {                                                                     \
-        swiglu_affine_entry<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);                 \
+#define QMV_ENTRIES_SW(BITS, R, MINB, SFX, SWT, SWMINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MINB) matvec_affine##BITS##_r##R##SFX(                  \
+        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,       \
+        const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, const int* __restrict__ ids, \
+        long long x_stride, int x_div, const float* __restrict__ bias, const unsigned int* __restrict__ Wf,   \
+        const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf, int split) {                            \
+        matvec_affine_entry<BITS, R>(W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split);  \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(SWT, SWMINB) matvec_swiglu_affine##BITS##_r##R##SFX(         \
+        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,       \
+        const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, const int* __restrict__ ids, \
+        long long x_stride, int x_div, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,    \
+        const bf16_t* __restrict__ Bf, int split) {                                                           \
+        swiglu_affine_entry<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);        \
     }
 
 QMV_ENTRIES_SW(2, 2, QMV_MIN_BLOCKS_R2, , QMV_SWIGLU_R2_THREADS, QMV_MIN_BLOCKS_SWIGLU_R2)

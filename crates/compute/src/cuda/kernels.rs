@@ -271,6 +271,24 @@ mod tests {
     }
 
     #[test]
+    fn limits_the_launchers_assume_are_the_kernels_own() {
+        use super::super::ops::{GDN_CONV_KMAX, GDN_DK_MAX, GDN_DV_MAX, GDN_ROW_GROUPS};
+        let gdn = super::FILES.iter().find(|f| f.0 == "gdn.cu").unwrap().1;
+        for (src, name, value) in [
+            (super::COMMON, "CONV_KMAX", GDN_CONV_KMAX as u32),
+            (gdn, "GDN_DK_MAX", GDN_DK_MAX as u32),
+            (gdn, "GDN_DV_MAX", GDN_DV_MAX as u32),
+            (gdn, "GDN_ROW_GROUPS", GDN_ROW_GROUPS),
+        ] {
+            let line = format!("#define {name} {value}\n");
+            assert!(
+                src.contains(&line),
+                "the kernels define {name} otherwise than {value}"
+            );
+        }
+    }
+
+    #[test]
     fn near_one_row_swiglu_takes_blocks_of_4_warps() {
         use super::super::ops::swiglu_warps_per_block;
         assert_eq!(swiglu_warps_per_block(2, false), 4);

@@ -465,7 +465,7 @@ pub const GDN_DK_MAX: usize = 128;
 /// Largest value head dim `gdn_step` supports (`GDN_DV_MAX` in gdn.cu).
 pub const GDN_DV_MAX: usize = 128;
 /// Row groups per head in `gdn_step` (`GDN_ROW_GROUPS` in gdn.cu).
-const GDN_ROW_GROUPS: u32 = 8;
+pub(crate) const GDN_ROW_GROUPS: u32 = 8;
 
 /// CTAs per value head of [`gdn_step`] and the state columns each takes (threads along x): with
 /// clusters (sm_90+), one CTA of 32 columns per 32 of the head's `dv`, a cluster per head, so a
