@@ -15,7 +15,8 @@
 //   16 KB of a 128 × 128 state fits beside the input projection's blocks, so it becomes resident
 //   and loads its state before its wait; one 1024-thread block per head could not: 35B 4-bit
 //   decode 518 → 523 tok/s on an H200, and more once the staged input projection leaves it room,
-//   mma_vec.cu); before, nc = 1 and cw = Dv rounded up to 32. State S_h of row b at state + (slots[b]·Hv + h)·Dk·Dv;
+//   mma_vec.cu); before, nc = 1 and cw = Dv rounded up to 32.
+//   State S_h of row b at state + (slots[b]·Hv + h)·Dk·Dv;
 //   kh = h / (Hv / Hk); q, k = l2norm(mixed q/k of kh) (eps 1e-6), q ·= 1/sqrt(Dk); v = mixed v of h;
 //   g = neg_a[h] · softplus(a[h] + dt_bias[h]); β = sigmoid(b[h]); state S_h: [Dk, Dv].
 //   Thread (j, r) keeps rows r·⌈Dk/R⌉… of column j of S_h in registers: S ← e^g S;

@@ -272,10 +272,18 @@ mod tests {
 
     #[test]
     fn limits_the_launchers_assume_are_the_kernels_own() {
-        use super::super::ops::{GDN_CONV_KMAX, GDN_DK_MAX, GDN_DV_MAX, GDN_ROW_GROUPS};
-        let gdn = super::FILES.iter().find(|f| f.0 == "gdn.cu").unwrap().1;
+        use super::super::ops::{
+            swiglu_warps_per_block, GDN_CONV_KMAX, GDN_DK_MAX, GDN_DV_MAX, GDN_ROW_GROUPS,
+        };
+        let file = |name: &str| super::FILES.iter().find(|f| f.0 == name).unwrap().1;
+        let (gdn, qmv) = (file("gdn.cu"), file("qmatvec.cu"));
         for (src, name, value) in [
             (super::COMMON, "CONV_KMAX", GDN_CONV_KMAX as u32),
+            (
+                qmv,
+                "QMV_SWIGLU_R2_THREADS",
+                32 * swiglu_warps_per_block(2, false),
+            ),
             (gdn, "GDN_DK_MAX", GDN_DK_MAX as u32),
             (gdn, "GDN_DV_MAX", GDN_DV_MAX as u32),
             (gdn, "GDN_ROW_GROUPS", GDN_ROW_GROUPS),
