@@ -117,6 +117,11 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 // before its wait must not come from any kernel of the same step: with every kernel triggering
 // at entry, several kernels ahead may be in that phase at once. Called in every kernel after
 // those loads (`pdl_entry`).
+// Inputs that an earlier kernel of the step wrote must not be `const __restrict__`: such
+// pointers load through the read-only path (ld.global.nc), whose data ptxas takes as constant for
+// the whole kernel and may load before griddepcontrol.wait, i.e. before the writer finished (it
+// did so with the expert down kernel's ids). `scripts/pdl-audit.sh` lists each kernel's loads
+// ahead of its wait.
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

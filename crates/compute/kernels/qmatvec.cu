@@ -27,12 +27,22 @@
 //   dot_rows_affine's order (the same for any rows per warp), the terms summed in k order.
 //   grid (ceil(N/4), B), block 32·KS: warp k computes the block's 4 rows for slot k, the block
 //   meets in shared memory and 4 threads add the sums. KS ≤ 32.
+// The routed ids, weights and inputs come from the kernels before: read through plain pointers,
+// not `const __restrict__` ones (common.cuh, pdl_entry).
 
 // Words per lane and row in flight before any is used.
 #define QMV_UNROLL 4
 // Most rows a warp computes together (each input value loaded then serves them all): the host
 // picks 4 for large matrices and 1 for small ones, where more warps beat fewer loads.
 #define QMV_ROWS 4
+// Rows of the fused expert down + combine per block (each warp computes them for its slot), and
+// its words per lane and row in flight: an expert down row is short (K = 512 on the 35B shape, 64
+// words at 4 bits, two per lane), so QMV_UNROLL's 4 would hold two dead words a row; with 2 the
+// kernel takes 51 registers instead of 64 and its 512 blocks fit one wave (35B 4-bit decode
+// 538.9 → 557.7 tok/s on an H200, three alternating pairs). 8 rows a block (one wave at half the
+// warps) measured −4%.
+#define DOWN_ROWS 4
+#define DOWN_UNROLL 2
 
 // Code i of word p as an exact f32: 2^23 + q has q in its low mantissa bits, so OR-ing q into
 // 0x4B000000 and subtracting 2^23 converts it without the slower integer conversion. The shift,
@@ -48,10 +58,10 @@ __device__ __forceinline__ float code_f32(unsigned p, int i) {
 // Lane l reads words l, l + 32, … of each row (128 contiguous bytes per warp load); the V = 32/BITS
 // inputs of a word are loaded once (float4s) and used for every row. Group of word w is
 // (w·V) >> gshift. Returns the warp-summed dot products in every lane.
-template <int BITS, int R, bool SB_L1>
+template <int BITS, int R, bool SB_L1, int UNROLL = QMV_UNROLL>
 __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                 const bf16_t* __restrict__ B, const long long* rows, int nrows,
-                                const float* __restrict__ x, int K, int gshift, int lane,
+                                const float* x, int K, int gshift, int lane,
                                 float out[R]) {
     const int V = 32 / BITS;
     const int nw = K / V;
@@ -70,17 +80,17 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int base = lane; base < nw; base += 32 * QMV_UNROLL) {
-        unsigned int p[QMV_UNROLL][R];
+    for (int base = lane; base < nw; base += 32 * UNROLL) {
+        unsigned int p[UNROLL][R];
 #pragma unroll
-        for (int u = 0; u < QMV_UNROLL; ++u)
+        for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 int wi = base + 32 * u;
                 p[u][r] = (wi < nw && r < nrows) ? __ldcs(W + rows[r] * nw + wi) : 0u;
             }
 #pragma unroll
-        for (int u = 0; u < QMV_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             int wi = base + 32 * u;
             if (wi >= nw) break;
             int k = wi * V, g = k >> gshift;
@@ -178,14 +188,14 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
 
 template <int BITS>
 __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                               const bf16_t* __restrict__ B, const float* __restrict__ h,
-                                               float* __restrict__ x, const float* __restrict__ w,
-                                               const int* __restrict__ ids, int N, int K, int G, int KS,
+                                               const bf16_t* __restrict__ B, const float* h,
+                                               float* __restrict__ x, const float* w,
+                                               const int* ids, int N, int K, int G, int KS,
                                                const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,
                                                const bf16_t* __restrict__ Bf, int split) {
-    __shared__ float part[32][4];
+    __shared__ float part[32][DOWN_ROWS];
     const int k = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.y;
-    const int n0 = blockIdx.x * 4, nrows = min(4, N - n0);
+    const int n0 = blockIdx.x * DOWN_ROWS, nrows = min(DOWN_ROWS, N - n0);
     const int s = row * KS + k;
     long long e = ids[s];
     if (e >= split) {
@@ -194,12 +204,12 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
         B = Bf;
         e -= split;
     }
-    long long rows[4];
+    long long rows[DOWN_ROWS];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) rows[r] = e * N + n0 + min(r, nrows - 1);
-    float out[4];
-    dot_rows_affine<BITS, 4, true>(W, S, B, rows, nrows, h + (long long)s * K, K, __ffs(G) - 1, lane, out);
-    if (lane < 4) part[k][lane] = out[lane];
+    for (int r = 0; r < DOWN_ROWS; ++r) rows[r] = e * N + n0 + min(r, nrows - 1);
+    float out[DOWN_ROWS];
+    dot_rows_affine<BITS, DOWN_ROWS, true, DOWN_UNROLL>(W, S, B, rows, nrows, h + (long long)s * K, K, __ffs(G) - 1, lane, out);
+    if (lane < DOWN_ROWS) part[k][lane] = out[lane];
     __syncthreads();
     if (threadIdx.x < nrows) {
         const int r = threadIdx.x;
@@ -213,7 +223,7 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
 #define QMV_DOWN_COMBINE(BITS)                                                                                          \
     extern "C" __global__ void __launch_bounds__(1024) moe_down_combine_affine##BITS(                                  \
         const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
-        const float* __restrict__ h, float* __restrict__ x, const float* __restrict__ w, const int* __restrict__ ids,    \
+        const float* h, float* __restrict__ x, const float* w, const int* ids,                                           \
         int N, int K, int G, int KS, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,                \
         const bf16_t* __restrict__ Bf, int split) {                                                                     \
         pdl_entry();                                                                                                    \
@@ -248,9 +258,9 @@ QMV_DOWN_COMBINE(8)
 
 template <int BITS, int R>
 __device__ __forceinline__ void matvec_affine_entry(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                                    const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                    const bf16_t* __restrict__ B, const float* x,
                                                     float* __restrict__ y, int N, int K, int G,
-                                                    const int* __restrict__ ids, long long x_stride, int x_div,
+                                                    const int* ids, long long x_stride, int x_div,
                                                     const float* __restrict__ bias, const unsigned int* __restrict__ Wf,
                                                     const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
                                                     int split) {
@@ -266,9 +276,9 @@ __device__ __forceinline__ void matvec_affine_entry(const unsigned int* __restri
 
 template <int BITS, int R>
 __device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                                    const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                    const bf16_t* __restrict__ B, const float* x,
                                                     float* __restrict__ h, int I, int K, int G,
-                                                    const int* __restrict__ ids, long long x_stride, int x_div,
+                                                    const int* ids, long long x_stride, int x_div,
                                                     const unsigned int* __restrict__ Wf,
                                                     const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
                                                     int split) {
@@ -290,14 +300,14 @@ __device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restri
 #define QMV_ENTRIES_SW(BITS, R, MINB, SFX, SWT, SWMINB)                                                       \
     extern "C" __global__ void __launch_bounds__(256, MINB) matvec_affine##BITS##_r##R##SFX(                  \
         const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,       \
-        const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, const int* __restrict__ ids, \
+        const float* x, float* __restrict__ y, int N, int K, int G, const int* ids,                           \
         long long x_stride, int x_div, const float* __restrict__ bias, const unsigned int* __restrict__ Wf,   \
         const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf, int split) {                            \
         matvec_affine_entry<BITS, R>(W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split);  \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(SWT, SWMINB) matvec_swiglu_affine##BITS##_r##R##SFX(         \
         const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,       \
-        const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, const int* __restrict__ ids, \
+        const float* x, float* __restrict__ h, int I, int K, int G, const int* ids,                           \
         long long x_stride, int x_div, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,    \
         const bf16_t* __restrict__ Bf, int split) {                                                           \
         swiglu_affine_entry<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);        \

@@ -287,6 +287,7 @@ mod tests {
             (gdn, "GDN_DK_MAX", GDN_DK_MAX as u32),
             (gdn, "GDN_DV_MAX", GDN_DV_MAX as u32),
             (gdn, "GDN_ROW_GROUPS", GDN_ROW_GROUPS),
+            (qmv, "DOWN_ROWS", super::super::moe::DOWN_ROWS as u32),
         ] {
             let line = format!("#define {name} {value}\n");
             assert!(

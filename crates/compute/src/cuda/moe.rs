@@ -6,6 +6,9 @@ use super::host::far_args;
 use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, NORM_THREADS};
 use super::{driver_err, CudaError, Gpu, Result};
 
+/// Output rows a block of the fused expert down + combine computes (`DOWN_ROWS` in qmatvec.cu).
+pub(crate) const DOWN_ROWS: usize = 4;
+
 /// Whether [`moe_down_combine`] takes expert down projections `m` with `per_row` slots a row:
 /// 2/4/8-bit affine weights (the CUDA-core kernels the host's twin matches) and at most 32 slots.
 pub fn down_combine_takes(m: &Matvec, per_row: usize) -> bool {
@@ -76,7 +79,7 @@ pub fn moe_down_combine(
     // bf16 (group | K, checked at upload), the far stack the ids ≥ split; h holds rows·per_row
     // rows of K floats (16-byte aligned: K is a multiple of the group, ≥ 32), x rows·N,
     // w and ids rows·per_row; per_row ≤ 32 warps a block (checked above).
-    let grid = (blocks(m.n, 4), rows as u32);
+    let grid = (blocks(m.n, DOWN_ROWS), rows as u32);
     unsafe { b.launch(cfg(grid, 32 * per_row as u32, 0)) }.map_err(driver_err(name))?;
     Ok(())
 }
