@@ -22,7 +22,7 @@
 // attn_combine: grid (Hq, B), block D (rounded up to 32): merges the S_L ≤ ATTN_MAX_SPLITS partials and
 //   multiplies by sigmoid(gate_h) → out [Hq·D].
 
-extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float* __restrict__ qn,
+extern "C" __global__ void attn_prep(const float* proj, const float* __restrict__ qn,
                                      const float* __restrict__ kn, const float* __restrict__ inv_freq,
                                      float* __restrict__ q_out, float* __restrict__ k_cache,
                                      float* __restrict__ v_cache, const int* __restrict__ pos_arr,
@@ -86,8 +86,8 @@ __device__ __forceinline__ int attn_splits(int L, int S) {
 // Positions a warp works on at once: their loads are all in flight before the math.
 #define ATTN_POS 4
 
-extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ k_cache,
-                                        const float* __restrict__ v_cache, const int* __restrict__ pos_arr,
+extern "C" __global__ void attn_partial(const float* q, const float* k_cache,
+                                        const float* v_cache, const int* __restrict__ pos_arr,
                                         float* __restrict__ part_o, float* __restrict__ part_ml,
                                         int Hq, int Hkv, int D, int S, float scale,
                                         const int* __restrict__ slots, long long T) {
@@ -185,8 +185,8 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 
 #define ATTN_MAX_SPLITS 256
 
-extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                        const float* __restrict__ proj, float* __restrict__ out,
+extern "C" __global__ void attn_combine(const float* part_o, const float* part_ml,
+                                        const float* proj, float* __restrict__ out,
                                         int D, int S, int Hq, long long P,
                                         const int* __restrict__ pos_arr, const int* __restrict__ slots) {
     int h = blockIdx.x, d = threadIdx.x;

@@ -120,8 +120,10 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 // Inputs that an earlier kernel of the step wrote must not be `const __restrict__`: such
 // pointers load through the read-only path (ld.global.nc), whose data ptxas takes as constant for
 // the whole kernel and may load before griddepcontrol.wait, i.e. before the writer finished (it
-// did so with the expert down kernel's ids). `scripts/pdl-audit.sh` lists each kernel's loads
-// ahead of its wait.
+// did so with the expert down kernel's ids). Read-only parameters are for weights and what the
+// host writes between steps: a unit test holds their names (cuda/kernels.rs,
+// read_only_kernel_parameters_are_weights_or_host_tables), and `scripts/pdl-audit.sh` lists
+// each kernel's loads ahead of its wait.
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

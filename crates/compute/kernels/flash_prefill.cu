@@ -43,8 +43,8 @@ __device__ __forceinline__ void fp_split(float x0, float x1, unsigned& hi, unsig
 }
 
 template <int DT>
-__device__ __forceinline__ void flash_prefill_t(const float* __restrict__ q, const float* __restrict__ kc,
-                                                const float* __restrict__ vc, const float* __restrict__ proj,
+__device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
+                                                const float* vc, const float* proj,
                                                 long long P, float* __restrict__ out, int T, int pos0, int Hq,
                                                 int Hkv, int D, float scale_log2) {
     constexpr int QS = DT / 2 + 4;
@@ -213,8 +213,8 @@ __device__ __forceinline__ void flash_prefill_t(const float* __restrict__ q, con
 
 #define FP_KERNEL(DT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) flash_prefill_##DT(                              \
-        const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,       \
-        const float* __restrict__ proj, long long P, float* __restrict__ out, int T, int pos0, int Hq, \
+        const float* q, const float* kc, const float* vc,                                              \
+        const float* proj, long long P, float* __restrict__ out, int T, int pos0, int Hq,              \
         int Hkv, int D, float scale_log2) { pdl_entry();                                                            \
         flash_prefill_t<DT>(q, kc, vc, proj, P, out, T, pos0, Hq, Hkv, D, scale_log2);                 \
     }

@@ -29,7 +29,7 @@
 #define GDN_ROW_GROUPS 8
 #define GDN_ROWS_MAX (GDN_DK_MAX / GDN_ROW_GROUPS)
 
-extern "C" __global__ void gdn_conv_step(const float* __restrict__ proj, float* __restrict__ state,
+extern "C" __global__ void gdn_conv_step(const float* proj, float* __restrict__ state,
                                          const float* __restrict__ w, float* __restrict__ mixed,
                                          int C, int K, const int* __restrict__ slots, long long P) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -83,7 +83,7 @@ __device__ __forceinline__ float cluster_sum(float mine, float* slot, int nc) {
     return mine;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* __restrict__ mixed, const float* __restrict__ proj,
+extern "C" __global__ void __launch_bounds__(1024) gdn_step(const float* mixed, const float* proj,
                                     float* __restrict__ state, const float* __restrict__ neg_a,
                                     const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
                                     float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float eps,

@@ -166,8 +166,8 @@ __device__ __forceinline__ void solve_diag_column(const float* As, float* Ts, bf
 #define GDN_PREP_SMEM (2 * GC * LDK * 2 + 4 * GC * 4 + 32 * 33 * 4)
 
 extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const float* __restrict__ g,
-    const float* __restrict__ beta, bf16_t* __restrict__ tinv, bf16_t* __restrict__ pmat,
+    const bf16_t* q, const bf16_t* k, const float* g,
+    const float* beta, bf16_t* __restrict__ tinv, bf16_t* __restrict__ pmat,
     float4* __restrict__ coef, float* __restrict__ decay, int T, int Hk, int Hv, int Dk, int norm_qk) {
     pdl_entry();
     bf16_t* Ks = (bf16_t*)gdn_smem;     // [64][LDK]
@@ -329,10 +329,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(
 #define GDN_STATE_SMEM(BV, NS) ((NS) * GDN_STAGE_BYTES(BV) + GDK * ((BV) + 8) * 2 + 3 * GC * ((BV) + 8) * 2)
 
 template <int BV, int NS>
-__device__ __forceinline__ void gdn_chunk_state(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
-                                                const bf16_t* __restrict__ v, const bf16_t* __restrict__ tinv,
-                                                const bf16_t* __restrict__ pmat, const float4* __restrict__ coef,
-                                                const float* __restrict__ decay, float* __restrict__ state,
+__device__ __forceinline__ void gdn_chunk_state(const bf16_t* q, const bf16_t* k,
+                                                const bf16_t* v, const bf16_t* tinv,
+                                                const bf16_t* pmat, const float4* coef,
+                                                const float* decay, float* __restrict__ state,
                                                 float* __restrict__ out, int T, int Hk, int Hv, int Dk, int Dv) {
     constexpr int LDV = BV + 8;
     constexpr int HB = BV / 2;   // columns of a half tile
@@ -580,18 +580,18 @@ __device__ __forceinline__ void gdn_chunk_state(const bf16_t* __restrict__ q, co
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS, 1) gdn_chunk_state32(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-    const bf16_t* __restrict__ tinv, const bf16_t* __restrict__ pmat, const float4* __restrict__ coef,
-    const float* __restrict__ decay, float* __restrict__ state, float* __restrict__ out, int T, int Hk, int Hv,
+    const bf16_t* q, const bf16_t* k, const bf16_t* v,
+    const bf16_t* tinv, const bf16_t* pmat, const float4* coef,
+    const float* decay, float* __restrict__ state, float* __restrict__ out, int T, int Hk, int Hv,
     int Dk, int Dv) {
     pdl_entry();
     gdn_chunk_state<32, 3>(q, k, v, tinv, pmat, coef, decay, state, out, T, Hk, Hv, Dk, Dv);
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_STATE_THREADS, 1) gdn_chunk_state64(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-    const bf16_t* __restrict__ tinv, const bf16_t* __restrict__ pmat, const float4* __restrict__ coef,
-    const float* __restrict__ decay, float* __restrict__ state, float* __restrict__ out, int T, int Hk, int Hv,
+    const bf16_t* q, const bf16_t* k, const bf16_t* v,
+    const bf16_t* tinv, const bf16_t* pmat, const float4* coef,
+    const float* decay, float* __restrict__ state, float* __restrict__ out, int T, int Hk, int Hv,
     int Dk, int Dv) {
     pdl_entry();
     gdn_chunk_state<64, 2>(q, k, v, tinv, pmat, coef, decay, state, out, T, Hk, Hv, Dk, Dv);

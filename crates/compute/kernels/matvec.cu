@@ -34,7 +34,7 @@ __device__ __forceinline__ float dot8(uint4 p, float4 xa, float4 xb, float acc) 
     return fmaf(bf16hi(p.w), xb.w, acc);
 }
 
-__device__ __forceinline__ float dot_row(const bf16_t* __restrict__ w, const float* __restrict__ x, int K, int lane) {
+__device__ __forceinline__ float dot_row(const bf16_t* __restrict__ w, const float* x, int K, int lane) {
     float acc = 0.f;
     if ((K & 7) == 0) {
         for (int base = lane * 8; base < K; base += 256 * MV_UNROLL) {
@@ -60,9 +60,9 @@ __device__ __forceinline__ float dot_row(const bf16_t* __restrict__ w, const flo
     return warp_sum(acc);
 }
 
-extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float* x,
                                        float* __restrict__ y, int N, int K,
-                                       const int* __restrict__ ids, long long x_stride, int x_div,
+                                       const int* ids, long long x_stride, int x_div,
                                        const float* __restrict__ bias, const bf16_t* __restrict__ Wf,
                                        int split) {
     if (!ids && blockIdx.x == 0) l2_prefetch_rows(W, blockIdx.y * 8LL, 8, N, K * 2LL, blockIdx.y);
@@ -83,9 +83,9 @@ extern "C" __global__ void matvec_bf16(const bf16_t* __restrict__ W, const float
     if (lane == 0) y[(long long)s * N + row] = acc;
 }
 
-extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void matvec_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
                                               float* __restrict__ h, int I, int K,
-                                              const int* __restrict__ ids, long long x_stride, int x_div,
+                                              const int* ids, long long x_stride, int x_div,
                                               const bf16_t* __restrict__ Wf, int split) {
     if (!ids && blockIdx.x == 0) {
         l2_prefetch_rows(W, blockIdx.y * 8LL, 8, I, K * 2LL, blockIdx.y);

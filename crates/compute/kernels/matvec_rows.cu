@@ -20,7 +20,7 @@
 // acc[r][v] = Σ_k W[rows[r], k] x_v[k] for the nv ≤ MV_VECS inputs x + v·xs (bf16 rows of K),
 // warp-summed.
 __device__ __forceinline__ void dot_rows_vecs(const bf16_t* __restrict__ W, const long long rows[MV_ROWS],
-                                              const float* __restrict__ x, long long xs, int nv, int K,
+                                              const float* x, long long xs, int nv, int K,
                                               int lane, float acc[MV_ROWS][MV_VECS]) {
 #pragma unroll
     for (int r = 0; r < MV_ROWS; ++r)
@@ -63,7 +63,7 @@ __device__ __forceinline__ void dot_rows_vecs(const bf16_t* __restrict__ W, cons
 template <int BITS>
 __device__ void dot_rows_vecs_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                      const bf16_t* __restrict__ B, const long long rows[MV_ROWS],
-                                     const float* __restrict__ x, long long xs, int nv, int K, int gshift,
+                                     const float* x, long long xs, int nv, int K, int gshift,
                                      int lane, float acc[MV_ROWS][MV_VECS]) {
     const int V = 32 / BITS;
     const unsigned int mask = (1u << BITS) - 1u;
@@ -129,7 +129,7 @@ __device__ __forceinline__ void warp_rows(int n0, int N, long long base, long lo
     else if (bits == 8) { const int BITS = 8; CALL; }     \
     else { const int BITS = 2; CALL; }
 
-extern "C" __global__ void matvec_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void matvec_rows_bf16(const bf16_t* __restrict__ W, const float* x,
                                             float* __restrict__ y, int N, int K, int Bn, long long xs,
                                             const float* __restrict__ bias) {
     pdl_entry();
@@ -149,7 +149,7 @@ extern "C" __global__ void matvec_rows_bf16(const bf16_t* __restrict__ W, const 
 }
 
 extern "C" __global__ void matvec_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                              const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                              const bf16_t* __restrict__ B, const float* x,
                                               float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                               long long xs, const float* __restrict__ bias) {
     pdl_entry();
@@ -178,7 +178,7 @@ __device__ __forceinline__ void swiglu_rows(int n0, int I, long long rows[MV_ROW
     }
 }
 
-extern "C" __global__ void swiglu_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void swiglu_rows_bf16(const bf16_t* __restrict__ W, const float* x,
                                             float* __restrict__ h, int I, int K, int Bn, long long xs) {
     pdl_entry();
     const int NPW = MV_ROWS / 2;
@@ -198,7 +198,7 @@ extern "C" __global__ void swiglu_rows_bf16(const bf16_t* __restrict__ W, const 
 }
 
 extern "C" __global__ void swiglu_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                              const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                              const bf16_t* __restrict__ B, const float* x,
                                               float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                               long long xs) {
     pdl_entry();
@@ -292,8 +292,8 @@ __device__ void dot_row_gather_affine(const unsigned int* __restrict__ W, const 
 
 // The tile of this block: expert, pairs (−1 past the count) and input row addresses; false when
 // the block has no tile.
-__device__ __forceinline__ bool grouped_tile(const int* __restrict__ tiles, const int* __restrict__ n_tiles,
-                                             const int* __restrict__ order, const float* x, long long xs,
+__device__ __forceinline__ bool grouped_tile(const int* tiles, const int* n_tiles,
+                                             const int* order, const float* x, long long xs,
                                              int x_div, int& e, int& nv, int pair[MV_VECS],
                                              const float* xr[MV_VECS]) {
     int ti = blockIdx.x;
@@ -309,9 +309,9 @@ __device__ __forceinline__ bool grouped_tile(const int* __restrict__ tiles, cons
     return true;
 }
 
-extern "C" __global__ void grouped_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                             float* __restrict__ y, int N, int K, const int* __restrict__ tiles,
-                                             const int* __restrict__ n_tiles, const int* __restrict__ order,
+extern "C" __global__ void grouped_rows_bf16(const bf16_t* __restrict__ W, const float* x,
+                                             float* __restrict__ y, int N, int K, const int* tiles,
+                                             const int* n_tiles, const int* order,
                                              long long xs, int x_div) {
     pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -325,9 +325,9 @@ extern "C" __global__ void grouped_rows_bf16(const bf16_t* __restrict__ W, const
         if (lane == v && v < nv) y[(long long)pair[v] * N + n] = acc[v];
 }
 
-extern "C" __global__ void grouped_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                               float* __restrict__ h, int I, int K, const int* __restrict__ tiles,
-                                               const int* __restrict__ n_tiles, const int* __restrict__ order,
+extern "C" __global__ void grouped_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
+                                               float* __restrict__ h, int I, int K, const int* tiles,
+                                               const int* n_tiles, const int* order,
                                                long long xs, int x_div) {
     pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -344,10 +344,10 @@ extern "C" __global__ void grouped_swiglu_bf16(const bf16_t* __restrict__ W, con
 }
 
 extern "C" __global__ void grouped_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                               const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                               const bf16_t* __restrict__ B, const float* x,
                                                float* __restrict__ y, int N, int K, int G, int bits,
-                                               const int* __restrict__ tiles, const int* __restrict__ n_tiles,
-                                               const int* __restrict__ order, long long xs, int x_div) {
+                                               const int* tiles, const int* n_tiles,
+                                               const int* order, long long xs, int x_div) {
     pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     int e, nv, pair[MV_VECS];
@@ -362,10 +362,10 @@ extern "C" __global__ void grouped_rows_affine(const unsigned int* __restrict__ 
 }
 
 extern "C" __global__ void grouped_swiglu_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                                 const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                 const bf16_t* __restrict__ B, const float* x,
                                                  float* __restrict__ h, int I, int K, int G, int bits,
-                                                 const int* __restrict__ tiles, const int* __restrict__ n_tiles,
-                                                 const int* __restrict__ order, long long xs, int x_div) {
+                                                 const int* tiles, const int* n_tiles,
+                                                 const int* order, long long xs, int x_div) {
     pdl_entry();
     int n = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     int e, nv, pair[MV_VECS];

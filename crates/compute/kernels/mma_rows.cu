@@ -139,7 +139,7 @@ __device__ __forceinline__ void flush_tile(const float sc[SETS][2], const float 
 // Input row b of the warp's 32 is at x + b·xs.
 template <int BITS, int SETS>
 __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                              const bf16_t* __restrict__ Bs, const float* __restrict__ x, long long xs,
+                              const bf16_t* __restrict__ Bs, const float* x, long long xs,
                               int nb, int N, int K, int G, long long set_off, int n0,
                               float acc[SETS][MMA_TILES][4]) {
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
@@ -253,7 +253,7 @@ __device__ void mma_split_t(const void* W, const bf16_t* S, const bf16_t* Bs, co
     store_frags<SETS>(acc, y, N, n0, Bn - b0, nullptr, b0, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                 float* __restrict__ y, int N, int K, int Bn, long long xs,
                                                                 const float* __restrict__ bias) {
     pdl_entry();
@@ -261,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                  const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                  const bf16_t* __restrict__ B, const float* x,
                                                                   float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                                                   long long xs, const float* __restrict__ bias) {
     pdl_entry();
@@ -269,14 +269,14 @@ extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned
     else mma_split_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) mma_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                   float* __restrict__ h, int I, int K, int Bn, long long xs) {
     pdl_entry();
     mma_split_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                    const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                    const bf16_t* __restrict__ B, const float* x,
                                                                     float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                                                     long long xs) {
     pdl_entry();
@@ -292,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsign
 // rows[b]·xs), staged per chunk in shared memory by all 256 threads. acc as mma_rows_core.
 template <int BITS, int SETS>
 __device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                              const bf16_t* __restrict__ Bs, const float* __restrict__ x, long long xs,
+                              const bf16_t* __restrict__ Bs, const float* x, long long xs,
                               const int* rows, int nb, int N, int K, int G, long long set_off,
                               long long base, int r, float acc[SETS][MMA_TILES][4]) {
     __shared__ __align__(16) bf16_t xh[32 * XS_PAD], xl[32 * XS_PAD];
@@ -355,7 +355,7 @@ __device__ void mma_gemm_t(const void* W, const bf16_t* S, const bf16_t* Bs, con
     store_frags<SETS>(acc, y, N, r, Bn - b0, nullptr, b0, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                      float* __restrict__ y, int N, int K, int Bn, long long xs,
                                                                      const float* __restrict__ bias) {
     pdl_entry();
@@ -363,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_bf16(const bf16_
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                       const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                       const bf16_t* __restrict__ B, const float* x,
                                                                        float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                                                        long long xs, const float* __restrict__ bias) {
     pdl_entry();
@@ -371,14 +371,14 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine(const uns
     else mma_gemm_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_bf16(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                        float* __restrict__ h, int I, int K, int Bn, long long xs) {
     pdl_entry();
     mma_gemm_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                         const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                         const bf16_t* __restrict__ B, const float* x,
                                                                          float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                                                          long long xs) {
     pdl_entry();
@@ -387,8 +387,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const u
 }
 
 // The grouped form's tile: its expert, pairs and input rows (pair / x_div); false past n_tiles.
-__device__ __forceinline__ bool mma_tile(const int* __restrict__ tiles, const int* __restrict__ n_tiles,
-                                         const int* __restrict__ order, int x_div, int& e, int& nb,
+__device__ __forceinline__ bool mma_tile(const int* tiles, const int* n_tiles,
+                                         const int* order, int x_div, int& e, int& nb,
                                          int pair[MMA_TILES * 8], int row[MMA_TILES * 8]) {
     int ti = blockIdx.x;
     if (ti >= n_tiles[0]) return false;
@@ -430,16 +430,16 @@ __device__ void mma_grouped_t(const void* W, const bf16_t* S, const bf16_t* Bs, 
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_bf16(
-    const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int N, int K,
-    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    const bf16_t* __restrict__ W, const float* x, float* __restrict__ y, int N, int K,
+    const int* tiles, const int* n_tiles, const int* order,
     long long xs, int x_div) {
     pdl_entry();
     mma_grouped_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, tiles, n_tiles, order, xs, x_div);
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_bf16(
-    const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ h, int I, int K,
-    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    const bf16_t* __restrict__ W, const float* x, float* __restrict__ h, int I, int K,
+    const int* tiles, const int* n_tiles, const int* order,
     long long xs, int x_div) {
     pdl_entry();
     mma_grouped_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div);
@@ -447,8 +447,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_bf16(
 
 extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine(
     const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,
-    const float* __restrict__ x, float* __restrict__ y, int N, int K, int G, int bits,
-    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    const float* x, float* __restrict__ y, int N, int K, int G, int bits,
+    const int* tiles, const int* n_tiles, const int* order,
     long long xs, int x_div) {
     pdl_entry();
     if (bits == 8) mma_grouped_t<8, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
@@ -457,8 +457,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine(
 
 extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
     const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,
-    const float* __restrict__ x, float* __restrict__ h, int I, int K, int G, int bits,
-    const int* __restrict__ tiles, const int* __restrict__ n_tiles, const int* __restrict__ order,
+    const float* x, float* __restrict__ h, int I, int K, int G, int bits,
+    const int* tiles, const int* n_tiles, const int* order,
     long long xs, int x_div) {
     pdl_entry();
     if (bits == 8) mma_grouped_t<8, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);

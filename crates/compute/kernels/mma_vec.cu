@@ -203,7 +203,7 @@ __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, con
 
 template <int P, int T, int MODE>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                          const bf16_t* __restrict__ Bs, const float* __restrict__ x, float* __restrict__ y,
+                          const bf16_t* __restrict__ Bs, const float* x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, const VecIo& io, int nbuf,
                           float (*red)[64]) {
     constexpr bool SM = MODE != VEC_GLOBAL;
@@ -474,7 +474,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 
 // tiles: row tiles of 16 per block (1 to 4).
 extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                  const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                  const bf16_t* __restrict__ B, const float* x,
                                                                   float* __restrict__ y, int N, int K, int G, int tiles,
                                                                   const float* __restrict__ bias, const VecIo io) {
     long long n0 = (long long)blockIdx.x * 16 * tiles;
@@ -496,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsig
 // state before its wait. At the 128 that two blocks allow nothing else fits: 35B 4-bit decode on
 // an H200 535 → 550 tok/s (at 104 registers 532, at 85 with spills 489).
 extern "C" __global__ void __maxnreg__(96) mma_vec_affine4_staged(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                         const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                         const bf16_t* __restrict__ B, const float* x,
                                                                          float* __restrict__ y, int N, int K, int G, int tiles,
                                                                          const float* __restrict__ bias, const VecIo io) {
     __shared__ float red[8][64];
@@ -512,7 +512,7 @@ extern "C" __global__ void __maxnreg__(96) mma_vec_affine4_staged(const unsigned
 // tiles, each refilled by bulk copies as soon as the block is past it (no conv epilogue). The
 // input is staged once per block.
 extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4_ring(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                       const bf16_t* __restrict__ B, const float* __restrict__ x,
+                                                                       const bf16_t* __restrict__ B, const float* x,
                                                                        float* __restrict__ y, int N, int K, int G,
                                                                        const float* __restrict__ bias, const VecIo io, int nbuf) {
     __shared__ float red[8][64];

@@ -26,7 +26,7 @@
 //   the same order with the same block size). Each thread loads the K terms of two elements and
 //   their weights COMBINE_LOADS at a time before summing them in order. grid B, block 1024.
 
-extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __restrict__ logits, int E, int K, int renorm,
+extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
                                        float* __restrict__ w, float* __restrict__ sg, long long L,
                                        const int* __restrict__ loc, int far_from,
@@ -129,8 +129,8 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __rest
     }
 }
 
-extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
-                                       const float* __restrict__ ys, const float* __restrict__ sg,
+extern "C" __global__ void moe_combine(const float* y, const float* w,
+                                       const float* ys, const float* sg,
                                        float* __restrict__ delta, int K, int H, int accumulate) {
     pdl_entry();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -153,8 +153,8 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 // one in one batch (10 + 1 take two); more would spill at 1024 threads' 64 registers.
 #define COMBINE_LOADS 9
 
-extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float* __restrict__ y, const float* __restrict__ w,
-                                            const float* __restrict__ ys, const float* __restrict__ sg,
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float* y, const float* w,
+                                            const float* ys, const float* sg,
                                             float* __restrict__ x, const float* __restrict__ scale,
                                             float* __restrict__ out, int K, int H, float eps) {
     // The norm scale is a weight: asked of L1 before the wait.
@@ -221,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm(const float*
 //   to box_flags[0] after a system-wide fence, so a host that sees the new number sees the data.
 //   state: device [counter, blocks arrived]; box_flags: host [published, answered, failed].
 //   grid B, block 256.
-extern "C" __global__ void host_experts_publish(const float* __restrict__ x, const int* __restrict__ ids,
+extern "C" __global__ void host_experts_publish(const float* x, const int* ids,
                                                 int KS, int H, float* box_x, int* box_ids,
                                                 unsigned* state, volatile unsigned* box_flags) {
     pdl_entry();
@@ -270,8 +270,8 @@ __device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
 //   inputs. After HOST_WAIT_NS without an answer, or at once when box_flags[2] is set (by an
 //   earlier wait that gave up, or by the host when it failed), it sets box_flags[2] = 1 and
 //   leaves y as it is: the host reports the step as failed. grid B·KS, block 256.
-extern "C" __global__ void host_experts_wait(const int* __restrict__ ids, const float* box_y, float* __restrict__ y,
-                                             int H, const unsigned* __restrict__ state, volatile unsigned* box_flags) {
+extern "C" __global__ void host_experts_wait(const int* ids, const float* box_y, float* __restrict__ y,
+                                             int H, const unsigned* state, volatile unsigned* box_flags) {
     pdl_entry();
     __shared__ int ok;
     const int s = blockIdx.x;

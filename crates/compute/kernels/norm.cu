@@ -4,7 +4,7 @@
 //   (scale is 1 + w for the zero-centred norms, prepared on upload).
 //   x, delta, out: [R, H] f32; scale: [H]. grid R, block 1024 (moe_combine_norm sums in the
 //   same order, for equal values).
-extern "C" __global__ void add_rmsnorm(float* __restrict__ x, const float* __restrict__ delta,
+extern "C" __global__ void add_rmsnorm(float* __restrict__ x, const float* delta,
                                        const float* __restrict__ scale, float* __restrict__ out,
                                        int H, float eps) {
     for (int i = threadIdx.x; i < H; i += blockDim.x) l1_prefetch(scale + i);

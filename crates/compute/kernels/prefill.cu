@@ -29,8 +29,8 @@
 //   `tile` pairs of one expert as int3 (expert, first index into order, count), their number in
 //   n_tiles[0]. One block of 1024 threads; E ≤ MG_EMAX.
 
-extern "C" __global__ void gdn_conv_rows(const float* __restrict__ proj, long long P,
-                                         const float* __restrict__ state, const float* __restrict__ w,
+extern "C" __global__ void gdn_conv_rows(const float* proj, long long P,
+                                         const float* state, const float* __restrict__ w,
                                          float* __restrict__ mixed, int C, int K) {
     pdl_entry();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -46,7 +46,7 @@ extern "C" __global__ void gdn_conv_rows(const float* __restrict__ proj, long lo
     mixed[(long long)t * C + c] = silu_f(acc);
 }
 
-extern "C" __global__ void gdn_conv_state(const float* __restrict__ proj, long long P, float* __restrict__ state,
+extern "C" __global__ void gdn_conv_state(const float* proj, long long P, float* __restrict__ state,
                                           int C, int K, int T) {
     pdl_entry();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -64,7 +64,7 @@ __device__ __forceinline__ bf16_t to_bf16(float v) {
     return (bf16_t)(b >> 16);
 }
 
-extern "C" __global__ void gdn_pack(const float* __restrict__ mixed, const float* __restrict__ proj, long long P,
+extern "C" __global__ void gdn_pack(const float* mixed, const float* proj, long long P,
                                     const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
                                     bf16_t* __restrict__ q, bf16_t* __restrict__ k, bf16_t* __restrict__ v,
                                     float* __restrict__ g, float* __restrict__ beta, int Hk, int Hv, int Dk, int Dv) {
@@ -86,7 +86,7 @@ extern "C" __global__ void gdn_pack(const float* __restrict__ mixed, const float
     }
 }
 
-extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const float* __restrict__ proj,
+extern "C" __global__ void gated_rmsnorm_rows(const float* o, const float* proj,
                                               long long P, int z_off, const float* __restrict__ w,
                                               float* __restrict__ out, int Hv, int Dv, float eps) {
     pdl_entry();
@@ -105,7 +105,7 @@ extern "C" __global__ void gated_rmsnorm_rows(const float* __restrict__ o, const
 #define GR_RMAX (GR_DK / GR_ROWS)
 
 extern "C" __global__ void __launch_bounds__(256) gdn_rec_rows(
-    const float* __restrict__ mixed, const float* __restrict__ proj, long long P, float* __restrict__ state,
+    const float* mixed, const float* proj, long long P, float* __restrict__ state,
     const float* __restrict__ neg_a, const float* __restrict__ dt_bias, float* __restrict__ out, int T, int Hk,
     int Hv, int Dk, int Dv) {
     pdl_entry();
@@ -187,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_rec_rows(
 
 #define MG_EMAX 1040
 
-extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* __restrict__ ids, int n, int E,
+extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* ids, int n, int E,
                                                              int* __restrict__ order, int* __restrict__ tiles,
                                                              int* __restrict__ n_tiles, int tile) {
     pdl_entry();

@@ -46,7 +46,7 @@ extern "C" __global__ void embed_affine(const unsigned int* __restrict__ words, 
 
 // f(i, v) for every logit i of logits[0..V] this thread owns, in increasing i.
 template <typename F>
-__device__ __forceinline__ void scan_logits(const float* __restrict__ logits, int V, F f) {
+__device__ __forceinline__ void scan_logits(const float* logits, int V, F f) {
     if ((V & 3) == 0) {
         const float4* l4 = reinterpret_cast<const float4*>(logits);
         const int n4 = V >> 2, step = blockDim.x;
@@ -74,7 +74,7 @@ __device__ __forceinline__ void scan_logits(const float* __restrict__ logits, in
 }
 
 // Σ over kept tokens (z ≥ t) of e^z, or their count when `count`.
-__device__ float kept_sum(const float* __restrict__ logits, int V, float m, float inv_t, float t, bool count) {
+__device__ float kept_sum(const float* logits, int V, float m, float inv_t, float t, bool count) {
     float acc = 0.f;
     scan_logits(logits, V, [&](int, float l) {
         float z = (l - m) * inv_t;
@@ -91,7 +91,7 @@ __device__ __forceinline__ float uniform_u01(unsigned long long seed, unsigned l
     return (float)(z >> 40) * (1.0f / 16777216.0f);
 }
 
-extern "C" __global__ void sample_advance(const float* __restrict__ logits, int V, unsigned int* __restrict__ params,
+extern "C" __global__ void sample_advance(const float* logits, int V, unsigned int* __restrict__ params,
                                           int* __restrict__ tok, int* __restrict__ pos,
                                           const int* __restrict__ slots) {
     pdl_entry();

@@ -356,6 +356,47 @@ mod tests {
         }
     }
 
+    /// Read-only `const T* __restrict__` parameters take the non-coherent path, whose loads
+    /// ptxas may move ahead of griddepcontrol.wait (common.cuh, pdl_entry): only data no kernel
+    /// of a step writes may come through them. Every such parameter must be one of these names:
+    /// weights (matrix words, scales, biases, norm and conv weights, the decay parameters, the
+    /// embedding table, RoPE frequencies) and what the host writes between steps (slots,
+    /// positions, tokens, expert locations, the host split table). A new one is either added here
+    /// with a reason or made a plain pointer.
+    #[test]
+    fn read_only_kernel_parameters_are_weights_or_host_tables() {
+        #[rustfmt::skip]
+        const ALLOWED: &[&str] = &[
+            "W", "S", "B", "Bs", "Wf", "Sf", "Bf", "bias", "w", "scale", "qn", "kn", "norm_w",
+            "neg_a", "dt_bias", "table", "words", "sc", "bi", "row", "inv_freq",
+            "slots", "pos_arr", "tok", "loc", "host_take",
+        ];
+        let mut found = Vec::new();
+        for (file, src, _) in super::FILES
+            .iter()
+            .chain([&("common.cuh", super::COMMON, &[][..])])
+        {
+            for (at, _) in src.match_indices("__restrict__") {
+                let decl_start = src[..at].rfind([',', '(']).map_or(0, |p| p + 1);
+                if !src[decl_start..at].trim_start().starts_with("const") {
+                    continue;
+                }
+                let name: String = src[at + "__restrict__".len()..]
+                    .trim_start()
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                if !ALLOWED.contains(&name.as_str()) {
+                    found.push(format!("{file}: {name}"));
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "read-only parameters that may be activations: {found:?}"
+        );
+    }
+
     #[test]
     fn cache_key_changes_with_any_part() {
         let a = super::fnv1a(&[b"src", b"compute_90"]);
