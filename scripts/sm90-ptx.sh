@@ -12,8 +12,13 @@ site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 ptxas=${PTXAS:-$site/triton/backends/nvidia/bin/ptxas}
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
-LD_LIBRARY_PATH="$site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" XDG_CACHE_HOME="$cache" \
-  cargo test --release -p deltamoe-compute --test cuda_parity kernels_compile -- --ignored --quiet >/dev/null 2>&1
+# The build's and the test's output only when they fail (a kernel NVRTC rejects says why there).
+if ! LD_LIBRARY_PATH="$site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" XDG_CACHE_HOME="$cache" \
+  cargo test --release -p deltamoe-compute --test cuda_parity kernels_compile -- --ignored --quiet \
+  >"$cache/log" 2>&1; then
+  cat "$cache/log" >&2
+  exit 1
+fi
 mkdir -p "$out"
 for f in "$cache"/deltamoe/kernels/*.ptx; do
   grep -q '^\.target sm_90' "$f" || continue
