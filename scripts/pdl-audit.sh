@@ -2,8 +2,10 @@
 # The global loads each kernel issues before its griddepcontrol.wait (SASS ACQBULK), for sm_90:
 # what a kernel reads there must not come from a kernel of the same step (common.cuh,
 # pdl_entry). Weights, what the host writes between steps (slots, positions, the host split
-# table) and a kernel's own recurrent state are expected; an activation or a routed id is a race. The kernels' PTX from scripts/sm90-ptx.sh; ptxas and
-# cuobjdump from the Triton wheel (PTXAS, CUOBJDUMP to choose others).
+# table), a kernel's own recurrent state and the attention cache rows of earlier steps
+# (attn_partial's LDGSTS) are expected; an activation or a routed id is a race. The kernels'
+# PTX from scripts/sm90-ptx.sh; ptxas and cuobjdump from the Triton wheel (PTXAS, CUOBJDUMP to
+# choose others).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])')

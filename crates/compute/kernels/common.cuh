@@ -131,6 +131,25 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16-byte asynchronous copy global → shared (sm_80 on); zero fill when !valid (src is then not
+// read). Copies complete in commit groups: wait_group<N> waits until at most N of the thread's
+// latest groups are still in flight.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Ask L1 for the line holding *p (a hint): a load of it that comes later then waits less.
 __device__ __forceinline__ void l1_prefetch(const void* p) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p));

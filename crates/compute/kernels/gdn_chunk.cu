@@ -47,31 +47,15 @@
 
 extern __shared__ __align__(16) unsigned char gdn_smem[];
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-// 16-byte asynchronous copy global → shared; zero fill when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(smem_u32(p)));
 }
 __device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(smem_u32(p)));
 }
 
 __device__ __forceinline__ bf16_t f32_to_bf16_rn(float x) {
@@ -103,7 +87,7 @@ __device__ __forceinline__ void frag_b_kn_x2(unsigned (&b)[2], const bf16_t* s, 
     int l = threadIdx.x & 31;
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(b[0]), "=r"(b[1])
-                 : "r"(smem_addr(s + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0)));
+                 : "r"(smem_u32(s + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0)));
 }
 // As frag_b_kn with B(k, n) stored at s[n·ld + k].
 __device__ __forceinline__ void frag_b_nk(unsigned (&b)[4], const bf16_t* s, int ld, int k0, int n0) {

@@ -84,10 +84,6 @@ __device__ __forceinline__ int vec_stage_bytes(int K, int ng) {
     return (K * 4 + ng * 8 + 15) & ~15;
 }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
 // The bulk copies and their barrier exist from sm_90 on; before, these helpers are empty and the
 // host never launches the staged entry (cuda/vec.rs).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -276,7 +276,8 @@ mod tests {
             swiglu_warps_per_block, GDN_CONV_KMAX, GDN_DK_MAX, GDN_DV_MAX, GDN_ROW_GROUPS,
         };
         let file = |name: &str| super::FILES.iter().find(|f| f.0 == name).unwrap().1;
-        let (gdn, qmv) = (file("gdn.cu"), file("qmatvec.cu"));
+        let (gdn, qmv, attn) = (file("gdn.cu"), file("qmatvec.cu"), file("attention.cu"));
+        use super::super::attention as at;
         for (src, name, value) in [
             (super::COMMON, "CONV_KMAX", GDN_CONV_KMAX as u32),
             (
@@ -288,6 +289,11 @@ mod tests {
             (gdn, "GDN_DV_MAX", GDN_DV_MAX as u32),
             (gdn, "GDN_ROW_GROUPS", GDN_ROW_GROUPS),
             (qmv, "DOWN_ROWS", super::super::moe::DOWN_ROWS as u32),
+            (attn, "ATTN_DMAX", at::ATTN_DMAX as u32),
+            (attn, "ATTN_MAX_SPLITS", at::ATTN_MAX_SPLITS as u32),
+            (attn, "ATTN_GQA", at::ATTN_GQA as u32),
+            (attn, "ATTN_POS", at::ATTN_POS as u32),
+            (attn, "ATTN_STAGES", at::ATTN_STAGES as u32),
         ] {
             let line = format!("#define {name} {value}\n");
             assert!(
@@ -337,6 +343,7 @@ mod tests {
     fn every_kernel_the_launchers_use_is_registered() {
         let launchers = [
             include_str!("ops.rs"),
+            include_str!("attention.rs"),
             include_str!("gdn_chunk.rs"),
             include_str!("prefill.rs"),
         ];

@@ -6,6 +6,7 @@
 //! files in `crates/compute/kernels/`, compiled by NVRTC for the device's compute capability and
 //! cached on disk (see [`kernels`]). Launch wrappers are in [`ops`].
 
+pub mod attention;
 pub mod gdn_chunk;
 pub mod host;
 pub mod kernels;
