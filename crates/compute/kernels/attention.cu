@@ -109,6 +109,13 @@ __device__ __forceinline__ void attn_unpack(float4 a, float4 b, float out[8]) {
     out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 
+// Lane l's dims of the head row at r, read from global memory (zeros where !ok0 / !ok1).
+__device__ __forceinline__ void attn_load_row(const float* r, int lane, bool ok0, bool ok1, float out[8]) {
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    attn_unpack(ok0 ? *reinterpret_cast<const float4*>(r + 4 * lane) : z,
+                ok1 ? *reinterpret_cast<const float4*>(r + 128 + 4 * lane) : z, out);
+}
+
 // The ATTN_GQA lanes' partial dots v[j] (one per head) summed over the warp: lane l ends with
 // head (l >> 2)'s sum. Each halving step keeps half the heads and adds the partner's half
 // (xor 16, 8, 4: lanes with the bit set keep the upper half), then the four lanes of a head
@@ -184,10 +191,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_partial(const float* q
 #pragma unroll
     for (int j = 0; j < ATTN_GQA; ++j) {
         const bool hj = j < nh;
-        const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float* qj = q + (long long)j * D;
-        attn_unpack(hj && ok0 ? *reinterpret_cast<const float4*>(qj + 4 * lane) : z,
-                    hj && ok1 ? *reinterpret_cast<const float4*>(qj + 128 + 4 * lane) : z, qr[j]);
+        attn_load_row(q + (long long)j * D, lane, hj && ok0, hj && ok1, qr[j]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
     }
@@ -203,13 +207,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_partial(const float* q
 #pragma unroll
         for (int u = 0; u < ATTN_POS; ++u) {
             if (p0 + u == last) {
-                const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-                const float* kr = k_cache + (long long)last * row;
-                const float* vr = v_cache + (long long)last * row;
-                attn_unpack(ok0 ? *reinterpret_cast<const float4*>(kr + 4 * lane) : z,
-                            ok1 ? *reinterpret_cast<const float4*>(kr + 128 + 4 * lane) : z, kv[u]);
-                attn_unpack(ok0 ? *reinterpret_cast<const float4*>(vr + 4 * lane) : z,
-                            ok1 ? *reinterpret_cast<const float4*>(vr + 128 + 4 * lane) : z, vv[u]);
+                attn_load_row(k_cache + (long long)last * row, lane, ok0, ok1, kv[u]);
+                attn_load_row(v_cache + (long long)last * row, lane, ok0, ok1, vv[u]);
             } else {
                 attn_unpack(st[(4 * u) * 32 + lane], st[(4 * u + 1) * 32 + lane], kv[u]);
                 attn_unpack(st[(4 * u + 2) * 32 + lane], st[(4 * u + 3) * 32 + lane], vv[u]);

@@ -5,7 +5,6 @@
 
 use cudarc::driver::LaunchConfig;
 
-pub(super) use super::attention::attn_prep_at;
 pub use super::attention::{attn_decode, attn_prep, AttnDims, ATTN_DMAX, ATTN_MAX_SPLITS};
 use super::host::far_args;
 pub use super::host::Far;

@@ -176,7 +176,7 @@ pub fn attn_prep_rows(
     ctx: usize,
 ) -> Result<()> {
     let bufs = [proj, qn, kn, inv_freq, q, k_cache, v_cache, pos];
-    super::ops::attn_prep_at(g, bufs, proj_stride, a, eps, bt, ctx, true)
+    super::attention::attn_prep_at(g, bufs, proj_stride, a, eps, bt, ctx, true)
 }
 
 /// Positions per K/V tile of the flash kernels (`FP_BN` in flash_prefill.cu).
