@@ -54,8 +54,10 @@
 // blockIdx.x + gridDim.x, … (VEC_RING_TILES row tiles each) from `nbuf` staged tiles laid out as
 // above one after another, then their nbuf barriers. The block's first nbuf tiles are copied
 // before its wait; a buffer is refilled with the tile nbuf steps on once every warp is past it,
-// so later tiles arrive under the products of earlier ones. On the 35B lm_head (248,320 × 2048,
-// an H200) 119 µs where the streamed form took 135.
+// so later tiles arrive under the products of earlier ones. The tiles' partial sums alternate
+// between two sets in shared memory and every warp adds up 2·T rows of them, so a tile takes one
+// block barrier. On the 35B lm_head (248,320 × 2048, an H200) 116 µs where the streamed form
+// took 135 (119.8 with a second barrier a tile).
 
 struct VecIo {
     const float* norm;
@@ -414,11 +416,14 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 }
             }
         }
+        // The ring alternates two sets of partial sums, so warps start the next tile while the
+        // first threads still add up this one's (one barrier a tile).
+        float(*rd)[64] = MODE == VEC_RING ? red + (it & 1) * 8 : red;
         if (t == 0) {
 #pragma unroll
             for (int i = 0; i < T; ++i) {
-                red[v][16 * i + gid] = acc0[i];
-                red[v][16 * i + gid + 8] = acc1[i];
+                rd[v][16 * i + gid] = acc0[i];
+                rd[v][16 * i + gid + 8] = acc1[i];
             }
         }
         __syncthreads();
@@ -430,11 +435,13 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             vec_fill(W, S, Bs, K, ng, T, m0, min(16 * T, N - m0),
                      reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane);
         }
-        for (int r = tid; r < 16 * T; r += blockDim.x) {
+        // In the ring every warp adds up 2·T of the rows, so no warp starts the next tile late.
+        const int r0 = MODE == VEC_RING ? (lane < 2 * T ? v * 2 * T + lane : 16 * T) : tid;
+        for (int r = r0; r < 16 * T; r += blockDim.x) {
             if (n0 + r < N) {
                 float sum = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) sum += red[i][r];
+                for (int i = 0; i < 8; ++i) sum += rd[i][r];
                 float out = sum * r_norm + (bias ? bias[n0 + r] : 0.f);
                 if (io.accumulate) out = y[n0 + r] + out;
                 y[n0 + r] = out;
@@ -446,7 +453,6 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             }
         }
         if (MODE != VEC_RING) break;
-        __syncthreads();
     }
     if (io.norm && io.normed && blockIdx.x == 0)
         for (int k = tid; k < K; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
@@ -511,6 +517,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4_ring(const 
                                                                        const bf16_t* __restrict__ B, const float* x,
                                                                        float* __restrict__ y, int N, int K, int G,
                                                                        const float* __restrict__ bias, const VecIo io, int nbuf) {
-    __shared__ float red[8][64];
+    __shared__ float red[16][64];
     VEC_DISPATCH(VEC_RING_TILES, VEC_RING)
 }

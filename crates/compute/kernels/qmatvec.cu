@@ -54,6 +54,18 @@ __device__ __forceinline__ float code_f32(unsigned p, int i) {
     return __uint_as_float(r) - 8388608.0f;
 }
 
+// 4 bits: code i of word p (hi = p >> 12) times 16^c4_shift(i) as an exact f32, with no shift of
+// its own: the mask leaves q·16^j in place (j = i for codes 0..4, whose bits lie below bit 23;
+// codes 5..7 sit at j = 2..4 of hi), one lop3 ORs in 2^23 and one add takes it off. The input
+// that meets it is scaled by 16^−j (exact), so each product, and so each FMA, is the same as
+// q·x's: 9 integer instructions a word instead of 15.
+__device__ __forceinline__ int c4_shift(int i) { return i < 5 ? i : i - 3; }
+__device__ __forceinline__ float code4_scaled(unsigned p, unsigned hi, int i) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(i < 5 ? p : hi), "r"(0xFu << (4 * c4_shift(i))), "r"(0x4B000000u));
+    return __uint_as_float(r) - 8388608.0f;
+}
+
 // Rows `rows[0..R)` (R ≤ QMV_ROWS valid: `nrows`) of one matrix against x, FMA dequant form.
 // Lane l reads words l, l + 32, … of each row (128 contiguous bytes per warp load); the V = 32/BITS
 // inputs of a word are loaded once (float4s) and used for every row. Group of word w is
@@ -105,12 +117,18 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
                 xv[4 * c + 3] = f.w;
                 xs += (f.x + f.y) + (f.z + f.w);
             }
+            if (BITS == 4) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) xv[i] *= __uint_as_float((127u - 4u * c4_shift(i)) << 23);
+            }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (r < nrows) {
                     float qx = 0.f;
+                    const unsigned hi = p[u][r] >> 12;
 #pragma unroll
-                    for (int i = 0; i < V; ++i) qx = fmaf(code_f32<BITS>(p[u][r], i), xv[i], qx);
+                    for (int i = 0; i < V; ++i)
+                        qx = fmaf(BITS == 4 ? code4_scaled(p[u][r], hi, i) : code_f32<BITS>(p[u][r], i), xv[i], qx);
                     long long gi = rows[r] * gpr + g;
                     acc[r] = fmaf(bf16f(S[gi]), qx, fmaf(bf16f(B[gi]), xs, acc[r]));
                 }
