@@ -433,10 +433,15 @@ impl GpuModel {
         }
         self.enqueue_head(b)?;
         g.mark(&marks[2 * n + 2])?;
+        // Experts the step hands the host are computed as in `step_batch` (else each hand-off
+        // would wait out the GPU's time limit and void the step).
+        let served = self.serve_host_experts(b);
         g.sync()?;
         for (seq, _) in rows.iter_mut() {
             seq.pos += 1;
         }
+        self.host_experts_failed()?;
+        served?;
         let ms = |a: usize, b: usize| g.elapsed_ms(&marks[a], &marks[b]);
         let layers = (0..n)
             .map(|i| Ok((ms(2 * i + 1, 2 * i + 2)?, ms(2 * i + 2, 2 * i + 3)?)))
