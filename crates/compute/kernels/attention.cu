@@ -41,6 +41,13 @@ extern "C" __global__ void attn_prep(const float* proj, const float* __restrict_
     int b = blockIdx.x, i = threadIdx.x;
     int row = blockIdx.y, slot = slots[row];
     int pos = pos_arr[slot] + (row_pos ? row : 0);
+    // The head's norm scale and the rotation of position pos depend on no kernel before: read
+    // and computed ahead of the wait.
+    const float* scale = b < Hq ? qn : b < Hq + Hkv ? kn : nullptr;
+    const float sc = scale && i < D ? scale[i] : 0.f;
+    const int half = R / 2;
+    float s = 0.f, c = 1.f;
+    if (scale && i < R) sincosf((float)pos * inv_freq[i < half ? i : i - half], &s, &c);
     pdl_entry();
     extern __shared__ float sh[];
     proj += row * P;
@@ -49,16 +56,13 @@ extern "C" __global__ void attn_prep(const float* proj, const float* __restrict_
     v_cache += slot * T * Hkv * D;
     const float* src;
     float* dst;
-    const float* scale = nullptr;
     if (b < Hq) {
         src = proj + (long long)b * 2 * D;
         dst = q_out + (long long)b * D;
-        scale = qn;
     } else if (b < Hq + Hkv) {
         int h = b - Hq;
         src = proj + (long long)Hq * 2 * D + (long long)h * D;
         dst = k_cache + ((long long)pos * Hkv + h) * D;
-        scale = kn;
     } else {
         int h = b - Hq - Hkv;
         src = proj + (long long)Hq * 2 * D + (long long)Hkv * D + (long long)h * D;
@@ -70,17 +74,11 @@ extern "C" __global__ void attn_prep(const float* proj, const float* __restrict_
         return;
     }
     float r = rsqrtf(block_sum(x * x) / D + eps);
-    if (i < D) sh[i] = x * r * scale[i];
+    if (i < D) sh[i] = x * r * sc;
     __syncthreads();
     if (i >= D) return;
     float y = sh[i];
-    int half = R / 2;
-    if (i < R) {
-        int f = i < half ? i : i - half;
-        float s, c;
-        sincosf((float)pos * inv_freq[f], &s, &c);
-        y = i < half ? sh[i] * c - sh[i + half] * s : sh[i] * c + sh[i - half] * s;
-    }
+    if (i < R) y = i < half ? sh[i] * c - sh[i + half] * s : sh[i] * c + sh[i - half] * s;
     dst[i] = y;
 }
 

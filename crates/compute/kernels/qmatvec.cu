@@ -225,16 +225,25 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
     long long rows[DOWN_ROWS];
 #pragma unroll
     for (int r = 0; r < DOWN_ROWS; ++r) rows[r] = e * N + n0 + min(r, nrows - 1);
+    // The combine's weights and residual rows are copied into shared memory while the products
+    // run (no registers held), rather than loaded after the block meets.
+    __shared__ float wk[32], x_old[DOWN_ROWS];
+    if (threadIdx.x < KS) cp_async4(&wk[threadIdx.x], w + row * KS + threadIdx.x);
+    if (threadIdx.x < nrows) cp_async4(&x_old[threadIdx.x], x + (long long)row * N + n0 + threadIdx.x);
+    cp_async_commit();
     float out[DOWN_ROWS];
     dot_rows_affine<BITS, DOWN_ROWS, true, DOWN_UNROLL>(W, S, B, rows, nrows, h + (long long)s * K, K, __ffs(G) - 1, lane, out);
-    if (lane < DOWN_ROWS) part[k][lane] = out[lane];
+    float mine = out[0];
+#pragma unroll
+    for (int r = 1; r < DOWN_ROWS; ++r) mine = lane == r ? out[r] : mine;
+    if (lane < DOWN_ROWS) part[k][lane] = mine;
+    cp_async_wait_all();
     __syncthreads();
     if (threadIdx.x < nrows) {
         const int r = threadIdx.x;
         float acc = 0.f;
-        for (int j = 0; j < KS; ++j) acc = fmaf(w[row * KS + j], part[j][r], acc);
-        float* xr = x + (long long)row * N + n0 + r;
-        *xr = *xr + acc;
+        for (int j = 0; j < KS; ++j) acc = fmaf(wk[j], part[j][r], acc);
+        x[(long long)row * N + n0 + r] = x_old[r] + acc;
     }
 }
 
