@@ -39,6 +39,9 @@
 //   (W (x·r·norm) = r·W (x·norm), so the sum is met only after the products); block 0 then
 //   writes x·r·norm to `normed` when given. The norms before a layer's mixer and its ffn.
 // - accumulate: y[n] += W x (+ bias) instead of y[n] = …: the residual add after a projection.
+// - best (the ring kernel only): block b writes best[2b] = the largest of its outputs and
+//   best[2b + 1] = its row (the lowest on ties; i32 bits), so a greedy pick after the lm_head
+//   reads a pair a block instead of every output.
 // - conv (conv_c > 0): rows n < conv_c are also the GDN conv1d inputs of channel n, by gdn.cu's
 //   gdn_conv_step's code (common.cuh's conv_load/conv_advance): mixed[n] = silu(Σ_j conv_w[n, j]
 //   ·st[j, n] + conv_w[n, Kc−1]·y[n]) with st = conv_state + slots[0]·(Kc−1)·conv_c, which then
@@ -69,6 +72,7 @@ struct VecIo {
     const float* conv_w;
     float* mixed;
     int conv_c, conv_k;
+    float* best;
 };
 
 // Nibbles i and i + 4 of w as exact bf16x2 (128 + q_i, 128 + q_{i+4}): (q | 0x4300) is 128 + q
@@ -196,6 +200,35 @@ __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, con
     if (lane == 0) {
         bulk_to_smem(ts, S + (long long)n0 * ng, rows * ng * 2, bar);
         bulk_to_smem(tb, Bs + (long long)n0 * ng, rows * ng * 2, bar);
+    }
+}
+
+// The block's largest (v, i) (lowest i on ties) into out[0], out[1] (i's bits). Every thread.
+__device__ __forceinline__ void block_best(float v, int i, float* out) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    const int w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if ((threadIdx.x & 31) == 0) {
+        bv[w] = v;
+        bi[w] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < nw; ++k)
+            if (bv[k] > v || (bv[k] == v && bi[k] < i)) {
+                v = bv[k];
+                i = bi[k];
+            }
+        out[0] = v;
+        out[1] = __int_as_float(i);
     }
 }
 
@@ -373,6 +406,9 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         r_norm = rsqrtf(total / K + io.eps);
     }
 
+    // With `best`: this thread's largest output and its row (rows come in increasing order).
+    float best_v = NEG_INF;
+    int best_i = N;
     for (int it = 0; tile < ntiles; ++it, tile += step) {
         const int buf = MODE == VEC_RING ? it % nbuf : 0;
         if (it > 0) {
@@ -457,6 +493,10 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                     out = y_old[r] + out;
                 }
                 y[n0 + r] = out;
+                if (MODE == VEC_RING && out > best_v) {
+                    best_v = out;
+                    best_i = n0 + r;
+                }
                 if (r < conv_rows) {
                     float wv[CONV_KMAX], sv[CONV_KMAX];
                     conv_load(io.conv_w, conv_st, n0 + r, io.conv_c, io.conv_k, wv, sv);
@@ -466,6 +506,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
         if (MODE != VEC_RING) break;
     }
+    if (MODE == VEC_RING && io.best) block_best(best_v, best_i, io.best + 2 * blockIdx.x);
     if (io.norm && io.normed && blockIdx.x == 0)
         for (int k = tid; k < K; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
 }

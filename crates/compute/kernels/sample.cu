@@ -5,7 +5,9 @@
 // embed_affine: x[b, i] = q[tok[b], i]·scale + bias for an MLX affine table (words u32
 //   [V, H·bits/32], scales and biases bf16 [V, H/G]; bits 2, 4 or 8). grid (ceil(H/256), B), block 256.
 // sample_advance: row b (grid B, one block each) belongs to the sequence in slot s = slots[b]; with
-//   its parameters params + 7·s and logits + b·V it writes tok[b] and advances pos[s].
+//   its parameters params + 7·s and logits + b·V it writes tok[b] and advances pos[s]. With
+//   npairs > 0 (one row), the logits' max and its lowest index come from pairs [npairs, 2]: the
+//   lm_head's largest output and its row per block (mma_vec.cu, VecIo best).
 //   The token is picked from logits[0..V] with the sampling parameters
 //   (u32: [temperature bits, top_k, top_p bits, min_p bits, seed lo, seed hi, step]): the argmax
 //   (lowest index on ties) when temperature ≤ 0; else with z = (l − max)/T: keep the top_k largest z (0: all), then the
@@ -93,7 +95,7 @@ __device__ __forceinline__ float uniform_u01(unsigned long long seed, unsigned l
 
 extern "C" __global__ void sample_advance(const float* logits, int V, unsigned int* __restrict__ params,
                                           int* __restrict__ tok, int* __restrict__ pos,
-                                          const int* __restrict__ slots) {
+                                          const int* __restrict__ slots, const float* pairs, int npairs) {
     pdl_entry();
     __shared__ float scan[32];
     __shared__ int found;
@@ -104,12 +106,21 @@ extern "C" __global__ void sample_advance(const float* logits, int V, unsigned i
     tok += row;
     pos += slot;
     float temp = __uint_as_float(params[0]);
-    // Max and its (lowest) index.
+    // Max and its (lowest) index: from the lm_head's pair a block when it wrote them (one row),
+    // else by a scan of the logits.
     float bv = NEG_INF;
     int bi = V;
-    scan_logits(logits, V, [&](int i, float v) {
-        if (v > bv) { bv = v; bi = i; }
-    });
+    if (npairs > 0) {
+        for (int b = t; b < npairs; b += blockDim.x) {
+            const float v = pairs[2 * b];
+            const int i = __float_as_int(pairs[2 * b + 1]);
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+    } else {
+        scan_logits(logits, V, [&](int i, float v) {
+            if (v > bv) { bv = v; bi = i; }
+        });
+    }
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, bv, o);
         int oi = __shfl_xor_sync(0xffffffffu, bi, o);

@@ -483,6 +483,7 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
             mixed: mixed_b.ptr(),
             conv_c: c as i32,
             conv_k: taps as i32,
+            best: 0,
         };
         vec::matvec(&g, m, dx.ptr(), y_b.ptr(), io).unwrap();
         let name = format!("fused g{group} {n}x{k} conv {c}x{taps}");
@@ -603,5 +604,95 @@ fn moe_down_combine_equals_down_then_combine() {
         );
         let moved = a.iter().zip(&x0).filter(|(u, v)| u != v).count();
         assert!(moved > rows * n / 2, "the sums reached the residual");
+    }
+}
+
+/// The ring kernel's pair a block (`VecIo::best`: its largest output and that row) gives the
+/// outputs' argmax, lowest row on ties, and the greedy sampler reading the pairs picks the token
+/// its scan of the logits picks.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ring_best_pairs_give_the_greedy_token() {
+    use deltamoe_compute::cpu::quant::quantize;
+    use deltamoe_compute::cuda::ops::{Batch, SampleParams};
+    use deltamoe_compute::cuda::vec::{self, VecIo};
+    let g = gpu();
+    let mut r = rng();
+    let (group, n, k) = (64usize, 30_011usize, 1024usize);
+    let mut w = rand_vec(&mut r, n * k, -1.0, 1.0);
+    // Rows 20_000 and 7 alike: a tie for the largest output, which the lower row takes.
+    let (hi, lo) = (20_000 * k, 7 * k);
+    for j in 0..k {
+        w[hi + j] = if j % 2 == 0 { 1.0 } else { -1.0 };
+        w[lo + j] = w[hi + j];
+    }
+    let q = quantize(&w, k, group, 4).unwrap();
+    let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+    let (dw, ds, db) = (
+        g.upload(&q.words).unwrap(),
+        g.upload(&bf(&q.scales)).unwrap(),
+        g.upload(&bf(&q.biases)).unwrap(),
+    );
+    let x: Vec<f32> = (0..k)
+        .map(|j| if j % 2 == 0 { 1.0 } else { -1.0 })
+        .collect();
+    let dx = g.upload(&x).unwrap();
+    let m = Matvec {
+        w: dw.ptr(),
+        n,
+        k,
+        bias: 0,
+        format: WeightFormat::Affine {
+            bits: 4,
+            group,
+            scales: ds.ptr(),
+            biases: db.ptr(),
+        },
+    };
+    let blocks = vec::ring_blocks(&g, &m).unwrap().expect("a ring launch") as usize;
+    let (dy, pairs) = (
+        g.zeros::<f32>(n).unwrap(),
+        g.zeros::<f32>(2 * blocks).unwrap(),
+    );
+    let io = VecIo {
+        best: pairs.ptr(),
+        ..VecIo::default()
+    };
+    vec::matvec(&g, m, dx.ptr(), dy.ptr(), io).unwrap();
+    let y = g.read(&dy, n).unwrap();
+    let want = (0..n).fold(0, |b, i| if y[i] > y[b] { i } else { b });
+    assert_eq!(want, 7, "the tied rows lead");
+    let p = g.read(&pairs, 2 * blocks).unwrap();
+    let (mut bv, mut bi) = (f32::NEG_INFINITY, n as i32);
+    for c in p.chunks(2) {
+        let (v, i) = (c[0], c[1].to_bits() as i32);
+        if v > bv || (v == bv && i < bi) {
+            (bv, bi) = (v, i);
+        }
+    }
+    assert_eq!((bi as usize, bv), (want, y[want]), "argmax from the pairs");
+    let params = g.upload(&SampleParams::default().words(0)).unwrap();
+    let (tok, pos, slot0) = (
+        g.zeros::<i32>(1).unwrap(),
+        g.zeros::<i32>(1).unwrap(),
+        g.upload(&[0i32]).unwrap(),
+    );
+    let one_row = Batch {
+        rows: 1,
+        slots: slot0.ptr(),
+    };
+    for best in [Some((pairs.ptr(), blocks)), None] {
+        ops::sample_advance(
+            &g,
+            dy.ptr(),
+            n,
+            params.ptr(),
+            tok.ptr(),
+            pos.ptr(),
+            one_row,
+            best,
+        )
+        .unwrap();
+        assert_eq!(g.read(&tok, 1).unwrap()[0] as usize, want, "{best:?}");
     }
 }

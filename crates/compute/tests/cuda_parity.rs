@@ -544,6 +544,7 @@ fn router_combine_embed_argmax_match_cpu() {
         tok.ptr(),
         pos.ptr(),
         one_row,
+        None,
     )
     .unwrap();
     assert_eq!(
@@ -565,6 +566,7 @@ fn router_combine_embed_argmax_match_cpu() {
         tok.ptr(),
         pos.ptr(),
         one_row,
+        None,
     )
     .unwrap();
     assert_eq!(g.read(&tok, 1).unwrap()[0], 9, "odd vocabulary argmax");
@@ -592,8 +594,17 @@ fn sampling_follows_the_filtered_softmax() {
         let params = g.upload(&p.words(0)).unwrap();
         (0..n)
             .map(|_| {
-                ops::sample_advance(&g, dl.ptr(), v, params.ptr(), tok.ptr(), pos.ptr(), one_row)
-                    .unwrap();
+                ops::sample_advance(
+                    &g,
+                    dl.ptr(),
+                    v,
+                    params.ptr(),
+                    tok.ptr(),
+                    pos.ptr(),
+                    one_row,
+                    None,
+                )
+                .unwrap();
                 g.read(&tok, 1).unwrap()[0] as usize
             })
             .collect()

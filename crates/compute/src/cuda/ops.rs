@@ -632,7 +632,9 @@ impl SampleParams {
 
 /// Per row b of `bt` (slot s): `tok[b]` = a token drawn from `logits[b, ..v]` with the
 /// parameters at `params + 7·s` (see [`SampleParams::words`]; greedy when the temperature is
-/// ≤ 0), `pos[s] += 1`.
+/// ≤ 0), `pos[s] += 1`. `best` (one row only): the device address and count of the pairs the
+/// lm_head wrote ([`super::vec::VecIo::best`]), from which the logits' max and its index come.
+#[allow(clippy::too_many_arguments)]
 pub fn sample_advance(
     g: &Gpu,
     logits: u64,
@@ -641,17 +643,27 @@ pub fn sample_advance(
     tok: u64,
     pos: u64,
     bt: Batch,
+    best: Option<(u64, usize)>,
 ) -> Result<()> {
+    if best.is_some() && bt.rows != 1 {
+        return Err(super::CudaError::Unsupported(format!(
+            "the lm_head's best pairs serve one row, not {}",
+            bt.rows
+        )));
+    }
     let v32 = v as i32;
+    let (best, nbest) = best.map_or((0, 0), |(p, n)| (p, n as i32));
     let mut b = g.launch_builder(g.kernels().get("sample_advance"));
     b.arg(&logits)
         .arg(&v32)
         .arg(&params)
         .arg(&tok)
         .arg(&pos)
-        .arg(&bt.slots);
+        .arg(&bt.slots)
+        .arg(&best)
+        .arg(&nbest);
     // SAFETY: logits hold rows·v floats, params (max slot + 1)·7 u32, pos (max slot + 1) ints,
-    // tok and slots rows ints.
+    // tok and slots rows ints; best, when given, 2·nbest floats (one row, checked above).
     unsafe { b.launch(cfg((bt.rows as u32, 1), 1024, 0)) }.map_err(driver_err("sample_advance"))?;
     Ok(())
 }

@@ -31,6 +31,11 @@ pub struct VecIo {
     pub mixed: u64,
     pub conv_c: i32,
     pub conv_k: i32,
+    /// `[blocks, 2]` f32 (0: none), for a launch of the ring kernel ([`ring_blocks`]): block b
+    /// writes the largest of its outputs and that output's row (the lowest on ties; its bits as
+    /// an i32), so the greedy pick after a one-row lm_head scans one pair a block instead of
+    /// every logit.
+    pub best: u64,
 }
 
 // SAFETY: plain old data of the kernel's parameter layout (8-byte pointers, then 4-byte fields in
@@ -74,9 +79,16 @@ pub fn tiles(n: usize, resident: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// `y = W x (+ bias)` for one input row of a 4-bit affine matrix on tensor cores, with what `io`
-/// adds (see [`VecIo`]; the caller checked [`takes`]).
-pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
+/// How a single-row product launches: the entry, its dynamic shared memory, grid and ring buffers.
+struct Plan {
+    name: &'static str,
+    smem: usize,
+    grid: u32,
+    tiles: usize,
+    nbuf: Option<i32>,
+}
+
+fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
     let WeightFormat::Affine {
         group,
         scales,
@@ -90,6 +102,57 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     };
     let resident = BLOCKS_PER_SM * g.multiprocessors();
     let tiles = tiles(m.n, resident);
+    // Bulk copies need sm_90 and 16-byte aligned matrices.
+    let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
+    let n_blocks = blocks(m.n, 16 * tiles);
+    let one_wave = n_blocks as usize <= resident;
+    let staged = staged_smem(m.k, group, tiles).filter(|_| bulk && one_wave);
+    let ring = ring_plan(m.k, group, RING_TILES).filter(|_| bulk && !one_wave && !conv);
+    let (name, smem, grid, nbuf) = match (staged, ring) {
+        (Some(bytes), _) => ("mma_vec_affine4_staged", bytes, n_blocks, None),
+        (None, Some((nbuf, bytes))) => {
+            let grid = blocks(m.n, 16 * RING_TILES).min(resident as u32);
+            ("mma_vec_affine4_ring", bytes, grid, Some(nbuf as i32))
+        }
+        (None, None) => ("mma_vec_affine4", stage_smem(m.k, group), n_blocks, None),
+    };
+    Ok(Plan {
+        name,
+        smem,
+        grid,
+        tiles,
+        nbuf,
+    })
+}
+
+/// The blocks of a single-row product through `m` (without a conv step) when it runs as the ring
+/// kernel, the one that writes [`VecIo::best`] (one pair a block); `None` for the other forms.
+pub fn ring_blocks(g: &Gpu, m: &Matvec) -> Result<Option<u32>> {
+    let p = plan(g, m, false)?;
+    Ok((p.name == "mma_vec_affine4_ring").then_some(p.grid))
+}
+
+/// `y = W x (+ bias)` for one input row of a 4-bit affine matrix on tensor cores, with what `io`
+/// adds (see [`VecIo`]; the caller checked [`takes`]).
+pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
+    let Plan {
+        name,
+        smem,
+        grid,
+        tiles,
+        nbuf,
+    } = plan(g, &m, io.conv_c > 0)?;
+    let WeightFormat::Affine {
+        group,
+        scales,
+        biases,
+        ..
+    } = m.format
+    else {
+        return Err(CudaError::Unsupported(
+            "mma_vec_affine4 takes 4-bit affine weights".into(),
+        ));
+    };
     if io.conv_c as usize > m.n {
         return Err(CudaError::Unsupported(format!(
             "a conv step over {} channels after a product of {} rows",
@@ -103,20 +166,6 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
         )));
     }
     let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
-    // Bulk copies need sm_90 and 16-byte aligned matrices.
-    let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
-    let n_blocks = blocks(m.n, 16 * tiles);
-    let one_wave = n_blocks as usize <= resident;
-    let staged = staged_smem(m.k, group, tiles).filter(|_| bulk && one_wave);
-    let ring = ring_plan(m.k, group, RING_TILES).filter(|_| bulk && !one_wave && io.conv_c == 0);
-    let (name, smem, grid, nbuf) = match (staged, ring) {
-        (Some(bytes), _) => ("mma_vec_affine4_staged", bytes, n_blocks, None),
-        (None, Some((nbuf, bytes))) => {
-            let grid = blocks(m.n, 16 * RING_TILES).min(resident as u32);
-            ("mma_vec_affine4_ring", bytes, grid, Some(nbuf as i32))
-        }
-        (None, None) => ("mma_vec_affine4", stage_smem(m.k, group), n_blocks, None),
-    };
     if name != "mma_vec_affine4" {
         g.raise_smem(name, smem)?;
     }
@@ -145,7 +194,8 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     // ring's blocks walk its tiles with a stride of the grid, each tile bounds-checked against
     // N. With `io`: norm, normed hold K floats (16-byte aligned), the conv's
     // weights conv_c·conv_k floats, its state a slot's (conv_k − 1)·conv_c floats at slots[0]
-    // (conv_c ≤ N, conv_k ≤ GDN_CONV_KMAX, checked above) and mixed conv_c floats.
+    // (conv_c ≤ N, conv_k ≤ GDN_CONV_KMAX, checked above) and mixed conv_c floats; best, when
+    // given to the ring kernel, 2·grid floats (the caller sized it by `ring_blocks`).
     unsafe { b.launch(cfg((grid, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
 }

@@ -700,8 +700,24 @@ impl GpuModel {
         } else if !self.normed_by_previous(self.layers.len()) {
             self.add_norm(s.delta.ptr(), self.final_norm.ptr(), b)?;
         }
-        let rows = Slots::rows(b, self.hidden);
-        ops::matvec(g, self.lm_head.mv(), s.normed.ptr(), s.logits.ptr(), rows)?;
+        let (head, rows) = (self.lm_head.mv(), Slots::rows(b, self.hidden));
+        // One row through the ring kernel: its blocks hand the sampler their largest logit and
+        // its index, so a greedy pick need not scan the vocabulary.
+        let ring = match b == 1 && vec::takes(&head, &rows) {
+            true => vec::ring_blocks(g, &head)?,
+            false => None,
+        };
+        let best = ring.map(|n| (s.best.ptr(), n as usize));
+        match best {
+            Some((p, _)) => {
+                let io = VecIo {
+                    best: p,
+                    ..VecIo::default()
+                };
+                vec::matvec(g, head, s.normed.ptr(), s.logits.ptr(), io)?;
+            }
+            None => ops::matvec(g, head, s.normed.ptr(), s.logits.ptr(), rows)?,
+        }
         ops::sample_advance(
             g,
             s.logits.ptr(),
@@ -710,6 +726,7 @@ impl GpuModel {
             self.io.ptr(),
             pool.pos.ptr(),
             self.batch(b),
+            best,
         )
     }
 }

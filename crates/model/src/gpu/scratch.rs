@@ -25,6 +25,9 @@ pub(super) struct Scratch {
     pub(super) hs: DevBuf<f32>,
     pub(super) ys: DevBuf<f32>,
     pub(super) logits: DevBuf<f32>,
+    /// A one-row lm_head's largest logit and its index per block (`VecIo::best`), at most one
+    /// block per 16 rows.
+    pub(super) best: DevBuf<f32>,
 }
 
 impl Scratch {
@@ -77,6 +80,7 @@ impl Scratch {
             hs: g.zeros(r * shared_inter)?,
             ys: g.zeros(r * h)?,
             logits: g.zeros(r * c.vocab_size)?,
+            best: g.zeros(2 * c.vocab_size.div_ceil(16))?,
         })
     }
 }
