@@ -703,9 +703,10 @@ impl GpuModel {
         let (head, rows) = (self.lm_head.mv(), Slots::rows(b, self.hidden));
         // One row through the ring kernel: its blocks hand the sampler their largest logit and
         // its index, so a greedy pick need not scan the vocabulary.
-        let ring = match b == 1 && vec::takes(&head, &rows) {
-            true => vec::ring_blocks(g, &head)?,
-            false => None,
+        let ring = if b == 1 && vec::takes(&head, &rows) {
+            vec::ring_blocks(g, &head)?
+        } else {
+            None
         };
         let best = ring.map(|n| (s.best.ptr(), n as usize));
         match best {
