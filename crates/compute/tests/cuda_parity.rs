@@ -232,6 +232,7 @@ fn attention_decode_matches_cpu() {
                 1e-6,
                 one_row,
                 steps,
+                false,
             )
             .unwrap();
             ops::attn_decode(

@@ -297,7 +297,7 @@ fn attention_prefill_rows_match_cpu() {
             rows: t,
             slots: slots.ptr(),
         };
-        pf::attn_prep_rows(
+        ops::attn_prep(
             &g,
             dproj.ptr(),
             p,
@@ -312,6 +312,7 @@ fn attention_prefill_rows_match_cpu() {
             1e-6,
             bt,
             ctx,
+            true,
         )
         .unwrap();
         let (k1, v1) = (kc.at(per_slot), vc.at(per_slot));

@@ -39,8 +39,9 @@ fn attn_head_blocks(a: AttnDims) -> u32 {
     (a.hkv * (a.hq / a.hkv).div_ceil(ATTN_GQA)) as u32
 }
 
-/// Per row of `bt`: q/k norm + RoPE, q out, k and v appended to the slot's caches (of `ctx`
-/// positions) at `pos[slot]`.
+/// Per row b of `bt`: q/k norm + RoPE, q out, k and v appended to the slot's caches (of `ctx`
+/// positions) at `pos[slot]`, or with `row_advances` at `pos[slot] + b` (consecutive tokens of
+/// one sequence, a prefill pass: every entry of `bt.slots` names its slot).
 #[allow(clippy::too_many_arguments)]
 pub fn attn_prep(
     g: &Gpu,
@@ -57,31 +58,13 @@ pub fn attn_prep(
     eps: f32,
     bt: Batch,
     ctx: usize,
-) -> Result<()> {
-    let bufs = [proj, qn, kn, inv_freq, q, k_cache, v_cache, pos];
-    attn_prep_at(g, bufs, proj_stride, a, eps, bt, ctx, false)
-}
-
-/// `attn_prep` with buffers `[proj, qn, kn, inv_freq, q, k_cache, v_cache, pos]`; with
-/// `row_advances` row b sits at position `pos[slot] + b` (consecutive tokens of one sequence),
-/// else at `pos[slot]`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn attn_prep_at(
-    g: &Gpu,
-    bufs: [u64; 8],
-    proj_stride: usize,
-    a: AttnDims,
-    eps: f32,
-    bt: Batch,
-    ctx: usize,
     row_advances: bool,
 ) -> Result<()> {
     let (hq, hkv, d, r) = (a.hq as i32, a.hkv as i32, a.d as i32, a.rotary as i32);
     let (ps, t, row_pos) = (proj_stride as i64, ctx as i64, row_advances as i32);
     let mut b = g.launch_builder(g.kernels().get("attn_prep"));
-    for buf in &bufs {
-        b.arg(buf);
-    }
+    b.arg(&proj).arg(&qn).arg(&kn).arg(&inv_freq);
+    b.arg(&q).arg(&k_cache).arg(&v_cache).arg(&pos);
     b.arg(&hq).arg(&hkv).arg(&d).arg(&r).arg(&eps);
     b.arg(&bt.slots).arg(&ps).arg(&t).arg(&row_pos);
     let threads = (a.d.div_ceil(32) * 32) as u32;

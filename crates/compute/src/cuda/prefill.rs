@@ -9,7 +9,7 @@
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::LaunchConfig;
 
-use super::ops::{AttnDims, Batch, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
+use super::ops::{AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
 use super::{driver_err, CudaError, Gpu, Result};
 
 fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
@@ -154,29 +154,6 @@ pub fn gated_rmsnorm_rows(
     unsafe { b.launch(cfg((hv as u32, t as u32), threads, 0)) }
         .map_err(driver_err("gated_rmsnorm_rows"))?;
     Ok(())
-}
-
-/// `attn_prep` (see [`super::ops::attn_prep`]) for `bt.rows` consecutive tokens of one
-/// sequence: every entry of `bt.slots` names its slot, row b sits at position `pos[slot] + b`.
-#[allow(clippy::too_many_arguments)]
-pub fn attn_prep_rows(
-    g: &Gpu,
-    proj: u64,
-    proj_stride: usize,
-    qn: u64,
-    kn: u64,
-    inv_freq: u64,
-    q: u64,
-    k_cache: u64,
-    v_cache: u64,
-    pos: u64,
-    a: AttnDims,
-    eps: f32,
-    bt: Batch,
-    ctx: usize,
-) -> Result<()> {
-    let bufs = [proj, qn, kn, inv_freq, q, k_cache, v_cache, pos];
-    super::attention::attn_prep_at(g, bufs, proj_stride, a, eps, bt, ctx, true)
 }
 
 /// Positions per K/V tile of the flash kernels (`FP_BN` in flash_prefill.cu).

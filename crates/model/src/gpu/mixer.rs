@@ -163,6 +163,7 @@ impl GpuModel {
             self.eps,
             bt,
             pool.ctx,
+            false,
         )?;
         ops::attn_decode(
             g,

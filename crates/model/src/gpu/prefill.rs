@@ -468,7 +468,7 @@ impl GpuModel {
             rows: t,
             slots: ps.slots.ptr(),
         };
-        pf::attn_prep_rows(
+        ops::attn_prep(
             g,
             ps.proj.ptr(),
             proj.n,
@@ -483,6 +483,7 @@ impl GpuModel {
             self.eps,
             bt,
             pool.ctx,
+            true,
         )?;
         let per_slot = pool.ctx * a.hkv * a.d;
         pf::attn_prefill(
