@@ -79,13 +79,17 @@ pub fn tiles(n: usize, resident: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// How a single-row product launches: the entry, its dynamic shared memory, grid and ring buffers.
+/// How a single-row product launches: the entry, its dynamic shared memory, grid and ring buffers,
+/// with the matrix's group and its scales and biases.
 struct Plan {
     name: &'static str,
     smem: usize,
     grid: u32,
     tiles: usize,
     nbuf: Option<i32>,
+    group: usize,
+    scales: u64,
+    biases: u64,
 }
 
 fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
@@ -122,6 +126,9 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
         grid,
         tiles,
         nbuf,
+        group,
+        scales,
+        biases,
     })
 }
 
@@ -141,18 +148,10 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
         grid,
         tiles,
         nbuf,
-    } = plan(g, &m, io.conv_c > 0)?;
-    let WeightFormat::Affine {
         group,
         scales,
         biases,
-        ..
-    } = m.format
-    else {
-        return Err(CudaError::Unsupported(
-            "mma_vec_affine4 takes 4-bit affine weights".into(),
-        ));
-    };
+    } = plan(g, &m, io.conv_c > 0)?;
     if io.conv_c as usize > m.n {
         return Err(CudaError::Unsupported(format!(
             "a conv step over {} channels after a product of {} rows",
