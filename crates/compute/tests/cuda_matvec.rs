@@ -6,9 +6,64 @@ mod common;
 
 use common::{assert_close, gpu, rand_vec, rng};
 use deltamoe_compute::cpu::act::sigmoid;
+use deltamoe_compute::cpu::quant::{quantize, Quantized};
 use deltamoe_compute::cuda::ops::{self, Matvec, Slots, WeightFormat};
+use deltamoe_compute::cuda::{DevBuf, Gpu};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 use deltamoe_compute::{cpu, DType, Tensor};
+
+/// `w` (rows of `k`) quantized to `bits` in groups of `group`, with its scales and biases rounded
+/// to bf16 as the device holds them, and all three uploaded.
+struct Affine {
+    q: Quantized,
+    scales: Vec<u16>,
+    biases: Vec<u16>,
+    dw: DevBuf<u32>,
+    ds: DevBuf<u16>,
+    db: DevBuf<u16>,
+    bits: u32,
+    group: usize,
+}
+
+impl Affine {
+    fn new(g: &Gpu, w: &[f32], k: usize, group: usize, bits: u32) -> Affine {
+        let q = quantize(w, k, group, bits).unwrap();
+        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
+        let (scales, biases) = (bf(&q.scales), bf(&q.biases));
+        let (dw, ds, db) = (
+            g.upload(&q.words).unwrap(),
+            g.upload(&scales).unwrap(),
+            g.upload(&biases).unwrap(),
+        );
+        Affine {
+            q,
+            scales,
+            biases,
+            dw,
+            ds,
+            db,
+            bits,
+            group,
+        }
+    }
+
+    /// The uploaded weights as matrices of `n` rows of `k` (a stack when there are more rows),
+    /// without a bias.
+    fn matvec(&self, n: usize, k: usize) -> Matvec {
+        Matvec {
+            w: self.dw.ptr(),
+            n,
+            k,
+            bias: 0,
+            format: WeightFormat::Affine {
+                bits: self.bits,
+                group: self.group,
+                scales: self.ds.ptr(),
+                biases: self.db.ptr(),
+            },
+        }
+    }
+}
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -105,7 +160,7 @@ fn matvec_and_swiglu_match_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn affine_matvec_matches_cpu() {
-    use deltamoe_compute::cpu::quant::{qmatmul, quantize};
+    use deltamoe_compute::cpu::quant::qmatmul;
     use deltamoe_compute::{AffineWeight, PackedWords};
     let g = gpu();
     let mut r = rng();
@@ -117,31 +172,12 @@ fn affine_matvec_matches_cpu() {
         (2, 32, 11, 96, 1, 2),
     ] {
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
-        let q = quantize(&w, k, group, bits).unwrap();
-        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-        let (sb, bb) = (bf(&q.scales), bf(&q.biases));
+        let a = Affine::new(&g, &w, k, group, bits);
+        let (q, sb, bb) = (&a.q, &a.scales, &a.biases);
         let x = rand_vec(&mut r, slots * k, -1.0, 1.0);
         let ids: Vec<i32> = (0..slots).map(|s| ((s * 5 + 1) % experts) as i32).collect();
-        let (dw, ds, dbi, dx, di) = (
-            g.upload(&q.words).unwrap(),
-            g.upload(&sb).unwrap(),
-            g.upload(&bb).unwrap(),
-            g.upload(&x).unwrap(),
-            g.upload(&ids).unwrap(),
-        );
-        let fmt = WeightFormat::Affine {
-            bits,
-            group,
-            scales: ds.ptr(),
-            biases: dbi.ptr(),
-        };
-        let m = Matvec {
-            w: dw.ptr(),
-            n,
-            k,
-            bias: 0,
-            format: fmt,
-        };
+        let (dx, di) = (g.upload(&x).unwrap(), g.upload(&ids).unwrap());
+        let m = a.matvec(n, k);
         let dy = g.zeros::<f32>(slots * n).unwrap();
         ops::matvec(
             &g,
@@ -161,7 +197,7 @@ fn affine_matvec_matches_cpu() {
                 )
             };
             let words = PackedWords::from_vec(q.words[e * n * wpr..(e + 1) * n * wpr].to_vec());
-            AffineWeight::new(bits, group, n, k, words, t(&sb), t(&bb)).unwrap()
+            AffineWeight::new(bits, group, n, k, words, t(sb), t(bb)).unwrap()
         };
         let mut want = vec![0.0; slots * n];
         for s in 0..slots {
@@ -223,7 +259,6 @@ fn matvec_slot_forms_match_cpu() {
 }
 
 fn slot_forms(rows: usize) {
-    use deltamoe_compute::cpu::quant::quantize;
     let g = gpu();
     let mut r = rng();
     let (n, k, experts, per_row) = (46usize, 256usize, 3usize, 2usize);
@@ -248,9 +283,10 @@ fn slot_forms(rows: usize) {
             format: WeightFormat::Bf16,
         },
     )];
-    let (mut keep_words, mut keep_halves) = (Vec::new(), Vec::new());
+    let mut keep = Vec::new();
     for (bits, group) in [(4u32, 64usize), (8, 128)] {
-        let q = quantize(&w, k, group, bits).unwrap();
+        let a = Affine::new(&g, &w, k, group, bits);
+        let q = &a.q;
         let per = 32 / bits as usize;
         // Dequantized weights as the affine kernels see them (bf16 scales and biases).
         let deq: Vec<f32> = (0..experts * n * k)
@@ -262,26 +298,8 @@ fn slot_forms(rows: usize) {
                 v * bf16_to_f32(f32_to_bf16(q.scales[gi])) + bf16_to_f32(f32_to_bf16(q.biases[gi]))
             })
             .collect();
-        let (dq, ds, db) = (
-            g.upload(&q.words).unwrap(),
-            g.upload(&bf(&q.scales)).unwrap(),
-            g.upload(&bf(&q.biases)).unwrap(),
-        );
-        let m = Matvec {
-            w: dq.ptr(),
-            n,
-            k,
-            bias: 0,
-            format: WeightFormat::Affine {
-                bits,
-                group,
-                scales: ds.ptr(),
-                biases: db.ptr(),
-            },
-        };
-        forms.push((format!("affine {bits}-bit"), deq, m));
-        keep_words.push(dq);
-        keep_halves.extend([ds, db]);
+        forms.push((format!("affine {bits}-bit"), deq, a.matvec(n, k)));
+        keep.push(a);
     }
     let dot = |wt: &[f32], e: usize, row: usize, xr: &[f32]| -> f32 {
         (0..k).map(|c| wt[(e * n + row) * k + c] * xr[c]).sum()
@@ -333,7 +351,7 @@ fn slot_forms(rows: usize) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn single_row_4bit_on_tensor_cores_matches_cpu() {
-    use deltamoe_compute::cpu::quant::{qmatmul, quantize};
+    use deltamoe_compute::cpu::quant::qmatmul;
     use deltamoe_compute::{AffineWeight, PackedWords};
     let g = gpu();
     let mut r = rng();
@@ -352,35 +370,19 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
         (128, 30001, 2048),
     ] {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
-        let q = quantize(&w, k, group, 4).unwrap();
-        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-        let (sb, bb) = (bf(&q.scales), bf(&q.biases));
+        let a = Affine::new(&g, &w, k, group, 4);
         let x = rand_vec(&mut r, k, -1.0, 1.0);
         let bias = rand_vec(&mut r, n, -1.0, 1.0);
-        let (dw, ds, dbi, dx, dbias) = (
-            g.upload(&q.words).unwrap(),
-            g.upload(&sb).unwrap(),
-            g.upload(&bb).unwrap(),
-            g.upload(&x).unwrap(),
-            g.upload(&bias).unwrap(),
-        );
+        let (dx, dbias) = (g.upload(&x).unwrap(), g.upload(&bias).unwrap());
         let m = Matvec {
-            w: dw.ptr(),
-            n,
-            k,
             bias: dbias.ptr(),
-            format: WeightFormat::Affine {
-                bits: 4,
-                group,
-                scales: ds.ptr(),
-                biases: dbi.ptr(),
-            },
+            ..a.matvec(n, k)
         };
         let dy = g.zeros::<f32>(n).unwrap();
         ops::matvec(&g, m, dx.ptr(), dy.ptr(), Slots::one()).unwrap();
         let t = |v: &[u16]| Tensor::from_half_bits(DType::BF16, vec![n, k / group], v.to_vec());
-        let words = PackedWords::from_vec(q.words.clone());
-        let aw = AffineWeight::new(4, group, n, k, words, t(&sb), t(&bb)).unwrap();
+        let words = PackedWords::from_vec(a.q.words.clone());
+        let aw = AffineWeight::new(4, group, n, k, words, t(&a.scales), t(&a.biases)).unwrap();
         let mut want = vec![0.0; n];
         qmatmul(&x, 1, &aw, &mut want);
         for (o, b) in want.iter_mut().zip(&bias) {
@@ -399,7 +401,6 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
-    use deltamoe_compute::cpu::quant::quantize;
     use deltamoe_compute::cuda::ops::Batch;
     use deltamoe_compute::cuda::vec::{self, VecIo};
     let g = gpu();
@@ -412,25 +413,8 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
         (32, 300, 256, 17, 1),
     ] {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
-        let q = quantize(&w, k, group, 4).unwrap();
-        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-        let (ds, db) = (
-            g.upload(&bf(&q.scales)).unwrap(),
-            g.upload(&bf(&q.biases)).unwrap(),
-        );
-        let dw = g.upload(&q.words).unwrap();
-        let m = Matvec {
-            w: dw.ptr(),
-            n,
-            k,
-            bias: 0,
-            format: WeightFormat::Affine {
-                bits: 4,
-                group,
-                scales: ds.ptr(),
-                biases: db.ptr(),
-            },
-        };
+        let a = Affine::new(&g, &w, k, group, 4);
+        let m = a.matvec(n, k);
         assert!(vec::takes(&m, &Slots::one()));
         let x = rand_vec(&mut r, k, -3.0, 3.0);
         let scale = rand_vec(&mut r, k, 0.5, 1.5);
@@ -524,7 +508,6 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn moe_down_combine_equals_down_then_combine() {
-    use deltamoe_compute::cpu::quant::quantize;
     use deltamoe_compute::cuda::ops::Far;
     let g = gpu();
     let mut r = rng();
@@ -534,25 +517,9 @@ fn moe_down_combine_equals_down_then_combine() {
         (2, 128, 101, 256, 4, 11, 2),
     ] {
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
-        let q = quantize(&w, k, group, bits).unwrap();
-        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-        let (dw, ds, db) = (
-            g.upload(&q.words).unwrap(),
-            g.upload(&bf(&q.scales)).unwrap(),
-            g.upload(&bf(&q.biases)).unwrap(),
-        );
-        let m = Matvec {
-            w: dw.ptr(),
-            n,
-            k,
-            bias: 0,
-            format: WeightFormat::Affine {
-                bits,
-                group,
-                scales: ds.ptr(),
-                biases: db.ptr(),
-            },
-        };
+        let a = Affine::new(&g, &w, k, group, bits);
+        let (dw, ds, db) = (&a.dw, &a.ds, &a.db);
+        let m = a.matvec(n, k);
         // The same stack doubles as the far one: ids ≥ split read expert id − split of it.
         let split = experts - 1;
         let far = Far {
@@ -613,7 +580,6 @@ fn moe_down_combine_equals_down_then_combine() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ring_best_pairs_give_the_greedy_token() {
-    use deltamoe_compute::cpu::quant::quantize;
     use deltamoe_compute::cuda::ops::{Batch, SampleParams};
     use deltamoe_compute::cuda::vec::{self, VecIo};
     let g = gpu();
@@ -626,29 +592,12 @@ fn ring_best_pairs_give_the_greedy_token() {
         w[hi + j] = if j % 2 == 0 { 1.0 } else { -1.0 };
         w[lo + j] = w[hi + j];
     }
-    let q = quantize(&w, k, group, 4).unwrap();
-    let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-    let (dw, ds, db) = (
-        g.upload(&q.words).unwrap(),
-        g.upload(&bf(&q.scales)).unwrap(),
-        g.upload(&bf(&q.biases)).unwrap(),
-    );
+    let a = Affine::new(&g, &w, k, group, 4);
     let x: Vec<f32> = (0..k)
         .map(|j| if j % 2 == 0 { 1.0 } else { -1.0 })
         .collect();
     let dx = g.upload(&x).unwrap();
-    let m = Matvec {
-        w: dw.ptr(),
-        n,
-        k,
-        bias: 0,
-        format: WeightFormat::Affine {
-            bits: 4,
-            group,
-            scales: ds.ptr(),
-            biases: db.ptr(),
-        },
-    };
+    let m = a.matvec(n, k);
     let blocks = vec::ring_blocks(&g, &m).unwrap().expect("a ring launch") as usize;
     let (dy, pairs) = (
         g.zeros::<f32>(n).unwrap(),
