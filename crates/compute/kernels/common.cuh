@@ -34,6 +34,40 @@ __device__ float block_sum(float v) {
     return r;
 }
 
+// The block's largest v and its i (the lowest i on ties), as block_sum: every thread gets them.
+__device__ void block_argmax(float& v, int& i) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    __syncthreads();
+    if (lane == 0) {
+        sv[w] = v;
+        si[w] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < nw; ++k)
+            if (sv[k] > v || (sv[k] == v && si[k] < i)) {
+                v = sv[k];
+                i = si[k];
+            }
+        sv[0] = v;
+        si[0] = i;
+    }
+    __syncthreads();
+    v = sv[0];
+    i = si[0];
+    __syncthreads();
+}
+
 // Max over the block, as block_sum.
 __device__ float block_max(float v) {
     __shared__ float s[32];

@@ -203,35 +203,6 @@ __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, con
     }
 }
 
-// The block's largest (v, i) (lowest i on ties) into out[0], out[1] (i's bits). Every thread.
-__device__ __forceinline__ void block_best(float v, int i, float* out) {
-    __shared__ float bv[32];
-    __shared__ int bi[32];
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) {
-            v = ov;
-            i = oi;
-        }
-    }
-    const int w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    if ((threadIdx.x & 31) == 0) {
-        bv[w] = v;
-        bi[w] = i;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 1; k < nw; ++k)
-            if (bv[k] > v || (bv[k] == v && bi[k] < i)) {
-                v = bv[k];
-                i = bi[k];
-            }
-        out[0] = v;
-        out[1] = __int_as_float(i);
-    }
-}
-
 template <int P, int T, int MODE>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* x, float* __restrict__ y,
@@ -506,7 +477,13 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
         if (MODE != VEC_RING) break;
     }
-    if (MODE == VEC_RING && io.best) block_best(best_v, best_i, io.best + 2 * blockIdx.x);
+    if (MODE == VEC_RING && io.best) {
+        block_argmax(best_v, best_i);
+        if (tid == 0) {
+            io.best[2 * blockIdx.x] = best_v;
+            io.best[2 * blockIdx.x + 1] = __int_as_float(best_i);
+        }
+    }
     if (io.norm && io.normed && blockIdx.x == 0)
         for (int k = tid; k < K; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
 }

@@ -121,25 +121,9 @@ extern "C" __global__ void sample_advance(const float* logits, int V, unsigned i
             if (v > bv) { bv = v; bi = i; }
         });
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-    __shared__ float mv[32];
-    __shared__ int mi[32];
-    if ((t & 31) == 0) { mv[t >> 5] = bv; mi[t >> 5] = bi; }
-    __syncthreads();
-    if (t == 0) {
-        int nw = (blockDim.x + 31) >> 5;
-        for (int i = 1; i < nw; ++i)
-            if (mv[i] > mv[0] || (mv[i] == mv[0] && mi[i] < mi[0])) { mv[0] = mv[i]; mi[0] = mi[i]; }
-        found = mi[0];
-    }
-    __syncthreads();
-    float m = mv[0];
-    int best = found;
-    __syncthreads();
+    block_argmax(bv, bi);
+    const float m = bv;
+    const int best = bi;
     if (!(temp > 0.f)) {
         if (t == 0) { tok[0] = best; pos[0] += 1; }
         return;
