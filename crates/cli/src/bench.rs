@@ -571,6 +571,8 @@ const MATVEC_SHAPES: &[(&str, usize, usize, usize)] = &[
     ("8 experts gate+up [1024x2048]", 1024, 2048, 8),
     ("8 experts down [2048x512]", 2048, 512, 8),
     ("GDN in_proj [12352x2048]", 12352, 2048, 1),
+    ("GDN out_proj [2048x4096]", 2048, 4096, 1),
+    ("MoE router [257x2048]", 257, 2048, 1),
     ("lm_head [248320x2048]", 248320, 2048, 1),
 ];
 

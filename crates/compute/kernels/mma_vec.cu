@@ -1,7 +1,13 @@
-// One input row through a 4-bit MLX affine matrix on tensor cores (decode projections, lm_head):
-// y[n] = Σ_k W[n, k] x[k] (+ bias[n]), at about f32 accuracy. Dequantizing on CUDA cores costs
-// several instructions per weight, more than the issue rate allows at memory speed; here two
-// codes cost a shift and a lop3, and the products run as mma.sync.
+// One input row through a 4- or 8-bit MLX affine matrix on tensor cores (decode projections,
+// routers, lm_head): y[n] = Σ_k W[n, k] x[k] (+ bias[n]), at about f32 accuracy. Dequantizing on
+// CUDA cores costs several instructions per weight, more than the issue rate allows at memory
+// speed; here two codes cost a shift and a lop3, and the products run as mma.sync.
+//
+// 8-bit codes (the _affine8 entries) are read as two 4-bit digits each, q = lo + 16·hi: a row
+// of K inputs is a 4-bit row of 2K digits (the same words) whose input is x' = (x_0, 16·x_0,
+// x_1, 16·x_1, …), an exact scaling of x_hi and x_lo, and a group of G inputs a group of 2G
+// digits. So the products, the offset and the group's scale are those below, and only the bias
+// term takes Σ x over the group's inputs rather than Σ x'. The host passes K and G in digits.
 //
 // Numerics: the weights enter exactly as 128 + q (bf16, the code under a fixed exponent), x is
 // split into x_hi = bf16(x) and x_lo = bf16(x − x_hi) (columns 0 and 1 of one product, ~16
@@ -47,12 +53,12 @@
 //   ·st[j, n] + conv_w[n, Kc−1]·y[n]) with st = conv_state + slots[0]·(Kc−1)·conv_c, which then
 //   shifts by one and takes y[n]. Each row belongs to one block, so the state update has one writer.
 //
-// mma_vec_affine4_staged, for a launch of one wave: each block instead copies its rows of W, S
-// and B into shared memory (after the staged x, rounded to 16 bytes: 16·T rows of K/2 + 32
+// mma_vec_affine{4,8}_staged, for a launch of one wave: each block instead copies its rows of W, S
+// and B into shared memory (after the staged x, rounded to 16 bytes: 16·T rows of K/2 + G/2
 // bytes, then 16·T·(K/G)·4 bytes of scales and biases, then an 8-byte barrier) with bulk copies
 // issued before its wait, and the same loop reads the words from there.
 //
-// mma_vec_affine4_ring, for a launch of more tiles than resident blocks (the lm_head): a grid of
+// mma_vec_affine{4,8}_ring, for a launch of more tiles than resident blocks (the lm_head): a grid of
 // at most the resident blocks, each staging x once and working through the tiles blockIdx.x,
 // blockIdx.x + gridDim.x, … (VEC_RING_TILES row tiles each) from `nbuf` staged tiles laid out as
 // above one after another, then their nbuf barriers. The block's first nbuf tiles are copied
@@ -163,9 +169,6 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 // Words of x (8 inputs each) a thread loads at once when staging the input.
 #define VEC_X_WORDS 4
 
-// Words between the starts of two rows of a staged tile: 32 bytes of padding put the 8 rows a
-// warp's lanes read at once (gid = 0..7) on different banks.
-#define VEC_ROW_PAD 8
 
 // Where the single-row kernel reads its weights: straight from global memory (one tile per
 // block), a tile staged in shared memory by bulk copies before the wait (one tile per block,
@@ -175,24 +178,32 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 #define VEC_STAGED 1
 #define VEC_RING 2
 
-// Words of one staged tile of 16·T rows (rows nw + VEC_ROW_PAD words apart): its scales follow
-// them, then its biases 16·T·ng further.
-__device__ __forceinline__ int vec_tile_words(int K, int T) {
-    return 16 * T * (K / 8 + VEC_ROW_PAD);
+// Words between the starts of two rows of a staged tile: the row's nw = K/8 words and 4·P of
+// padding (G/8, P = G/32 words a lane loads at once). A load's lanes (gid, t) read words
+// gid·rs + t·P .. + P − 1, and the lanes served together (8 of 16-byte loads, 16 of 8-byte, 32 of
+// 4-byte: gid < 8/P) then cover the 32 banks once when nw % 32 == 0.
+__device__ __forceinline__ int vec_row_words(int K, int G) {
+    return K / 8 + G / 8;
+}
+
+// Words of one staged tile of 16·T rows (vec_row_words apart): its scales follow them, then its
+// biases 16·T·ng further.
+__device__ __forceinline__ int vec_tile_words(int K, int G, int T) {
+    return 16 * T * vec_row_words(K, G);
 }
 
 // Bytes of one staged tile: the words, then the rows' scales and biases [16·T, ng] each (a
 // multiple of 16 bytes when ng % 8 == 0).
-__device__ __forceinline__ int vec_tile_bytes(int K, int ng, int T) {
-    return vec_tile_words(K, T) * 4 + 16 * T * ng * 4;
+__device__ __forceinline__ int vec_tile_bytes(int K, int G, int T) {
+    return vec_tile_words(K, G, T) * 4 + 16 * T * (K / G) * 4;
 }
 
 // Rows n0 .. n0 + rows of W, S and B into the staged tile at `tw`, completing on `bar`: one
 // bulk copy per row of words (to its padded place) and one each for the scales and biases. Warp 0.
-__device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, const bf16_t* Bs, int K, int ng,
+__device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, const bf16_t* Bs, int K, int G,
                                          int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane) {
-    const int nw = K / 8, rs = nw + VEC_ROW_PAD;
-    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, T));
+    const int nw = K / 8, ng = K / G, rs = vec_row_words(K, G);
+    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, G, T));
     bf16_t* tb = ts + 16 * T * ng;
     if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
     __syncwarp();
@@ -203,7 +214,7 @@ __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, con
     }
 }
 
-template <int P, int T, int MODE>
+template <int P, int T, int MODE, bool C8>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, const VecIo& io, int nbuf,
@@ -213,15 +224,16 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     constexpr int U_FIT = 12 / (T * P);
     constexpr int U = U_FIT < 1 ? 1 : U_FIT > 4 ? 4 : U_FIT;
     extern __shared__ __align__(16) unsigned char vec_smem[];
-    const int G = 32 * P, nw = K / 8, ng = K / G;
+    // With 8-bit codes K and G count digits, two per input (see the header): x has K / 2 inputs.
+    const int G = 32 * P, nw = K / 8, ng = K / G, k_in = C8 ? K / 2 : K;
     uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs
     float* gs = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [ng] group sums of x
     float* gh = gs + ng;                                               // [ng] of hi + lo
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
-    const int rs = nw + VEC_ROW_PAD, ntiles = (N + 16 * T - 1) / (16 * T);
+    const int rs = vec_row_words(K, G), ntiles = (N + 16 * T - 1) / (16 * T);
     // Staged tiles (SM): nbuf of them after the staged x, then one barrier each.
     unsigned char* tiles0 = vec_smem + vec_stage_bytes(K, ng);
-    const int tile_bytes = vec_tile_bytes(K, ng, T);
+    const int tile_bytes = vec_tile_bytes(K, G, T);
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(tiles0 + (size_t)nbuf * tile_bytes);
     const int step = MODE == VEC_RING ? gridDim.x : ntiles;
 
@@ -242,7 +254,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         if (SM) {
             wt = reinterpret_cast<const unsigned*>(tiles0 + (size_t)buf * tile_bytes);
             wstride = rs;
-            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, T));
+            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, G, T));
             bi = sc + 16 * T * ng;
         } else {
             wt = W + (long long)n0 * nw;
@@ -275,7 +287,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         if (v == 0)
             for (int b = 0; b < nbuf && tile + b * step < ntiles; ++b) {
                 const int m0 = (tile + b * step) * 16 * T;
-                vec_fill(W, S, Bs, K, ng, T, m0, min(16 * T, N - m0),
+                vec_fill(W, S, Bs, K, G, T, m0, min(16 * T, N - m0),
                          reinterpret_cast<unsigned*>(tiles0 + (size_t)b * tile_bytes), &bars[b], lane);
             }
     } else {
@@ -296,7 +308,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         for (int j = 0; j + 1 < io.conv_k; ++j) l1_prefetch(conv_st + (long long)j * io.conv_c + n0 + tid);
     }
     if (io.norm)
-        for (int k = tid * 32; k < K; k += 32 * blockDim.x) l1_prefetch(io.norm + k);
+        for (int k = tid * 32; k < k_in; k += 32 * blockDim.x) l1_prefetch(io.norm + k);
     pdl_entry();
     // A one-tile block's residual rows (y of `accumulate`; thread r adds row r) are copied into
     // shared memory now, under the staging and the products, rather than loaded after them: one
@@ -321,7 +333,9 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         for (int u = 0; u < VEC_X_WORDS; ++u) {
             const int w = wb + u * blockDim.x;
             xa[u] = xb[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (w < nw) {
+            if (w < nw && C8) {
+                xa[u] = *reinterpret_cast<const float4*>(x + 4 * w);
+            } else if (w < nw) {
                 xa[u] = *reinterpret_cast<const float4*>(x + 8 * w);
                 xb[u] = *reinterpret_cast<const float4*>(x + 8 * w + 4);
             }
@@ -331,12 +345,23 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             const int w = wb + u * blockDim.x;
             if (w - lane >= nw) break;
             float4 a = xa[u], b = xb[u];
-            if (io.norm && w < nw) {
+            if (io.norm && w < nw && C8) {
+                ss += (a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w);
+                const float4 sa = *reinterpret_cast<const float4*>(io.norm + 4 * w);
+                a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
+            } else if (io.norm && w < nw) {
                 ss += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) + ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
                 const float4 sa = *reinterpret_cast<const float4*>(io.norm + 8 * w);
                 const float4 sb = *reinterpret_cast<const float4*>(io.norm + 8 * w + 4);
                 a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
                 b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
+            }
+            // The bias term's sum of the word's inputs (with 8-bit codes the 4 inputs, before they
+            // are spread over the digits: x_i meets the low digit, 16·x_i the high one).
+            float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+            if (C8) {
+                b = make_float4(a.z, 16.f * a.z, a.w, 16.f * a.w);
+                a = make_float4(a.x, 16.f * a.x, a.y, 16.f * a.y);
             }
             float lo4[4] = {a.x, a.y, a.z, a.w}, hi4[4] = {b.x, b.y, b.z, b.w};
             unsigned h[4], l[4];
@@ -349,7 +374,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 xs[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
                 xs[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
             }
-            float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w)), sum_hl = 0.f;
+            float sum_hl = 0.f;
 #pragma unroll
             for (int i = 0; i < 4; ++i) sum_hl += (bf16lo(h[i]) + bf16hi(h[i])) + (bf16lo(l[i]) + bf16hi(l[i]));
             for (int o = 1; o < wpg; o <<= 1) {
@@ -374,7 +399,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         float total = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) total += ssq[i];
-        r_norm = rsqrtf(total / K + io.eps);
+        r_norm = rsqrtf(total / k_in + io.eps);
     }
 
     // With `best`: this thread's largest output and its row (rows come in increasing order).
@@ -447,7 +472,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         if (MODE == VEC_RING && v == 0 && tile + nbuf * step < ntiles) {
             fence_proxy_async();
             const int m0 = (tile + nbuf * step) * 16 * T;
-            vec_fill(W, S, Bs, K, ng, T, m0, min(16 * T, N - m0),
+            vec_fill(W, S, Bs, K, G, T, m0, min(16 * T, N - m0),
                      reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane);
         }
         // In the ring every warp adds up 2·T of the rows, so no warp starts the next tile late.
@@ -485,69 +510,77 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
     }
     if (io.norm && io.normed && blockIdx.x == 0)
-        for (int k = tid; k < K; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
+        for (int k = tid; k < k_in; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
 }
 
-#define VEC_DISPATCH(T, MODE)                                                              \
-    if (G == 128) mma_vec_t<4, T, MODE>(W, S, B, x, y, N, K, bias, io, nbuf, red);           \
-    else if (G == 64) mma_vec_t<2, T, MODE>(W, S, B, x, y, N, K, bias, io, nbuf, red);       \
-    else mma_vec_t<1, T, MODE>(W, S, B, x, y, N, K, bias, io, nbuf, red);
-
-#define VEC_TILES(MODE)            \
-    if (tiles == 4) {              \
-        VEC_DISPATCH(4, MODE)      \
-    } else if (tiles == 3) {       \
-        VEC_DISPATCH(3, MODE)      \
-    } else if (tiles == 2) {       \
-        VEC_DISPATCH(2, MODE)      \
-    } else {                       \
-        VEC_DISPATCH(1, MODE)      \
-    }
-
-// tiles: row tiles of 16 per block (1 to 4).
-extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                  const bf16_t* __restrict__ B, const float* x,
-                                                                  float* __restrict__ y, int N, int K, int G, int tiles,
-                                                                  const float* __restrict__ bias, const VecIo io) {
-    long long n0 = (long long)blockIdx.x * 16 * tiles;
-    l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);
-    l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
-    l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);
-    // mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
-    // The 8 warps' sums of the block's rows, then the residual rows of `accumulate` (one array
-    // for every instantiation).
-    __shared__ float red[9][64];
-    const int nbuf = 1;
-    VEC_TILES(VEC_GLOBAL)
+// The group's digit count picks P (G = 32·P digits); 8-bit codes take groups of 32 or 64 inputs
+// (G = 64 or 128 digits).
+template <int T, int MODE, bool C8>
+__device__ __forceinline__ void vec_dispatch(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
+                                             float* y, int N, int K, int G, const float* bias, const VecIo& io,
+                                             int nbuf, float (*red)[64]) {
+    if (G == 128) mma_vec_t<4, T, MODE, C8>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    else if (G == 64) mma_vec_t<2, T, MODE, C8>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    else if constexpr (!C8) mma_vec_t<1, T, MODE, C8>(W, S, B, x, y, N, K, bias, io, nbuf, red);
 }
 
-// As mma_vec_affine4 with the block's rows of W, S and B staged in shared memory by bulk copies
-// issued before the wait (one launch wave: every block resident while the kernel before runs).
-// Needs K/G % 8 == 0 (the scale rows copied whole 16-byte units) and 16-byte aligned matrices.
-// 96 registers: two blocks an SM then leave 16K registers, room for a 256-thread block of the
-// next kernel at 64 (the GDN step after the input projection) to become resident and load its
-// state before its wait. At the 128 that two blocks allow nothing else fits: 35B 4-bit decode on
-// an H200 535 → 550 tok/s (at 104 registers 532, at 85 with spills 489).
-extern "C" __global__ void __maxnreg__(96) mma_vec_affine4_staged(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                         const bf16_t* __restrict__ B, const float* x,
-                                                                         float* __restrict__ y, int N, int K, int G, int tiles,
-                                                                         const float* __restrict__ bias, const VecIo io) {
-    __shared__ float red[9][64];
-    const int nbuf = 1;
-    VEC_TILES(VEC_STAGED)
+template <int MODE, bool C8>
+__device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
+                                          float* y, int N, int K, int G, int tiles, const float* bias,
+                                          const VecIo& io, float (*red)[64]) {
+    if (tiles == 4) vec_dispatch<4, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 3) vec_dispatch<3, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 2) vec_dispatch<2, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else vec_dispatch<1, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
 }
 
 // Row tiles of 16 per tile of the ring kernel.
 #define VEC_RING_TILES 2
 
-// As mma_vec_affine4_staged for a launch of more row tiles than blocks: block b works through
-// tiles b, b + gridDim.x, … of VEC_RING_TILES row tiles each from a ring of `nbuf` staged
+// The entries for 4-bit (C8 false) and 8-bit codes (K and G in digits, twice the inputs).
+//
+// mma_vec_affine{BITS}: tiles row tiles of 16 per block (1 to 4), rows streamed from global memory.
+//
+// mma_vec_affine{BITS}_staged: the block's rows of W, S and B staged in shared memory by bulk
+// copies issued before the wait (one launch wave: every block resident while the kernel before
+// runs). Needs K/G % 8 == 0 (the scale rows copied whole 16-byte units) and 16-byte aligned
+// matrices. 96 registers: two blocks an SM then leave 16K registers, room for a 256-thread block
+// of the next kernel at 64 (the GDN step after the input projection) to become resident and load
+// its state before its wait. At the 128 that two blocks allow nothing else fits: 35B 4-bit decode
+// on an H200 535 → 550 tok/s (at 104 registers 532, at 85 with spills 489).
+//
+// mma_vec_affine{BITS}_ring: as _staged for a launch of more row tiles than blocks: block b works
+// through tiles b, b + gridDim.x, … of VEC_RING_TILES row tiles each from a ring of `nbuf` staged
 // tiles, each refilled by bulk copies as soon as the block is past it (no conv epilogue). The
 // input is staged once per block.
-extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine4_ring(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                       const bf16_t* __restrict__ B, const float* x,
-                                                                       float* __restrict__ y, int N, int K, int G,
-                                                                       const float* __restrict__ bias, const VecIo io, int nbuf) {
-    __shared__ float red[16][64];
-    VEC_DISPATCH(VEC_RING_TILES, VEC_RING)
-}
+//
+// The global entry's first blocks ask L2 for their rows (K/2 bytes a row of words: K digits of 4
+// bits) before mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
+// red: the 8 warps' sums of the block's rows, then the residual rows of `accumulate` (the ring
+// alternates two sets of sums).
+#define VEC_ENTRIES(BITS, C8)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine##BITS(                                      \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
+        long long n0 = (long long)blockIdx.x * 16 * tiles;                                                          \
+        l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);                                                  \
+        l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
+        l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
+        __shared__ float red[9][64];                                                                                \
+        vec_tiles<VEC_GLOBAL, C8>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                    \
+    }                                                                                                               \
+    extern "C" __global__ void __maxnreg__(96) mma_vec_affine##BITS##_staged(                                       \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
+        __shared__ float red[9][64];                                                                                \
+        vec_tiles<VEC_STAGED, C8>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                    \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine##BITS##_ring(                               \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        float* __restrict__ y, int N, int K, int G, const float* __restrict__ bias, const VecIo io, int nbuf) {     \
+        __shared__ float red[16][64];                                                                               \
+        vec_dispatch<VEC_RING_TILES, VEC_RING, C8>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);                    \
+    }
+
+VEC_ENTRIES(4, false)
+VEC_ENTRIES(8, true)

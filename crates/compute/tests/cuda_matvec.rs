@@ -343,19 +343,21 @@ fn slot_forms(rows: usize) {
     }
 }
 
-/// One input row through a 4-bit affine matrix goes to the single-row tensor-core kernel
+/// One input row through a 4- or 8-bit affine matrix goes to the single-row tensor-core kernel
 /// (mma_vec.cu): against the CPU's quantized matmul on the same words, odd N (one to four 16-row
-/// tiles per block; staged, streamed and ring launches), each group size, with a bias. Like the
-/// multi-row tensor-core forms, the input enters as bf16 hi + lo (16 significant bits, relative
-/// error ≤ 2⁻¹⁸ per input) with f32 accumulation: 3e-5 of the largest output.
+/// tiles per block; staged, streamed and ring launches), each group size the kernel takes, with a
+/// bias. Like the multi-row tensor-core forms, the input enters as bf16 hi + lo (16 significant
+/// bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation: 3e-5 of the largest output.
+/// An 8-bit code enters as two 4-bit digits meeting x and 16·x (exact scalings): the same bound.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn single_row_4bit_on_tensor_cores_matches_cpu() {
+fn single_row_on_tensor_cores_matches_cpu() {
     use deltamoe_compute::cpu::quant::qmatmul;
+    use deltamoe_compute::cuda::vec;
     use deltamoe_compute::{AffineWeight, PackedWords};
     let g = gpu();
     let mut r = rng();
-    for &(group, n, k) in &[
+    let cases = [
         (32usize, 37usize, 256usize),
         (64, 130, 2048),
         (128, 1001, 4096),
@@ -368,9 +370,15 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
         // More row tiles than resident blocks with whole 16-byte scale rows: the ring kernel.
         (64, 20011, 1024),
         (128, 30001, 2048),
-    ] {
+        // 8-bit: an MoE router with its shared-expert gate row (mlx-lm's 8 bits, group 64).
+        (64, 257, 2048),
+    ];
+    for (bits, &(group, n, k)) in [4, 8]
+        .into_iter()
+        .flat_map(|b| cases.iter().map(move |c| (b, c)))
+    {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
-        let a = Affine::new(&g, &w, k, group, 4);
+        let a = Affine::new(&g, &w, k, group, bits);
         let x = rand_vec(&mut r, k, -1.0, 1.0);
         let bias = rand_vec(&mut r, n, -1.0, 1.0);
         let (dx, dbias) = (g.upload(&x).unwrap(), g.upload(&bias).unwrap());
@@ -378,17 +386,27 @@ fn single_row_4bit_on_tensor_cores_matches_cpu() {
             bias: dbias.ptr(),
             ..a.matvec(n, k)
         };
+        // Every 4-bit case is taken; 8-bit ones with groups of 32 or 64 and up to 4096 inputs.
+        let taken = vec::takes(&m, &Slots::one());
+        assert_eq!(
+            taken,
+            bits == 4 || (group <= 64 && k <= 4096),
+            "{bits}-bit g{group} {n}x{k}"
+        );
+        if !taken {
+            continue;
+        }
         let dy = g.zeros::<f32>(n).unwrap();
         ops::matvec(&g, m, dx.ptr(), dy.ptr(), Slots::one()).unwrap();
         let t = |v: &[u16]| Tensor::from_half_bits(DType::BF16, vec![n, k / group], v.to_vec());
         let words = PackedWords::from_vec(a.q.words.clone());
-        let aw = AffineWeight::new(4, group, n, k, words, t(&a.scales), t(&a.biases)).unwrap();
+        let aw = AffineWeight::new(bits, group, n, k, words, t(&a.scales), t(&a.biases)).unwrap();
         let mut want = vec![0.0; n];
         qmatmul(&x, 1, &aw, &mut want);
         for (o, b) in want.iter_mut().zip(&bias) {
             *o += b;
         }
-        let name = format!("single-row 4-bit g{group} {n}x{k}");
+        let name = format!("single-row {bits}-bit g{group} {n}x{k}");
         assert_close(&name, &g.read(&dy, n).unwrap(), &want, 3e-5);
     }
 }
@@ -405,15 +423,19 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
     use deltamoe_compute::cuda::vec::{self, VecIo};
     let g = gpu();
     let mut r = rng();
-    for &(group, n, k, c, taps) in &[
-        (64usize, 12352usize, 2048usize, 8192usize, 4usize),
-        (64, 2051, 4096, 0, 0),
-        (64, 20011, 1024, 0, 0),
-        (128, 1001, 4096, 999, 3),
-        (32, 300, 256, 17, 1),
+    for &(bits, group, n, k, c, taps) in &[
+        (4, 64usize, 12352usize, 2048usize, 8192usize, 4usize),
+        (4, 64, 2051, 4096, 0, 0),
+        (4, 64, 20011, 1024, 0, 0),
+        (4, 128, 1001, 4096, 999, 3),
+        (4, 32, 300, 256, 17, 1),
+        // 8-bit: a router that normalizes (staged), a ring launch, a conv step.
+        (8, 64, 257, 2048, 0, 0),
+        (8, 64, 20011, 512, 0, 0),
+        (8, 32, 301, 256, 17, 2),
     ] {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
-        let a = Affine::new(&g, &w, k, group, 4);
+        let a = Affine::new(&g, &w, k, group, bits);
         let m = a.matvec(n, k);
         assert!(vec::takes(&m, &Slots::one()));
         let x = rand_vec(&mut r, k, -3.0, 3.0);
@@ -470,7 +492,7 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
             best: 0,
         };
         vec::matvec(&g, m, dx.ptr(), y_b.ptr(), io).unwrap();
-        let name = format!("fused g{group} {n}x{k} conv {c}x{taps}");
+        let name = format!("fused {bits}-bit g{group} {n}x{k} conv {c}x{taps}");
         let nv = g.read(&normed, k).unwrap();
         assert_close(
             &format!("{name} normed"),

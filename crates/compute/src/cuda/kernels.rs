@@ -56,11 +56,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "mma_vec.cu",
         include_str!("../../kernels/mma_vec.cu"),
-        &[
-            "mma_vec_affine4",
-            "mma_vec_affine4_staged",
-            "mma_vec_affine4_ring",
-        ],
+        &super::vec::ENTRIES,
     ),
     (
         "norm.cu",

@@ -1,8 +1,9 @@
-//! One input row through a 4-bit MLX affine matrix on tensor cores (`kernels/mma_vec.cu`): the
-//! decode projections and lm_head of 4-bit models. Dequantizing on CUDA cores costs several
-//! instructions per weight, more than the issue rate allows at memory speed; here the codes enter
-//! mma.sync exactly, two per instruction, with the FMA dequant form per group and the input as
-//! bf16 hi + lo (see the kernel's header).
+//! One input row through a 4- or 8-bit MLX affine matrix on tensor cores (`kernels/mma_vec.cu`):
+//! the decode projections, routers and lm_head of quantized models. Dequantizing on CUDA cores
+//! costs several instructions per weight, more than the issue rate allows at memory speed; here the
+//! codes enter mma.sync exactly, two per instruction, with the FMA dequant form per group and the
+//! input as bf16 hi + lo (see the kernel's header). An 8-bit code enters as two 4-bit digits, so
+//! the kernel sees a matrix of twice the inputs and groups in digits ([`digits`]).
 
 use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, GDN_CONV_KMAX};
 use super::{driver_err, CudaError, Gpu, Result};
@@ -45,18 +46,27 @@ unsafe impl DeviceRepr for VecIo {}
 /// Largest K the single-row tensor-core kernel stages in shared memory (5 bytes per input).
 const VEC_MAX_K: usize = 8192;
 
+/// The inputs and the group size the kernel works in for `bits`-bit codes: 4-bit digits, so an
+/// 8-bit code counts twice (mma_vec.cu's header); `None` for widths and groups it does not take
+/// (4 bits with groups of 32, 64 or 128; 8 bits with groups of 32 or 64).
+pub fn digits(bits: u32, k: usize, group: usize) -> Option<(usize, usize)> {
+    match (bits, group) {
+        (4, 32 | 64 | 128) => Some((k, group)),
+        (8, 32 | 64) => Some((2 * k, 2 * group)),
+        _ => None,
+    }
+}
+
 /// Whether one input row through `m` goes to the single-row tensor-core kernel (mma_vec.cu):
-/// 4-bit affine weights with groups of 32, 64 or 128.
+/// 4- or 8-bit affine weights whose groups [`digits`] takes.
 pub fn takes(m: &Matvec, sl: &Slots) -> bool {
-    let WeightFormat::Affine { bits: 4, group, .. } = m.format else {
+    let WeightFormat::Affine { bits, group, .. } = m.format else {
         return false;
     };
-    sl.n == 1
-        && sl.ids == 0
-        && sl.far.is_none()
-        && matches!(group, 32 | 64 | 128)
-        && m.k.is_multiple_of(group)
-        && m.k <= VEC_MAX_K
+    let Some((k, _)) = digits(bits, m.k, group) else {
+        return false;
+    };
+    sl.n == 1 && sl.ids == 0 && sl.far.is_none() && m.k.is_multiple_of(group) && k <= VEC_MAX_K
 }
 
 /// Blocks of the single-row kernel resident at once per multiprocessor (two: 128 registers ×
@@ -79,53 +89,82 @@ pub fn tiles(n: usize, resident: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// How a single-row product launches: the entry, its dynamic shared memory, grid and ring buffers,
-/// with the matrix's group and its scales and biases.
+/// The entries of mma_vec.cu: streamed, staged and ring ([`Form`]) for 4-bit codes, then for
+/// 8-bit codes.
+pub(super) const ENTRIES: [&str; 6] = [
+    "mma_vec_affine4",
+    "mma_vec_affine4_staged",
+    "mma_vec_affine4_ring",
+    "mma_vec_affine8",
+    "mma_vec_affine8_staged",
+    "mma_vec_affine8_ring",
+];
+
+/// Where a launch reads its weights (mma_vec.cu's VEC_GLOBAL, VEC_STAGED, VEC_RING), in the
+/// order of [`ENTRIES`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Form {
+    Streamed,
+    Staged,
+    Ring,
+}
+
+/// How a single-row product launches: the form, its dynamic shared memory, grid and ring buffers,
+/// with the matrix's inputs and group in digits ([`digits`]) and its scales and biases.
 struct Plan {
     name: &'static str,
+    form: Form,
     smem: usize,
     grid: u32,
     tiles: usize,
     nbuf: Option<i32>,
+    k: usize,
     group: usize,
     scales: u64,
     biases: u64,
 }
 
 fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
+    let unsupported = || {
+        CudaError::Unsupported(
+            "the single-row kernel takes 4-bit (groups 32-128) or 8-bit (groups 32, 64) affine weights"
+                .into(),
+        )
+    };
     let WeightFormat::Affine {
+        bits,
         group,
         scales,
         biases,
-        ..
     } = m.format
     else {
-        return Err(CudaError::Unsupported(
-            "mma_vec_affine4 takes 4-bit affine weights".into(),
-        ));
+        return Err(unsupported());
     };
+    let (k, group) = digits(bits, m.k, group).ok_or_else(unsupported)?;
     let resident = BLOCKS_PER_SM * g.multiprocessors();
     let tiles = tiles(m.n, resident);
     // Bulk copies need sm_90 and 16-byte aligned matrices.
     let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
     let n_blocks = blocks(m.n, 16 * tiles);
     let one_wave = n_blocks as usize <= resident;
-    let staged = staged_smem(m.k, group, tiles).filter(|_| bulk && one_wave);
-    let ring = ring_plan(m.k, group, RING_TILES).filter(|_| bulk && !one_wave && !conv);
-    let (name, smem, grid, nbuf) = match (staged, ring) {
-        (Some(bytes), _) => ("mma_vec_affine4_staged", bytes, n_blocks, None),
+    let staged = staged_smem(k, group, tiles).filter(|_| bulk && one_wave);
+    let ring = ring_plan(k, group, RING_TILES).filter(|_| bulk && !one_wave && !conv);
+    let (form, smem, grid, nbuf) = match (staged, ring) {
+        (Some(bytes), _) => (Form::Staged, bytes, n_blocks, None),
         (None, Some((nbuf, bytes))) => {
             let grid = blocks(m.n, 16 * RING_TILES).min(resident as u32);
-            ("mma_vec_affine4_ring", bytes, grid, Some(nbuf as i32))
+            (Form::Ring, bytes, grid, Some(nbuf as i32))
         }
-        (None, None) => ("mma_vec_affine4", stage_smem(m.k, group), n_blocks, None),
+        (None, None) => (Form::Streamed, stage_smem(k, group), n_blocks, None),
     };
     Ok(Plan {
-        name,
+        name: ENTRIES[3 * usize::from(bits == 8) + form as usize],
+        form,
         smem,
         grid,
         tiles,
         nbuf,
+        k,
         group,
         scales,
         biases,
@@ -136,18 +175,20 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
 /// kernel, the one that writes [`VecIo::best`] (one pair a block); `None` for the other forms.
 pub fn ring_blocks(g: &Gpu, m: &Matvec) -> Result<Option<u32>> {
     let p = plan(g, m, false)?;
-    Ok((p.name == "mma_vec_affine4_ring").then_some(p.grid))
+    Ok((p.form == Form::Ring).then_some(p.grid))
 }
 
-/// `y = W x (+ bias)` for one input row of a 4-bit affine matrix on tensor cores, with what `io`
+/// `y = W x (+ bias)` for one input row of a 4- or 8-bit affine matrix on tensor cores, with what `io`
 /// adds (see [`VecIo`]; the caller checked [`takes`]).
 pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     let Plan {
         name,
+        form,
         smem,
         grid,
         tiles,
         nbuf,
+        k,
         group,
         scales,
         biases,
@@ -164,8 +205,8 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
             io.conv_k
         )));
     }
-    let (n32, k32, g32, t32) = (m.n as i32, m.k as i32, group as i32, tiles as i32);
-    if name != "mma_vec_affine4" {
+    let (n32, k32, g32, t32) = (m.n as i32, k as i32, group as i32, tiles as i32);
+    if form != Form::Streamed {
         g.raise_smem(name, smem)?;
     }
     let mut b = g.launch_builder(g.kernels().get(name));
@@ -184,14 +225,15 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     if let Some(n) = &nbuf {
         b.arg(n);
     }
-    // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 (G | K, G ∈ {32, 64, 128},
-    // checked by `takes`); x holds K floats (16-byte aligned device buffer), y N floats;
+    // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 with K and G in digits (G | K,
+    // G ∈ {32, 64, 128}, checked by `digits` and `takes`); x holds the matrix's m.k floats (K
+    // for 4-bit codes, K/2 for 8-bit ones; 16-byte aligned device buffer), y N floats;
     // the dynamic shared memory holds the staged x and the group sums (under 48 KB for
     // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`),
     // for the ring kernel its `nbuf` tiles and barriers (`ring_plan`; both check the copies'
     // 16-byte units, the device's sm_90 and the matrices' alignment are checked above); the
     // ring's blocks walk its tiles with a stride of the grid, each tile bounds-checked against
-    // N. With `io`: norm, normed hold K floats (16-byte aligned), the conv's
+    // N. With `io`: norm, normed hold m.k floats (16-byte aligned), the conv's
     // weights conv_c·conv_k floats, its state a slot's (conv_k − 1)·conv_c floats at slots[0]
     // (conv_c ≤ N, conv_k ≤ GDN_CONV_KMAX, checked above) and mixed conv_c floats; best, when
     // given to the ring kernel, 2·grid floats (the caller sized it by `ring_blocks`).
@@ -209,9 +251,10 @@ fn stage_smem(k: usize, group: usize) -> usize {
 /// sm_90 multiprocessor gives (with each block's 2 KB of static memory and 1 KB reserved).
 const STAGED_MAX_SMEM: usize = 110 * 1024;
 
-/// Dynamic shared memory of the staged single-row kernel (`mma_vec_affine4_staged`) with `tiles`
-/// row tiles of 16 per block: the input staging, then 16·T rows of words (K/2 bytes each, 32
-/// bytes of padding between rows), the rows' scales and biases and an 8-byte barrier; `None`
+/// Dynamic shared memory of the staged single-row kernel (`mma_vec_affine{4,8}_staged`) with
+/// `tiles` row tiles of 16 per block (K and the group in digits): the input staging, then 16·T
+/// rows of words (K/2 bytes each, G/2 bytes of padding between rows), the rows' scales and
+/// biases and an 8-byte barrier; `None`
 /// when the scale rows are not whole 16-byte units (K/G % 8 ≠ 0: the bulk copies move 16-byte
 /// units) or the tile does not fit two blocks per SM.
 pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
@@ -220,10 +263,11 @@ pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
 }
 
 /// Bytes of one staged tile of `tiles` row tiles of 16 (`vec_tile_bytes` in mma_vec.cu): the
-/// rows of words, 32 bytes of padding after each, then the rows' scales and biases.
+/// rows of words, each padded by `group` / 2 bytes (the 4·P words that put a load's rows on
+/// distinct banks, `vec_row_words`), then the rows' scales and biases.
 fn tile_smem(k: usize, group: usize, tiles: usize) -> usize {
     let rows = 16 * tiles;
-    rows * (k / 2 + 32) + rows * (k / group) * 4
+    rows * (k / 2 + group / 2) + rows * (k / group) * 4
 }
 
 /// Row tiles of 16 per block of the ring kernel (`mma_vec_affine4_ring`, VEC_RING_TILES there).
@@ -255,6 +299,21 @@ mod tests {
         assert_eq!(super::tiles(1, 264), 1);
         // 108 SMs (A100): 772 tiles in one wave of 4 rather than two of 3.
         assert_eq!(super::tiles(12_352, 216), 4);
+    }
+
+    #[test]
+    fn eight_bit_codes_count_as_two_digits() {
+        assert_eq!(super::digits(4, 2048, 64), Some((2048, 64)));
+        assert_eq!(super::digits(8, 2048, 64), Some((4096, 128)));
+        assert_eq!(super::digits(8, 2048, 32), Some((4096, 64)));
+        assert_eq!(super::digits(8, 2048, 128), None);
+        assert_eq!(super::digits(2, 2048, 64), None);
+        // An 8-bit router of the 35B shape (257 rows of 2048 inputs, groups of 64) is staged:
+        // x' of 4096 digits, then 16 rows of 2048 bytes + 64 of padding and their scales.
+        assert_eq!(
+            super::staged_smem(4096, 128, 1),
+            Some(16_640 + 16 * 2112 + 16 * 32 * 4 + 16)
+        );
     }
 
     #[test]

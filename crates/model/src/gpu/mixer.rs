@@ -5,7 +5,7 @@
 //! residual `x` is whole at every sublayer boundary: the input projection normalizes `x` as it
 //! stages it and, for a GDN layer, runs the conv step on its output rows; the output projection
 //! adds into `x`; the router normalizes `x` for the ffn and leaves that row in `normed` for the
-//! experts (a router the kernel does not take, e.g. 8-bit, or a dense ffn gets the norm as its own
+//! experts (a router the kernel does not take, e.g. bf16 or 2-bit, or a dense ffn gets the norm as its own
 //! launch); the expert down projections (or, with the shared
 //! expert apart or experts on the host, the combine after them) add their weighted sum into `x`.
 //! That saves the add+norm, conv and combine launches of every layer. Otherwise the norms run as their own launches on
@@ -210,13 +210,16 @@ mod tests {
     }
 
     #[test]
-    fn fused_decode_takes_one_row_of_4bit_mixer_projections() {
-        let layer = || [mat(12_352, 2048, 4), mat(2048, 4096, 4)];
-        assert!(fused_decode(1, layer().into_iter()));
-        // Batches, bf16 or 8-bit weights, or inputs past the staging limit do not.
-        assert!(!fused_decode(2, layer().into_iter()));
+    fn fused_decode_takes_one_row_of_4_and_8_bit_mixer_projections() {
+        let layer = |bits| [mat(12_352, 2048, bits), mat(2048, 4096, bits)];
+        assert!(fused_decode(1, layer(4).into_iter()));
+        assert!(fused_decode(1, layer(8).into_iter()));
+        // Batches, bf16 or 2-bit weights, or inputs past the staging limit (an 8-bit input
+        // counts as two digits) do not.
+        assert!(!fused_decode(2, layer(4).into_iter()));
         assert!(!fused_decode(1, [mat(2048, 4096, 16)].into_iter()));
-        assert!(!fused_decode(1, [mat(2048, 4096, 8)].into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 4096, 2)].into_iter()));
         assert!(!fused_decode(1, [mat(2048, 16_384, 4)].into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 8192, 8)].into_iter()));
     }
 }

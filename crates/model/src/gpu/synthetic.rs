@@ -12,6 +12,7 @@ use deltamoe_compute::cuda::host::HostBuf;
 use super::offload::{ExpertCache, HostMat, HostWeights, LayerExperts};
 use super::{DevMat, DevWeights, GpuFfn, GpuLayer, GpuMixer, GpuModel, Parts, Result};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
+use crate::convert::ROUTER_SPEC;
 
 /// Fills buffers with seeded uniform values, a new seed per buffer. Matrices are bf16, or
 /// affine-quantized with `(bits, group)` when `quant` is set.
@@ -77,6 +78,16 @@ impl Filler<'_> {
         })
     }
 
+    /// An MoE router (its experts' rows and the shared-expert gate's) as `deltamoe convert` and
+    /// mlx-lm store it in a quantized model: at [`ROUTER_SPEC`] (8 bits, group 64).
+    fn router(&mut self, n: usize, k: usize) -> Result<DevMat> {
+        let quant = self.quant;
+        self.quant = quant.map(|_| (ROUTER_SPEC.bits, ROUTER_SPEC.group_size));
+        let m = self.mats(1, n, k);
+        self.quant = quant;
+        m
+    }
+
     /// As [`Self::mats`], in pinned host memory (filled by the device through the mapping).
     fn host_mats(&mut self, count: usize, n: usize, k: usize) -> Result<HostMat> {
         let g = self.g;
@@ -127,7 +138,8 @@ impl Filler<'_> {
 
 impl GpuModel {
     /// Random weights of config `c` on `gpu`: bf16, or affine-quantized matrices with
-    /// `quant = Some((bits, group))` (norms, conv and gates stay f32, the embedding bf16). With
+    /// `quant = Some((bits, group))` (the MoE routers at 8 bits as the converter writes them;
+    /// norms, conv and gates stay f32, the embedding bf16). With
     /// a `cache` other than [`ExpertCache::All`] the routed experts are made in pinned host
     /// memory and cached on the device as that says.
     pub fn synthetic(
@@ -195,7 +207,7 @@ impl GpuModel {
                         Some((f.mats(1, 2 * sn, h)?, f.mats(1, h, sn)?))
                     };
                     let count = e + stacked as usize;
-                    let router = f.mats(1, e + 1, h)?;
+                    let router = f.router(e + 1, h)?;
                     if offload {
                         let (gu, down) = (f.host_mats(count, 2 * n, h)?, f.host_mats(count, h, n)?);
                         let lx = LayerExperts::from_host(g, gu, down, e, stacked)?;
