@@ -23,11 +23,12 @@
 // too (weights never depend on an earlier kernel), and every block asks L1 for its rows' scales
 // and biases, read once per group after the products.
 //
-// grid ceil(N / (16·T)), block 256, dynamic shared memory K·4 + (K/G)·8 bytes; T = `tiles`
+// grid ceil(N / (16·T)), block 32·NW (NW = 8 warps, 16 for _staged16), dynamic shared memory
+// K·4 + (K/G)·8 bytes; T = `tiles`
 // (1 to 4) row tiles of 16 per block. The block stages x once for its 16·T rows: per word
 // position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
 // x_lo, and the sums of x and of x_hi + x_lo over each group. Warp v takes
-// the groups g ≡ v (mod 8), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
+// the groups g ≡ v (mod NW), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
 // (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds cap the
 // registers at 128). Within a group, lane (gid, t) of the mma holds rows gid and gid + 8 of each
 // tile and the group's words t·P .. t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word
@@ -37,7 +38,7 @@
 // zero in lanes with gid ≥ 2), so one mma per k16 step takes both: half the products of two
 // mmas with column 0 alone, which bound the kernel when its weights are already on chip. After
 // each group, lanes t = 0 (which hold columns 0 and 1) fold the group's two partial sums in
-// with its scale and bias; the 8 warps' sums meet in shared memory.
+// with its scale and bias; the warps' sums meet in shared memory.
 //
 // VecIo (one per launch, by value) adds to either entry, for a decode layer's fused steps:
 // - norm: x is a raw residual row to be taken through an RMSNorm first: the block stages
@@ -214,7 +215,7 @@ __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, con
     }
 }
 
-template <int P, int T, int MODE, bool C8>
+template <int P, int T, int MODE, bool C8, int NW>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, const VecIo& io, int nbuf,
@@ -266,7 +267,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     auto load_groups = [&](int gb) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            int g = gb + 8 * u;
+            int g = gb + NW * u;
             if (g < ng) {
                 long long at = (long long)g * (G / 8) + t * P;
 #pragma unroll
@@ -313,7 +314,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     // A one-tile block's residual rows (y of `accumulate`; thread r adds row r) are copied into
     // shared memory now, under the staging and the products, rather than loaded after them: one
     // round trip to L2 fewer on the way out, and no register held.
-    float* y_old = red[8];
+    float* y_old = red[NW];
     if (MODE != VEC_RING && io.accumulate && tid < min(16 * T, N - n0)) {
         cp_async4(&y_old[tid], y + n0 + tid);
         cp_async_commit();
@@ -388,7 +389,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
     }
     // The warps' sums of squares meet in shared memory with the staged x.
-    __shared__ float ssq[8];
+    __shared__ float ssq[NW];
     if (io.norm) {
         ss = warp_sum(ss);
         if (lane == 0) ssq[v] = ss;
@@ -398,7 +399,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     if (io.norm) {
         float total = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) total += ssq[i];
+        for (int i = 0; i < NW; ++i) total += ssq[i];
         r_norm = rsqrtf(total / k_in + io.eps);
     }
 
@@ -418,11 +419,11 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         float acc0[T], acc1[T];
 #pragma unroll
         for (int i = 0; i < T; ++i) acc0[i] = acc1[i] = 0.f;
-        for (int gb = v; gb < ng; gb += 8 * U) {
+        for (int gb = v; gb < ng; gb += NW * U) {
             if (gb != v) load_groups(gb);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                int g = gb + 8 * u;
+                int g = gb + NW * u;
                 if (g >= ng) break;
                 float c[T][4];
 #pragma unroll
@@ -481,7 +482,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             if (n0 + r < N) {
                 float sum = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) sum += rd[i][r];
+                for (int i = 0; i < NW; ++i) sum += rd[i][r];
                 float out = sum * r_norm + (bias ? bias[n0 + r] : 0.f);
                 if (io.accumulate && MODE == VEC_RING) out = y[n0 + r] + out;
                 if (io.accumulate && MODE != VEC_RING) {
@@ -515,23 +516,23 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 
 // The group's digit count picks P (G = 32·P digits); 8-bit codes take groups of 32 or 64 inputs
 // (G = 64 or 128 digits).
-template <int T, int MODE, bool C8>
+template <int T, int MODE, bool C8, int NW>
 __device__ __forceinline__ void vec_dispatch(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
                                              float* y, int N, int K, int G, const float* bias, const VecIo& io,
                                              int nbuf, float (*red)[64]) {
-    if (G == 128) mma_vec_t<4, T, MODE, C8>(W, S, B, x, y, N, K, bias, io, nbuf, red);
-    else if (G == 64) mma_vec_t<2, T, MODE, C8>(W, S, B, x, y, N, K, bias, io, nbuf, red);
-    else if constexpr (!C8) mma_vec_t<1, T, MODE, C8>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    if (G == 128) mma_vec_t<4, T, MODE, C8, NW>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    else if (G == 64) mma_vec_t<2, T, MODE, C8, NW>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    else if constexpr (!C8) mma_vec_t<1, T, MODE, C8, NW>(W, S, B, x, y, N, K, bias, io, nbuf, red);
 }
 
-template <int MODE, bool C8>
+template <int MODE, bool C8, int NW>
 __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
                                           float* y, int N, int K, int G, int tiles, const float* bias,
                                           const VecIo& io, float (*red)[64]) {
-    if (tiles == 4) vec_dispatch<4, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else if (tiles == 3) vec_dispatch<3, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else if (tiles == 2) vec_dispatch<2, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else vec_dispatch<1, MODE, C8>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    if (tiles == 4) vec_dispatch<4, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 3) vec_dispatch<3, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 2) vec_dispatch<2, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else vec_dispatch<1, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
 }
 
 // Row tiles of 16 per tile of the ring kernel.
@@ -549,6 +550,13 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 // its state before its wait. At the 128 that two blocks allow nothing else fits: 35B 4-bit decode
 // on an H200 535 → 550 tok/s (at 104 registers 532, at 85 with spills 489).
 //
+// mma_vec_affine{BITS}_staged16: as _staged in blocks of 16 warps (512 threads, one block an SM
+// at 96 registers with room for 16K more), for a launch of at most one block per SM: each warp
+// then takes half the groups, which halves the chain of products on a block's critical path (the
+// router's 17 blocks, a GDN or attention output projection's 128 on the 35B shape). 35B 4-bit
+// decode on an H200 538.2 / 535.8 / 535.7 → 556.8 / 548.5 / 553.7 tok/s, 80B 420.9 → 433.8, a
+// whole 8-bit 35B (twice the digits a row) 376.5 → 426.4.
+//
 // mma_vec_affine{BITS}_ring: as _staged for a launch of more row tiles than blocks: block b works
 // through tiles b, b + gridDim.x, … of VEC_RING_TILES row tiles each from a ring of `nbuf` staged
 // tiles, each refilled by bulk copies as soon as the block is past it (no conv epilogue). The
@@ -556,8 +564,17 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 //
 // The global entry's first blocks ask L2 for their rows (K/2 bytes a row of words: K digits of 4
 // bits) before mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
-// red: the 8 warps' sums of the block's rows, then the residual rows of `accumulate` (the ring
-// alternates two sets of sums).
+// red: the NW warps' sums of the block's rows, then the residual rows of `accumulate` (the ring
+// alternates two sets of sums of 8 warps).
+// A staged entry of NW warps a block: red holds their sums, then the residual rows.
+#define VEC_STAGED_ENTRY(BITS, C8, SFX, NW)                                                                          \
+    extern "C" __global__ void __maxnreg__(96) mma_vec_affine##BITS##SFX(                                           \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
+        __shared__ float red[NW + 1][64];                                                                           \
+        vec_tiles<VEC_STAGED, C8, NW>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                \
+    }
+
 #define VEC_ENTRIES(BITS, C8)                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine##BITS(                                      \
         const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
@@ -567,19 +584,15 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
         l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
         l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
         __shared__ float red[9][64];                                                                                \
-        vec_tiles<VEC_GLOBAL, C8>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                    \
+        vec_tiles<VEC_GLOBAL, C8, 8>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                    \
     }                                                                                                               \
-    extern "C" __global__ void __maxnreg__(96) mma_vec_affine##BITS##_staged(                                       \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
-        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
-        __shared__ float red[9][64];                                                                                \
-        vec_tiles<VEC_STAGED, C8>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                    \
-    }                                                                                                               \
+    VEC_STAGED_ENTRY(BITS, C8, _staged, 8)                                                                         \
+    VEC_STAGED_ENTRY(BITS, C8, _staged16, 16)                                                                      \
     extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine##BITS##_ring(                               \
         const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
         float* __restrict__ y, int N, int K, int G, const float* __restrict__ bias, const VecIo io, int nbuf) {     \
         __shared__ float red[16][64];                                                                               \
-        vec_dispatch<VEC_RING_TILES, VEC_RING, C8>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);                    \
+        vec_dispatch<VEC_RING_TILES, VEC_RING, C8, 8>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);                    \
     }
 
 VEC_ENTRIES(4, false)

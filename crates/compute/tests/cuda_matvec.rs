@@ -345,9 +345,10 @@ fn slot_forms(rows: usize) {
 
 /// One input row through a 4- or 8-bit affine matrix goes to the single-row tensor-core kernel
 /// (mma_vec.cu): against the CPU's quantized matmul on the same words, odd N (one to four 16-row
-/// tiles per block; staged, streamed and ring launches), each group size the kernel takes, with a
-/// bias. Like the multi-row tensor-core forms, the input enters as bf16 hi + lo (16 significant
-/// bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation: 3e-5 of the largest output.
+/// tiles per block; staged in blocks of 8 or 16 warps, streamed and ring launches), each group
+/// size the kernel takes, with a bias. Like the multi-row tensor-core forms, the input enters as
+/// bf16 hi + lo (16 significant bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation:
+/// 3e-5 of the largest output.
 /// An 8-bit code enters as two 4-bit digits meeting x and 16·x (exact scalings): the same bound.
 #[test]
 #[ignore = "needs a CUDA GPU"]

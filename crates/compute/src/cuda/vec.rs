@@ -89,24 +89,51 @@ pub fn tiles(n: usize, resident: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// The entries of mma_vec.cu: streamed, staged and ring ([`Form`]) for 4-bit codes, then for
-/// 8-bit codes.
-pub(super) const ENTRIES: [&str; 6] = [
+/// The entries of mma_vec.cu: streamed, staged, ring and staged in 16-warp blocks ([`Form`]) for
+/// 4-bit codes, then for 8-bit codes.
+pub(super) const ENTRIES: [&str; 8] = [
     "mma_vec_affine4",
     "mma_vec_affine4_staged",
     "mma_vec_affine4_ring",
+    "mma_vec_affine4_staged16",
     "mma_vec_affine8",
     "mma_vec_affine8_staged",
     "mma_vec_affine8_ring",
+    "mma_vec_affine8_staged16",
 ];
 
-/// Where a launch reads its weights (mma_vec.cu's VEC_GLOBAL, VEC_STAGED, VEC_RING), in the
-/// order of [`ENTRIES`].
+/// Where a launch reads its weights (mma_vec.cu's VEC_GLOBAL, VEC_STAGED, VEC_RING) and in how
+/// many warps a block, in the order of [`ENTRIES`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Form {
     Streamed,
     Staged,
     Ring,
+    /// Staged in blocks of 16 warps.
+    Staged16,
+}
+
+impl Form {
+    /// The form of a launch of `blocks` blocks on `sms` multiprocessors, given whether its tiles
+    /// can be staged (one wave of two 8-warp blocks an SM, whole copy units) or streamed through
+    /// a ring: a staged launch of at most one block per SM takes blocks of 16 warps, each warp
+    /// half the groups (a shorter chain of products per block, the SMs' warps otherwise idle).
+    fn choose(blocks: usize, sms: usize, staged: bool, ring: bool) -> Form {
+        match (staged, ring) {
+            (true, _) if blocks <= sms => Form::Staged16,
+            (true, _) => Form::Staged,
+            (false, true) => Form::Ring,
+            (false, false) => Form::Streamed,
+        }
+    }
+
+    fn threads(self) -> u32 {
+        if self == Form::Staged16 {
+            512
+        } else {
+            256
+        }
+    }
 }
 
 /// How a single-row product launches: the form, its dynamic shared memory, grid and ring buffers,
@@ -149,16 +176,22 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
     let one_wave = n_blocks as usize <= resident;
     let staged = staged_smem(k, group, tiles).filter(|_| bulk && one_wave);
     let ring = ring_plan(k, group, RING_TILES).filter(|_| bulk && !one_wave && !conv);
-    let (form, smem, grid, nbuf) = match (staged, ring) {
-        (Some(bytes), _) => (Form::Staged, bytes, n_blocks, None),
-        (None, Some((nbuf, bytes))) => {
+    let form = Form::choose(
+        n_blocks as usize,
+        g.multiprocessors(),
+        staged.is_some(),
+        ring.is_some(),
+    );
+    let (smem, grid, nbuf) = match (form, staged, ring) {
+        (Form::Staged | Form::Staged16, Some(bytes), _) => (bytes, n_blocks, None),
+        (Form::Ring, _, Some((nbuf, bytes))) => {
             let grid = blocks(m.n, 16 * RING_TILES).min(resident as u32);
-            (Form::Ring, bytes, grid, Some(nbuf as i32))
+            (bytes, grid, Some(nbuf as i32))
         }
-        (None, None) => (Form::Streamed, stage_smem(k, group), n_blocks, None),
+        _ => (stage_smem(k, group), n_blocks, None),
     };
     Ok(Plan {
-        name: ENTRIES[3 * usize::from(bits == 8) + form as usize],
+        name: ENTRIES[4 * usize::from(bits == 8) + form as usize],
         form,
         smem,
         grid,
@@ -237,7 +270,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     // weights conv_c·conv_k floats, its state a slot's (conv_k − 1)·conv_c floats at slots[0]
     // (conv_c ≤ N, conv_k ≤ GDN_CONV_KMAX, checked above) and mixed conv_c floats; best, when
     // given to the ring kernel, 2·grid floats (the caller sized it by `ring_blocks`).
-    unsafe { b.launch(cfg((grid, 1), 256, smem as u32)) }.map_err(driver_err(name))?;
+    unsafe { b.launch(cfg((grid, 1), form.threads(), smem as u32)) }.map_err(driver_err(name))?;
     Ok(())
 }
 
@@ -299,6 +332,20 @@ mod tests {
         assert_eq!(super::tiles(1, 264), 1);
         // 108 SMs (A100): 772 tiles in one wave of 4 rather than two of 3.
         assert_eq!(super::tiles(12_352, 216), 4);
+    }
+
+    #[test]
+    fn launches_of_one_block_an_sm_take_16_warp_blocks() {
+        use super::Form;
+        // The 35B router (17 blocks) and output projections (128) on 132 SMs.
+        assert_eq!(Form::choose(17, 132, true, false), Form::Staged16);
+        assert_eq!(Form::choose(132, 132, true, false), Form::Staged16);
+        // A GDN input projection: 258 blocks, two an SM.
+        assert_eq!(Form::choose(258, 132, true, false), Form::Staged);
+        assert_eq!(Form::choose(1251, 132, false, true), Form::Ring);
+        assert_eq!(Form::choose(17, 132, false, false), Form::Streamed);
+        assert_eq!(Form::Staged16.threads(), 512);
+        assert_eq!(Form::Staged.threads(), 256);
     }
 
     #[test]
