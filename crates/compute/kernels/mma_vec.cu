@@ -170,7 +170,6 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 // Words of x (8 inputs each) a thread loads at once when staging the input.
 #define VEC_X_WORDS 4
 
-
 // Where the single-row kernel reads its weights: straight from global memory (one tile per
 // block), a tile staged in shared memory by bulk copies before the wait (one tile per block,
 // one wave), or a ring of tiles in shared memory refilled while the block works through the
@@ -538,6 +537,15 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 // Row tiles of 16 per tile of the ring kernel.
 #define VEC_RING_TILES 2
 
+// A staged entry (_staged, _staged16) of NW warps a block.
+#define VEC_STAGED_ENTRY(BITS, C8, SFX, NW)                                                                          \
+    extern "C" __global__ void __maxnreg__(96) mma_vec_affine##BITS##SFX(                                           \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
+        __shared__ float red[NW + 1][64];                                                                           \
+        vec_tiles<VEC_STAGED, C8, NW>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                \
+    }
+
 // The entries for 4-bit (C8 false) and 8-bit codes (K and G in digits, twice the inputs).
 //
 // mma_vec_affine{BITS}: tiles row tiles of 16 per block (1 to 4), rows streamed from global memory.
@@ -566,15 +574,6 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 // bits) before mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
 // red: the NW warps' sums of the block's rows, then the residual rows of `accumulate` (the ring
 // alternates two sets of sums of 8 warps).
-// A staged entry of NW warps a block: red holds their sums, then the residual rows.
-#define VEC_STAGED_ENTRY(BITS, C8, SFX, NW)                                                                          \
-    extern "C" __global__ void __maxnreg__(96) mma_vec_affine##BITS##SFX(                                           \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
-        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
-        __shared__ float red[NW + 1][64];                                                                           \
-        vec_tiles<VEC_STAGED, C8, NW>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                \
-    }
-
 #define VEC_ENTRIES(BITS, C8)                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine##BITS(                                      \
         const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \

@@ -5,9 +5,9 @@
 //! residual `x` is whole at every sublayer boundary: the input projection normalizes `x` as it
 //! stages it and, for a GDN layer, runs the conv step on its output rows; the output projection
 //! adds into `x`; the router normalizes `x` for the ffn and leaves that row in `normed` for the
-//! experts (a router the kernel does not take, e.g. bf16 or 2-bit, or a dense ffn gets the norm as its own
-//! launch); the expert down projections (or, with the shared
-//! expert apart or experts on the host, the combine after them) add their weighted sum into `x`.
+//! experts (a router the kernel does not take, e.g. bf16 or 2-bit, or a dense ffn gets the norm
+//! as its own launch); the expert down projections (or, with the shared expert apart or experts
+//! on the host, the combine after them) add their weighted sum into `x`.
 //! That saves the add+norm, conv and combine launches of every layer. Otherwise the norms run as their own launches on
 //! `normed` and each sublayer's output waits in `delta` for the next add+norm.
 

@@ -40,10 +40,22 @@ impl Filler<'_> {
         Ok(w)
     }
 
-    /// `count` stacked `[n, k]` matrices with values of magnitude about 1/sqrt(k): random bits
-    /// for quantized weights, with scales and biases that keep w = q·s + b in that range.
+    /// `count` stacked `[n, k]` matrices with values of magnitude about 1/sqrt(k), quantized as
+    /// the model ([`Self::mats_as`]).
     fn mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
-        let Some((bits, group)) = self.quant else {
+        self.mats_as(self.quant, count, n, k)
+    }
+
+    /// As [`Self::mats`], bf16 or affine-quantized with `quant = Some((bits, group))`: random
+    /// bits, with scales and biases that keep w = q·s + b in that range.
+    fn mats_as(
+        &mut self,
+        quant: Option<(u32, usize)>,
+        count: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<DevMat> {
+        let Some((bits, group)) = quant else {
             let w = DevWeights::Bf16(self.bf16(count * n * k, k)?);
             return Ok(DevMat {
                 w,
@@ -81,11 +93,10 @@ impl Filler<'_> {
     /// An MoE router (its experts' rows and the shared-expert gate's) as `deltamoe convert` and
     /// mlx-lm store it in a quantized model: at [`ROUTER_SPEC`] (8 bits, group 64).
     fn router(&mut self, n: usize, k: usize) -> Result<DevMat> {
-        let quant = self.quant;
-        self.quant = quant.map(|_| (ROUTER_SPEC.bits, ROUTER_SPEC.group_size));
-        let m = self.mats(1, n, k);
-        self.quant = quant;
-        m
+        let quant = self
+            .quant
+            .map(|_| (ROUTER_SPEC.bits, ROUTER_SPEC.group_size));
+        self.mats_as(quant, 1, n, k)
     }
 
     /// As [`Self::mats`], in pinned host memory (filled by the device through the mapping).
