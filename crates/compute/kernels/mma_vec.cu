@@ -29,8 +29,8 @@
 // position w (k = 8w..8w+7) the bf16x2 pairs (x0,x4), (x1,x5), (x2,x6), (x3,x7) of x_hi then of
 // x_lo, and the sums of x and of x_hi + x_lo over each group. Warp v takes
 // the groups g ≡ v (mod NW), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
-// (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds cap the
-// registers at 128). Within a group, lane (gid, t) of the mma holds rows gid and gid + 8 of each
+// when streaming (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds
+// cap the registers at 128), one at a time from a staged tile (see mma_vec_t). Within a group, lane (gid, t) of the mma holds rows gid and gid + 8 of each
 // tile and the group's words t·P .. t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word
 // j of every lane forms one 32-wide k chunk, two k16 steps whose k slots {2t, 2t+1} and
 // {2t+8, 2t+9} take nibbles (i, i+4) and (i+1, i+5) of the lane's word, and x the same pairs (any
@@ -167,8 +167,11 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
     }
 }
 
-// Words of x (8 inputs each) a thread loads at once when staging the input.
-#define VEC_X_WORDS 4
+// Words of x (8 inputs each) a thread stages a pass. A block runs its staging code once, all of
+// it fetched cold, so the shortest code wins over more loads in flight for a large K: 35B 4-bit
+// decode on an H200 563.5 / 564.2 → 586.4 / 581.3 tok/s with 2 instead of 4, 580.8 / 583.3 →
+// 586.3 / 586.3 with 1 instead of 2 (80B 451.8 → 455.0).
+#define VEC_X_WORDS 1
 
 // Where the single-row kernel reads its weights: straight from global memory (one tile per
 // block), a tile staged in shared memory by bulk copies before the wait (one tile per block,
@@ -220,9 +223,13 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                           int N, int K, const float* __restrict__ bias, const VecIo& io, int nbuf,
                           float (*red)[64]) {
     constexpr bool SM = MODE != VEC_GLOBAL;
-    // Groups in flight per warp iteration: 2·T·P·U ≤ 24 words per lane (at most 4 groups).
+    // Groups in flight per warp iteration when streaming from global memory: 2·T·P·U ≤ 24 words
+    // per lane (at most 4 groups). From shared memory (staged, ring) one group an iteration: a
+    // warp runs through its products once, so every instruction of an unrolled body is fetched
+    // cold, and Nsight Compute found the staged launches stalled on instruction fetch for about
+    // half their cycles (35B 4-bit decode on an H200 557 → 561 tok/s, 80B 434 → 439).
     constexpr int U_FIT = 12 / (T * P);
-    constexpr int U = U_FIT < 1 ? 1 : U_FIT > 4 ? 4 : U_FIT;
+    constexpr int U = SM ? 1 : U_FIT < 1 ? 1 : U_FIT > 4 ? 4 : U_FIT;
     extern __shared__ __align__(16) unsigned char vec_smem[];
     // With 8-bit codes K and G count digits, two per input (see the header): x has K / 2 inputs.
     const int G = 32 * P, nw = K / 8, ng = K / G, k_in = C8 ? K / 2 : K;
@@ -321,10 +328,9 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 
     // With an input norm, x·norm is staged and x's sum of squares taken on the way; the row's
     // factor r scales the outputs (Σ_k W[n, k]·x[k]·r·norm[k] = r·Σ_k W[n, k]·x[k]·norm[k]).
-    // A thread's words of x (up to VEC_X_WORDS, all of them for K ≤ 8192 on 256 threads) are
-    // loaded together: one round trip to L2 where a loop of single words took one per word. A
-    // group's G/8 words sit on consecutive lanes of one warp, which sum them by shuffles; lanes
-    // past the last word take part with zeros.
+    // A thread stages VEC_X_WORDS words of x a pass (one pass when the block has a thread per
+    // word). A group's G/8 words sit on consecutive lanes of one warp, which sum them by
+    // shuffles; lanes past the last word take part with zeros.
     float ss = 0.f;
     const int wpg = G / 8;
     for (int wb = tid; wb - lane < nw; wb += VEC_X_WORDS * blockDim.x) {
