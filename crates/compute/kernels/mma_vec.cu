@@ -30,9 +30,10 @@
 // x_lo, and the sums of x and of x_hi + x_lo over each group. Warp v takes
 // the groups g ≡ v (mod NW), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
 // when streaming (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds
-// cap the registers at 128), one at a time from a staged tile (see mma_vec_t). Within a group, lane (gid, t) of the mma holds rows gid and gid + 8 of each
-// tile and the group's words t·P .. t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word
-// j of every lane forms one 32-wide k chunk, two k16 steps whose k slots {2t, 2t+1} and
+// cap the registers at 128), one at a time from a staged tile (see mma_vec_t). Within a group,
+// lane (gid, t) of the mma holds rows gid and gid + 8 of each tile and the group's words
+// t·P .. t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word j of every lane forms one
+// 32-wide k chunk, two k16 steps whose k slots {2t, 2t+1} and
 // {2t+8, 2t+9} take nibbles (i, i+4) and (i+1, i+5) of the lane's word, and x the same pairs (any
 // consistent mapping of k gives the same sum). Input columns 0 and 1 are x_hi and x_lo (B is
 // zero in lanes with gid ≥ 2), so one mma per k16 step takes both: half the products of two
