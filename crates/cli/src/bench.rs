@@ -86,6 +86,12 @@ pub struct BenchArgs {
     /// (the expert cache gets what the other weights leave, less 8 GiB for sequences).
     #[arg(long, value_name = "GB")]
     gpu_memory: Option<f64>,
+    /// With offloaded experts: pin at most this many GB of host memory for them. The experts
+    /// outside the GPU's cache always take theirs; the rest holds clean copies of cached
+    /// experts, which an eviction then need not write back (default: what the host has
+    /// available, less 16 GiB).
+    #[arg(long, value_name = "GB")]
+    host_memory: Option<f64>,
     /// Synthetic models: skew routing towards a Zipf(ALPHA) popularity of the experts (a
     /// router bias of −ALPHA·ln(rank + 1), ranks shuffled per layer) instead of the uniform-like
     /// routing of random weights.
@@ -199,8 +205,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 fn run_cpu(a: &BenchArgs) -> Result<Value> {
-    if a.zipf.is_some() || a.gpu_memory.is_some() || !a.expert_cache_fraction.is_empty() {
-        bail!("--zipf, --gpu-memory and --expert-cache-fraction measure expert offload on the GPU; use --device cuda");
+    if a.zipf.is_some()
+        || a.gpu_memory.is_some()
+        || a.host_memory.is_some()
+        || !a.expert_cache_fraction.is_empty()
+    {
+        bail!("--zipf, --gpu-memory, --host-memory and --expert-cache-fraction measure expert offload on the GPU; use --device cuda");
     }
     if a.bits.is_some() {
         bail!("--bits: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
@@ -357,6 +367,15 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     let bw = gpu.copy_bandwidth(1 << 31, 20)?;
     let caches = cache_specs(a)?;
     let offload = caches[0] != ExpertCache::All;
+    match a.host_memory {
+        Some(_) if !offload => {
+            bail!("--host-memory sizes offloaded experts; add --gpu-memory or --expert-cache-fraction")
+        }
+        Some(gb) if !(gb.is_finite() && gb >= 0.0) => {
+            bail!("--host-memory {gb}: expected a size in GB, 0 or more")
+        }
+        _ => {}
+    }
     let link = if offload {
         let l = gpu.pcie_bandwidth(1 << 30, 10)?;
         println!(
@@ -396,6 +415,10 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
             )
         }
     };
+    if let Some(gb) = a.host_memory {
+        model.set_host_memory(Some((gb * 1e9) as usize));
+        model.set_expert_cache(caches[0])?;
+    }
     let (free, total) = gpu.mem_info()?;
     println!("model    {name}");
     println!(
@@ -441,7 +464,10 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
                 model.set_host_experts(mode == OnOff::On)?;
             }
             if let Some(slots) = model.expert_cache_slots() {
-                println!("experts  offloaded; {slots} cached per MoE layer ({cache:?})");
+                let pinned = model.offload_host_bytes().unwrap_or(0) as f64 / 1e9;
+                println!(
+                    "experts  offloaded; {slots} cached per MoE layer ({cache:?}); {pinned:.1} GB of them in pinned host memory"
+                );
                 match model.host_expert_costs() {
                 Some(c) => println!(
                     "         cpu experts on: a far expert costs the GPU {:.1} µs, the host {:.1} µs + {:.1} µs per expert",
@@ -495,18 +521,24 @@ fn offload_report(
     let admitted = (s1.admitted - s0.admitted) as f64 / tokens;
     let host = (s1.host - s0.host) as f64 / tokens;
     let host_ms = (s1.host_seconds - s0.host_seconds) * 1e3 / tokens;
+    let back = (s1.written_back - s0.written_back) as f64 / tokens;
     let tok_s = row["tok_s"].as_f64().unwrap_or(0.0);
     let link_frac = (far + admit) * tok_s / link.max(1.0);
     let stall = stall_ms.map_or(String::new(), |m| {
         format!(", stall {m:.3} ms/token over all cached")
     });
+    let back_note = if back > 0.0 {
+        format!(", {back:.2} evicted experts/token written back to the host")
+    } else {
+        String::new()
+    };
     let cpu = if s1.host > s0.host {
         format!(", {host:.2} experts/token computed by the CPU ({host_ms:.3} ms/token)")
     } else {
         String::new()
     };
     println!(
-        "         offload: hit rate {:.3}, PCIe {:.3} GB/token ({:.3} read by kernels + {:.3} admitted, {admitted:.2} experts/token), {:.0}% of the {:.1} GB/s link at this speed{cpu}{stall}",
+        "         offload: hit rate {:.3}, PCIe {:.3} GB/token ({:.3} read by kernels + {:.3} admitted, {admitted:.2} experts/token), {:.0}% of the {:.1} GB/s link at this speed{back_note}{cpu}{stall}",
         hit_rate,
         (far + admit) / 1e9,
         far / 1e9,
@@ -517,7 +549,8 @@ fn offload_report(
     json!({"cache_slots_per_layer": slots, "hit_rate": hit_rate, "far_bytes_per_token": far,
            "admit_bytes_per_token": admit, "admitted_per_token": admitted,
            "link_bytes_s": link, "link_fraction": link_frac, "stall_ms_per_token": stall_ms,
-           "cpu_experts_per_token": host, "cpu_ms_per_token": host_ms})
+           "cpu_experts_per_token": host, "cpu_ms_per_token": host_ms,
+           "written_back_per_token": back})
 }
 
 /// Dense bf16 tensor-core peak of one H200 (SXM), FLOP/s: the MFU denominator.

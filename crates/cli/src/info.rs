@@ -190,14 +190,15 @@ pub fn run(a: InfoArgs) -> Result<()> {
     if let Some(per_expert) = bytes[5].checked_div(moe_layers * c.num_experts) {
         println!(
             "cuda: all resident needs the weights plus the state of each sequence (dense f16/f32 \
-             weights become bf16 on the GPU). With --expert-cache GB the routed experts ({}, {} \
-             per expert, {} per layer) stay in pinned host memory and the GPU keeps the other \
-             weights ({}) plus GB of experts; an expert outside the cache costs {} over PCIe \
-             each time a token uses it.",
+             weights become bf16 on the GPU). With --expert-cache GB the GPU keeps the other \
+             weights ({}) plus GB of the routed experts ({}, {} per expert, {} per layer); the \
+             rest of them need that much pinned host memory (more host memory, when free, holds \
+             clean copies of cached experts so evictions write nothing back); an expert outside \
+             the cache costs {} over PCIe each time a token uses it.",
+            gib((total_bytes - bytes[5]) as f64),
             gib(bytes[5] as f64),
             gib(per_expert as f64),
             c.num_experts,
-            gib((total_bytes - bytes[5]) as f64),
             gib(per_expert as f64)
         );
     }

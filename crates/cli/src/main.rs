@@ -70,7 +70,8 @@ pub struct ModelArgs {
     device: Device,
     /// Keep at most this many GB of routed experts in the expert cache. CUDA: the cache is on
     /// the GPU, the other experts stay in pinned host memory and are read over PCIe (models
-    /// larger than the GPU). CPU: the cache is in memory, the other experts are read from the
+    /// larger than the GPU, or than the GPU and the host each, when the two together hold
+    /// them). CPU: the cache is in memory, the other experts are read from the
     /// safetensors files when used (0: every use reads). Default: all resident.
     #[arg(long, value_name = "GB")]
     expert_cache: Option<f64>,

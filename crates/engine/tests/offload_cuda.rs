@@ -1,8 +1,10 @@
 //! Expert offload on CUDA (needs a GPU: `#[ignore]`d here, run by `scripts/gpu-tests.sh`): with
 //! the routed experts in pinned host memory behind a tiny device cache, every fixture's logits
 //! are bitwise those of the all-resident model — through a chunked prefill (staged experts), a
-//! batched decode of staggered sequences (far reads over PCIe, or experts computed by the host)
-//! and the cache swaps the residency policy makes between steps.
+//! batched decode of staggered sequences (far reads over PCIe, or experts computed by the host),
+//! the cache swaps the residency policy makes between steps (with clean host copies of the
+//! cached experts, and with none: evicted experts written back), and a resize of the cache
+//! mid-run.
 
 #[allow(dead_code)]
 mod common;
@@ -37,6 +39,15 @@ fn costs(each: f64) -> Costs {
 /// Prefill each prompt in passes of 5 tokens, then decode 24 greedy steps of all prompts as
 /// one batch; every logit row of every step, in order.
 fn run(gm: &mut GpuModel, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    run_resized(gm, prompts, None)
+}
+
+/// As [`run`], the expert cache resized to `resize` (when set) after 12 decode steps.
+fn run_resized(
+    gm: &mut GpuModel,
+    prompts: &[Vec<u32>],
+    resize: Option<ExpertCache>,
+) -> Vec<Vec<f32>> {
     let mut out = Vec::new();
     let mut seqs = Vec::new();
     let mut toks = Vec::new();
@@ -47,7 +58,10 @@ fn run(gm: &mut GpuModel, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
         seqs.push(s);
         toks.push(p[p.len() - 1]);
     }
-    for _ in 0..24 {
+    for step in 0..24 {
+        if let (12, Some(cache)) = (step, resize) {
+            gm.set_expert_cache(cache).unwrap();
+        }
         let mut rows: Vec<_> = seqs.iter_mut().zip(toks.iter().copied()).collect();
         toks = gm.step_batch(&mut rows).unwrap();
         for r in 0..seqs.len() {
@@ -83,6 +97,12 @@ fn offloaded_experts_give_bitwise_identical_logits() {
         for cache in [ExpertCache::Fraction(0.0), ExpertCache::Fraction(0.25)] {
             for mode in modes {
                 let mut gm = GpuModel::upload_with(&model, gpu.clone(), cache).unwrap();
+                // Host memory for no clean copies: every eviction writes the expert back.
+                let tight = matches!(mode, Host::Off | Host::Half);
+                if tight {
+                    gm.set_host_memory(Some(0));
+                    gm.set_expert_cache(cache).unwrap();
+                }
                 match mode {
                     Host::Off => gm.set_host_experts(false).unwrap(),
                     Host::Measured => gm.set_host_experts(true).unwrap(),
@@ -92,7 +112,7 @@ fn offloaded_experts_give_bitwise_identical_logits() {
                 gm.reserve(ps.len(), 512).unwrap();
                 let got = run(&mut gm, &ps);
                 let st = gm.offload_stats().unwrap();
-                let name = format!("{} {cache:?} {mode:?}", dir.display());
+                let name = format!("{} {cache:?} {mode:?} tight {tight}", dir.display());
                 assert_eq!(got.len(), want.len(), "{name}");
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -109,6 +129,8 @@ fn offloaded_experts_give_bitwise_identical_logits() {
                 if cache == ExpertCache::Fraction(0.25) {
                     assert!(st.admitted > 0, "{name}: the cache never swapped: {st:?}");
                     assert!(st.hits > 0, "{name}: no cache hit: {st:?}");
+                    let back = st.written_back > 0;
+                    assert_eq!(back, tight, "{name}: written back: {st:?}");
                 }
                 match mode {
                     Host::Off => assert_eq!(st.host, 0, "{name}"),
@@ -122,6 +144,77 @@ fn offloaded_experts_give_bitwise_identical_logits() {
                 checked += 1;
             }
         }
+        // Resizing mid-run gathers every expert from wherever the swaps left it and places
+        // them again: from every expert cached, and from a cache the policy has reordered.
+        let resizes = [(1.0, 0.25), (0.25, 0.5)];
+        for ((from, to), mode) in resizes.into_iter().zip([Host::Off, Host::Measured]) {
+            let cache = ExpertCache::Fraction(from);
+            let mut gm = GpuModel::upload_with(&model, gpu.clone(), cache).unwrap();
+            gm.set_host_experts(matches!(mode, Host::Measured)).unwrap();
+            gm.reserve(ps.len(), 512).unwrap();
+            let got = run_resized(&mut gm, &ps, Some(ExpertCache::Fraction(to)));
+            let name = format!("{} {from} → {to} {mode:?}", dir.display());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{name}: logit row block {i} differs");
+            }
+            let st = gm.offload_stats().unwrap();
+            assert!(
+                st.misses > 0,
+                "{name}: no expert was read from the host: {st:?}"
+            );
+            eprintln!("{name}: bitwise equal; {st:?}");
+            checked += 1;
+        }
     }
-    assert!(checked >= 16, "no MoE fixture found");
+    assert!(checked >= 20, "no MoE fixture found");
+}
+
+/// Greedy decode of `steps` tokens from token 1 in one sequence; every step's logits.
+fn decode(gm: &mut GpuModel, steps: usize) -> Vec<Vec<f32>> {
+    let mut s = gm.new_seq().unwrap();
+    let (mut tok, mut out) = (1u32, Vec::new());
+    for _ in 0..steps {
+        tok = gm.step_batch(&mut [(&mut s, tok)]).unwrap()[0];
+        out.push(gm.logits(0).unwrap());
+    }
+    gm.release(s);
+    out
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn synthetic_experts_placed_anywhere_are_the_same_model() {
+    // A fixture's shape with the shared expert the routed ones' size: stacked with them, as in
+    // the real Qwen3.5/3.6 MoE shapes (the fixtures' shared experts are larger).
+    let dir = fixtures()
+        .into_iter()
+        .find(|d| d.ends_with("qwen3_5_moe"))
+        .expect("the qwen3_5_moe fixture");
+    let mut c = Qwen3Hybrid::load(&dir).unwrap().config().clone();
+    c.shared_expert_intermediate_size = c.moe_intermediate_size;
+    let gpu = Arc::new(Gpu::new(0).unwrap());
+    for quant in [None, Some((4, 32))] {
+        let mut all = GpuModel::synthetic(&c, gpu.clone(), 9, quant, ExpertCache::All).unwrap();
+        all.reserve(1, 64).unwrap();
+        let want = decode(&mut all, 8);
+        drop(all);
+        for cache in [0.0, 0.5, 1.0].map(ExpertCache::Fraction) {
+            let mut gm = GpuModel::synthetic(&c, gpu.clone(), 9, quant, cache).unwrap();
+            gm.reserve(1, 64).unwrap();
+            let mut got = decode(&mut gm, 8);
+            // The second half with no clean host copies.
+            gm.set_host_memory(Some(0));
+            gm.set_expert_cache(ExpertCache::Fraction(0.25)).unwrap();
+            got.extend(decode(&mut gm, 8));
+            let name = format!("{quant:?} {cache:?}");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            // Each half is a fresh sequence from token 1: both are the all-resident run.
+            for (i, g) in got.iter().enumerate() {
+                assert_eq!(bits(g), bits(&want[i % 8]), "{name}: step {i} differs");
+                assert!(g.iter().all(|x| x.is_finite()), "{name}: step {i}");
+            }
+            eprintln!("{name}: bitwise equal; {:?}", gm.offload_stats());
+        }
+    }
 }

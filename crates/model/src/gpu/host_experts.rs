@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::host_store::{HostMat, HostWeights, LayerExperts};
 use super::host_team::{run_rounds, Job, Out};
-use super::offload::{HostMat, HostWeights, LayerExperts};
 use super::{unsupported, GpuModel, Result, MAX_BATCH};
 use crate::host_split::{self, Costs};
 use deltamoe_compute::cpu::gpu_twin::{self, TwinMat};
@@ -127,9 +127,10 @@ impl HostMat {
     }
 }
 
-/// Seconds the host takes to compute `n` experts of `lx`: the median of 7 rounds after a
-/// warm-up, each on other experts (as at decode, their weights are not in the CPU's caches).
-fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
+/// Seconds the host takes to compute `n` experts of `lx` (from its host stacks, `positions` of
+/// them in use): the median of 7 rounds after a warm-up, each on other experts (as at decode,
+/// their weights are not in the CPU's caches).
+fn time_host(lx: &LayerExperts, positions: &[usize], n: usize) -> Result<f64> {
     let x: Vec<f32> = (0..lx.gu.k)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
         .collect();
@@ -142,7 +143,7 @@ fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
         Some(Job {
             lx,
             experts: (0..n)
-                .map(|i| (r * n + i) * 7 % lx.experts.max(1))
+                .map(|i| positions[(r * n + i) * 7 % positions.len()])
                 .collect(),
             xs: vec![x.as_slice(); n],
             slots: (0..n).collect(),
@@ -180,7 +181,12 @@ impl GpuModel {
             return Ok(());
         };
         let (lx, ..) = self.offloaded(first)?;
-        let (one, two) = (time_host(lx, 1)?, time_host(lx, 2)?);
+        let positions: Vec<usize> = lx.host_positions().collect();
+        // Every expert cached: nothing to hand to the host.
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let (one, two) = (time_host(lx, &positions, 1)?, time_host(lx, &positions, 2)?);
         let each = (two - one).max(one / 4.0);
         let link = self.time_far_expert(first)?;
         self.set_host_costs(Costs {
@@ -239,9 +245,7 @@ impl GpuModel {
     fn time_far_expert(&self, i: usize) -> Result<f64> {
         let (lx, experts_gu, experts_down) = self.offloaded(i)?;
         let (g, s, inter) = (&*self.gpu, &self.scratch, experts_gu.n / 2);
-        let outside: Vec<usize> = (0..lx.experts)
-            .filter(|&e| lx.res.slot_of(e).is_none())
-            .collect();
+        let outside: Vec<usize> = lx.host_positions().collect();
         if outside.is_empty() {
             return Ok(f64::INFINITY);
         }

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use deltamoe_compute::cpu::gpu_twin::{self, TwinError, TwinInput};
 
-use super::offload::LayerExperts;
+use super::host_store::LayerExperts;
 
 /// Most output rows per piece of host work.
 pub(super) const PIECE_ROWS: usize = 64;

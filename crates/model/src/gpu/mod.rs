@@ -21,6 +21,7 @@
 //! layer pass.
 
 mod host_experts;
+mod host_store;
 mod host_team;
 mod mixer;
 mod offload;
@@ -30,7 +31,9 @@ mod scratch;
 mod synthetic;
 mod upload;
 
-pub use offload::{slots_for_bytes, ExpertCache, OffloadStats, STATE_RESERVE};
+pub use offload::{
+    clean_copies, slots_for_bytes, ExpertCache, OffloadStats, HOST_RESERVE, STATE_RESERVE,
+};
 pub use pool::{GpuSeq, GpuSnapshot};
 pub use prefill::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS, PREFILL_MAX_ROWS};
 pub(crate) use upload::{DevMat, DevWeights};
@@ -91,7 +94,7 @@ pub(crate) enum GpuFfn {
         experts_gu: DevMat,
         experts_down: DevMat,
         shared: Option<(DevMat, DevMat)>,
-        offload: Option<Box<offload::LayerExperts>>,
+        offload: Option<Box<host_store::LayerExperts>>,
     },
 }
 
@@ -151,6 +154,9 @@ pub struct GpuModel {
     prefill_gdn: prefill::GdnPrefill,
     /// Routed-id log, staging and statistics when experts are offloaded.
     offload: Option<offload::Offload>,
+    /// A cap on the pinned host memory of offloaded experts (see
+    /// [`GpuModel::set_host_memory`]).
+    host_memory: Option<usize>,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -197,6 +203,7 @@ impl GpuModel {
             prefill: None,
             prefill_gdn: prefill::GdnPrefill::default(),
             offload: None,
+            host_memory: None,
             gpu,
         })
     }
@@ -233,18 +240,20 @@ impl GpuModel {
             )));
         }
         let h = c.hidden_size;
-        let layers = model
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(GpuLayer {
-                    input_norm: g.upload(&l.input_norm)?,
-                    mixer: upload_mixer(g, &l.mixer, h)?,
-                    post_norm: g.upload(&l.post_norm)?,
-                    ffn: upload_ffn(g, &l.ffn, h, offload)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut pending = Vec::new();
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for (i, l) in model.layers.iter().enumerate() {
+            let (input_norm, mixer) = (g.upload(&l.input_norm)?, upload_mixer(g, &l.mixer, h)?);
+            let post_norm = g.upload(&l.post_norm)?;
+            let (ffn, experts) = upload_ffn(g, &l.ffn, i, h, offload)?;
+            pending.extend(experts);
+            layers.push(GpuLayer {
+                input_norm,
+                mixer,
+                post_norm,
+                ffn,
+            });
+        }
         let embed = DevMat::stack(g, &[&model.embed], c.vocab_size, h, None)?;
         let lm_head = DevMat::stack(g, &[&model.lm_head], c.vocab_size, h, None)?;
         let parts = Parts {
@@ -255,9 +264,7 @@ impl GpuModel {
             layers,
         };
         let mut m = GpuModel::assemble(c, gpu.clone(), parts)?;
-        if offload {
-            m.set_expert_cache(cache)?;
-        }
+        m.place_experts(cache, pending)?;
         Ok(m)
     }
 

@@ -1,32 +1,31 @@
 //! Expert offload: running a model whose routed experts do not fit on the GPU.
 //!
-//! Every routed expert of an offloaded MoE layer lives in pinned host memory mapped into the
-//! device's address space (a "far" stack, same layout as the device stacks); `slots` of them are
-//! cached in the layer's device stacks, which hold `[cache slots | shared expert (when stacked)]`.
-//! A device table `loc[E]` says where each expert is: its cache slot, or `split + e` for host
-//! expert e (`split` = slots + stacked shared). The router writes ids through `loc`, and the
-//! expert kernels read ids ≥ split from the far stack over PCIe (see `ops::Far`): a decode step
-//! stays one CUDA graph with no host sync, and the result does not depend on where a weight was
-//! read from, so logits are bitwise those of the all-resident model.
+//! Each routed expert of an offloaded MoE layer is in one place ([`super::host_store`]): one of
+//! `slots` cache slots of the layer's device stacks, which hold `[cache slots | shared expert
+//! (when stacked)]`, or a position p of pinned host stacks mapped into the device's address
+//! space (the "far" stacks, same layout). A device table `loc[E]` says where each expert is: its
+//! cache slot, or `split + p` (`split` = slots + stacked shared). The router writes ids through
+//! `loc`, and the expert kernels read ids ≥ split from the far stacks over PCIe (see `ops::Far`):
+//! a decode step stays one CUDA graph with no host sync, and the result does not depend on where
+//! a weight was read from, so logits are bitwise those of the all-resident model.
 //!
 //! Between steps the routed ids of every layer (copied to pinned memory at the end of the step)
 //! feed the residency policy ([`crate::residency`]); its swaps run in stream order before the next
-//! step: point the evicted expert's `loc` at the host, copy the admitted expert into the slot,
-//! point its `loc` at the slot. Prefill passes route many tokens to most experts, so they copy the
+//! step (the admitted expert into the slot, the evicted one to the admitted one's host position,
+//! then both `loc` entries). Prefill passes route many tokens to most experts, so they copy the
 //! experts their tokens use (cached ones on the device, the others over PCIe) into a staging
-//! stack of all experts and run the grouped kernels on it.
+//! stack of all experts and run the grouped kernels on it; between passes its matrix 0 is the
+//! spare through which swaps move an evicted expert.
 
 use std::cell::Cell;
 
 use deltamoe_compute::cuda::host::HostBuf;
-use deltamoe_compute::cuda::ops::{Far, Matvec};
-use deltamoe_compute::cuda::{DevBuf, Gpu};
+use deltamoe_compute::cuda::ops::Matvec;
+use deltamoe_compute::cuda::DevBuf;
 
 use super::host_experts::HostExperts;
-use super::upload::{array_bytes, StackData};
-use super::{unsupported, DevMat, DevWeights, GpuFfn, GpuModel, Result, MAX_BATCH};
-use crate::layers::LinearWeight;
-use crate::residency::{Policy, Residency};
+use super::host_store::{copy_matrices, ExpertSource, LayerExperts};
+use super::{unsupported, DevMat, GpuFfn, GpuModel, Result, MAX_BATCH};
 
 /// How many routed experts of each MoE layer the GPU keeps.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -45,6 +44,35 @@ pub enum ExpertCache {
 /// Device memory an offloaded model leaves free for sequence state and activations when it
 /// sizes its caches.
 pub const STATE_RESERVE: usize = 8 << 30;
+
+/// Host memory an offloaded model leaves to the rest of the system when it sizes its clean
+/// copies of cached experts (unless [`GpuModel::set_host_memory`] caps the host stacks).
+pub const HOST_RESERVE: usize = 16 << 30;
+
+/// Clean host copies of cached experts per layer (see [`super::host_store`]): as many of the
+/// `slots` cached ones as `room` bytes of host memory hold after the `experts − slots` outside
+/// the cache, over `layers` layers of experts of `slot_bytes`.
+pub fn clean_copies(
+    room: usize,
+    layers: usize,
+    slot_bytes: usize,
+    experts: usize,
+    slots: usize,
+) -> usize {
+    let outside = layers * experts.saturating_sub(slots) * slot_bytes;
+    (room.saturating_sub(outside) / (layers * slot_bytes).max(1)).min(slots)
+}
+
+/// Bytes of host memory available to new allocations (Linux `MemAvailable`); none known
+/// elsewhere, which keeps no clean copies.
+fn host_available() -> usize {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        .map_or(0, |kb| kb << 10)
+}
 
 /// Cache slots per layer for `bytes` of cache over `layers` layers of experts of `slot_bytes`.
 pub fn slots_for_bytes(bytes: usize, layers: usize, slot_bytes: usize, experts: usize) -> usize {
@@ -68,6 +96,8 @@ pub struct OffloadStats {
     /// Experts copied into the cache, and their bytes.
     pub admitted: u64,
     pub admit_bytes: u64,
+    /// Evicted experts copied back to host memory (they had no clean copy there).
+    pub written_back: u64,
     /// Bytes copied into the prefill staging stacks over PCIe / on the device.
     pub staged_host_bytes: u64,
     pub staged_device_bytes: u64,
@@ -81,268 +111,6 @@ impl OffloadStats {
     /// Bytes over PCIe per decoded token (far reads and admissions).
     pub fn pcie_bytes_per_token(&self) -> f64 {
         (self.far_bytes + self.admit_bytes) as f64 / self.tokens.max(1) as f64
-    }
-}
-
-/// Weights in pinned host memory, in the device layout of [`DevWeights`].
-pub(crate) enum HostWeights {
-    Bf16(HostBuf<u16>),
-    Affine {
-        words: HostBuf<u32>,
-        scales: HostBuf<u16>,
-        biases: HostBuf<u16>,
-        bits: u32,
-        group: usize,
-    },
-}
-
-/// A stack of `count` same-shaped `[n, k]` matrices in pinned host memory.
-pub(crate) struct HostMat {
-    pub(super) w: HostWeights,
-    pub(super) n: usize,
-    pub(super) k: usize,
-    pub(super) count: usize,
-}
-
-impl HostMat {
-    fn pin(g: &Gpu, data: StackData, n: usize, k: usize, count: usize) -> Result<HostMat> {
-        let w = match data {
-            StackData::Bf16(b) => HostWeights::Bf16(HostBuf::from_slice(g, &b)?),
-            StackData::Affine {
-                words,
-                scales,
-                biases,
-                bits,
-                group,
-            } => HostWeights::Affine {
-                words: HostBuf::from_slice(g, &words)?,
-                scales: HostBuf::from_slice(g, &scales)?,
-                biases: HostBuf::from_slice(g, &biases)?,
-                bits,
-                group,
-            },
-        };
-        Ok(HostMat { w, n, k, count })
-    }
-
-    /// The far-stack arguments for ids from `split` on.
-    fn far(&self, split: usize) -> Far {
-        match &self.w {
-            HostWeights::Bf16(b) => Far {
-                w: b.ptr(),
-                scales: 0,
-                biases: 0,
-                split,
-            },
-            HostWeights::Affine {
-                words,
-                scales,
-                biases,
-                ..
-            } => Far {
-                w: words.ptr(),
-                scales: scales.ptr(),
-                biases: biases.ptr(),
-                split,
-            },
-        }
-    }
-
-    /// (bits, group) of affine weights.
-    fn affine(&self) -> Option<(u32, usize)> {
-        match &self.w {
-            HostWeights::Bf16(_) => None,
-            HostWeights::Affine { bits, group, .. } => Some((*bits, *group)),
-        }
-    }
-
-    /// (base address, bytes per matrix) of each array.
-    fn pieces(&self) -> Vec<(u64, usize)> {
-        let ptrs = match &self.w {
-            HostWeights::Bf16(b) => vec![b.ptr()],
-            HostWeights::Affine {
-                words,
-                scales,
-                biases,
-                ..
-            } => vec![words.ptr(), scales.ptr(), biases.ptr()],
-        };
-        ptrs.into_iter()
-            .zip(array_bytes(self.n, self.k, self.affine()))
-            .collect()
-    }
-
-    /// Bytes of one row of one matrix.
-    pub(super) fn row_bytes(&self) -> usize {
-        self.matrix_bytes() / self.n.max(1)
-    }
-
-    fn matrix_bytes(&self) -> usize {
-        array_bytes(self.n, self.k, self.affine()).iter().sum()
-    }
-
-    /// A zeroed device stack of `count` matrices of this format.
-    fn device_stack(&self, g: &Gpu, count: usize) -> Result<DevMat> {
-        let nk = self.n * self.k;
-        let w = match &self.w {
-            HostWeights::Bf16(_) => DevWeights::Bf16(g.zeros(count * nk)?),
-            HostWeights::Affine { bits, group, .. } => DevWeights::Affine {
-                words: g.zeros(count * nk * *bits as usize / 32)?,
-                scales: g.zeros(count * nk / group)?,
-                biases: g.zeros(count * nk / group)?,
-                bits: *bits,
-                group: *group,
-            },
-        };
-        Ok(DevMat {
-            w,
-            n: self.n,
-            k: self.k,
-            bias: None,
-        })
-    }
-}
-
-/// Copy matrix `from` of `src` to matrix `to` of `dst` (same format), in stream order.
-fn copy_matrix(
-    g: &Gpu,
-    src: &[(u64, usize)],
-    from: usize,
-    dst: &[(u64, usize)],
-    to: usize,
-) -> Result<()> {
-    for (&(s, bytes), &(d, _)) in src.iter().zip(dst) {
-        // SAFETY: both stacks hold matrices `from` / `to` of `bytes` bytes per array (indices
-        // checked by the callers against the stack counts) and outlive the stream's work.
-        unsafe { g.copy_raw(d + (to * bytes) as u64, s + (from * bytes) as u64, bytes)? };
-    }
-    Ok(())
-}
-
-/// The offloaded experts of one MoE layer.
-pub(crate) struct LayerExperts {
-    /// `[gate | up]` and down of every routed expert (then the shared one, when stacked).
-    pub(super) gu: HostMat,
-    pub(super) down: HostMat,
-    /// Where each routed expert is: its cache slot or split + e (outside the cache: read over
-    /// PCIe, or handed to the host by the router); and the host's copy of that table.
-    loc: DevBuf<i32>,
-    loc_host: Vec<i32>,
-    pub(super) res: Residency,
-    pub(super) experts: usize,
-    stacked: bool,
-}
-
-impl LayerExperts {
-    /// From the stacked parts of a loaded model (`experts` routed ones, then the shared expert
-    /// when `stacked`).
-    pub(super) fn new(
-        g: &Gpu,
-        gu: &[&LinearWeight],
-        down: &[&LinearWeight],
-        inter: usize,
-        hidden: usize,
-        experts: usize,
-        stacked: bool,
-    ) -> Result<LayerExperts> {
-        let count = experts + stacked as usize;
-        let gu = HostMat::pin(g, StackData::of(gu), 2 * inter, hidden, count)?;
-        let down = HostMat::pin(g, StackData::of(down), hidden, inter, count)?;
-        LayerExperts::from_host(g, gu, down, experts, stacked)
-    }
-
-    pub(super) fn from_host(
-        g: &Gpu,
-        gu: HostMat,
-        down: HostMat,
-        experts: usize,
-        stacked: bool,
-    ) -> Result<LayerExperts> {
-        Ok(LayerExperts {
-            gu,
-            down,
-            loc: g.zeros(experts)?,
-            loc_host: vec![0; experts],
-            res: Residency::new(experts, 0, Policy::default()),
-            experts,
-            stacked,
-        })
-    }
-
-    /// Device stacks with no cache slots (only the stacked shared expert), until
-    /// [`GpuModel::set_expert_cache`] sizes them.
-    pub(super) fn empty_cache(&self, g: &Gpu) -> Result<(DevMat, DevMat)> {
-        let n = self.stacked as usize;
-        Ok((self.gu.device_stack(g, n)?, self.down.device_stack(g, n)?))
-    }
-
-    pub(super) fn split(&self) -> usize {
-        self.res.slots() + self.stacked as usize
-    }
-
-    /// Bytes of one expert (`[gate | up]` and down).
-    fn expert_bytes(&self) -> usize {
-        self.gu.matrix_bytes() + self.down.matrix_bytes()
-    }
-
-    pub(super) fn far_gu(&self) -> Far {
-        self.gu.far(self.split())
-    }
-
-    pub(super) fn far_down(&self) -> Far {
-        self.down.far(self.split())
-    }
-
-    /// The stacked index of the shared expert for decode routing.
-    pub(super) fn shared_slot(&self) -> Option<usize> {
-        self.stacked.then_some(self.res.slots())
-    }
-
-    pub(super) fn loc(&self) -> u64 {
-        self.loc.ptr()
-    }
-
-    /// Copy host expert `e` into matrix `to` of the device stacks.
-    fn load(&self, g: &Gpu, cache: (&DevMat, &DevMat), e: usize, to: usize) -> Result<()> {
-        copy_matrix(g, &self.gu.pieces(), e, &cache.0.pieces(), to)?;
-        copy_matrix(g, &self.down.pieces(), e, &cache.1.pieces(), to)
-    }
-
-    /// Where expert `e` is now, as the router's `loc` table says it.
-    fn locate(&self, e: usize) -> i32 {
-        match self.res.slot_of(e) {
-            Some(c) => c as i32,
-            None => (self.split() + e) as i32,
-        }
-    }
-
-    /// Point `loc[e]` at where expert `e` is now (in stream order).
-    fn relocate(&mut self, g: &Gpu, e: usize) -> Result<()> {
-        let v = self.locate(e);
-        if self.loc_host[e] != v {
-            g.set_i32(&self.loc, e, v)?;
-            self.loc_host[e] = v;
-        }
-        Ok(())
-    }
-
-    /// Size the cache to `slots` (experts 0..slots cached) and fill it.
-    fn resize(&mut self, g: &Gpu, slots: usize, gu: &mut DevMat, down: &mut DevMat) -> Result<()> {
-        let slots = slots.min(self.experts);
-        // Free the old stacks before allocating the new ones.
-        *gu = self.gu.device_stack(g, 0)?;
-        *down = self.down.device_stack(g, 0)?;
-        let n = slots + self.stacked as usize;
-        *gu = self.gu.device_stack(g, n)?;
-        *down = self.down.device_stack(g, n)?;
-        self.res = Residency::new(self.experts, slots, Policy::default());
-        for c in 0..n {
-            // Slot `slots` holds the shared expert (host index `experts`).
-            let e = if c < slots { c } else { self.experts };
-            self.load(g, (gu, down), e, c)?;
-        }
-        self.loc_host = (0..self.experts).map(|e| self.locate(e)).collect();
-        g.write(&mut self.loc, &self.loc_host)
     }
 }
 
@@ -377,6 +145,14 @@ impl Offload {
     }
 }
 
+/// A layer whose routed experts wait to be placed, and where they come from.
+pub(crate) struct Pending<'a> {
+    pub(super) layer: usize,
+    pub(super) experts: usize,
+    pub(super) stacked: bool,
+    pub(super) src: Box<dyn ExpertSource + 'a>,
+}
+
 impl GpuModel {
     /// The offloaded experts of layer `i`, if any.
     pub(super) fn layer_experts(&self, i: usize) -> Option<&LayerExperts> {
@@ -400,22 +176,68 @@ impl GpuModel {
     }
 
     /// Size the expert caches of an offloaded model (one built with offload; see
-    /// [`ExpertCache`]) and fill them. Returns the cache slots per layer.
+    /// [`ExpertCache`]) and fill them. Layer by layer, its experts are gathered in host memory,
+    /// its old cache and host stacks freed and the experts placed again, so a resize holds at
+    /// most one layer twice. Returns the cache slots per layer.
     pub fn set_expert_cache(&mut self, spec: ExpertCache) -> Result<usize> {
         let g = self.gpu.clone();
-        let first = (0..self.layers.len()).find_map(|i| self.layer_experts(i));
-        let Some(lx) = first else {
+        let moe: Vec<usize> = (0..self.layers.len())
+            .filter(|&i| self.layer_experts(i).is_some())
+            .collect();
+        let Some(lx) = moe.first().and_then(|&i| self.layer_experts(i)) else {
             return Ok(self.num_experts);
         };
-        let (experts, slot_bytes) = (lx.experts, lx.expert_bytes());
-        let count = lx.gu.count;
-        let layers = (0..self.layers.len())
-            .filter(|&i| self.layer_experts(i).is_some())
-            .count();
+        let (experts, stacked) = (lx.experts, lx.stacked);
+        let slot_bytes = lx.expert_bytes();
+        // What the layers hold now counts as free: each layer's is freed before it is placed.
+        let held_device = moe.len() * lx.res.slots() * slot_bytes;
+        let held_host = self.offload_host_bytes().unwrap_or(0);
+        let shape = (moe.len(), experts, slot_bytes);
+        let (slots, copies) = self.placement(spec, shape, held_device, held_host)?;
+        for i in moe {
+            let GpuFfn::Moe {
+                experts_gu,
+                experts_down,
+                offload,
+                ..
+            } = &mut self.layers[i].ffn
+            else {
+                continue;
+            };
+            let Some(lx) = offload.take() else { continue };
+            let src = lx.gather(&g, (experts_gu, experts_down))?;
+            drop(lx);
+            *experts_gu = experts_gu.empty(&g)?;
+            *experts_down = experts_down.empty(&g)?;
+            let p = Pending {
+                layer: i,
+                experts,
+                stacked,
+                src: Box::new(src),
+            };
+            self.place_layer(p, slots, copies)?;
+        }
+        self.placed(slots)
+    }
+
+    /// Place the routed experts of the `pending` layers (their device stacks still empty) with
+    /// caches sized by `spec`. Returns the cache slots per layer.
+    pub(super) fn place_experts(
+        &mut self,
+        spec: ExpertCache,
+        pending: Vec<Pending<'_>>,
+    ) -> Result<usize> {
+        let g = self.gpu.clone();
+        let Some(first) = pending.first() else {
+            return Ok(self.num_experts);
+        };
+        let (experts, stacked) = (first.experts, first.stacked);
+        let (fg, fd) = first.src.formats();
+        let slot_bytes = fg.matrix_bytes() + fd.matrix_bytes();
         if self.offload.is_none() {
-            let (gu, down) = (&lx.gu, &lx.down);
-            let stage = (gu.device_stack(&g, count)?, down.device_stack(&g, count)?);
-            let per_row = self.top_k + lx.stacked as usize;
+            let count = experts + stacked as usize;
+            let stage = (fg.device_stack(&g, count)?, fd.device_stack(&g, count)?);
+            let per_row = self.top_k + stacked as usize;
             let n = self.layers.len() * MAX_BATCH * per_row;
             self.offload = Some(Offload {
                 ids: g.zeros(n)?,
@@ -428,14 +250,32 @@ impl GpuModel {
                 host: None,
             });
         }
+        let shape = (pending.len(), experts, slot_bytes);
+        let (slots, copies) = self.placement(spec, shape, 0, 0)?;
+        for p in pending {
+            self.place_layer(p, slots, copies)?;
+        }
+        self.placed(slots)
+    }
+
+    /// Cache slots and clean host copies per layer for `spec` over `(layers, experts,
+    /// slot_bytes)`, counting `held_device` / `held_host` bytes the placement frees as it goes;
+    /// drops the captured graphs and the host experts' state (set up again by
+    /// [`Self::placed`]).
+    fn placement(
+        &mut self,
+        spec: ExpertCache,
+        (layers, experts, slot_bytes): (usize, usize, usize),
+        held_device: usize,
+        held_host: usize,
+    ) -> Result<(usize, usize)> {
         self.graphs.clear();
-        let mut host_on = false;
         if let Some(o) = self.offload.as_mut() {
             o.pending = None;
             o.host = None;
-            host_on = o.host_wanted;
         }
-        let (free, total) = g.mem_info()?;
+        let (free, total) = self.gpu.mem_info()?;
+        let free = free + held_device;
         // What the caches may take: the free memory less the state reserve (and within the
         // model's budget for GpuMemory).
         let room = free.saturating_sub(STATE_RESERVE);
@@ -444,7 +284,7 @@ impl GpuModel {
             ExpertCache::Fraction(f) => ((f.clamp(0.0, 1.0) * experts as f64).round()) as usize,
             ExpertCache::Bytes(b) => slots_for_bytes(b, layers, slot_bytes, experts),
             ExpertCache::GpuMemory(budget) => {
-                let used = total - free;
+                let used = total.saturating_sub(free);
                 let b = budget.saturating_sub(used + STATE_RESERVE).min(room);
                 slots_for_bytes(b, layers, slot_bytes, experts)
             }
@@ -458,22 +298,55 @@ impl GpuModel {
                 STATE_RESERVE >> 30
             )));
         }
-        for l in &mut self.layers {
-            if let GpuFfn::Moe {
-                experts_gu,
-                experts_down,
-                offload: Some(lx),
-                ..
-            } = &mut l.ffn
-            {
-                lx.resize(&g, slots, experts_gu, experts_down)?;
-            }
+        let host_room = match self.host_memory {
+            Some(b) => b,
+            None => (host_available() + held_host).saturating_sub(HOST_RESERVE),
+        };
+        let copies = clean_copies(host_room, layers, slot_bytes, experts, slots);
+        Ok((slots, copies))
+    }
+
+    /// Place one layer's experts: `slots` cached, `copies` of them with clean host copies.
+    fn place_layer(&mut self, p: Pending<'_>, slots: usize, copies: usize) -> Result<()> {
+        let g = self.gpu.clone();
+        let (lx, gu, down) = LayerExperts::place(&g, &*p.src, p.experts, p.stacked, slots, copies)?;
+        // The source (a gathered layer: host memory) is freed before the next one is placed.
+        drop(p.src);
+        if let GpuFfn::Moe {
+            experts_gu,
+            experts_down,
+            offload,
+            ..
+        } = &mut self.layers[p.layer].ffn
+        {
+            (*experts_gu, *experts_down) = (gu, down);
+            *offload = Some(Box::new(lx));
         }
-        g.sync()?;
-        if host_on {
+        Ok(())
+    }
+
+    /// After a placement of `slots` per layer: wait for its copies and set the host experts up
+    /// again when they are wanted.
+    fn placed(&mut self, slots: usize) -> Result<usize> {
+        self.gpu.sync()?;
+        if self.offload.as_ref().is_some_and(|o| o.host_wanted) {
             self.set_host_experts(true)?;
         }
         Ok(slots)
+    }
+
+    /// Cap the pinned host memory of the offloaded experts (outside the cache and clean copies)
+    /// at `bytes` from the next placement on ([`Self::set_expert_cache`]); None: what the host
+    /// has available, less [`HOST_RESERVE`]. The experts outside the cache are always pinned.
+    pub fn set_host_memory(&mut self, bytes: Option<usize>) {
+        self.host_memory = bytes;
+    }
+
+    /// Bytes of pinned host memory holding offloaded experts, when the model offloads them.
+    pub fn offload_host_bytes(&self) -> Option<usize> {
+        self.offload.as_ref()?;
+        let layers = (0..self.layers.len()).filter_map(|i| self.layer_experts(i));
+        Some(layers.map(|lx| lx.host_bytes()).sum())
     }
 
     /// Routed experts per MoE layer.
@@ -532,6 +405,7 @@ impl GpuModel {
         let (misses0, mut picks) = (st.misses, 0);
         st.steps += 1;
         st.tokens += b as u64;
+        let spare = &o.stage;
         for (i, l) in self.layers.iter_mut().enumerate() {
             let GpuFfn::Moe {
                 experts_gu,
@@ -542,20 +416,14 @@ impl GpuModel {
             else {
                 continue;
             };
-            let split = lx.split();
             let (mut used, mut missed, mut host) = (Vec::new(), Vec::new(), 0);
             for r in 0..b {
                 for &id in &ids[i * len + r * per_row..][..top_k] {
-                    if id < 0 {
-                        let e = (-1 - id) as usize;
-                        used.push(e);
+                    let Some(e) = lx.expert_of(id) else { continue };
+                    used.push(e);
+                    if id < 0 || id as usize >= lx.split() {
                         missed.push(e);
-                        host += 1;
-                    } else if id as usize >= split {
-                        used.push(id as usize - split);
-                        missed.push(id as usize - split);
-                    } else if let Some(e) = lx.res.expert_in(id as usize) {
-                        used.push(e);
+                        host += (id < 0) as u64;
                     }
                 }
             }
@@ -567,12 +435,8 @@ impl GpuModel {
             st.far_bytes += (missed.len() as u64 - host) * bytes;
             lx.res.observe(&used);
             for s in lx.res.plan(&missed) {
-                lx.load(&g, (experts_gu, experts_down), s.expert, s.slot)?;
-                lx.res.apply(s);
-                if let Some(v) = s.evicted {
-                    lx.relocate(&g, v)?;
-                }
-                lx.relocate(&g, s.expert)?;
+                let back = lx.admit(&g, (experts_gu, experts_down), (&spare.0, &spare.1), s)?;
+                st.written_back += back as u64;
                 st.admitted += 1;
                 st.admit_bytes += bytes;
             }
@@ -606,24 +470,30 @@ impl GpuModel {
         let (cache_gu, cache_down) = (experts_gu.pieces(), experts_down.pieces());
         let bytes = lx.expert_bytes() as u64;
         let (mut host, mut dev) = (0, 0);
+        let (host_gu, host_down) = (lx.gu.pieces(), lx.down.pieces());
         for e in (0..lx.experts).filter(|&e| used[e]) {
             match lx.res.slot_of(e) {
                 Some(c) => {
-                    copy_matrix(g, &cache_gu, c, &stage_gu, e)?;
-                    copy_matrix(g, &cache_down, c, &stage_down, e)?;
+                    copy_matrices(g, &cache_gu, c, &stage_gu, e, 1)?;
+                    copy_matrices(g, &cache_down, c, &stage_down, e, 1)?;
                     dev += bytes;
                 }
                 None => {
-                    copy_matrix(g, &lx.gu.pieces(), e, &stage_gu, e)?;
-                    copy_matrix(g, &lx.down.pieces(), e, &stage_down, e)?;
+                    let Some(p) = lx.home_of(e) else {
+                        return Err(unsupported(format!(
+                            "expert {e} of layer {i} has no host copy"
+                        )));
+                    };
+                    copy_matrices(g, &host_gu, p, &stage_gu, e, 1)?;
+                    copy_matrices(g, &host_down, p, &stage_down, e, 1)?;
                     host += bytes;
                 }
             }
         }
         if lx.stacked && used[lx.experts] {
             let c = lx.res.slots();
-            copy_matrix(g, &cache_gu, c, &stage_gu, lx.experts)?;
-            copy_matrix(g, &cache_down, c, &stage_down, lx.experts)?;
+            copy_matrices(g, &cache_gu, c, &stage_gu, lx.experts, 1)?;
+            copy_matrices(g, &cache_down, c, &stage_down, lx.experts, 1)?;
         }
         o.add(|s| {
             s.staged_host_bytes += host;
@@ -635,7 +505,7 @@ impl GpuModel {
 
 #[cfg(test)]
 mod tests {
-    use super::slots_for_bytes;
+    use super::{clean_copies, slots_for_bytes};
 
     #[test]
     fn cache_slots_from_bytes() {
@@ -645,5 +515,17 @@ mod tests {
         assert_eq!(slots_for_bytes(5 << 30, 40, mib, 256), 128);
         assert_eq!(slots_for_bytes(0, 40, mib, 256), 0);
         assert_eq!(slots_for_bytes(1 << 40, 40, mib, 256), 256);
+    }
+
+    #[test]
+    fn clean_copies_take_the_host_memory_left() {
+        // 40 layers of 1 MiB experts, 256 per layer, 128 cached: 5 GiB are outside the cache.
+        let (mib, gib) = (1usize << 20, 1usize << 30);
+        let copies = |room: usize| clean_copies(room, 40, mib, 256, 128);
+        assert_eq!(copies(20 * gib), 128);
+        assert_eq!(copies(5 * gib + 40 * 10 * mib), 10);
+        assert_eq!(copies(5 * gib), 0);
+        assert_eq!(copies(gib), 0);
+        assert_eq!(clean_copies(1 << 40, 40, mib, 256, 0), 0);
     }
 }

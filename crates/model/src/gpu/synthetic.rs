@@ -7,9 +7,8 @@ use deltamoe_compute::cpu::rope::Rope;
 use deltamoe_compute::cuda::ops::{self, GdnDims};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
-use deltamoe_compute::cuda::host::HostBuf;
-
-use super::offload::{ExpertCache, HostMat, HostWeights, LayerExperts};
+use super::host_store::{seed_at, ExpertSource, Fmt};
+use super::offload::{ExpertCache, Pending};
 use super::{DevMat, DevWeights, GpuFfn, GpuLayer, GpuMixer, GpuModel, Parts, Result};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 use crate::convert::ROUTER_SPEC;
@@ -99,44 +98,19 @@ impl Filler<'_> {
         self.mats_as(quant, 1, n, k)
     }
 
-    /// As [`Self::mats`], in pinned host memory (filled by the device through the mapping).
-    fn host_mats(&mut self, count: usize, n: usize, k: usize) -> Result<HostMat> {
-        let g = self.g;
-        let a = 1.0 / (k as f32).sqrt();
-        let Some((bits, group)) = self.quant else {
-            let w: HostBuf<u16> = HostBuf::zeros(g, count * n * k)?;
-            let seed = self.next_seed();
-            ops::fill_uniform(g, w.ptr(), w.len(), true, seed, -a, a)?;
-            return Ok(HostMat {
-                w: HostWeights::Bf16(w),
-                n,
-                k,
-                count,
-            });
-        };
-        let words: HostBuf<u32> = HostBuf::zeros(g, count * n * k * bits as usize / 32)?;
-        let seed = self.next_seed();
-        ops::fill_random_u32(g, words.ptr(), words.len(), seed)?;
-        let step = 2.0 * a / ((1u32 << bits) - 1) as f32;
-        let groups = count * n * k / group;
-        let scales: HostBuf<u16> = HostBuf::zeros(g, groups)?;
-        let biases: HostBuf<u16> = HostBuf::zeros(g, groups)?;
-        let (s1, s2) = (self.next_seed(), self.next_seed());
-        ops::fill_uniform(g, scales.ptr(), groups, true, s1, 0.5 * step, 1.5 * step)?;
-        ops::fill_uniform(g, biases.ptr(), groups, true, s2, -1.5 * a, -0.5 * a)?;
-        g.sync()?;
-        Ok(HostMat {
-            w: HostWeights::Affine {
-                words,
-                scales,
-                biases,
-                bits,
-                group,
-            },
+    /// The seeds [`Self::mats`] would fill `[n, k]` matrices with, for matrices written later
+    /// wherever they are placed ([`SeededExperts`]): the same values as a stack made here.
+    fn seeded(&mut self, n: usize, k: usize) -> Seeded {
+        let fmt = Fmt {
             n,
             k,
-            count,
-        })
+            affine: self.quant,
+        };
+        let seeds = match self.quant {
+            None => [self.next_seed(), 0, 0],
+            Some(_) => [self.next_seed(), self.next_seed(), self.next_seed()],
+        };
+        Seeded { fmt, seeds }
     }
 
     fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Result<DevBuf<f32>> {
@@ -144,6 +118,81 @@ impl Filler<'_> {
         let seed = self.next_seed();
         ops::fill_uniform(self.g, v.ptr(), n, false, seed, lo, hi)?;
         Ok(v)
+    }
+}
+
+/// The seeds of a stack of random `[n, k]` matrices ([`Filler::seeded`]): values, or affine
+/// words, scales and biases.
+struct Seeded {
+    fmt: Fmt,
+    seeds: [u64; 3],
+}
+
+impl Seeded {
+    /// Fill matrices `first..first + count` of the stack as matrices `at..` of `dst`, with
+    /// the values [`Filler::mats`] gives them.
+    fn write(
+        &self,
+        g: &Gpu,
+        first: usize,
+        count: usize,
+        dst: &[(u64, usize)],
+        at: usize,
+    ) -> Result<()> {
+        let (n, k) = (self.fmt.n, self.fmt.k);
+        let a = 1.0 / (k as f32).sqrt();
+        let nk = n * k;
+        let Some((bits, group)) = self.fmt.affine else {
+            let (d, bytes) = dst[0];
+            let out = d + (at * bytes) as u64;
+            let seed = seed_at(self.seeds[0], first * nk);
+            return ops::fill_uniform(g, out, count * nk, true, seed, -a, a);
+        };
+        let step = 2.0 * a / ((1u32 << bits) - 1) as f32;
+        let (words, groups) = (nk * bits as usize / 32, nk / group);
+        let at_of = |i: usize| dst[i].0 + (at * dst[i].1) as u64;
+        // fill_random_u32 draws two values a word.
+        let seed = seed_at(self.seeds[0], 2 * first * words);
+        ops::fill_random_u32(g, at_of(0), count * words, seed)?;
+        let (s1, s2) = (
+            seed_at(self.seeds[1], first * groups),
+            seed_at(self.seeds[2], first * groups),
+        );
+        ops::fill_uniform(
+            g,
+            at_of(1),
+            count * groups,
+            true,
+            s1,
+            0.5 * step,
+            1.5 * step,
+        )?;
+        ops::fill_uniform(g, at_of(2), count * groups, true, s2, -1.5 * a, -0.5 * a)
+    }
+}
+
+/// A synthetic MoE layer's experts (`[gate | up]`, down): filled where they are placed.
+struct SeededExperts(Seeded, Seeded);
+
+impl ExpertSource for SeededExperts {
+    fn formats(&self) -> (Fmt, Fmt) {
+        (self.0.fmt, self.1.fmt)
+    }
+
+    fn write(
+        &self,
+        g: &Gpu,
+        down: bool,
+        first: usize,
+        count: usize,
+        dst: &[(u64, usize)],
+        at: usize,
+    ) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let stack = if down { &self.1 } else { &self.0 };
+        stack.write(g, first, count, dst, at)
     }
 }
 
@@ -165,6 +214,7 @@ impl GpuModel {
         let mut f = Filler { g, seed, quant };
         let h = c.hidden_size;
         let mut layers = Vec::with_capacity(c.num_layers);
+        let mut pending = Vec::new();
         for i in 0..c.num_layers {
             let mixer = match c.layer_kinds[i] {
                 LayerKind::LinearAttention => {
@@ -220,16 +270,21 @@ impl GpuModel {
                     let count = e + stacked as usize;
                     let router = f.router(e + 1, h)?;
                     if offload {
-                        let (gu, down) = (f.host_mats(count, 2 * n, h)?, f.host_mats(count, h, n)?);
-                        let lx = LayerExperts::from_host(g, gu, down, e, stacked)?;
-                        let (experts_gu, experts_down) = lx.empty_cache(g)?;
-                        GpuFfn::Moe {
+                        let src = SeededExperts(f.seeded(2 * n, h), f.seeded(h, n));
+                        let ffn = GpuFfn::Moe {
                             router,
-                            experts_gu,
-                            experts_down,
+                            experts_gu: src.0.fmt.device_stack(g, 0)?,
+                            experts_down: src.1.fmt.device_stack(g, 0)?,
                             shared,
-                            offload: Some(Box::new(lx)),
-                        }
+                            offload: None,
+                        };
+                        pending.push(Pending {
+                            layer: i,
+                            experts: e,
+                            stacked,
+                            src: Box::new(src),
+                        });
+                        ffn
                     } else {
                         GpuFfn::Moe {
                             router,
@@ -269,9 +324,7 @@ impl GpuModel {
                 layers,
             },
         )?;
-        if offload {
-            m.set_expert_cache(cache)?;
-        }
+        m.place_experts(cache, pending)?;
         Ok(m)
     }
 

@@ -6,6 +6,8 @@ use deltamoe_compute::cuda::{DevBuf, Gpu};
 use deltamoe_compute::dtype::f32_to_bf16;
 use deltamoe_compute::{AffineWeight, TensorData};
 
+use super::host_store::{ExpertSource, Fmt};
+use super::offload::Pending;
 use super::{unsupported, GpuFfn, GpuMixer, Result};
 use crate::layers::gdn::InProj;
 use crate::layers::{DenseSource, Linear, LinearWeight, Mlp};
@@ -110,7 +112,20 @@ impl DevMat {
 
     /// Bytes one matrix of the stack occupies.
     pub(super) fn bytes(&self) -> usize {
-        array_bytes(self.n, self.k, self.w.affine()).iter().sum()
+        self.fmt().matrix_bytes()
+    }
+
+    pub(super) fn fmt(&self) -> Fmt {
+        Fmt {
+            n: self.n,
+            k: self.k,
+            affine: self.w.affine(),
+        }
+    }
+
+    /// A stack of no matrices in this one's format.
+    pub(super) fn empty(&self, g: &Gpu) -> Result<DevMat> {
+        self.fmt().device_stack(g, 0)
     }
 
     /// (base address, bytes per matrix) of each array of the stack.
@@ -164,18 +179,34 @@ pub(crate) enum StackData {
 }
 
 impl StackData {
+    /// Each array's bytes.
+    fn arrays(&self) -> Vec<&[u8]> {
+        fn bytes<T>(v: &[T]) -> &[u8] {
+            // SAFETY: plain integers: any initialised value is valid as bytes, same length.
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+        }
+        match self {
+            StackData::Bf16(b) => vec![bytes(b)],
+            StackData::Affine {
+                words,
+                scales,
+                biases,
+                ..
+            } => vec![bytes(words), bytes(scales), bytes(biases)],
+        }
+    }
+
     /// `parts` stacked by rows: quantized when every part is affine with the same bits (2/4/8)
     /// and group, else bf16 (dequantized where needed).
     pub(crate) fn of(parts: &[&LinearWeight]) -> StackData {
-        let affine: Option<Vec<&AffineWeight>> = parts.iter().map(|p| p.as_affine()).collect();
-        let uniform = affine.and_then(|a| {
-            let (bits, group) = (a[0].bits(), a[0].group_size());
-            let same = a
-                .iter()
-                .all(|w| w.bits() == bits && w.group_size() == group);
-            (same && GPU_BITS.contains(&bits)).then_some((bits, group, a))
-        });
-        let Some((bits, group, a)) = uniform else {
+        StackData::as_format(parts, stack_format(parts))
+    }
+
+    /// `parts` stacked by rows in the format `stack_format` chose for them (or for a stack
+    /// they are part of).
+    fn as_format(parts: &[&LinearWeight], affine: Option<(u32, usize)>) -> StackData {
+        let a: Option<Vec<&AffineWeight>> = parts.iter().map(|p| p.as_affine()).collect();
+        let (Some((bits, group)), Some(a)) = (affine, a) else {
             return StackData::Bf16(parts.iter().flat_map(|p| bf16_bits(*p)).collect());
         };
         StackData::Affine {
@@ -185,6 +216,57 @@ impl StackData {
             bits,
             group,
         }
+    }
+}
+
+/// The device format of `parts` stacked: affine `(bits, group)` when every part is affine with
+/// the same bits (2/4/8) and group, else bf16 (None).
+fn stack_format(parts: &[&LinearWeight]) -> Option<(u32, usize)> {
+    let a: Vec<&AffineWeight> = parts.iter().map(|p| p.as_affine()).collect::<Option<_>>()?;
+    let (bits, group) = (a.first()?.bits(), a[0].group_size());
+    let same = a
+        .iter()
+        .all(|w| w.bits() == bits && w.group_size() == group);
+    (same && GPU_BITS.contains(&bits)).then_some((bits, group))
+}
+
+/// A loaded MoE layer's experts as an [`ExpertSource`]: `[gate | up]` (two parts an expert)
+/// and down of each, the shared expert last when stacked.
+struct LoadedExperts<'a> {
+    gu: Vec<&'a LinearWeight>,
+    down: Vec<&'a LinearWeight>,
+    formats: (Fmt, Fmt),
+}
+
+impl ExpertSource for LoadedExperts<'_> {
+    fn formats(&self) -> (Fmt, Fmt) {
+        self.formats
+    }
+
+    fn write(
+        &self,
+        g: &Gpu,
+        down: bool,
+        first: usize,
+        count: usize,
+        dst: &[(u64, usize)],
+        at: usize,
+    ) -> Result<()> {
+        let (parts, per, fmt) = match down {
+            false => (&self.gu, 2, self.formats.0),
+            true => (&self.down, 1, self.formats.1),
+        };
+        for j in 0..count {
+            let e = first + j;
+            let data = StackData::as_format(&parts[e * per..(e + 1) * per], fmt.affine);
+            for (src, &(d, bytes)) in data.arrays().into_iter().zip(dst) {
+                // SAFETY: `src` is one matrix's array (`bytes` bytes, the format's size) and
+                // `dst` holds matrix at + j; a copy from pageable memory returns once the
+                // source has been read.
+                unsafe { g.copy_raw(d + ((at + j) * bytes) as u64, src.as_ptr() as u64, bytes)? };
+            }
+        }
+        Ok(())
     }
 }
 
@@ -314,10 +396,16 @@ fn same_format(a: &LinearWeight, b: &LinearWeight) -> bool {
     }
 }
 
-/// An ffn's device weights; with `offload`, an MoE layer's routed experts go to pinned host
-/// memory (see [`super::offload`]) and its device stacks start with no cache slots.
-pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize, offload: bool) -> Result<GpuFfn> {
-    Ok(match f {
+/// Layer `layer`'s ffn device weights; with `offload`, an MoE layer's device expert stacks start
+/// empty and its routed experts are returned to be placed (see [`super::offload`]).
+pub(super) fn upload_ffn<'a>(
+    g: &Gpu,
+    f: &'a Ffn,
+    layer: usize,
+    hidden: usize,
+    offload: bool,
+) -> Result<(GpuFfn, Option<Pending<'a>>)> {
+    let ffn = match f {
         Ffn::Dense(m) => {
             let i = m.gate.out_features();
             GpuFfn::Dense {
@@ -357,16 +445,33 @@ pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize, offload: bool) -> Resu
                 None,
             )?;
             if offload {
-                let host =
-                    super::offload::LayerExperts::new(g, &gu, &down, i, hidden, e, stack_shared)?;
-                let (experts_gu, experts_down) = host.empty_cache(g)?;
-                return Ok(GpuFfn::Moe {
+                let formats = (
+                    Fmt {
+                        n: 2 * i,
+                        k: hidden,
+                        affine: stack_format(&gu),
+                    },
+                    Fmt {
+                        n: hidden,
+                        k: i,
+                        affine: stack_format(&down),
+                    },
+                );
+                let ffn = GpuFfn::Moe {
                     router,
-                    experts_gu,
-                    experts_down,
+                    experts_gu: formats.0.device_stack(g, 0)?,
+                    experts_down: formats.1.device_stack(g, 0)?,
                     shared,
-                    offload: Some(Box::new(host)),
-                });
+                    offload: None,
+                };
+                let src = LoadedExperts { gu, down, formats };
+                let pending = Pending {
+                    layer,
+                    experts: e,
+                    stacked: stack_shared,
+                    src: Box::new(src),
+                };
+                return Ok((ffn, Some(pending)));
             }
             GpuFfn::Moe {
                 router,
@@ -376,7 +481,8 @@ pub(super) fn upload_ffn(g: &Gpu, f: &Ffn, hidden: usize, offload: bool) -> Resu
                 offload: None,
             }
         }
-    })
+    };
+    Ok((ffn, None))
 }
 
 #[cfg(test)]

@@ -1,0 +1,489 @@
+//! Where the routed experts of one offloaded MoE layer live: in one of the device cache slots,
+//! or at a position of the layer's pinned host stacks; a cached expert may also keep a clean
+//! copy at a host position.
+//!
+//! Placing `S` of `E` experts with `C` clean copies: experts 0..S go to device slots 0..S (a
+//! stacked shared expert to slot S), experts S..E to host positions 0..E−S, copies of experts
+//! 0..C to positions E−S.. . Admitting expert A (host position p) into slot s, which holds B,
+//! copies A from p into the slot; A's data at p stays as its clean copy. B needs no copy back
+//! when it has a clean copy; else it is written back, in stream order before A's copy, to a
+//! vacant position, or over another cached expert's clean copy, or (none left) through a spare
+//! device matrix to p. With C = S (host memory for every expert) nothing is ever written back;
+//! with C = 0 the host holds only the E−S experts outside the cache, so a model whose experts
+//! fit neither in host memory nor on the GPU runs when the two together hold them. The expert
+//! kernels read a far expert by its host position (`split + p`, see `ops::Far`), and the host's
+//! kernels read the same position.
+//!
+//! Experts come from an [`ExpertSource`]: a loaded model's matrices, seeded random ones
+//! (synthetic models), or host stacks of a whole layer ([`Gathered`], when the cache is resized).
+
+use deltamoe_compute::cuda::host::HostBuf;
+use deltamoe_compute::cuda::ops::Far;
+use deltamoe_compute::cuda::{DevBuf, Gpu};
+
+use super::upload::array_bytes;
+use super::{DevMat, DevWeights, Result};
+use crate::residency::{Policy, Residency, Swap};
+
+/// The format of one `[n, k]` matrix of a stack: bf16, or MLX affine `(bits, group)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Fmt {
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) affine: Option<(u32, usize)>,
+}
+
+impl Fmt {
+    /// Bytes of one matrix in each array (values; or words, scales, biases).
+    pub(super) fn array_bytes(&self) -> Vec<usize> {
+        array_bytes(self.n, self.k, self.affine)
+    }
+
+    pub(super) fn matrix_bytes(&self) -> usize {
+        self.array_bytes().iter().sum()
+    }
+
+    /// A zeroed device stack of `count` matrices.
+    pub(super) fn device_stack(&self, g: &Gpu, count: usize) -> Result<DevMat> {
+        let nk = self.n * self.k;
+        let w = match self.affine {
+            None => DevWeights::Bf16(g.zeros(count * nk)?),
+            Some((bits, group)) => DevWeights::Affine {
+                words: g.zeros(count * nk * bits as usize / 32)?,
+                scales: g.zeros(count * nk / group)?,
+                biases: g.zeros(count * nk / group)?,
+                bits,
+                group,
+            },
+        };
+        Ok(DevMat {
+            w,
+            n: self.n,
+            k: self.k,
+            bias: None,
+        })
+    }
+
+    /// A zeroed pinned host stack of `count` matrices.
+    pub(super) fn host_stack(&self, g: &Gpu, count: usize) -> Result<HostMat> {
+        let nk = self.n * self.k;
+        let w = match self.affine {
+            None => HostWeights::Bf16(HostBuf::zeros(g, count * nk)?),
+            Some((bits, group)) => HostWeights::Affine {
+                words: HostBuf::zeros(g, count * nk * bits as usize / 32)?,
+                scales: HostBuf::zeros(g, count * nk / group)?,
+                biases: HostBuf::zeros(g, count * nk / group)?,
+                bits,
+                group,
+            },
+        };
+        Ok(HostMat {
+            w,
+            n: self.n,
+            k: self.k,
+        })
+    }
+}
+
+/// Weights in pinned host memory, in the device layout of [`DevWeights`].
+pub(crate) enum HostWeights {
+    Bf16(HostBuf<u16>),
+    Affine {
+        words: HostBuf<u32>,
+        scales: HostBuf<u16>,
+        biases: HostBuf<u16>,
+        bits: u32,
+        group: usize,
+    },
+}
+
+/// A stack of same-shaped `[n, k]` matrices in pinned host memory.
+pub(crate) struct HostMat {
+    pub(super) w: HostWeights,
+    pub(super) n: usize,
+    pub(super) k: usize,
+}
+
+impl HostMat {
+    /// The far-stack arguments for ids from `split` on.
+    fn far(&self, split: usize) -> Far {
+        match &self.w {
+            HostWeights::Bf16(b) => Far {
+                w: b.ptr(),
+                scales: 0,
+                biases: 0,
+                split,
+            },
+            HostWeights::Affine {
+                words,
+                scales,
+                biases,
+                ..
+            } => Far {
+                w: words.ptr(),
+                scales: scales.ptr(),
+                biases: biases.ptr(),
+                split,
+            },
+        }
+    }
+
+    pub(super) fn fmt(&self) -> Fmt {
+        let affine = match &self.w {
+            HostWeights::Bf16(_) => None,
+            HostWeights::Affine { bits, group, .. } => Some((*bits, *group)),
+        };
+        Fmt {
+            n: self.n,
+            k: self.k,
+            affine,
+        }
+    }
+
+    /// (base address, bytes per matrix) of each array.
+    pub(super) fn pieces(&self) -> Vec<(u64, usize)> {
+        let ptrs = match &self.w {
+            HostWeights::Bf16(b) => vec![b.ptr()],
+            HostWeights::Affine {
+                words,
+                scales,
+                biases,
+                ..
+            } => vec![words.ptr(), scales.ptr(), biases.ptr()],
+        };
+        ptrs.into_iter().zip(self.fmt().array_bytes()).collect()
+    }
+
+    /// Bytes of one row of one matrix.
+    pub(super) fn row_bytes(&self) -> usize {
+        self.fmt().matrix_bytes() / self.n.max(1)
+    }
+}
+
+/// Copy matrices `from..from + count` of `src` to matrices `to..` of `dst` (same format), in
+/// stream order.
+pub(super) fn copy_matrices(
+    g: &Gpu,
+    src: &[(u64, usize)],
+    from: usize,
+    dst: &[(u64, usize)],
+    to: usize,
+    count: usize,
+) -> Result<()> {
+    for (&(s, bytes), &(d, _)) in src.iter().zip(dst) {
+        if count == 0 {
+            break;
+        }
+        // SAFETY: both stacks hold the matrices named (`bytes` bytes per array each; indices
+        // checked by the callers against the stack counts) and outlive the stream's work.
+        unsafe {
+            g.copy_raw(
+                d + (to * bytes) as u64,
+                s + (from * bytes) as u64,
+                count * bytes,
+            )?
+        };
+    }
+    Ok(())
+}
+
+/// Where one layer's experts come from when they are placed. Expert index E (the number of
+/// routed experts) is the shared expert when it is stacked with them.
+pub(crate) trait ExpertSource {
+    /// Formats of the `[gate | up]` and the down matrices.
+    fn formats(&self) -> (Fmt, Fmt);
+
+    /// Write experts `first..first + count` of the down (`down`) or `[gate | up]` matrices as
+    /// matrices `at..` of the stack whose arrays are `dst` (device or pinned host memory), in
+    /// stream order.
+    fn write(
+        &self,
+        g: &Gpu,
+        down: bool,
+        first: usize,
+        count: usize,
+        dst: &[(u64, usize)],
+        at: usize,
+    ) -> Result<()>;
+}
+
+/// A whole layer's experts in pinned host stacks, each at its index (the stacked shared expert
+/// last): what a cache resize places again.
+pub(crate) struct Gathered {
+    gu: HostMat,
+    down: HostMat,
+}
+
+impl ExpertSource for Gathered {
+    fn formats(&self) -> (Fmt, Fmt) {
+        (self.gu.fmt(), self.down.fmt())
+    }
+
+    fn write(
+        &self,
+        g: &Gpu,
+        down: bool,
+        first: usize,
+        count: usize,
+        dst: &[(u64, usize)],
+        at: usize,
+    ) -> Result<()> {
+        let src = if down { &self.down } else { &self.gu };
+        copy_matrices(g, &src.pieces(), first, dst, at, count)
+    }
+}
+
+/// The offloaded experts of one MoE layer.
+pub(crate) struct LayerExperts {
+    /// `[gate | up]` and down of the experts outside the cache (and clean copies), by host
+    /// position.
+    pub(super) gu: HostMat,
+    pub(super) down: HostMat,
+    /// Per expert: the host position holding its data (always, outside the cache; a clean
+    /// copy, in it). Per host position: the expert whose data it holds (None: vacant).
+    home: Vec<Option<usize>>,
+    lodger: Vec<Option<usize>>,
+    /// Where each routed expert is: its cache slot or split + its host position (read over
+    /// PCIe, or handed to the host by the router); and the host's copy of that table.
+    loc: DevBuf<i32>,
+    loc_host: Vec<i32>,
+    pub(super) res: Residency,
+    pub(super) experts: usize,
+    pub(super) stacked: bool,
+}
+
+impl LayerExperts {
+    /// Place the `experts` routed experts of `src` (then its shared expert, when `stacked`):
+    /// `slots` of them in new device stacks (returned: `[gate | up]`, down), the others in
+    /// pinned host stacks, with clean copies of `copies` cached ones.
+    pub(super) fn place(
+        g: &Gpu,
+        src: &dyn ExpertSource,
+        experts: usize,
+        stacked: bool,
+        slots: usize,
+        copies: usize,
+    ) -> Result<(LayerExperts, DevMat, DevMat)> {
+        let s = slots.min(experts);
+        let (c, out) = (copies.min(s), experts - s);
+        let (fg, fd) = src.formats();
+        let dev = (
+            fg.device_stack(g, s + stacked as usize)?,
+            fd.device_stack(g, s + stacked as usize)?,
+        );
+        let (gu, down) = (fg.host_stack(g, out + c)?, fd.host_stack(g, out + c)?);
+        for (is_down, d, h) in [(false, &dev.0, &gu), (true, &dev.1, &down)] {
+            let (d, h) = (d.pieces(), h.pieces());
+            src.write(g, is_down, 0, s, &d, 0)?;
+            if stacked {
+                src.write(g, is_down, experts, 1, &d, s)?;
+            }
+            src.write(g, is_down, s, out, &h, 0)?;
+            src.write(g, is_down, 0, c, &h, out)?;
+        }
+        // Position of expert e: e − S outside the cache, E − S + e for a clean copy.
+        let home = (0..experts)
+            .map(|e| match e >= s {
+                true => Some(e - s),
+                false => (e < c).then_some(out + e),
+            })
+            .collect();
+        let mut lx = LayerExperts {
+            gu,
+            down,
+            home,
+            lodger: (s..experts).chain(0..c).map(Some).collect(),
+            loc: g.zeros(experts)?,
+            loc_host: Vec::new(),
+            res: Residency::new(experts, s, Policy::default()),
+            experts,
+            stacked,
+        };
+        lx.loc_host = (0..experts).map(|e| lx.locate(e)).collect();
+        g.write(&mut lx.loc, &lx.loc_host)?;
+        Ok((lx, dev.0, dev.1))
+    }
+
+    /// Every expert of the layer (the device cache `cache` and the host stacks) copied to new
+    /// host stacks at its index, for placing again.
+    pub(super) fn gather(&self, g: &Gpu, cache: (&DevMat, &DevMat)) -> Result<Gathered> {
+        let count = self.experts + self.stacked as usize;
+        let gu = self.gu.fmt().host_stack(g, count)?;
+        let down = self.down.fmt().host_stack(g, count)?;
+        let (to_gu, to_down) = (gu.pieces(), down.pieces());
+        let (cache_gu, cache_down) = (cache.0.pieces(), cache.1.pieces());
+        let slots = self.res.slots();
+        let cached = (0..slots).filter_map(|c| Some((c, self.res.expert_in(c)?)));
+        let shared = self.stacked.then_some((slots, self.experts));
+        for (c, e) in cached.chain(shared) {
+            copy_matrices(g, &cache_gu, c, &to_gu, e, 1)?;
+            copy_matrices(g, &cache_down, c, &to_down, e, 1)?;
+        }
+        let (host_gu, host_down) = (self.gu.pieces(), self.down.pieces());
+        for (p, e) in self.lodger.iter().enumerate() {
+            match *e {
+                Some(e) if self.res.slot_of(e).is_none() => {
+                    copy_matrices(g, &host_gu, p, &to_gu, e, 1)?;
+                    copy_matrices(g, &host_down, p, &to_down, e, 1)?;
+                }
+                _ => {}
+            }
+        }
+        g.sync()?;
+        Ok(Gathered { gu, down })
+    }
+
+    pub(super) fn split(&self) -> usize {
+        self.res.slots() + self.stacked as usize
+    }
+
+    /// Bytes of the host stacks.
+    pub(super) fn host_bytes(&self) -> usize {
+        self.lodger.len() * self.expert_bytes()
+    }
+
+    /// Bytes of one expert (`[gate | up]` and down).
+    pub(super) fn expert_bytes(&self) -> usize {
+        self.gu.fmt().matrix_bytes() + self.down.fmt().matrix_bytes()
+    }
+
+    pub(super) fn far_gu(&self) -> Far {
+        self.gu.far(self.split())
+    }
+
+    pub(super) fn far_down(&self) -> Far {
+        self.down.far(self.split())
+    }
+
+    /// The stacked index of the shared expert for decode routing.
+    pub(super) fn shared_slot(&self) -> Option<usize> {
+        self.stacked.then_some(self.res.slots())
+    }
+
+    pub(super) fn loc(&self) -> u64 {
+        self.loc.ptr()
+    }
+
+    /// The host positions that hold an expert.
+    pub(super) fn host_positions(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.lodger.len()).filter(|&p| self.lodger[p].is_some())
+    }
+
+    /// The expert a routed id of the last step names: a cache slot (below split), a host
+    /// position (split + p), or a host position handed to the host (−1 − p).
+    pub(super) fn expert_of(&self, id: i32) -> Option<usize> {
+        let split = self.split() as i64;
+        match id as i64 {
+            id if id < 0 => self.lodger.get((-1 - id) as usize).copied().flatten(),
+            id if id >= split => self.lodger.get((id - split) as usize).copied().flatten(),
+            id => self.res.expert_in(id as usize),
+        }
+    }
+
+    /// Host position of expert `e`'s data (outside the cache: always there).
+    pub(super) fn home_of(&self, e: usize) -> Option<usize> {
+        self.home[e]
+    }
+
+    /// Where expert `e` is now, as the router's `loc` table says it.
+    fn locate(&self, e: usize) -> i32 {
+        match (self.res.slot_of(e), self.home[e]) {
+            (Some(c), _) => c as i32,
+            (None, Some(p)) => (self.split() + p) as i32,
+            // Unreachable: an expert outside the cache always has its data at a position.
+            (None, None) => -1,
+        }
+    }
+
+    /// Point `loc[e]` at where expert `e` is now (in stream order).
+    fn relocate(&mut self, g: &Gpu, e: usize) -> Result<()> {
+        let v = self.locate(e);
+        if self.loc_host[e] != v {
+            g.set_i32(&self.loc, e, v)?;
+            self.loc_host[e] = v;
+        }
+        Ok(())
+    }
+
+    /// Where an evicted expert without a clean copy goes when `admitted` leaves position `p`
+    /// for the cache: a vacant position, else another cached expert's clean copy, else `p`.
+    fn write_back_to(&self, admitted: usize, p: usize) -> usize {
+        let free = |q: &usize| match self.lodger[*q] {
+            None => true,
+            Some(x) => x != admitted && self.res.slot_of(x).is_some(),
+        };
+        (0..self.lodger.len()).find(free).unwrap_or(p)
+    }
+
+    /// Carry out swap `s` in stream order (see the module doc; matrix 0 of `spare` carries an
+    /// evicted expert written back to the admitted one's position). Returns whether the
+    /// evicted expert was written back to host memory.
+    pub(super) fn admit(
+        &mut self,
+        g: &Gpu,
+        cache: (&DevMat, &DevMat),
+        spare: (&DevMat, &DevMat),
+        s: Swap,
+    ) -> Result<bool> {
+        let Some(p) = self.home[s.expert] else {
+            return Err(super::unsupported(format!(
+                "expert {} is outside the cache with no host copy",
+                s.expert
+            )));
+        };
+        let back = s.evicted.filter(|&v| self.home[v].is_none());
+        let q = back.map(|_| self.write_back_to(s.expert, p));
+        let stacks = [(&self.gu, cache.0, spare.0), (&self.down, cache.1, spare.1)];
+        for (host, dev, tmp) in stacks {
+            let (host, dev, tmp) = (host.pieces(), dev.pieces(), tmp.pieces());
+            match q {
+                Some(q) if q == p => {
+                    copy_matrices(g, &dev, s.slot, &tmp, 0, 1)?;
+                    copy_matrices(g, &host, p, &dev, s.slot, 1)?;
+                    copy_matrices(g, &tmp, 0, &host, p, 1)?;
+                }
+                Some(q) => {
+                    copy_matrices(g, &dev, s.slot, &host, q, 1)?;
+                    copy_matrices(g, &host, p, &dev, s.slot, 1)?;
+                }
+                None => copy_matrices(g, &host, p, &dev, s.slot, 1)?,
+            }
+        }
+        if let (Some(v), Some(q)) = (back, q) {
+            // The position's previous clean copy (if any) is gone.
+            if let Some(x) = self.lodger[q] {
+                self.home[x] = None;
+            }
+            self.lodger[q] = Some(v);
+            self.home[v] = Some(q);
+        }
+        self.res.apply(s);
+        if let Some(v) = s.evicted {
+            self.relocate(g, v)?;
+        }
+        self.relocate(g, s.expert)?;
+        Ok(back.is_some())
+    }
+}
+
+/// The seed with which a fill of `fill.cu` writes, from element 0, the values that a fill with
+/// `seed` writes from element `index` (its counter-based generator hashes seed + (i + 1)·φ).
+pub(super) fn seed_at(seed: u64, index: usize) -> u64 {
+    seed.wrapping_add((index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::seed_at;
+
+    #[test]
+    fn a_seed_at_an_index_shifts_the_counter() {
+        // fill.cu hashes z = seed + (i + 1)·φ: element i of a fill from seed_at(s, j) is
+        // element i + j of a fill from s.
+        let phi = 0x9E37_79B9_7F4A_7C15u64;
+        let z = |seed: u64, i: u64| seed.wrapping_add((i + 1).wrapping_mul(phi));
+        for (s, j, i) in [(7u64, 0usize, 0u64), (123, 5, 9), (u64::MAX, 1 << 40, 3)] {
+            assert_eq!(z(seed_at(s, j), i), z(s, i + j as u64));
+        }
+    }
+}
