@@ -6,9 +6,9 @@
 //! stacked shared expert to slot S), experts S..E to host positions 0..E−S, copies of experts
 //! 0..C to positions E−S.. . Admitting expert A (host position p) into slot s, which holds B,
 //! copies A from p into the slot; A's data at p stays as its clean copy. B needs no copy back
-//! when it has a clean copy; else it is written back, in stream order before A's copy, to a
-//! vacant position, or over another cached expert's clean copy, or (none left) through a spare
-//! device matrix to p. With C = S (host memory for every expert) nothing is ever written back;
+//! when it has a clean copy; else it is written back, in stream order before A's copy, over
+//! another cached expert's clean copy, or (none left) through a spare device matrix to p (the
+//! tables: [`super::homes`]). With C = S (host memory for every expert) nothing is written back;
 //! with C = 0 the host holds only the E−S experts outside the cache, so a model whose experts
 //! fit neither in host memory nor on the GPU runs when the two together hold them. The expert
 //! kernels read a far expert by its host position (`split + p`, see `ops::Far`), and the host's
@@ -21,6 +21,7 @@ use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::Far;
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
+use super::homes::{Homes, WriteBack};
 use super::upload::array_bytes;
 use super::{DevMat, DevWeights, Result};
 use crate::residency::{Policy, Residency, Swap};
@@ -239,10 +240,9 @@ pub(crate) struct LayerExperts {
     /// position.
     pub(super) gu: HostMat,
     pub(super) down: HostMat,
-    /// Per expert: the host position holding its data (always, outside the cache; a clean
-    /// copy, in it). Per host position: the expert whose data it holds (None: vacant).
-    home: Vec<Option<usize>>,
-    lodger: Vec<Option<usize>>,
+    /// Which host position holds each expert's data (always, outside the cache; a clean copy,
+    /// in it).
+    homes: Homes,
     /// Where each routed expert is: its cache slot or split + its host position (read over
     /// PCIe, or handed to the host by the router); and the host's copy of that table.
     loc: DevBuf<i32>,
@@ -281,18 +281,10 @@ impl LayerExperts {
             src.write(g, is_down, s, out, &h, 0)?;
             src.write(g, is_down, 0, c, &h, out)?;
         }
-        // Position of expert e: e − S outside the cache, E − S + e for a clean copy.
-        let home = (0..experts)
-            .map(|e| match e >= s {
-                true => Some(e - s),
-                false => (e < c).then_some(out + e),
-            })
-            .collect();
         let mut lx = LayerExperts {
             gu,
             down,
-            home,
-            lodger: (s..experts).chain(0..c).map(Some).collect(),
+            homes: Homes::new(experts, s, c),
             loc: g.zeros(experts)?,
             loc_host: Vec::new(),
             res: Residency::new(experts, s, Policy::default()),
@@ -320,8 +312,8 @@ impl LayerExperts {
             copy_matrices(g, &cache_down, c, &to_down, e, 1)?;
         }
         let (host_gu, host_down) = (self.gu.pieces(), self.down.pieces());
-        for (p, e) in self.lodger.iter().enumerate() {
-            match *e {
+        for p in 0..self.homes.positions() {
+            match self.homes.lodger(p) {
                 Some(e) if self.res.slot_of(e).is_none() => {
                     copy_matrices(g, &host_gu, p, &to_gu, e, 1)?;
                     copy_matrices(g, &host_down, p, &to_down, e, 1)?;
@@ -339,7 +331,7 @@ impl LayerExperts {
 
     /// Bytes of the host stacks.
     pub(super) fn host_bytes(&self) -> usize {
-        self.lodger.len() * self.expert_bytes()
+        self.homes.positions() * self.expert_bytes()
     }
 
     /// Bytes of one expert (`[gate | up]` and down).
@@ -364,9 +356,9 @@ impl LayerExperts {
         self.loc.ptr()
     }
 
-    /// The host positions that hold an expert.
-    pub(super) fn host_positions(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.lodger.len()).filter(|&p| self.lodger[p].is_some())
+    /// The host positions (each holds an expert's data).
+    pub(super) fn host_positions(&self) -> std::ops::Range<usize> {
+        0..self.homes.positions()
     }
 
     /// The expert a routed id of the last step names: a cache slot (below split), a host
@@ -374,20 +366,20 @@ impl LayerExperts {
     pub(super) fn expert_of(&self, id: i32) -> Option<usize> {
         let split = self.split() as i64;
         match id as i64 {
-            id if id < 0 => self.lodger.get((-1 - id) as usize).copied().flatten(),
-            id if id >= split => self.lodger.get((id - split) as usize).copied().flatten(),
+            id if id < 0 => self.homes.lodger((-1 - id) as usize),
+            id if id >= split => self.homes.lodger((id - split) as usize),
             id => self.res.expert_in(id as usize),
         }
     }
 
     /// Host position of expert `e`'s data (outside the cache: always there).
     pub(super) fn home_of(&self, e: usize) -> Option<usize> {
-        self.home[e]
+        self.homes.home_of(e)
     }
 
     /// Where expert `e` is now, as the router's `loc` table says it.
     fn locate(&self, e: usize) -> i32 {
-        match (self.res.slot_of(e), self.home[e]) {
+        match (self.res.slot_of(e), self.homes.home_of(e)) {
             (Some(c), _) => c as i32,
             (None, Some(p)) => (self.split() + p) as i32,
             // Unreachable: an expert outside the cache always has its data at a position.
@@ -405,18 +397,8 @@ impl LayerExperts {
         Ok(())
     }
 
-    /// Where an evicted expert without a clean copy goes when `admitted` leaves position `p`
-    /// for the cache: a vacant position, else another cached expert's clean copy, else `p`.
-    fn write_back_to(&self, admitted: usize, p: usize) -> usize {
-        let free = |q: &usize| match self.lodger[*q] {
-            None => true,
-            Some(x) => x != admitted && self.res.slot_of(x).is_some(),
-        };
-        (0..self.lodger.len()).find(free).unwrap_or(p)
-    }
-
-    /// Carry out swap `s` in stream order (see the module doc; matrix 0 of `spare` carries an
-    /// evicted expert written back to the admitted one's position). Returns whether the
+    /// Carry out swap `s` in stream order (see [`super::homes`]; matrix 0 of `spare` carries
+    /// an evicted expert written back to the admitted one's position). Returns whether the
     /// evicted expert was written back to host memory.
     pub(super) fn admit(
         &mut self,
@@ -425,44 +407,39 @@ impl LayerExperts {
         spare: (&DevMat, &DevMat),
         s: Swap,
     ) -> Result<bool> {
-        let Some(p) = self.home[s.expert] else {
+        let p = self.homes.home_of(s.expert);
+        let res = &self.res;
+        let back = self
+            .homes
+            .swap(s.expert, s.evicted, |x| res.slot_of(x).is_some());
+        let (Some(p), Some(back)) = (p, back) else {
             return Err(super::unsupported(format!(
                 "expert {} is outside the cache with no host copy",
                 s.expert
             )));
         };
-        let back = s.evicted.filter(|&v| self.home[v].is_none());
-        let q = back.map(|_| self.write_back_to(s.expert, p));
         let stacks = [(&self.gu, cache.0, spare.0), (&self.down, cache.1, spare.1)];
         for (host, dev, tmp) in stacks {
             let (host, dev, tmp) = (host.pieces(), dev.pieces(), tmp.pieces());
-            match q {
-                Some(q) if q == p => {
+            match back {
+                WriteBack::Exchange => {
                     copy_matrices(g, &dev, s.slot, &tmp, 0, 1)?;
                     copy_matrices(g, &host, p, &dev, s.slot, 1)?;
                     copy_matrices(g, &tmp, 0, &host, p, 1)?;
                 }
-                Some(q) => {
+                WriteBack::To(q) => {
                     copy_matrices(g, &dev, s.slot, &host, q, 1)?;
                     copy_matrices(g, &host, p, &dev, s.slot, 1)?;
                 }
-                None => copy_matrices(g, &host, p, &dev, s.slot, 1)?,
+                WriteBack::None => copy_matrices(g, &host, p, &dev, s.slot, 1)?,
             }
-        }
-        if let (Some(v), Some(q)) = (back, q) {
-            // The position's previous clean copy (if any) is gone.
-            if let Some(x) = self.lodger[q] {
-                self.home[x] = None;
-            }
-            self.lodger[q] = Some(v);
-            self.home[v] = Some(q);
         }
         self.res.apply(s);
         if let Some(v) = s.evicted {
             self.relocate(g, v)?;
         }
         self.relocate(g, s.expert)?;
-        Ok(back.is_some())
+        Ok(back != WriteBack::None)
     }
 }
 

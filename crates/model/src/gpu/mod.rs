@@ -20,6 +20,7 @@
 //! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
 //! layer pass.
 
+mod homes;
 mod host_experts;
 mod host_store;
 mod host_team;
