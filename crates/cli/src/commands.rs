@@ -288,11 +288,12 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     }
     if let Some(o) = engine.offload_stats() {
         eprintln!(
-            "experts: cache hit rate {:.3} over {} routed uses, {:.2} MB over PCIe per decoded token, {} admitted",
+            "experts: cache hit rate {:.3} over {} routed uses, {:.2} MB over PCIe per decoded token, {} admitted, {} written back to host memory",
             o.hit_rate(),
             o.hits + o.misses,
             o.pcie_bytes_per_token() / 1e6,
-            o.admitted
+            o.admitted,
+            o.written_back
         );
     }
     Ok(())
