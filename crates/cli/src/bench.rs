@@ -553,7 +553,7 @@ fn offload_report(
            "written_back_per_token": back})
 }
 
-/// Dense bf16 tensor-core peak of one H200 (SXM), FLOP/s: the MFU denominator.
+/// Dense bf16 tensor-core peak of an H100 or H200 SXM (one chip), FLOP/s: the MFU denominator.
 const PEAK_BF16_FLOPS: f64 = 989e12;
 
 /// GPU prefill of a prompt of each length (one warm-up pass first): tok/s and the model-FLOPs
@@ -583,7 +583,7 @@ fn prefill_at(model: &mut GpuModel, lens: &[usize]) -> Result<Vec<Value>> {
             let tok_s = len as f64 / secs;
             let mfu = flops_per_token * tok_s / PEAK_BF16_FLOPS;
             println!(
-                "prefill  {len:>6} tokens, {label:26}: {tok_s:9.1} tok/s  {secs:8.3} s  MFU {:5.2}% (2 x {:.2} B active params/token, peak {:.0} TFLOP/s dense bf16, H200)",
+                "prefill  {len:>6} tokens, {label:26}: {tok_s:9.1} tok/s  {secs:8.3} s  MFU {:5.2}% (2 x {:.2} B active params/token, peak {:.0} TFLOP/s dense bf16 of an H100/H200 SXM)",
                 mfu * 100.0,
                 flops_per_token / 2e9,
                 PEAK_BF16_FLOPS / 1e12

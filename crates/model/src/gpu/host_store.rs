@@ -17,6 +17,8 @@
 //! Experts come from an [`ExpertSource`]: a loaded model's matrices, seeded random ones
 //! (synthetic models), or host stacks of a whole layer ([`Gathered`], when the cache is resized).
 
+use std::ops::Range;
+
 use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::Far;
 use deltamoe_compute::cuda::{DevBuf, Gpu};
@@ -188,24 +190,22 @@ pub(super) fn copy_matrices(
     Ok(())
 }
 
+/// Matrices `at..` of a stack whose arrays ((base address, bytes per matrix) each) are `arrays`,
+/// in device or pinned host memory.
+#[derive(Clone, Copy)]
+pub(crate) struct Dest<'a> {
+    pub(super) arrays: &'a [(u64, usize)],
+    pub(super) at: usize,
+}
+
 /// Where one layer's experts come from when they are placed. Expert index E (the number of
 /// routed experts) is the shared expert when it is stacked with them.
 pub(crate) trait ExpertSource {
     /// Formats of the `[gate | up]` and the down matrices.
     fn formats(&self) -> (Fmt, Fmt);
 
-    /// Write experts `first..first + count` of the down (`down`) or `[gate | up]` matrices as
-    /// matrices `at..` of the stack whose arrays are `dst` (device or pinned host memory), in
-    /// stream order.
-    fn write(
-        &self,
-        g: &Gpu,
-        down: bool,
-        first: usize,
-        count: usize,
-        dst: &[(u64, usize)],
-        at: usize,
-    ) -> Result<()>;
+    /// Write `experts` of the down (`down`) or `[gate | up]` matrices to `to`, in stream order.
+    fn write(&self, g: &Gpu, down: bool, experts: Range<usize>, to: Dest<'_>) -> Result<()>;
 }
 
 /// A whole layer's experts in pinned host stacks, each at its index (the stacked shared expert
@@ -220,17 +220,10 @@ impl ExpertSource for Gathered {
         (self.gu.fmt(), self.down.fmt())
     }
 
-    fn write(
-        &self,
-        g: &Gpu,
-        down: bool,
-        first: usize,
-        count: usize,
-        dst: &[(u64, usize)],
-        at: usize,
-    ) -> Result<()> {
+    fn write(&self, g: &Gpu, down: bool, experts: Range<usize>, to: Dest<'_>) -> Result<()> {
         let src = if down { &self.down } else { &self.gu };
-        copy_matrices(g, &src.pieces(), first, dst, at, count)
+        let (first, count) = (experts.start, experts.len());
+        copy_matrices(g, &src.pieces(), first, to.arrays, to.at, count)
     }
 }
 
@@ -274,12 +267,14 @@ impl LayerExperts {
         let (gu, down) = (fg.host_stack(g, out + c)?, fd.host_stack(g, out + c)?);
         for (is_down, d, h) in [(false, &dev.0, &gu), (true, &dev.1, &down)] {
             let (d, h) = (d.pieces(), h.pieces());
-            src.write(g, is_down, 0, s, &d, 0)?;
+            let on_device = |at| Dest { arrays: &d, at };
+            let on_host = |at| Dest { arrays: &h, at };
+            src.write(g, is_down, 0..s, on_device(0))?;
             if stacked {
-                src.write(g, is_down, experts, 1, &d, s)?;
+                src.write(g, is_down, experts..experts + 1, on_device(s))?;
             }
-            src.write(g, is_down, s, out, &h, 0)?;
-            src.write(g, is_down, 0, c, &h, out)?;
+            src.write(g, is_down, s..experts, on_host(0))?;
+            src.write(g, is_down, 0..c, on_host(out))?;
         }
         let mut lx = LayerExperts {
             gu,

@@ -1,13 +1,14 @@
 //! A model of any config with random weights made directly in device memory (no host copy, no
 //! files), bf16 or MLX affine-quantized: what `deltamoe bench` measures real shapes with.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use deltamoe_compute::cpu::rope::Rope;
 use deltamoe_compute::cuda::ops::{self, GdnDims};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
-use super::host_store::{seed_at, ExpertSource, Fmt};
+use super::host_store::{seed_at, Dest, ExpertSource, Fmt};
 use super::offload::{ExpertCache, Pending};
 use super::{DevMat, DevWeights, GpuFfn, GpuLayer, GpuMixer, GpuModel, Parts, Result};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
@@ -129,16 +130,9 @@ struct Seeded {
 }
 
 impl Seeded {
-    /// Fill matrices `first..first + count` of the stack as matrices `at..` of `dst`, with
-    /// the values [`Filler::mats`] gives them.
-    fn write(
-        &self,
-        g: &Gpu,
-        first: usize,
-        count: usize,
-        dst: &[(u64, usize)],
-        at: usize,
-    ) -> Result<()> {
+    /// Fill matrices `mats` of the stack into `to`, with the values [`Filler::mats`] gives them.
+    fn write(&self, g: &Gpu, mats: Range<usize>, to: Dest<'_>) -> Result<()> {
+        let (first, count, dst, at) = (mats.start, mats.len(), to.arrays, to.at);
         let (n, k) = (self.fmt.n, self.fmt.k);
         let a = 1.0 / (k as f32).sqrt();
         let nk = n * k;
@@ -179,20 +173,12 @@ impl ExpertSource for SeededExperts {
         (self.0.fmt, self.1.fmt)
     }
 
-    fn write(
-        &self,
-        g: &Gpu,
-        down: bool,
-        first: usize,
-        count: usize,
-        dst: &[(u64, usize)],
-        at: usize,
-    ) -> Result<()> {
-        if count == 0 {
+    fn write(&self, g: &Gpu, down: bool, experts: Range<usize>, to: Dest<'_>) -> Result<()> {
+        if experts.is_empty() {
             return Ok(());
         }
         let stack = if down { &self.1 } else { &self.0 };
-        stack.write(g, first, count, dst, at)
+        stack.write(g, experts, to)
     }
 }
 

@@ -1,12 +1,14 @@
 //! Uploading a loaded model's weights: device matrices (bf16 or MLX affine), the fused
 //! projections and the per-layer mixer and ffn weights.
 
+use std::ops::Range;
+
 use deltamoe_compute::cuda::ops::{GdnDims, Matvec, WeightFormat, GDN_DK_MAX, GDN_DV_MAX};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 use deltamoe_compute::dtype::f32_to_bf16;
 use deltamoe_compute::{AffineWeight, TensorData};
 
-use super::host_store::{ExpertSource, Fmt};
+use super::host_store::{Dest, ExpertSource, Fmt};
 use super::offload::Pending;
 use super::{unsupported, GpuFfn, GpuMixer, Result};
 use crate::layers::gdn::InProj;
@@ -243,27 +245,19 @@ impl ExpertSource for LoadedExperts<'_> {
         self.formats
     }
 
-    fn write(
-        &self,
-        g: &Gpu,
-        down: bool,
-        first: usize,
-        count: usize,
-        dst: &[(u64, usize)],
-        at: usize,
-    ) -> Result<()> {
+    fn write(&self, g: &Gpu, down: bool, experts: Range<usize>, to: Dest<'_>) -> Result<()> {
         let (parts, per, fmt) = match down {
             false => (&self.gu, 2, self.formats.0),
             true => (&self.down, 1, self.formats.1),
         };
-        for j in 0..count {
-            let e = first + j;
+        for (j, e) in experts.enumerate() {
             let data = StackData::as_format(&parts[e * per..(e + 1) * per], fmt.affine);
-            for (src, &(d, bytes)) in data.arrays().into_iter().zip(dst) {
+            let at = (to.at + j) as u64;
+            for (src, &(d, bytes)) in data.arrays().into_iter().zip(to.arrays) {
                 // SAFETY: `src` is one matrix's array (`bytes` bytes, the format's size) and
-                // `dst` holds matrix at + j; a copy from pageable memory returns once the
-                // source has been read.
-                unsafe { g.copy_raw(d + ((at + j) * bytes) as u64, src.as_ptr() as u64, bytes)? };
+                // `to` holds matrix at; a copy from pageable memory returns once the source
+                // has been read.
+                unsafe { g.copy_raw(d + at * bytes as u64, src.as_ptr() as u64, bytes)? };
             }
         }
         Ok(())
