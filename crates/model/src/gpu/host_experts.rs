@@ -127,10 +127,11 @@ impl HostMat {
     }
 }
 
-/// Seconds the host takes to compute `n` experts of `lx` (from its host stacks, `positions` of
-/// them in use): the median of 7 rounds after a warm-up, each on other experts (as at decode,
-/// their weights are not in the CPU's caches).
-fn time_host(lx: &LayerExperts, positions: &[usize], n: usize) -> Result<f64> {
+/// Seconds the host takes to compute `n` experts of `lx` (at positions of its host stacks):
+/// the median of 7 rounds after a warm-up, each on other experts (as at decode, their weights
+/// are not in the CPU's caches).
+fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
+    let positions = lx.host_positions();
     let x: Vec<f32> = (0..lx.gu.k)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
         .collect();
@@ -142,9 +143,7 @@ fn time_host(lx: &LayerExperts, positions: &[usize], n: usize) -> Result<f64> {
     let job = |r: usize| {
         Some(Job {
             lx,
-            experts: (0..n)
-                .map(|i| positions[(r * n + i) * 7 % positions.len()])
-                .collect(),
+            experts: (0..n).map(|i| (r * n + i) * 7 % positions).collect(),
             xs: vec![x.as_slice(); n],
             slots: (0..n).collect(),
         })
@@ -181,12 +180,11 @@ impl GpuModel {
             return Ok(());
         };
         let (lx, ..) = self.offloaded(first)?;
-        let positions: Vec<usize> = lx.host_positions().collect();
         // Every expert cached: nothing to hand to the host.
-        if positions.is_empty() {
+        if lx.host_positions() == 0 {
             return Ok(());
         }
-        let (one, two) = (time_host(lx, &positions, 1)?, time_host(lx, &positions, 2)?);
+        let (one, two) = (time_host(lx, 1)?, time_host(lx, 2)?);
         let each = (two - one).max(one / 4.0);
         let link = self.time_far_expert(first)?;
         self.set_host_costs(Costs {
@@ -241,19 +239,19 @@ impl GpuModel {
     }
 
     /// Seconds the GPU takes to read and apply one far expert of layer `i` (gate/up and down of
-    /// four experts outside the cache at once, per expert; the best of 3 rounds).
+    /// four experts read from the host stacks at once, per expert; the best of 3 rounds).
     fn time_far_expert(&self, i: usize) -> Result<f64> {
         let (lx, experts_gu, experts_down) = self.offloaded(i)?;
         let (g, s, inter) = (&*self.gpu, &self.scratch, experts_gu.n / 2);
-        let outside: Vec<usize> = lx.host_positions().collect();
-        if outside.is_empty() {
+        let positions = lx.host_positions();
+        if positions == 0 {
             return Ok(f64::INFINITY);
         }
         let mut best = f64::INFINITY;
         let (a, b) = (g.timer()?, g.timer()?);
         for round in 0..4 {
             let ids: Vec<i32> = (0..4)
-                .map(|j| (lx.split() + outside[(round * 4 + j) % outside.len()]) as i32)
+                .map(|j| (lx.split() + (round * 4 + j) % positions) as i32)
                 .collect();
             let ids = g.upload(&ids)?;
             g.mark(&a)?;

@@ -351,9 +351,9 @@ impl LayerExperts {
         self.loc.ptr()
     }
 
-    /// The host positions (each holds an expert's data).
-    pub(super) fn host_positions(&self) -> std::ops::Range<usize> {
-        0..self.homes.positions()
+    /// Positions of the host stacks (each holds an expert's data).
+    pub(super) fn host_positions(&self) -> usize {
+        self.homes.positions()
     }
 
     /// The expert a routed id of the last step names: a cache slot (below split), a host
