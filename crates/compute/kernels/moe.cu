@@ -61,9 +61,10 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
     float part = 0.f, gmax = NEG_INF;
     // This and the two passes over p below are unrolled as the loads are: one warp runs the
     // kernel, so the passes' shared-memory loads and exps otherwise wait one after another. 35B
-    // 4-bit decode on an H100, alternating runs, three calls: 561.3 / 558.5 / 564.1 → 573.2 /
+    // 4-bit decode on an H100, alternating runs, four calls: 561.3 / 558.5 / 564.1 → 573.2 /
     // 574.9 / 574.7 tok/s, 565.3 → 574.9 / 561.6 / 575.3, 565.5 / 574.0 / 550.3 → 563.5 / 562.7 /
-    // 564.9 (80B 440.8 → 447.2, 440.8 → 441.8). Holding the row in registers instead: 539–545.
+    // 564.9, 564.7 / 560.8 / 565.6 → 565.7 / 566.9 / 571.1 (80B 440.8 → 447.2, 440.8 → 441.8,
+    // 441.0 → 439.6). Holding the row in registers instead: 539–545.
 #pragma unroll 8
     for (int e = lane; e < E; e += 32) {
         float v = expf(p[e] - mx);
