@@ -63,12 +63,15 @@
 // mma_vec_affine{4,8}_ring, for a launch of more tiles than resident blocks (the lm_head): a grid of
 // at most the resident blocks, each staging x once and working through the tiles blockIdx.x,
 // blockIdx.x + gridDim.x, … (VEC_RING_TILES row tiles each) from `nbuf` staged tiles laid out as
-// above one after another, then their nbuf barriers. The block's first nbuf tiles are copied
+// above but with unpadded rows (16·T rows of K/2 bytes, each tile one bulk copy of words: see
+// vec_row_words) one after another, then their nbuf barriers. The block's first nbuf tiles are copied
 // before its wait; a buffer is refilled with the tile nbuf steps on once every warp is past it,
 // so later tiles arrive under the products of earlier ones. The tiles' partial sums alternate
 // between two sets in shared memory and every warp adds up 2·T rows of them, so a tile takes one
-// block barrier. On the 35B lm_head (248,320 × 2048, an H200) 116 µs where the streamed form
-// took 135 (119.8 with a second barrier a tile).
+// block barrier. On the 35B lm_head (248,320 × 2048, an H200) 104 µs where the streamed form
+// took 135. More tiles in flight measured slower on an H200 (against 103.8 µs): 16-row tiles in
+// 4 buffers 127.9, one 16-warp block an SM with 5 buffers 123.7, each block asking L2 for the
+// two tiles after its ring's 114.0.
 
 struct VecIo {
     const float* norm;
@@ -182,36 +185,46 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 #define VEC_STAGED 1
 #define VEC_RING 2
 
-// Words between the starts of two rows of a staged tile: the row's nw = K/8 words and 4·P of
-// padding (G/8, P = G/32 words a lane loads at once). A load's lanes (gid, t) read words
-// gid·rs + t·P .. + P − 1, and the lanes served together (8 of 16-byte loads, 16 of 8-byte, 32 of
-// 4-byte: gid < 8/P) then cover the 32 banks once when nw % 32 == 0.
-__device__ __forceinline__ int vec_row_words(int K, int G) {
-    return K / 8 + G / 8;
+// Words between the starts of two rows of a staged tile. A one-wave launch pads each row's nw =
+// K/8 words by 4·P (G/8, P = G/32 words a lane loads at once), one bulk copy a row: a load's
+// lanes (gid, t) read words gid·rs + t·P .. + P − 1, and the lanes served together (8 of 16-byte
+// loads, 16 of 8-byte, 32 of 4-byte: gid < 8/P) then cover the 32 banks once when nw % 32 == 0.
+// The ring (`pad` false) copies each tile whole, its rows nw apart: the rows of one load then
+// share banks, which costs it less than a copy a row. On the 35B lm_head (an H200) 115.9 →
+// 103.8 µs, decode 582.0 / 584.7 → 588.7 / 588.4 tok/s; in the one-wave launches the unpadded
+// tiles were slower (GDN input projection 10.95 → 11.26 µs), as was a tile of 8 padded runs of
+// rows with conflict-free reads (12.28 µs; lm_head 125.3).
+__device__ __forceinline__ int vec_row_words(int K, int G, bool pad) {
+    return K / 8 + (pad ? G / 8 : 0);
 }
 
 // Words of one staged tile of 16·T rows (vec_row_words apart): its scales follow them, then its
 // biases 16·T·ng further.
-__device__ __forceinline__ int vec_tile_words(int K, int G, int T) {
-    return 16 * T * vec_row_words(K, G);
+__device__ __forceinline__ int vec_tile_words(int K, int G, int T, bool pad) {
+    return 16 * T * vec_row_words(K, G, pad);
 }
 
 // Bytes of one staged tile: the words, then the rows' scales and biases [16·T, ng] each (a
 // multiple of 16 bytes when ng % 8 == 0).
-__device__ __forceinline__ int vec_tile_bytes(int K, int G, int T) {
-    return vec_tile_words(K, G, T) * 4 + 16 * T * (K / G) * 4;
+__device__ __forceinline__ int vec_tile_bytes(int K, int G, int T, bool pad) {
+    return vec_tile_words(K, G, T, pad) * 4 + 16 * T * (K / G) * 4;
 }
 
 // Rows n0 .. n0 + rows of W, S and B into the staged tile at `tw`, completing on `bar`: one
-// bulk copy per row of words (to its padded place) and one each for the scales and biases. Warp 0.
+// bulk copy per row of words (to its padded place), or with `pad` false one for all of them, and
+// one each for the scales and biases. Warp 0.
 __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, const bf16_t* Bs, int K, int G,
-                                         int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane) {
-    const int nw = K / 8, ng = K / G, rs = vec_row_words(K, G);
-    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, G, T));
+                                         int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane, bool pad) {
+    const int nw = K / 8, ng = K / G, rs = vec_row_words(K, G, pad);
+    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, G, T, pad));
     bf16_t* tb = ts + 16 * T * ng;
     if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
     __syncwarp();
-    for (int r = lane; r < rows; r += 32) bulk_to_smem(tw + r * rs, W + (long long)(n0 + r) * nw, K / 2, bar);
+    if (pad) {
+        for (int r = lane; r < rows; r += 32) bulk_to_smem(tw + r * rs, W + (long long)(n0 + r) * nw, K / 2, bar);
+    } else if (lane == 0) {
+        bulk_to_smem(tw, W + (long long)n0 * nw, rows * K / 2, bar);
+    }
     if (lane == 0) {
         bulk_to_smem(ts, S + (long long)n0 * ng, rows * ng * 2, bar);
         bulk_to_smem(tb, Bs + (long long)n0 * ng, rows * ng * 2, bar);
@@ -238,10 +251,11 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     float* gs = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [ng] group sums of x
     float* gh = gs + ng;                                               // [ng] of hi + lo
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
-    const int rs = vec_row_words(K, G), ntiles = (N + 16 * T - 1) / (16 * T);
+    constexpr bool PAD = MODE != VEC_RING;
+    const int rs = vec_row_words(K, G, PAD), ntiles = (N + 16 * T - 1) / (16 * T);
     // Staged tiles (SM): nbuf of them after the staged x, then one barrier each.
     unsigned char* tiles0 = vec_smem + vec_stage_bytes(K, ng);
-    const int tile_bytes = vec_tile_bytes(K, G, T);
+    const int tile_bytes = vec_tile_bytes(K, G, T, PAD);
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(tiles0 + (size_t)nbuf * tile_bytes);
     const int step = MODE == VEC_RING ? gridDim.x : ntiles;
 
@@ -262,7 +276,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         if (SM) {
             wt = reinterpret_cast<const unsigned*>(tiles0 + (size_t)buf * tile_bytes);
             wstride = rs;
-            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, G, T));
+            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, G, T, PAD));
             bi = sc + 16 * T * ng;
         } else {
             wt = W + (long long)n0 * nw;
@@ -296,7 +310,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             for (int b = 0; b < nbuf && tile + b * step < ntiles; ++b) {
                 const int m0 = (tile + b * step) * 16 * T;
                 vec_fill(W, S, Bs, K, G, T, m0, min(16 * T, N - m0),
-                         reinterpret_cast<unsigned*>(tiles0 + (size_t)b * tile_bytes), &bars[b], lane);
+                         reinterpret_cast<unsigned*>(tiles0 + (size_t)b * tile_bytes), &bars[b], lane, PAD);
             }
     } else {
         // The words of the warp's first U groups go out before the wait too, and the block's
@@ -480,7 +494,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             fence_proxy_async();
             const int m0 = (tile + nbuf * step) * 16 * T;
             vec_fill(W, S, Bs, K, G, T, m0, min(16 * T, N - m0),
-                     reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane);
+                     reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane, PAD);
         }
         // In the ring every warp adds up 2·T of the rows, so no warp starts the next tile late.
         const int r0 = MODE == VEC_RING ? (lane < 2 * T ? v * 2 * T + lane : 16 * T) : tid;

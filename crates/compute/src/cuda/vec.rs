@@ -303,6 +303,13 @@ fn tile_smem(k: usize, group: usize, tiles: usize) -> usize {
     rows * (k / 2 + group / 2) + rows * (k / group) * 4
 }
 
+/// Bytes of one tile of the ring kernel: as [`tile_smem`]'s without the rows' padding (the ring
+/// copies a tile's words whole).
+fn ring_tile_smem(k: usize, group: usize, tiles: usize) -> usize {
+    let rows = 16 * tiles;
+    rows * k / 2 + rows * (k / group) * 4
+}
+
 /// Row tiles of 16 per block of the ring kernel (`mma_vec_affine4_ring`, VEC_RING_TILES there).
 const RING_TILES: usize = 2;
 
@@ -310,11 +317,11 @@ const RING_TILES: usize = 2;
 const RING_MAX_BUFFERS: usize = 4;
 
 /// Staged tiles per block of the ring kernel with `tiles` row tiles of 16 each, and its dynamic
-/// shared memory: the input staging, then as many tiles (laid out as `staged_smem`'s) and
+/// shared memory: the input staging, then as many tiles ([`ring_tile_smem`]) and
 /// 8-byte barriers as fit two blocks per SM, at most RING_MAX_BUFFERS; `None` under two (one
 /// tile computing while the next fills) or when the scale rows are not whole 16-byte units.
 pub fn ring_plan(k: usize, group: usize, tiles: usize) -> Option<(usize, usize)> {
-    let (tile, fixed) = (tile_smem(k, group, tiles), stage_smem(k, group));
+    let (tile, fixed) = (ring_tile_smem(k, group, tiles), stage_smem(k, group));
     let nbuf = (STAGED_MAX_SMEM.saturating_sub(fixed) / (tile + 8)).min(RING_MAX_BUFFERS);
     ((k / group).is_multiple_of(8) && nbuf >= 2)
         .then(|| (nbuf, (fixed + nbuf * (tile + 8)).next_multiple_of(16)))
@@ -378,10 +385,10 @@ mod tests {
 
     #[test]
     fn ring_keeps_two_to_four_tiles_within_two_blocks_per_sm() {
-        // lm_head of the 35B shape: 2048 inputs, groups of 64, tiles of 32 rows (37,888 bytes).
+        // lm_head of the 35B shape: 2048 inputs, groups of 64, tiles of 32 rows (36,864 bytes).
         assert_eq!(
             super::ring_plan(2048, 64, 2),
-            Some((2, 8448 + 2 * (37_888 + 8)))
+            Some((2, 8448 + 2 * (36_864 + 8)))
         );
         assert_eq!(super::ring_plan(2048, 64, 1).map(|p| p.0), Some(4));
         // 8192 inputs: one tile of 32 rows is 139 KB.
