@@ -31,7 +31,8 @@
 // the groups g ≡ v (mod NW), U = clamp(12/(T·P), 1, 4) at a time with all their loads in flight
 // when streaming (2·T·P words per group and lane, at most 24; two blocks per SM: launch bounds
 // cap the registers at 128), one at a time from a staged tile (see mma_vec_t). Within a group,
-// lane (gid, t) of the mma holds rows gid and gid + 8 of each tile and the group's words
+// lane (gid, t) of the mma holds rows gid and gid + 8 of each tile (staged one wave: rows 2T·gid
+// + 2i and 2T·gid + 2i + 1 of the block's, see vec_run_words) and the group's words
 // t·P .. t·P + P (P = G/32, one 4-, 8- or 16-byte load per row): word j of every lane forms one
 // 32-wide k chunk, two k16 steps whose k slots {2t, 2t+1} and
 // {2t+8, 2t+9} take nibbles (i, i+4) and (i+1, i+5) of the lane's word, and x the same pairs (any
@@ -56,15 +57,15 @@
 //   shifts by one and takes y[n]. Each row belongs to one block, so the state update has one writer.
 //
 // mma_vec_affine{4,8}_staged, for a launch of one wave: each block instead copies its rows of W, S
-// and B into shared memory (after the staged x, rounded to 16 bytes: 16·T rows of K/2 + G/2
-// bytes, then 16·T·(K/G)·4 bytes of scales and biases, then an 8-byte barrier) with bulk copies
-// issued before its wait, and the same loop reads the words from there.
+// and B into shared memory (after the staged x, rounded to 16 bytes: the tile in 8 runs of rows,
+// vec_run_words, then an 8-byte barrier) with bulk copies issued before its wait, and the same
+// loop reads the words from there.
 //
 // mma_vec_affine{4,8}_ring, for a launch of more tiles than resident blocks (the lm_head): a grid of
 // at most the resident blocks, each staging x once and working through the tiles blockIdx.x,
-// blockIdx.x + gridDim.x, … (VEC_RING_TILES row tiles each) from `nbuf` staged tiles laid out as
-// above but with unpadded rows (16·T rows of K/2 bytes, each tile one bulk copy of words: see
-// vec_row_words) one after another, then their nbuf barriers. The block's first nbuf tiles are copied
+// blockIdx.x + gridDim.x, … (VEC_RING_TILES row tiles each) from `nbuf` staged tiles, each whole
+// (16·T rows of K/2 bytes, then their scales and biases: see vec_run_words), one after another,
+// then their nbuf barriers. The block's first nbuf tiles are copied
 // before its wait; a buffer is refilled with the tile nbuf steps on once every warp is past it,
 // so later tiles arrive under the products of earlier ones. The tiles' partial sums alternate
 // between two sets in shared memory and every warp adds up 2·T rows of them, so a tile takes one
@@ -185,49 +186,71 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 #define VEC_STAGED 1
 #define VEC_RING 2
 
-// Words between the starts of two rows of a staged tile. A one-wave launch pads each row's nw =
-// K/8 words by 4·P (G/8, P = G/32 words a lane loads at once), one bulk copy a row: a load's
-// lanes (gid, t) read words gid·rs + t·P .. + P − 1, and the lanes served together (8 of 16-byte
-// loads, 16 of 8-byte, 32 of 4-byte: gid < 8/P) then cover the 32 banks once when nw % 32 == 0.
-// The ring (`pad` false) copies each tile whole, its rows nw apart: the rows of one load then
-// share banks, which costs it less than a copy a row. On the 35B lm_head (an H200) 115.9 →
-// 103.8 µs, decode 582.0 / 584.7 → 588.7 / 588.4 tok/s; in the one-wave launches the unpadded
-// tiles were slower (GDN input projection 10.95 → 11.26 µs), as was a tile of 8 padded runs of
-// rows with conflict-free reads (12.28 µs; lm_head 125.3).
-__device__ __forceinline__ int vec_row_words(int K, int G, bool pad) {
-    return K / 8 + (pad ? G / 8 : 0);
+// Staged tiles of 16·T rows come in two layouts (`runs`):
+// - runs (one-wave launches): 8 runs of 2·T consecutive rows, lane gid of the mma holding rows
+//   2T·gid + s (s = 0 .. 2T−1 over its row sets), one row of each run. A run's words (2·T rows
+//   of nw = K/8) are followed by 4·P words of padding (G/8, P = G/32 words a lane loads at once),
+//   its scales and its biases (2·T rows of ng) by 8 bf16 each. A load's lanes (gid, t) then read
+//   words gid·(2T·nw + G/8) + s·nw + t·P .. + P − 1: the lanes served together (8 of 16-byte
+//   loads, 16 of 8-byte, 32 of 4-byte: gid < 8/P) cover the 32 banks once when nw % 32 == 0, and
+//   lanes t = 0 read their scales from 8 distinct banks. Lane gid's run is copied by lane gid of
+//   warp 0: 24 bulk copies a tile where one a padded row took 16·T + 2. 35B 4-bit decode on an
+//   H200 591.5 / 591.6 → 599.3 / 592.2 tok/s, 80B 454.8 → 463.7; with the runs' words but the
+//   scales unpadded (their reads 8-way conflicts) 562.1 / 562.5.
+// - whole (the ring): the tile's rows nw words apart, lane gid holding rows 16i + gid and
+//   16i + gid + 8, the words one bulk copy, the scales and biases one each. The rows of one load
+//   share banks, which costs the ring less than more copies: on the 35B lm_head (an H200) 115.9
+//   µs with a copy a padded row, 103.8 whole, 125.3 in runs (with unpadded scales).
+__device__ __forceinline__ int vec_run_words(int K, int G, int T) {
+    return 2 * T * (K / 8) + G / 8;
 }
 
-// Words of one staged tile of 16·T rows (vec_row_words apart): its scales follow them, then its
-// biases 16·T·ng further.
-__device__ __forceinline__ int vec_tile_words(int K, int G, int T, bool pad) {
-    return 16 * T * vec_row_words(K, G, pad);
+__device__ __forceinline__ int vec_run_scales(int K, int G, int T) {
+    return 2 * T * (K / G) + 8;
 }
 
-// Bytes of one staged tile: the words, then the rows' scales and biases [16·T, ng] each (a
-// multiple of 16 bytes when ng % 8 == 0).
-__device__ __forceinline__ int vec_tile_bytes(int K, int G, int T, bool pad) {
-    return vec_tile_words(K, G, T, pad) * 4 + 16 * T * (K / G) * 4;
+// Where row r of a staged tile starts: its words from the tile's start, its scales (and biases)
+// from the start of the tile's scales (biases).
+__device__ __forceinline__ int vec_row_at(int r, int K, int G, int T, bool runs) {
+    return runs ? r / (2 * T) * vec_run_words(K, G, T) + r % (2 * T) * (K / 8) : r * (K / 8);
 }
 
-// Rows n0 .. n0 + rows of W, S and B into the staged tile at `tw`, completing on `bar`: one
-// bulk copy per row of words (to its padded place), or with `pad` false one for all of them, and
-// one each for the scales and biases. Warp 0.
+__device__ __forceinline__ int vec_scale_at(int r, int K, int G, int T, bool runs) {
+    return runs ? r / (2 * T) * vec_run_scales(K, G, T) + r % (2 * T) * (K / G) : r * (K / G);
+}
+
+// Words of one staged tile of 16·T rows, then the bf16 of its scales (and of its biases, which
+// follow them).
+__device__ __forceinline__ int vec_tile_words(int K, int G, int T, bool runs) {
+    return runs ? 8 * vec_run_words(K, G, T) : 16 * T * (K / 8);
+}
+
+__device__ __forceinline__ int vec_tile_scales(int K, int G, int T, bool runs) {
+    return runs ? 8 * vec_run_scales(K, G, T) : 16 * T * (K / G);
+}
+
+// Bytes of one staged tile: the words, the scales, the biases (a multiple of 16 bytes when
+// ng % 8 == 0).
+__device__ __forceinline__ int vec_tile_bytes(int K, int G, int T, bool runs) {
+    return vec_tile_words(K, G, T, runs) * 4 + vec_tile_scales(K, G, T, runs) * 4;
+}
+
+// Rows n0 .. n0 + rows of W, S and B into the staged tile at `tw` in the `runs` or whole layout,
+// completing on `bar`. Warp 0.
 __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, const bf16_t* Bs, int K, int G,
-                                         int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane, bool pad) {
-    const int nw = K / 8, ng = K / G, rs = vec_row_words(K, G, pad);
-    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, G, T, pad));
-    bf16_t* tb = ts + 16 * T * ng;
+                                         int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane,
+                                         bool runs) {
+    const int nw = K / 8, ng = K / G;
+    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, G, T, runs));
+    bf16_t* tb = ts + vec_tile_scales(K, G, T, runs);
     if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
     __syncwarp();
-    if (pad) {
-        for (int r = lane; r < rows; r += 32) bulk_to_smem(tw + r * rs, W + (long long)(n0 + r) * nw, K / 2, bar);
-    } else if (lane == 0) {
-        bulk_to_smem(tw, W + (long long)n0 * nw, rows * K / 2, bar);
-    }
-    if (lane == 0) {
-        bulk_to_smem(ts, S + (long long)n0 * ng, rows * ng * 2, bar);
-        bulk_to_smem(tb, Bs + (long long)n0 * ng, rows * ng * 2, bar);
+    const int r0 = runs ? lane * 2 * T : 0, n = runs ? min(2 * T, rows - r0) : rows;
+    if ((runs ? lane < 8 : lane == 0) && n > 0) {
+        const long long m = n0 + r0;
+        bulk_to_smem(tw + lane * vec_run_words(K, G, T), W + m * nw, n * K / 2, bar);
+        bulk_to_smem(ts + lane * vec_run_scales(K, G, T), S + m * ng, n * ng * 2, bar);
+        bulk_to_smem(tb + lane * vec_run_scales(K, G, T), Bs + m * ng, n * ng * 2, bar);
     }
 }
 
@@ -251,33 +274,37 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     float* gs = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [ng] group sums of x
     float* gh = gs + ng;                                               // [ng] of hi + lo
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
-    constexpr bool PAD = MODE != VEC_RING;
-    const int rs = vec_row_words(K, G, PAD), ntiles = (N + 16 * T - 1) / (16 * T);
+    // One-wave launches stage their tiles in runs, the ring whole (see vec_run_words).
+    constexpr bool RUNS = MODE == VEC_STAGED;
+    const int ntiles = (N + 16 * T - 1) / (16 * T);
     // Staged tiles (SM): nbuf of them after the staged x, then one barrier each.
     unsigned char* tiles0 = vec_smem + vec_stage_bytes(K, ng);
-    const int tile_bytes = vec_tile_bytes(K, G, T, PAD);
+    const int tile_bytes = vec_tile_bytes(K, G, T, RUNS);
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(tiles0 + (size_t)nbuf * tile_bytes);
     const int step = MODE == VEC_RING ? gridDim.x : ntiles;
 
     int tile = blockIdx.x, n0 = tile * 16 * T;
-    // The lane's rows of the tile at n0 as offsets from n0 (clamped to N − 1), and where the tile
-    // is read: the global matrix, or staged tile `buf` (words rs apart, then scales, biases).
-    int o0[T], o1[T];
+    // The lane's rows r0, r1 of the tile at n0 as offsets from n0, the same clamped to N − 1 (o0,
+    // o1), and where the tile is read: the global matrix, or staged tile `buf` (vec_row_at).
+    int r0[T], r1[T], o0[T], o1[T];
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+        r0[i] = RUNS ? 2 * T * gid + 2 * i : 16 * i + gid;
+        r1[i] = RUNS ? 2 * T * gid + 2 * i + 1 : 16 * i + gid + 8;
+    }
     const unsigned* wt = W;
-    int wstride = nw;
     const bf16_t* sc = S;
     const bf16_t* bi = Bs;
     auto locate = [&](int buf) {
 #pragma unroll
         for (int i = 0; i < T; ++i) {
-            o0[i] = min(16 * i + gid, N - 1 - n0);
-            o1[i] = min(16 * i + gid + 8, N - 1 - n0);
+            o0[i] = min(r0[i], N - 1 - n0);
+            o1[i] = min(r1[i], N - 1 - n0);
         }
         if (SM) {
             wt = reinterpret_cast<const unsigned*>(tiles0 + (size_t)buf * tile_bytes);
-            wstride = rs;
-            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, G, T, PAD));
-            bi = sc + 16 * T * ng;
+            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, G, T, RUNS));
+            bi = sc + vec_tile_scales(K, G, T, RUNS);
         } else {
             wt = W + (long long)n0 * nw;
             sc = S + (long long)n0 * ng;
@@ -293,8 +320,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 long long at = (long long)g * (G / 8) + t * P;
 #pragma unroll
                 for (int i = 0; i < T; ++i) {
-                    load_words<P, SM>(wt + o0[i] * wstride, at, q0[u][i]);
-                    load_words<P, SM>(wt + o1[i] * wstride, at, q1[u][i]);
+                    load_words<P, SM>(wt + vec_row_at(o0[i], K, G, T, RUNS), at, q0[u][i]);
+                    load_words<P, SM>(wt + vec_row_at(o1[i], K, G, T, RUNS), at, q1[u][i]);
                 }
             }
         }
@@ -310,7 +337,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             for (int b = 0; b < nbuf && tile + b * step < ntiles; ++b) {
                 const int m0 = (tile + b * step) * 16 * T;
                 vec_fill(W, S, Bs, K, G, T, m0, min(16 * T, N - m0),
-                         reinterpret_cast<unsigned*>(tiles0 + (size_t)b * tile_bytes), &bars[b], lane, PAD);
+                         reinterpret_cast<unsigned*>(tiles0 + (size_t)b * tile_bytes), &bars[b], lane, RUNS);
             }
     } else {
         // The words of the warp's first U groups go out before the wait too, and the block's
@@ -470,7 +497,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                     float xg = gs[g], off = 128.f * gh[g];
 #pragma unroll
                     for (int i = 0; i < T; ++i) {
-                        const int a0 = o0[i] * ng + g, a1 = o1[i] * ng + g;
+                        const int a0 = vec_scale_at(o0[i], K, G, T, RUNS) + g;
+                        const int a1 = vec_scale_at(o1[i], K, G, T, RUNS) + g;
                         acc0[i] = fmaf(bf16f(sc[a0]), (c[i][0] + c[i][1]) - off, fmaf(bf16f(bi[a0]), xg, acc0[i]));
                         acc1[i] = fmaf(bf16f(sc[a1]), (c[i][2] + c[i][3]) - off, fmaf(bf16f(bi[a1]), xg, acc1[i]));
                     }
@@ -483,8 +511,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         if (t == 0) {
 #pragma unroll
             for (int i = 0; i < T; ++i) {
-                rd[v][16 * i + gid] = acc0[i];
-                rd[v][16 * i + gid + 8] = acc1[i];
+                rd[v][r0[i]] = acc0[i];
+                rd[v][r1[i]] = acc1[i];
             }
         }
         __syncthreads();
@@ -494,7 +522,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             fence_proxy_async();
             const int m0 = (tile + nbuf * step) * 16 * T;
             vec_fill(W, S, Bs, K, G, T, m0, min(16 * T, N - m0),
-                     reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane, PAD);
+                     reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane, RUNS);
         }
         // In the ring every warp adds up 2·T of the rows, so no warp starts the next tile late.
         const int r0 = MODE == VEC_RING ? (lane < 2 * T ? v * 2 * T + lane : 16 * T) : tid;

@@ -286,8 +286,7 @@ const STAGED_MAX_SMEM: usize = 110 * 1024;
 
 /// Dynamic shared memory of the staged single-row kernel (`mma_vec_affine{4,8}_staged`) with
 /// `tiles` row tiles of 16 per block (K and the group in digits): the input staging, then 16·T
-/// rows of words (K/2 bytes each, G/2 bytes of padding between rows), the rows' scales and
-/// biases and an 8-byte barrier; `None`
+/// rows of words, scales and biases in 8 runs ([`tile_smem`]) and an 8-byte barrier; `None`
 /// when the scale rows are not whole 16-byte units (K/G % 8 ≠ 0: the bulk copies move 16-byte
 /// units) or the tile does not fit two blocks per SM.
 pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
@@ -295,16 +294,16 @@ pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
     ((k / group).is_multiple_of(8) && bytes <= STAGED_MAX_SMEM).then_some(bytes)
 }
 
-/// Bytes of one staged tile of `tiles` row tiles of 16 (`vec_tile_bytes` in mma_vec.cu): the
-/// rows of words, each padded by `group` / 2 bytes (the 4·P words that put a load's rows on
-/// distinct banks, `vec_row_words`), then the rows' scales and biases.
+/// Bytes of one staged tile of `tiles` row tiles of 16 (`vec_tile_bytes` in mma_vec.cu with
+/// `runs`): the rows of words in 8 runs each padded by `group` / 2 bytes, then the rows' scales
+/// and their biases in 8 runs each padded by 16 bytes (the padding puts a load's rows on
+/// distinct banks, `vec_run_words`).
 fn tile_smem(k: usize, group: usize, tiles: usize) -> usize {
     let rows = 16 * tiles;
-    rows * (k / 2 + group / 2) + rows * (k / group) * 4
+    rows * k / 2 + 8 * (group / 2) + rows * (k / group) * 4 + 2 * 8 * 16
 }
 
-/// Bytes of one tile of the ring kernel: as [`tile_smem`]'s without the rows' padding (the ring
-/// copies a tile's words whole).
+/// Bytes of one tile of the ring kernel: its rows of words, scales and biases whole.
 fn ring_tile_smem(k: usize, group: usize, tiles: usize) -> usize {
     let rows = 16 * tiles;
     rows * k / 2 + rows * (k / group) * 4
@@ -363,10 +362,11 @@ mod tests {
         assert_eq!(super::digits(8, 2048, 128), None);
         assert_eq!(super::digits(2, 2048, 64), None);
         // An 8-bit router of the 35B shape (257 rows of 2048 inputs, groups of 64) is staged:
-        // x' of 4096 digits, then 16 rows of 2048 bytes + 64 of padding and their scales.
+        // x' of 4096 digits, then 16 rows of 2048 bytes in 8 runs with 64 of padding each and
+        // their scales and biases in runs with 16 each.
         assert_eq!(
             super::staged_smem(4096, 128, 1),
-            Some(16_640 + 16 * 2112 + 16 * 32 * 4 + 16)
+            Some(16_640 + 16 * 2048 + 8 * 64 + 16 * 32 * 4 + 256 + 16)
         );
     }
 
@@ -374,10 +374,15 @@ mod tests {
     fn staged_tiles_fit_two_blocks_per_sm_in_whole_copy_units() {
         // GDN input projection of the 35B shape: 48 rows of 2048 inputs, groups of 64.
         let b = super::staged_smem(2048, 64, 3).unwrap();
-        assert_eq!(b, 8448 + 48 * 1056 + 48 * 32 * 4 + 16);
+        assert_eq!(b, 8448 + 48 * 1024 + 8 * 32 + 48 * 32 * 4 + 256 + 16);
         assert!(super::staged_smem(4096, 64, 1).is_some());
         // An attention output projection of the 35B shape (8192 inputs): 106 KB with one tile.
         assert_eq!(super::staged_smem(8192, 64, 1), Some(108_048));
+        // Groups of 32: 8 runs of 16 bytes of padding, scales of 128 groups a row.
+        assert_eq!(
+            super::staged_smem(2048, 32, 1),
+            Some(8704 + 16 * 1024 + 8 * 16 + 16 * 64 * 4 + 256 + 16)
+        );
         // 8192 inputs with 4 tiles: 324 KB, over the limit; 4 groups a row: not 16-byte units.
         assert_eq!(super::staged_smem(8192, 64, 4), None);
         assert_eq!(super::staged_smem(128, 32, 1), None);
