@@ -195,8 +195,9 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 //   loads, 16 of 8-byte, 32 of 4-byte: gid < 8/P) cover the 32 banks once when nw % 32 == 0, and
 //   lanes t = 0 read their scales from 8 distinct banks. Lane gid's run is copied by lane gid of
 //   warp 0: 24 bulk copies a tile where one a padded row took 16·T + 2. 35B 4-bit decode on an
-//   H200 591.5 / 591.6 → 599.3 / 592.2 tok/s, 80B 454.8 → 463.7; with the runs' words but the
-//   scales unpadded (their reads 8-way conflicts) 562.1 / 562.5.
+//   H200 590.3 / 588.3 / 588.4 → 599.2 / 599.3 / 600.0 tok/s, 80B 457.3 → 464.7; with the runs'
+//   words but the scales unpadded (their reads 8-way conflicts) 562.1 / 562.5 against 591.5 /
+//   591.6 in another call.
 // - whole (the ring): the tile's rows nw words apart, lane gid holding rows 16i + gid and
 //   16i + gid + 8, the words one bulk copy, the scales and biases one each. The rows of one load
 //   share banks, which costs the ring less than more copies: on the 35B lm_head (an H200) 115.9
@@ -284,13 +285,13 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     const int step = MODE == VEC_RING ? gridDim.x : ntiles;
 
     int tile = blockIdx.x, n0 = tile * 16 * T;
-    // The lane's rows r0, r1 of the tile at n0 as offsets from n0, the same clamped to N − 1 (o0,
-    // o1), and where the tile is read: the global matrix, or staged tile `buf` (vec_row_at).
-    int r0[T], r1[T], o0[T], o1[T];
+    // The lane's rows row0, row1 of the tile at n0 as offsets from n0, the same clamped to N − 1
+    // (o0, o1), and where the tile is read: the global matrix, or staged tile `buf` (vec_row_at).
+    int row0[T], row1[T], o0[T], o1[T];
 #pragma unroll
     for (int i = 0; i < T; ++i) {
-        r0[i] = RUNS ? 2 * T * gid + 2 * i : 16 * i + gid;
-        r1[i] = RUNS ? 2 * T * gid + 2 * i + 1 : 16 * i + gid + 8;
+        row0[i] = RUNS ? 2 * T * gid + 2 * i : 16 * i + gid;
+        row1[i] = RUNS ? 2 * T * gid + 2 * i + 1 : 16 * i + gid + 8;
     }
     const unsigned* wt = W;
     const bf16_t* sc = S;
@@ -298,8 +299,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     auto locate = [&](int buf) {
 #pragma unroll
         for (int i = 0; i < T; ++i) {
-            o0[i] = min(r0[i], N - 1 - n0);
-            o1[i] = min(r1[i], N - 1 - n0);
+            o0[i] = min(row0[i], N - 1 - n0);
+            o1[i] = min(row1[i], N - 1 - n0);
         }
         if (SM) {
             wt = reinterpret_cast<const unsigned*>(tiles0 + (size_t)buf * tile_bytes);
@@ -511,8 +512,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         if (t == 0) {
 #pragma unroll
             for (int i = 0; i < T; ++i) {
-                rd[v][r0[i]] = acc0[i];
-                rd[v][r1[i]] = acc1[i];
+                rd[v][row0[i]] = acc0[i];
+                rd[v][row1[i]] = acc1[i];
             }
         }
         __syncthreads();

@@ -299,8 +299,7 @@ pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
 /// and their biases in 8 runs each padded by 16 bytes (the padding puts a load's rows on
 /// distinct banks, `vec_run_words`).
 fn tile_smem(k: usize, group: usize, tiles: usize) -> usize {
-    let rows = 16 * tiles;
-    rows * k / 2 + 8 * (group / 2) + rows * (k / group) * 4 + 2 * 8 * 16
+    ring_tile_smem(k, group, tiles) + 8 * (group / 2) + 2 * 8 * 16
 }
 
 /// Bytes of one tile of the ring kernel: its rows of words, scales and biases whole.
