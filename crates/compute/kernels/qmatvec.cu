@@ -99,7 +99,8 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
     // once per word after its products (the compiler places those loads there), are asked of L1
     // now, so they do not each wait on memory in the middle of the products; lanes 0..7 take
     // 128-byte parts 0..3 of the scale and bias rows. 35B 4-bit decode +0.45% on an H200 at one
-    // row; with batches of 8 and 32 rows (4 rows a warp, many blocks) it cost 1.5–2%.
+    // row; with batches of 8 and 32 rows (4 rows a warp, many blocks) it cost 1.5–2%, and the
+    // one-row SwiGLU that steps its scale pointers (GT) is faster without it.
     if (SB_L1 && lane < 8 && (lane >> 1) * 128 < gpr * 2) {
         const char* base = (lane & 1 ? (const char*)B : (const char*)S) + (lane >> 1) * 128;
 #pragma unroll
@@ -226,10 +227,13 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
         rows[NPW + r] = e * 2LL * I + I + n;
     }
     float out[R];
-    // Two rows a warp (the one-row SwiGLU) with groups of 64 take the immediate offsets; with four
-    // rows a warp the extra pointers would spill.
+    // Two rows a warp (the one-row SwiGLU) with groups of 64 step their scale and bias pointers
+    // (with four rows a warp the extra pointers would spill), and do without SB_L1: asking L1 for
+    // the scales ahead cost more than it saved there (35B 4-bit decode on an H100, alternating
+    // runs: 584.7 / 580.2 / 583.0 / 582.8 → 590.9 / 589.1 / 580.7 / 584.7 tok/s, 80B 452.1 /
+    // 453.1 → 457.3 / 454.1; 4.42M instructions a launch instead of 4.58M).
     if (R == 2 && G == 64)
-        dot_rows_affine<BITS, R, true, QMV_UNROLL, 64>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, 6, lane, out);
+        dot_rows_affine<BITS, R, false, QMV_UNROLL, 64>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, 6, lane, out);
     else
         dot_rows_affine<BITS, R, R == 2>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, __ffs(G) - 1, lane, out);
 #pragma unroll
