@@ -70,11 +70,12 @@ __device__ __forceinline__ float code4_scaled(unsigned p, unsigned hi, int i) {
 // Lane l reads words l, l + 32, … of each row (128 contiguous bytes per warp load); the V = 32/BITS
 // inputs of a word are loaded once (float4s) and used for every row. Group of word w is
 // (w·V) >> gshift. Returns the warp-summed dot products in every lane.
-// GT (a group size of 32, 64 or 128 as a template argument, or 0: gshift's): with it each row's
-// scale and bias pointers start at the lane's first word and advance by 32·V/G groups a word
-// (32·V ≥ G, both powers of two, so the same groups), one add a load; without it each word's
-// scale and bias addresses come from the row's 64-bit offset, about five integer instructions a
-// load. The one-row SwiGLU of the 35B 4-bit shape: 4.58M instructions instead of 5.29M (ncu).
+// GT (a group size of 32, 64 or 128 as a template argument, which then fixes gshift at compile
+// time, or 0: gshift's): with it each row's scale and bias pointers start at the lane's first word
+// and advance by 32·V/G groups a word (32·V ≥ G, both powers of two, so the same groups), one add
+// a load; without it each word's scale and bias addresses come from the row's 64-bit offset,
+// about five integer instructions a load. The one-row SwiGLU of the 35B 4-bit shape: 4.58M
+// instructions instead of 5.29M (ncu).
 template <int BITS, int R, bool SB_L1, int UNROLL = QMV_UNROLL, int GT = 0>
 __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                 const bf16_t* __restrict__ B, const long long* rows, int nrows,
@@ -233,7 +234,7 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
     // runs: 584.7 / 580.2 / 583.0 / 582.8 → 590.9 / 589.1 / 580.7 / 584.7 tok/s, 80B 452.1 /
     // 453.1 → 457.3 / 454.1; 4.42M instructions a launch instead of 4.58M).
     if (R == 2 && G == 64)
-        dot_rows_affine<BITS, R, false, QMV_UNROLL, 64>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, 6, lane, out);
+        dot_rows_affine<BITS, R, false, QMV_UNROLL, 64>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, __ffs(G) - 1, lane, out);
     else
         dot_rows_affine<BITS, R, R == 2>(W, S, B, rows, R, x + (s / x_div) * x_stride, K, __ffs(G) - 1, lane, out);
 #pragma unroll
