@@ -11,9 +11,10 @@
 //   cache), the first host_take[c] in rank order are handed to the host instead: id
 //   −1 − (id − far_from) (moe.cu's host experts; the host split policy makes the table).
 //   One warp per row, no block barriers: lane l takes experts l, l + 32, … (the softmax sum in
-//   that order, then the lanes meet); the K-th largest of the 32 lanes' maxima bounds the K-th
-//   largest p from below, and only the experts at or above it are ranked against each other.
-//   The picks' sum runs in rank order. grid B, block 32.
+//   that order, then the lanes meet); the lanes whose largest logit is among the K largest of
+//   the 32 bound the K-th largest p from below by the least of their largest p, and only the
+//   experts at or above it are ranked against each other. The picks' sum runs in rank order.
+//   grid B, block 32.
 //   E ≤ 1024, K ≤ 32.
 //
 // moe_combine: per row b, delta[b, i] = Σ_k w[b, k] · y[b, k, i] + (ys ? sg[b] · ys[b, i] : 0),
@@ -25,6 +26,13 @@
 //   then out = rmsnorm(x) · scale (as norm.cu's add_rmsnorm: the same values in
 //   the same order with the same block size). Each thread loads the K terms of two elements and
 //   their weights COMBINE_LOADS at a time before summing them in order. grid B, block 1024.
+
+// The largest v of the warp by one redux on an order-preserving integer key (−0 below +0).
+__device__ __forceinline__ float warp_max_redux(float v) {
+    const int b = __float_as_int(v);
+    const int m = __reduce_max_sync(0xffffffffu, b ^ ((b >> 31) & 0x7fffffff));
+    return __int_as_float(m ^ ((m >> 31) & 0x7fffffff));
+}
 
 extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits, int E, int K, int renorm,
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
@@ -38,6 +46,7 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
     pdl_entry();
     __shared__ float p[1024];
     __shared__ int cand[1024];
+    __shared__ float cval[1024];
     __shared__ float chosen[32];
     __shared__ int chosen_id[32];
     int row = blockIdx.x, KS = K + (shared_slot >= 0);
@@ -47,24 +56,28 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
     sg += row;
     // The shared gate's logit, loaded with the others rather than after the selection.
     const float gate_logit = has_shared_gate ? logits[E] : 0.f;
-    float mx = NEG_INF;
+    // Lane l takes experts l, l + 32, …: their raw maximum here, then their softmax terms' sum
+    // (the lanes then meet: the softmax sum) and maximum.
+    float lmax = NEG_INF;
 #pragma unroll 8
     for (int e = lane; e < E; e += 32) {
         float v = logits[e];
         p[e] = v;
-        mx = fmaxf(mx, v);
+        lmax = fmaxf(lmax, v);
     }
-    mx = warp_max(mx);
-    // Lane l sums experts l, l + 32, … (then the lanes meet: the softmax sum) and takes their
-    // maximum. K of the 32 group maxima are at least the K-th largest of them, and each is an
-    // expert: no top-K expert is below it, so it bounds the candidates.
-    float part = 0.f, gmax = NEG_INF;
-    // This and the two passes over p below are unrolled as the loads are: one warp runs the
-    // kernel, so the passes' shared-memory loads and exps otherwise wait one after another. 35B
-    // 4-bit decode on an H100, alternating runs, four calls: 561.3 / 558.5 / 564.1 → 573.2 /
-    // 574.9 / 574.7 tok/s, 565.3 → 574.9 / 561.6 / 575.3, 565.5 / 574.0 / 550.3 → 563.5 / 562.7 /
-    // 564.9, 564.7 / 560.8 / 565.6 → 565.7 / 566.9 / 571.1 (80B 440.8 → 447.2, 440.8 → 441.8,
-    // 441.0 → 439.6). Holding the row in registers instead: 539–545.
+    const float mx = warp_max_redux(lmax);
+    // The lanes whose largest logit is among the K largest of the 32 (at least K lanes, each
+    // holding an expert) bound the K-th largest p from below by the least of their largest p:
+    // ranked on the logits while the exponentials run (two independent chains), then one redux
+    // (35B 4-bit decode on an H200, alternating runs: 616.8 → 621.6 tok/s with the redux max and
+    // the ballot packing below, 13.3K instructions a launch of 16 rows instead of 15.1K; holding
+    // the row in registers, 128 of them a thread, 606). The passes over p are unrolled as the
+    // loads are: one warp runs the kernel, so its shared-memory loads and exps otherwise wait one
+    // after another.
+    int greater = 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) greater += __shfl_sync(all, lmax, j) > lmax;
+    float part = 0.f, gmax = 0.f;
 #pragma unroll 8
     for (int e = lane; e < E; e += 32) {
         float v = expf(p[e] - mx);
@@ -73,40 +86,35 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
         gmax = fmaxf(gmax, v);
     }
     const float sum = warp_sum(part);
-    int greater = 0, at_least = 0;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        float o = __shfl_sync(all, gmax, j);
-        greater += o > gmax;
-        at_least += o >= gmax;
-    }
-    unsigned kth = __ballot_sync(all, greater < K && at_least >= K);
-    const float thr = __shfl_sync(all, gmax, __ffs(kth) - 1);
-    // The candidates, packed lane by lane (their order does not change the ranks).
-    int mine = 0;
+    // p ≥ 0: its bits order as unsigned integers.
+    const float thr = __uint_as_float(__reduce_min_sync(all, greater < K ? __float_as_uint(gmax) : 0xffffffffu));
+    // The candidates, packed 32 experts at a time by ballot (their order does not change the
+    // ranks), each with its p beside it.
+    int nc = 0;
 #pragma unroll 8
-    for (int e = lane; e < E; e += 32) mine += p[e] >= thr;
-    int upto = mine;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        int o = __shfl_up_sync(all, upto, d);
-        if (lane >= d) upto += o;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        const float v = e < E ? p[e] : 0.f;
+        const bool c = e < E && v >= thr;
+        const unsigned m = __ballot_sync(all, c);
+        if (c) {
+            const int at = nc + __popc(m & ((1u << lane) - 1u));
+            cand[at] = e;
+            cval[at] = v;
+        }
+        nc += __popc(m);
     }
-    const int nc = __shfl_sync(all, upto, 31);
-    int at = upto - mine;
-#pragma unroll 8
-    for (int e = lane; e < E; e += 32)
-        if (p[e] >= thr) cand[at++] = e;
     __syncwarp();
     // Rank of each candidate among the candidates (the others are all smaller): larger p first,
     // ties to the lower index.
     for (int i = lane; i < nc; i += 32) {
-        int e = cand[i];
-        float v = p[e];
+        const int e = cand[i];
+        const float v = cval[i];
         int rank = 0;
+#pragma unroll 4
         for (int j = 0; j < nc; ++j) {
-            int f = cand[j];
-            float u = p[f];
+            const int f = cand[j];
+            const float u = cval[j];
             rank += (u > v) | ((u == v) & (f < e));
         }
         if (rank < K) {
@@ -123,11 +131,11 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
         if (far && __popc(fb & ((1u << lane) - 1u)) < h) id = -1 - (id - far_from);
         if (lane < K) ids[lane] = id;
     }
+    // The picks' sum in rank order, in every lane.
+    const float mine = lane < K ? chosen[lane] : 0.f;
     float total = 0.f;
-    if (lane == 0)
-        for (int r = 0; r < K; ++r) total += chosen[r];
-    total = __shfl_sync(all, total, 0);
-    if (lane < K) w[lane] = renorm ? chosen[lane] / total : chosen[lane];
+    for (int r = 0; r < K; ++r) total += __shfl_sync(all, mine, r);
+    if (lane < K) w[lane] = renorm ? mine / total : mine;
     if (lane == 0 && has_shared_gate) {
         float g = sigmoid_f(gate_logit);
         sg[0] = g;
