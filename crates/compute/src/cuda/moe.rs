@@ -10,7 +10,8 @@ use super::{driver_err, CudaError, Gpu, Result};
 pub(crate) const DOWN_ROWS: usize = 4;
 
 /// Whether [`moe_down_combine`] takes expert down projections `m` with `per_row` slots a row:
-/// 2/4/8-bit affine weights (the CUDA-core kernels the host's twin matches) and at most 32 slots.
+/// 2/4/8-bit affine weights (the CUDA-core kernels the host's twin matches), at most 32 slots
+/// and at least `DOWN_ROWS` rows.
 pub fn down_combine_takes(m: &Matvec, per_row: usize) -> bool {
     matches!(
         m.format,
@@ -19,6 +20,7 @@ pub fn down_combine_takes(m: &Matvec, per_row: usize) -> bool {
             ..
         }
     ) && (1..=32).contains(&per_row)
+        && m.n >= DOWN_ROWS
 }
 
 /// One MoE layer's expert down projections and their weighted sum added to the residual, in one
@@ -50,9 +52,10 @@ pub fn moe_down_combine(
     };
     if !down_combine_takes(&m, per_row) || sl.n != rows * per_row {
         return Err(CudaError::Unsupported(format!(
-            "the fused expert down + combine takes 2/4/8-bit weights and 1 to 32 slots a row \
-             ({bits}-bit, {per_row} slots, {} of {rows} rows)",
-            sl.n
+            "the fused expert down + combine takes 2/4/8-bit weights, 1 to 32 slots a row and at \
+             least {DOWN_ROWS} output rows ({bits}-bit, {per_row} slots, {} of {rows} rows, {} \
+             outputs)",
+            sl.n, m.n
         )));
     }
     let name = match bits {
