@@ -66,7 +66,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "gdn.cu",
         include_str!("../../kernels/gdn.cu"),
-        &["gdn_conv_step", "gdn_step"],
+        &["gdn_conv_step", "gdn_step", "gdn_step128"],
     ),
     (
         "attention.cu",
@@ -315,6 +315,10 @@ mod tests {
         assert_eq!(gdn_step_split(32, true), (1, 32));
         assert_eq!(gdn_step_split(128, false), (1, 128));
         assert_eq!(gdn_step_split(40, false), (1, 64));
+        use super::super::ops::gdn_step_kernel;
+        assert_eq!(gdn_step_kernel(128, 128, 32), "gdn_step128");
+        assert_eq!(gdn_step_kernel(128, 128, 128), "gdn_step");
+        assert_eq!(gdn_step_kernel(64, 128, 32), "gdn_step");
     }
 
     #[test]

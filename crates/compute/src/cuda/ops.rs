@@ -481,6 +481,16 @@ pub(crate) fn gdn_step_split(dv: usize, clusters: bool) -> (u32, u32) {
     }
 }
 
+/// The [`gdn_step`] entry for `dk` × `dv` heads in CTAs of `cols` columns: `gdn_step128`, built
+/// for the 128 × 128 heads of every released model in 32-column CTAs, or the general one.
+pub(crate) fn gdn_step_kernel(dk: usize, dv: usize, cols: u32) -> &'static str {
+    if dk == 128 && dv == 128 && cols == 32 {
+        "gdn_step128"
+    } else {
+        "gdn_step"
+    }
+}
+
 /// Delta-rule step + gated RMSNorm for every value head of every row of `bt` (see gdn.cu).
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_step(
@@ -499,7 +509,9 @@ pub fn gdn_step(
 ) -> Result<()> {
     let (hk, hv, dk, dv) = (d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
     let ps = proj_stride as i64;
-    let mut b = g.launch_builder(g.kernels().get("gdn_step"));
+    let (nc, cols) = gdn_step_split(d.dv, g.compute_capability().0 >= 9);
+    let name = gdn_step_kernel(d.dk, d.dv, cols);
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&mixed)
         .arg(&proj)
         .arg(&state)
@@ -508,7 +520,6 @@ pub fn gdn_step(
         .arg(&norm_w)
         .arg(&out);
     b.arg(&hk).arg(&hv).arg(&dk).arg(&dv).arg(&eps);
-    let (nc, cols) = gdn_step_split(d.dv, g.compute_capability().0 >= 9);
     let nc32 = nc as i32;
     b.arg(&bt.slots).arg(&ps).arg(&nc32);
     b.cluster(nc);
@@ -521,7 +532,7 @@ pub fn gdn_step(
     // 4 CTAs (the portable limit is 8) and the grid's x is a multiple of it; state holds
     // (max slot + 1)·hv·dk·dv floats, out rows·hv·dv, proj rows fused projections (conv dim +
     // hv·dv + 2·hv floats each, proj_stride apart), mixed rows·conv dim.
-    unsafe { b.launch(launch) }.map_err(driver_err("gdn_step"))?;
+    unsafe { b.launch(launch) }.map_err(driver_err(name))?;
     Ok(())
 }
 
