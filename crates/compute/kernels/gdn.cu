@@ -110,7 +110,9 @@ __device__ __forceinline__ void gdn_step_t(const float* mixed, const float* proj
     int i0 = r * rows;
     // Whether row t of the thread's rows is one of the head's (always with fixed sizes that the
     // row groups divide: the block is GDN_ROW_GROUPS threads high).
-    auto has_row = [&](int t) { return DK && DK % GDN_ROW_GROUPS == 0 ? t < DK / GDN_ROW_GROUPS : t < rows && i0 + t < Dk; };
+    auto has_row = [&](int t) {
+        return DK && DK % GDN_ROW_GROUPS == 0 ? t < DK / GDN_ROW_GROUPS : t < rows && i0 + t < Dk;
+    };
     // With fixed sizes the host launches Dv / CW blocks a head: every column is one.
     const bool active = DV ? true : j < Dv;
     float* S = state + (long long)slot * Hv * Dk * Dv + (long long)h * Dk * Dv + j;
