@@ -170,6 +170,33 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
+// mbarriers (sm_90 on; before, these are empty and no kernel that needs them is launched).
+// An mbarrier expecting one arrival, set up so that the cluster's CTAs may complete bytes on it
+// (bulk copies, asynchronous stores from other CTAs).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// The one arrival, with the bytes that copies or stores will bring.
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
+}
+
+// Wait until the barrier's phase `parity` completed (all its bytes arrived).
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+#endif
+}
+
 // 16-byte asynchronous copy global → shared (sm_80 on); zero fill when !valid (src is then not
 // read). Copies complete in commit groups: wait_group<N> waits until at most N of the thread's
 // latest groups are still in flight.

@@ -52,31 +52,53 @@ extern "C" __global__ void gdn_conv_step(const float* proj, float* __restrict__ 
 }
 
 // Every thread of a cluster's CTAs arrives on the cluster barrier at its start (cluster_started)
-// and waits on that phase before writing into another CTA's shared memory, which exists once
-// that CTA has started; by then all have, so the wait costs nothing.
-__device__ __forceinline__ void cluster_started(int nc) {
+// and waits on that phase (cluster_ready) before anything is written into another CTA's shared
+// memory, which exists once that CTA has started. Before it arrives, thread 0 sets up the CTA's
+// mbarrier `bar` for the nc partial sums the cluster's CTAs will send it (4 bytes each,
+// cluster_sum).
+__device__ __forceinline__ void cluster_started(int nc, unsigned long long* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (nc > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    if (nc > 1) {
+        if (threadIdx.x == 0 && threadIdx.y == 0) {
+            mbar_init(bar);
+            mbar_expect_tx(bar, 4 * nc);
+        }
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    }
+#endif
+}
+
+// Waits until every CTA of the cluster has started (set up its mbarrier): cluster_sum may then
+// write into their shared memory. The wait's acquire invalidates L1, so it comes before the
+// kernel asks L1 for anything.
+__device__ __forceinline__ void cluster_ready(int nc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (nc > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
 
 // The partial sums of a cluster's nc CTAs, added in rank order by every thread: the CTAs of a
-// head share its RMSNorm. Each CTA writes its sum into slot[rank] of every CTA of the cluster,
-// then one cluster barrier (release/acquire) orders those writes before the reads of the own
-// copy; no CTA touches another's shared memory after it, so any may leave. sm_90+ (clusters);
-// before, the host launches one CTA per head and this is the CTA's own sum.
-__device__ __forceinline__ float cluster_sum(float mine, float* slot, int nc) {
+// head share its RMSNorm. Each CTA sends its sum into slot[rank] of every CTA of the cluster by
+// an asynchronous store that completes on that CTA's mbarrier, and each waits on its own
+// mbarrier for the nc sums. A cluster barrier there (arrive.release, wait.acquire) had cost
+// more: its release compiles to MEMBAR.ALL.GPU, and its acquire invalidates L1 just before the
+// step reads z and the norm weights (35B 4-bit decode on an H200 665.6 → 670.1 tok/s, 80B
+// 512.5 → 516.0, alternating runs in one call). A CTA leaves only after every sum sent to it
+// has arrived, so no store meets a CTA that has left. sm_90+ (clusters); before, the host
+// launches one CTA per head and this is the CTA's own sum.
+__device__ __forceinline__ float cluster_sum(float mine, float* slot, unsigned long long* bar, int nc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (nc > 1) {
-        asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
         if (threadIdx.y == 0 && threadIdx.x < nc) {
-            unsigned rank, remote;
+            unsigned rank, rslot, rbar;
             asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
             asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                         : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(slot + rank)), "r"(threadIdx.x));
-            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(mine) : "memory");
+                         : "=r"(rslot) : "r"(smem_u32(slot + rank)), "r"(threadIdx.x));
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(smem_u32(bar)), "r"(threadIdx.x));
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                         ::"r"(rslot), "r"(__float_as_uint(mine)), "r"(rbar) : "memory");
         }
-        asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+        mbar_wait(bar, 0);
         float total = 0.f;
         for (int c = 0; c < nc; ++c) total += slot[c];
         return total;
@@ -87,7 +109,7 @@ __device__ __forceinline__ float cluster_sum(float mine, float* slot, int nc) {
 
 // The step with the head sizes and block width as template arguments, or 0: those of the launch.
 // Fixed sizes (gdn_step128) took the 35B 4-bit decode from 598.8 to 613.8 tok/s on an H100 (three
-// alternating runs; 80B 467.0 → 475.5), and storing the state after the cluster barrier to 616.4
+// alternating runs; 80B 467.0 → 475.5), and storing the state after the norm's cluster sum to 616.4
 // (80B 476.8).
 template <int DK, int DV, int CW>
 __device__ __forceinline__ void gdn_step_t(const float* mixed, const float* proj, float* __restrict__ state,
@@ -98,12 +120,12 @@ __device__ __forceinline__ void gdn_step_t(const float* mixed, const float* proj
     const int Dk = DK ? DK : dk, Dv = DV ? DV : dv;
     const int row = blockIdx.y, h = blockIdx.x / nc, cw = CW ? CW : blockDim.x;
     const int j = (blockIdx.x % nc) * cw + threadIdx.x, r = threadIdx.y;
-    cluster_started(nc);
+    __shared__ unsigned long long cl_bar;
+    cluster_started(nc, &cl_bar);
     // Slots come from the host before the step and the head's parameters from the weights, not
     // from the kernel before.
     int slot = slots[row];
     float na = neg_a[h], dtb = dt_bias[h];
-    if (r == 0 && j < Dv) l1_prefetch(norm_w + j);
     // The state is this kernel's own (last written by this layer's step of the token before, an
     // earlier step): its column is loaded before the wait.
     int rows = (Dk + GDN_ROW_GROUPS - 1) / GDN_ROW_GROUPS;
@@ -120,6 +142,8 @@ __device__ __forceinline__ void gdn_step_t(const float* mixed, const float* proj
 #pragma unroll
     for (int t = 0; t < GDN_ROWS_MAX; ++t)
         if (active && has_row(t)) col[t] = S[(long long)(i0 + t) * Dv];
+    cluster_ready(nc);
+    if (r == 0 && j < Dv) l1_prefetch(norm_w + j);
     pdl_entry();
     __shared__ float qs[GDN_DK_MAX];
     __shared__ float ks[GDN_DK_MAX];
@@ -197,11 +221,10 @@ __device__ __forceinline__ void gdn_step_t(const float* mixed, const float* proj
     __syncthreads();
     float ss = 0.f;
     for (int c = lane; c < cw; c += 32) ss += osq[c];
-    ss = cluster_sum(warp_sum(ss), cl_ss, nc);
+    ss = cluster_sum(warp_sum(ss), cl_ss, &cl_bar, nc);
     float rn = rsqrtf(ss / Dv + eps);
     if (r == 0 && active) out[h * Dv + j] = o * rn * norm_w[j] * silu_f(z[j]);
-    // The updated state is stored last: the cluster barrier's release (MEMBAR.ALL.GPU in SASS)
-    // would otherwise wait for these stores.
+    // The updated state is stored last, off the way to the outputs.
 #pragma unroll
     for (int t = 0; t < GDN_ROWS_MAX; ++t)
         if (active && has_row(t)) S[(long long)(i0 + t) * Dv] = col[t];

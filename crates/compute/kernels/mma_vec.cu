@@ -110,21 +110,6 @@ __device__ __forceinline__ int vec_stage_bytes(int K, int ng) {
 #define VEC_BULK 0
 #endif
 
-// An mbarrier expecting one arrival (bulk copies complete their bytes on it).
-__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
-#if VEC_BULK
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-
-// The one arrival, with the bytes the copies will bring.
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-#if VEC_BULK
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-#endif
-}
-
 // Copy `bytes` (a multiple of 16; both ends 16-byte aligned) from global to shared memory,
 // completing on `bar`.
 __device__ __forceinline__ void bulk_to_smem(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
@@ -139,16 +124,6 @@ __device__ __forceinline__ void bulk_to_smem(void* dst, const void* src, unsigne
 __device__ __forceinline__ void fence_proxy_async() {
 #if VEC_BULK
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-// Wait until the barrier's phase `parity` completed (all its bytes arrived).
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-#if VEC_BULK
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
 #endif
 }
 
