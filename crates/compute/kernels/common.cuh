@@ -197,6 +197,39 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
 #endif
 }
 
+// Clusters (sm_90 on). Every thread of the cluster's blocks arrives (relaxed: no ordering of
+// its memory accesses) and later waits on that phase, after which all the blocks have started.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+// The wait's acquire invalidates L1: ask L1 for nothing ahead of it that is needed after it.
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+// The address of `p` (in this block's shared memory) in the shared memory of the cluster's block
+// `rank`.
+__device__ __forceinline__ unsigned cluster_map(const void* p, int rank) {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+#endif
+    return r;
+}
+
+// An asynchronous store into the cluster's block `rank`: v lands at `dst` of its shared memory
+// and completes its 4 bytes on its mbarrier `bar` (both addresses as in this block).
+__device__ __forceinline__ void st_async_f1(float* dst, float v, unsigned long long* bar, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 ::"r"(cluster_map(dst, rank)), "r"(__float_as_uint(v)), "r"(cluster_map(bar, rank)) : "memory");
+#endif
+}
+
 // 16-byte asynchronous copy global → shared (sm_80 on); zero fill when !valid (src is then not
 // read). Copies complete in commit groups: wait_group<N> waits until at most N of the thread's
 // latest groups are still in flight.

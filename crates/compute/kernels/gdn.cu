@@ -63,7 +63,7 @@ __device__ __forceinline__ void cluster_started(int nc, unsigned long long* bar)
             mbar_init(bar);
             mbar_expect_tx(bar, 4 * nc);
         }
-        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+        cluster_arrive_relaxed();
     }
 #endif
 }
@@ -73,7 +73,7 @@ __device__ __forceinline__ void cluster_started(int nc, unsigned long long* bar)
 // kernel asks L1 for anything.
 __device__ __forceinline__ void cluster_ready(int nc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (nc > 1) asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (nc > 1) cluster_wait();
 #endif
 }
 
@@ -90,13 +90,9 @@ __device__ __forceinline__ float cluster_sum(float mine, float* slot, unsigned l
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (nc > 1) {
         if (threadIdx.y == 0 && threadIdx.x < nc) {
-            unsigned rank, rslot, rbar;
+            unsigned rank;
             asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                         : "=r"(rslot) : "r"(smem_u32(slot + rank)), "r"(threadIdx.x));
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(smem_u32(bar)), "r"(threadIdx.x));
-            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-                         ::"r"(rslot), "r"(__float_as_uint(mine)), "r"(rbar) : "memory");
+            st_async_f1(slot + rank, mine, bar, threadIdx.x);
         }
         mbar_wait(bar, 0);
         float total = 0.f;
