@@ -20,13 +20,14 @@
 //   silu is silu_portable (common.cuh): the host's cpu::gpu_twin computes these outputs bit for
 //   bit, so routed experts can run on either side.
 
-// moe_down_combine_affine{BITS}: one MoE layer's expert down projections and their weighted sum
-//   added to the residual: x[b, n] += Σ_{k<KS} w[b·KS + k] · (D_e[n] · h[b·KS + k]) with
-//   e = ids[b·KS + k] (far experts as matvec_affine; no host slots), D_e [N, K]. The same values
-//   as matvec_affine{BITS} into y then moe.cu's moe_combine with accumulate: each dot in
+// moe_down_combine_affine{BITS}[_r8]: one MoE layer's expert down projections and their
+//   weighted sum added to the residual: x[b, n] += Σ_{k<KS} w[b·KS + k] · (D_e[n] · h[b·KS + k])
+//   with e = ids[b·KS + k] (far experts as matvec_affine; no host slots), D_e [N, K]. The same
+//   values as matvec_affine{BITS} into y then moe.cu's moe_combine with accumulate: each dot in
 //   dot_rows_affine's order (the same for any rows per warp), the terms summed in k order.
-//   grid (ceil(N/4), B), block 32·KS: warp k computes the block's 4 rows for slot k, the block
-//   meets in shared memory and 4 threads add the sums. KS ≤ 32, N ≥ 4.
+//   grid (ceil(N/R), B), block 32·KS: warp k computes the block's R rows for slot k (R = 4, or 8
+//   for the 4- and 8-bit _r8 entries), the block meets in shared memory and R threads add the
+//   sums. KS ≤ 32 (≤ 28 for _r8, at 72 registers), N ≥ R.
 // The routed ids, weights and inputs come from the kernels before: read through plain pointers,
 // not `const __restrict__` ones (common.cuh, pdl_entry).
 
@@ -40,8 +41,12 @@
 // words at 4 bits, two per lane), so QMV_UNROLL's 4 would hold two dead words a row; with 2 the
 // kernel takes 51 registers instead of 64 and its 512 blocks fit one wave (35B 4-bit decode
 // 538.9 → 557.7 tok/s on an H200, three alternating pairs). 8 rows a block (one wave at half the
-// warps) measured −4%.
+// warps) measured −4% there. Where 4-row blocks do not fit one wave (the 80B shape's 11 slots:
+// 512 blocks of 11 warps against 396 resident), the _r8 entries take 8 rows a block at 72
+// registers, 256 blocks in one wave of 2 an SM (moe.rs, down_rows): 80B 4-bit decode on an H100
+// 485.2 → 493.1 tok/s (three alternating runs); the 35B shape's one wave at 8 rows was 2% slower.
 #define DOWN_ROWS 4
+#define DOWN_ROWS_WIDE 8
 #define DOWN_UNROLL 2
 
 // Code i of word p as an exact f32: 2^23 + q has q in its low mantissa bits, so OR-ing q into
@@ -277,16 +282,16 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
         if (lane == r && r < nn) h[(long long)s * I + n0 + r] = silu_portable(out[r]) * out[NPW + r];
 }
 
-template <int BITS>
+template <int BITS, int ROWS>
 __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                                const bf16_t* __restrict__ B, const float* h,
                                                float* __restrict__ x, const float* w,
                                                const int* ids, int N, int K, int G, int KS,
                                                const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,
                                                const bf16_t* __restrict__ Bf, int split) {
-    __shared__ float part[32][DOWN_ROWS];
+    __shared__ float part[32][ROWS];
     const int k = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.y;
-    const int n0 = blockIdx.x * DOWN_ROWS, nrows = min(DOWN_ROWS, N - n0);
+    const int n0 = blockIdx.x * ROWS, nrows = min(ROWS, N - n0);
     const int s = row * KS + k;
     long long e = ids[s];
     if (e >= split) {
@@ -295,29 +300,32 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
         B = Bf;
         e -= split;
     }
-    // The block's rows, or in a last block of fewer the last DOWN_ROWS rows of the matrix (N ≥
-    // DOWN_ROWS), so that every warp computes DOWN_ROWS rows: with a row count known at compile
+    // The block's rows, or in a last block of fewer the last ROWS rows of the matrix (N ≥
+    // ROWS), so that every warp computes ROWS rows: with a row count known at compile
     // time the products have no branch per row, which had kept ptxas from scheduling the rows
     // together (53 registers instead of 52; 35B 4-bit decode 617.1 → 641.1 tok/s on an H200,
     // 593.4 → 600.7 on an H100, three alternating runs each; 80B 475.8 → 495.7 on the H200).
-    const int nb = min(n0, N - DOWN_ROWS), shift = n0 - nb;
-    long long rows[DOWN_ROWS];
+    const int nb = min(n0, N - ROWS), shift = n0 - nb;
+    long long rows[ROWS];
 #pragma unroll
-    for (int r = 0; r < DOWN_ROWS; ++r) rows[r] = e * N + nb + r;
+    for (int r = 0; r < ROWS; ++r) rows[r] = e * N + nb + r;
     // The combine's weights and residual rows are copied into shared memory while the products
     // run (no registers held), rather than loaded after the block meets.
-    __shared__ float wk[32], x_old[DOWN_ROWS];
+    __shared__ float wk[32], x_old[ROWS];
     if (threadIdx.x < KS) cp_async4(&wk[threadIdx.x], w + row * KS + threadIdx.x);
     if (threadIdx.x < nrows) cp_async4(&x_old[threadIdx.x], x + (long long)row * N + n0 + threadIdx.x);
     cp_async_commit();
-    float acc[DOWN_ROWS];
-    dot_rows_affine<BITS, DOWN_ROWS, true, DOWN_UNROLL, 0, false>(W, S, B, rows, DOWN_ROWS, h + (long long)s * K, K, __ffs(G) - 1, lane, acc);
-    // The four warp sums by warp_sum4_scatter (the same values as four warp_sum): 35B 4-bit
-    // decode on an H200 619.0 → 623.0 tok/s with the SwiGLU's warp_sum2_scatter, three
-    // alternating runs.
-    static_assert(DOWN_ROWS == 4, "warp_sum4_scatter sums four rows");
-    const float mine = warp_sum4_scatter(acc, lane);
-    if ((lane & 7) == 0) part[k][lane >> 3] = mine;
+    float acc[ROWS];
+    dot_rows_affine<BITS, ROWS, true, DOWN_UNROLL, 0, false>(W, S, B, rows, ROWS, h + (long long)s * K, K, __ffs(G) - 1, lane, acc);
+    // The warp sums, four rows at a time by warp_sum4_scatter (the same values as four warp_sum):
+    // 35B 4-bit decode on an H200 619.0 → 623.0 tok/s with the SwiGLU's warp_sum2_scatter,
+    // three alternating runs.
+    static_assert(ROWS == 4 || ROWS == 8, "warp_sum4_scatter sums four rows");
+#pragma unroll
+    for (int q = 0; q < ROWS; q += 4) {
+        const float mine = warp_sum4_scatter(acc + q, lane);
+        if ((lane & 7) == 0) part[k][q + (lane >> 3)] = mine;
+    }
     cp_async_wait_all();
     __syncthreads();
     if (threadIdx.x < nrows) {
@@ -328,19 +336,24 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
     }
 }
 
-#define QMV_DOWN_COMBINE(BITS)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024) moe_down_combine_affine##BITS(                                  \
+// BOUNDS: the entry's launch bounds or register cap (ptxas takes one of the two).
+#define QMV_DOWN_COMBINE(BITS, ROWS, SFX, BOUNDS)                                                                       \
+    extern "C" __global__ void BOUNDS moe_down_combine_affine##BITS##SFX(                                               \
         const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
         const float* h, float* __restrict__ x, const float* w, const int* ids,                                           \
         int N, int K, int G, int KS, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,                \
         const bf16_t* __restrict__ Bf, int split) {                                                                     \
         pdl_entry();                                                                                                    \
-        down_combine_t<BITS>(W, S, B, h, x, w, ids, N, K, G, KS, Wf, Sf, Bf, split);                                   \
+        down_combine_t<BITS, ROWS>(W, S, B, h, x, w, ids, N, K, G, KS, Wf, Sf, Bf, split);                             \
     }
 
-QMV_DOWN_COMBINE(2)
-QMV_DOWN_COMBINE(4)
-QMV_DOWN_COMBINE(8)
+QMV_DOWN_COMBINE(2, DOWN_ROWS, , __launch_bounds__(1024))
+QMV_DOWN_COMBINE(4, DOWN_ROWS, , __launch_bounds__(1024))
+QMV_DOWN_COMBINE(8, DOWN_ROWS, , __launch_bounds__(1024))
+// 8 rows under 64 registers spill (76 bytes); at 72, 28 warps a block at most. Not at 2 bits,
+// whose 16 inputs a word spill there.
+QMV_DOWN_COMBINE(4, DOWN_ROWS_WIDE, _r8, __maxnreg__(72))
+QMV_DOWN_COMBINE(8, DOWN_ROWS_WIDE, _r8, __maxnreg__(72))
 
 // The entry points, one per (bits, rows per warp) so that each gets the registers it needs
 // (one kernel holding every form would take the largest form's count everywhere): blocks

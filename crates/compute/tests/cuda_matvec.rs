@@ -534,10 +534,15 @@ fn moe_down_combine_equals_down_then_combine() {
     use deltamoe_compute::cuda::ops::Far;
     let g = gpu();
     let mut r = rng();
+    let mut wide = false;
     for &(bits, group, n, k, experts, per_row, rows) in &[
         (4u32, 64usize, 37usize, 128usize, 6usize, 3usize, 2usize),
         (8, 32, 2048, 512, 5, 9, 1),
         (2, 128, 101, 256, 4, 11, 2),
+        // 4-row blocks that would not fit one wave (2,045 outputs, 11 slots, as the 80B shape):
+        // 8 rows a block, the last one overlapping the one before.
+        (4, 64, 2045, 512, 12, 11, 1),
+        (8, 64, 2045, 512, 12, 11, 1),
     ] {
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
         let a = Affine::new(&g, &w, k, group, bits);
@@ -584,6 +589,9 @@ fn moe_down_combine_equals_down_then_combine() {
         )
         .unwrap();
         ops::moe_down_combine(&g, m, dh.ptr(), xb.ptr(), dwt.ptr(), sl, per_row, rows).unwrap();
+        let (down, kernel) = ops::down_combine_form(&g, bits, n, per_row, rows).unwrap();
+        wide |= down == 8;
+        eprintln!("{bits}-bit {n}x{k}, {per_row} slots x {rows}: {kernel}");
         let (a, b) = (
             g.read(&xa, rows * n).unwrap(),
             g.read(&xb, rows * n).unwrap(),
@@ -594,6 +602,12 @@ fn moe_down_combine_equals_down_then_combine() {
         );
         let moved = a.iter().zip(&x0).filter(|(u, v)| u != v).count();
         assert!(moved > rows * n / 2, "the sums reached the residual");
+    }
+    if g.multiprocessors() <= 140 {
+        assert!(
+            wide,
+            "an 8-row form ran (132 SMs: 512 blocks of 11 warps exceed one wave)"
+        );
     }
 }
 

@@ -141,6 +141,8 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "moe_down_combine_affine2",
             "moe_down_combine_affine4",
             "moe_down_combine_affine8",
+            "moe_down_combine_affine4_r8",
+            "moe_down_combine_affine8_r8",
         ],
     ),
 ];
@@ -285,6 +287,11 @@ mod tests {
             (gdn, "GDN_DV_MAX", GDN_DV_MAX as u32),
             (gdn, "GDN_ROW_GROUPS", GDN_ROW_GROUPS),
             (qmv, "DOWN_ROWS", super::super::moe::DOWN_ROWS as u32),
+            (
+                qmv,
+                "DOWN_ROWS_WIDE",
+                super::super::moe::DOWN_ROWS_WIDE as u32,
+            ),
             (attn, "ATTN_DMAX", at::ATTN_DMAX as u32),
             (attn, "ATTN_MAX_SPLITS", at::ATTN_MAX_SPLITS as u32),
             (attn, "ATTN_GQA", at::ATTN_GQA as u32),

@@ -6,8 +6,29 @@ use super::host::far_args;
 use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, NORM_THREADS};
 use super::{driver_err, CudaError, Gpu, Result};
 
-/// Output rows a block of the fused expert down + combine computes (`DOWN_ROWS` in qmatvec.cu).
+/// Output rows a block of the fused expert down + combine computes (`DOWN_ROWS` in qmatvec.cu),
+/// or of its `_r8` entries (`DOWN_ROWS_WIDE`), which take at most `DOWN_WIDE_MAX_SLOTS` warps.
 pub(crate) const DOWN_ROWS: usize = 4;
+pub(crate) const DOWN_ROWS_WIDE: usize = 8;
+pub(crate) const DOWN_WIDE_MAX_SLOTS: usize = 28;
+
+/// Rows a block of the fused expert down + combine computes for `n` outputs, `per_row` slots
+/// (warps a block) and `rows` input rows on `sms` SMs, where `resident` gives the blocks of
+/// `per_row` warps an SM holds of the 4-row and of the 8-row entries: 4, unless those blocks
+/// would not fit one wave and 8-row ones would (the 80B shape's 11 slots: 512 blocks against
+/// 396 resident, 256 against 264), since a second wave costs more than each warp's longer chain.
+pub fn down_rows(n: usize, per_row: usize, rows: usize, sms: usize, resident: [usize; 2]) -> usize {
+    let fits = |r: usize, res: usize| n.div_ceil(r) * rows <= sms * res;
+    if fits(DOWN_ROWS, resident[0])
+        || n < DOWN_ROWS_WIDE
+        || per_row > DOWN_WIDE_MAX_SLOTS
+        || !fits(DOWN_ROWS_WIDE, resident[1])
+    {
+        DOWN_ROWS
+    } else {
+        DOWN_ROWS_WIDE
+    }
+}
 
 /// Whether [`moe_down_combine`] takes expert down projections `m` with `per_row` slots a row:
 /// 2/4/8-bit affine weights (the CUDA-core kernels the host's twin matches), at most 32 slots
@@ -21,6 +42,33 @@ pub fn down_combine_takes(m: &Matvec, per_row: usize) -> bool {
         }
     ) && (1..=32).contains(&per_row)
         && m.n >= DOWN_ROWS
+}
+
+/// The rows a block and the kernel of [`moe_down_combine`] for `bits`-bit weights, `n` outputs,
+/// `per_row` slots and `rows` input rows on this device ([`down_rows`] with the entries'
+/// resident blocks; 2-bit weights take 4 rows, their 8-row form would spill).
+pub fn down_combine_form(
+    g: &Gpu,
+    bits: u32,
+    n: usize,
+    per_row: usize,
+    rows: usize,
+) -> Result<(usize, &'static str)> {
+    let names = match bits {
+        2 => return Ok((DOWN_ROWS, "moe_down_combine_affine2")),
+        4 => ["moe_down_combine_affine4", "moe_down_combine_affine4_r8"],
+        _ => ["moe_down_combine_affine8", "moe_down_combine_affine8_r8"],
+    };
+    let mut resident = [0usize; 2];
+    for (r, name) in resident.iter_mut().zip(names) {
+        *r = g
+            .kernels()
+            .get(name)
+            .occupancy_max_active_blocks_per_multiprocessor(32 * per_row as u32, 0, None)
+            .map_err(driver_err(name))? as usize;
+    }
+    let down = down_rows(n, per_row, rows, g.multiprocessors, resident);
+    Ok((down, names[usize::from(down == DOWN_ROWS_WIDE)]))
 }
 
 /// One MoE layer's expert down projections and their weighted sum added to the residual, in one
@@ -58,11 +106,8 @@ pub fn moe_down_combine(
             sl.n, m.n
         )));
     }
-    let name = match bits {
-        2 => "moe_down_combine_affine2",
-        4 => "moe_down_combine_affine4",
-        _ => "moe_down_combine_affine8",
-    };
+    let (down, name) = down_combine_form(g, bits, m.n, per_row, rows)?;
+    let threads = 32 * per_row as u32;
     let (n32, k32, g32, ks32) = (m.n as i32, m.k as i32, group as i32, per_row as i32);
     let (fw, fs, fb, split) = far_args(&sl);
     let mut b = g.launch_builder(g.kernels().get(name));
@@ -81,9 +126,10 @@ pub fn moe_down_combine(
     // SAFETY: W holds (max id + 1)·N·K·bits/32 words and scales, biases (max id + 1)·N·K/group
     // bf16 (group | K, checked at upload), the far stack the ids ≥ split; h holds rows·per_row
     // rows of K floats (16-byte aligned: K is a multiple of the group, ≥ 32), x rows·N,
-    // w and ids rows·per_row; per_row ≤ 32 warps a block (checked above).
-    let grid = (blocks(m.n, DOWN_ROWS), rows as u32);
-    unsafe { b.launch(cfg(grid, 32 * per_row as u32, 0)) }.map_err(driver_err(name))?;
+    // w and ids rows·per_row; per_row ≤ 32 warps a block (checked above), ≤ 28 and N ≥ 8 for
+    // the 8-row entries (down_rows).
+    let grid = (blocks(m.n, down), rows as u32);
+    unsafe { b.launch(cfg(grid, threads, 0)) }.map_err(driver_err(name))?;
     Ok(())
 }
 
@@ -290,4 +336,23 @@ pub fn host_experts_wait(
     // state 2 device words.
     unsafe { b.launch(cfg((slots as u32, 1), 256, 0)) }.map_err(driver_err("host_experts_wait"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::down_rows;
+
+    #[test]
+    fn down_takes_8_rows_a_block_only_where_4_would_not_fit_one_wave() {
+        // The 35B shape (9 slots, 4 blocks of 9 warps an SM) fits one wave at 4 rows.
+        assert_eq!(down_rows(2048, 9, 1, 132, [4, 3]), 4);
+        // The 80B shape (11 slots): 512 blocks against 3 · 132, 256 against 2 · 132.
+        assert_eq!(down_rows(2048, 11, 1, 132, [3, 2]), 8);
+        // Batches fit neither way: 4 rows.
+        assert_eq!(down_rows(2048, 11, 8, 132, [3, 2]), 4);
+        // Too many warps for the 8-row entry's registers, too few rows, no room for 8 rows.
+        assert_eq!(down_rows(2048, 29, 1, 132, [1, 0]), 4);
+        assert_eq!(down_rows(7, 11, 200, 1, [0, 1]), 4);
+        assert_eq!(down_rows(2048, 11, 1, 100, [3, 2]), 4);
+    }
 }

@@ -9,8 +9,8 @@ pub use super::attention::{attn_decode, attn_prep, AttnDims, ATTN_DMAX, ATTN_MAX
 use super::host::far_args;
 pub use super::host::Far;
 pub use super::moe::{
-    down_combine_takes, host_experts_publish, host_experts_wait, moe_combine, moe_combine_norm,
-    moe_down_combine, router_topk, Mailbox, Route,
+    down_combine_form, down_combine_takes, host_experts_publish, host_experts_wait, moe_combine,
+    moe_combine_norm, moe_down_combine, router_topk, Mailbox, Route,
 };
 use super::{driver_err, Gpu, Result};
 
