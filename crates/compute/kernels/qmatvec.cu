@@ -43,8 +43,9 @@
 // 538.9 → 557.7 tok/s on an H200, three alternating pairs). 8 rows a block (one wave at half the
 // warps) measured −4% there. Where 4-row blocks do not fit one wave (the 80B shape's 11 slots:
 // 512 blocks of 11 warps against 396 resident), the _r8 entries take 8 rows a block at 72
-// registers, 256 blocks in one wave of 2 an SM (moe.rs, down_rows): 80B 4-bit decode on an H100
-// 485.2 → 493.1 tok/s (three alternating runs); the 35B shape's one wave at 8 rows was 2% slower.
+// registers, 256 blocks in one wave of 2 an SM (moe.rs, down_rows): 80B 4-bit decode 484.2 →
+// 492.5 tok/s on an H100, 515.2 → 525.8 on an H200 (means of three alternating runs); the 35B
+// shape's one wave at 8 rows was 2% slower.
 #define DOWN_ROWS 4
 #define DOWN_ROWS_WIDE 8
 #define DOWN_UNROLL 2
