@@ -7,23 +7,19 @@ use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, NORM_THREADS};
 use super::{driver_err, CudaError, Gpu, Result};
 
 /// Output rows a block of the fused expert down + combine computes (`DOWN_ROWS` in qmatvec.cu),
-/// or of its `_r8` entries (`DOWN_ROWS_WIDE`), which take at most `DOWN_WIDE_MAX_SLOTS` warps.
+/// or of its `_r8` entries (`DOWN_ROWS_WIDE`).
 pub(crate) const DOWN_ROWS: usize = 4;
 pub(crate) const DOWN_ROWS_WIDE: usize = 8;
-pub(crate) const DOWN_WIDE_MAX_SLOTS: usize = 28;
 
-/// Rows a block of the fused expert down + combine computes for `n` outputs, `per_row` slots
-/// (warps a block) and `rows` input rows on `sms` SMs, where `resident` gives the blocks of
-/// `per_row` warps an SM holds of the 4-row and of the 8-row entries: 4, unless those blocks
-/// would not fit one wave and 8-row ones would (the 80B shape's 11 slots: 512 blocks against
-/// 396 resident, 256 against 264), since a second wave costs more than each warp's longer chain.
-pub fn down_rows(n: usize, per_row: usize, rows: usize, sms: usize, resident: [usize; 2]) -> usize {
+/// Rows a block of the fused expert down + combine computes for `n` outputs and `rows` input
+/// rows on `sms` SMs, where `resident` gives the blocks (of one warp a slot) an SM holds of the
+/// 4-row and of the 8-row entries, 0 where a block cannot run (the 8-row entries' 72 registers
+/// allow 28 warps): 4, unless those blocks would not fit one wave and 8-row ones would (the 80B
+/// shape's 11 slots: 512 blocks against 396 resident, 256 against 264), since a second wave
+/// costs more than each warp's longer chain.
+pub fn down_rows(n: usize, rows: usize, sms: usize, resident: [usize; 2]) -> usize {
     let fits = |r: usize, res: usize| n.div_ceil(r) * rows <= sms * res;
-    if fits(DOWN_ROWS, resident[0])
-        || n < DOWN_ROWS_WIDE
-        || per_row > DOWN_WIDE_MAX_SLOTS
-        || !fits(DOWN_ROWS_WIDE, resident[1])
-    {
+    if fits(DOWN_ROWS, resident[0]) || n < DOWN_ROWS_WIDE || !fits(DOWN_ROWS_WIDE, resident[1]) {
         DOWN_ROWS
     } else {
         DOWN_ROWS_WIDE
@@ -67,7 +63,7 @@ pub fn down_combine_form(
             .occupancy_max_active_blocks_per_multiprocessor(32 * per_row as u32, 0, None)
             .map_err(driver_err(name))? as usize;
     }
-    let down = down_rows(n, per_row, rows, g.multiprocessors, resident);
+    let down = down_rows(n, rows, g.multiprocessors, resident);
     Ok((down, names[usize::from(down == DOWN_ROWS_WIDE)]))
 }
 
@@ -126,8 +122,8 @@ pub fn moe_down_combine(
     // SAFETY: W holds (max id + 1)·N·K·bits/32 words and scales, biases (max id + 1)·N·K/group
     // bf16 (group | K, checked at upload), the far stack the ids ≥ split; h holds rows·per_row
     // rows of K floats (16-byte aligned: K is a multiple of the group, ≥ 32), x rows·N,
-    // w and ids rows·per_row; per_row ≤ 32 warps a block (checked above), ≤ 28 and N ≥ 8 for
-    // the 8-row entries (down_rows).
+    // w and ids rows·per_row; per_row ≤ 32 warps a block (checked above); the 8-row entries
+    // only where N ≥ 8 and the device holds a block of per_row warps of them (down_rows).
     let grid = (blocks(m.n, down), rows as u32);
     unsafe { b.launch(cfg(grid, threads, 0)) }.map_err(driver_err(name))?;
     Ok(())
@@ -345,14 +341,14 @@ mod tests {
     #[test]
     fn down_takes_8_rows_a_block_only_where_4_would_not_fit_one_wave() {
         // The 35B shape (9 slots, 4 blocks of 9 warps an SM) fits one wave at 4 rows.
-        assert_eq!(down_rows(2048, 9, 1, 132, [4, 3]), 4);
+        assert_eq!(down_rows(2048, 1, 132, [4, 3]), 4);
         // The 80B shape (11 slots): 512 blocks against 3 · 132, 256 against 2 · 132.
-        assert_eq!(down_rows(2048, 11, 1, 132, [3, 2]), 8);
+        assert_eq!(down_rows(2048, 1, 132, [3, 2]), 8);
         // Batches fit neither way: 4 rows.
-        assert_eq!(down_rows(2048, 11, 8, 132, [3, 2]), 4);
-        // Too many warps for the 8-row entry's registers, too few rows, no room for 8 rows.
-        assert_eq!(down_rows(2048, 29, 1, 132, [1, 0]), 4);
-        assert_eq!(down_rows(7, 11, 200, 1, [0, 1]), 4);
-        assert_eq!(down_rows(2048, 11, 1, 100, [3, 2]), 4);
+        assert_eq!(down_rows(2048, 8, 132, [3, 2]), 4);
+        // A block too large for the 8-row entry's registers, too few rows, no room for 8 rows.
+        assert_eq!(down_rows(2048, 1, 132, [1, 0]), 4);
+        assert_eq!(down_rows(7, 200, 1, [0, 1]), 4);
+        assert_eq!(down_rows(2048, 1, 100, [3, 2]), 4);
     }
 }
