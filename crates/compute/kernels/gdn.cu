@@ -57,7 +57,6 @@ extern "C" __global__ void gdn_conv_step(const float* proj, float* __restrict__ 
 // mbarrier `bar` for the nc partial sums the cluster's CTAs will send it (4 bytes each,
 // cluster_sum).
 __device__ __forceinline__ void cluster_started(int nc, unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (nc > 1) {
         if (threadIdx.x == 0 && threadIdx.y == 0) {
             mbar_init(bar);
@@ -65,16 +64,13 @@ __device__ __forceinline__ void cluster_started(int nc, unsigned long long* bar)
         }
         cluster_arrive_relaxed();
     }
-#endif
 }
 
 // Waits until every CTA of the cluster has started (set up its mbarrier): cluster_sum may then
 // write into their shared memory. The wait's acquire invalidates L1, so it comes before the
 // kernel asks L1 for anything.
 __device__ __forceinline__ void cluster_ready(int nc) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (nc > 1) cluster_wait();
-#endif
 }
 
 // The partial sums of a cluster's nc CTAs, added in rank order by every thread: the CTAs of a
