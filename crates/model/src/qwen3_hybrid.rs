@@ -160,7 +160,7 @@ impl Qwen3Hybrid {
             .iter()
             .map(|l| l.weight.nbytes())
             .sum();
-        crate::gpu::slots_for_bytes(bytes, layers.len(), per_expert, layers[0].experts.len())
+        crate::residency::slots_for_bytes(bytes, layers.len(), per_expert, layers[0].experts.len())
     }
 
     /// Offload statistics summed over the MoE layers, when the experts are offloaded.

@@ -21,6 +21,12 @@
 //! and margin 4, keeps uniform routing within 1% of static placement and follows a drifting hot
 //! set.
 
+/// Cache slots per layer for `bytes` of cache over `layers` layers of experts of `slot_bytes`
+/// (at most every expert).
+pub fn slots_for_bytes(bytes: usize, layers: usize, slot_bytes: usize, experts: usize) -> usize {
+    (bytes / (layers * slot_bytes).max(1)).min(experts)
+}
+
 /// An admission decision: copy `expert` into `slot`, evicting `evicted` (None: the slot was
 /// empty).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

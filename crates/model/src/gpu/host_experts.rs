@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::host_store::{HostMat, HostWeights, LayerExperts};
+use super::format::DevFormat;
+use super::host_store::{HostMat, LayerExperts};
 use super::host_team::{run_rounds, Job, Out};
 use super::{unsupported, GpuModel, Result, MAX_BATCH};
 use crate::host_split::{self, Costs};
@@ -107,24 +108,25 @@ impl HostExperts {
 impl HostMat {
     /// Matrix `e` of the stack, for the host's kernels.
     pub(super) fn twin(&self, e: usize) -> TwinMat<'_> {
-        let stack = match &self.w {
-            HostWeights::Bf16(b) => TwinMat::Bf16(b.as_slice()),
-            HostWeights::Affine {
-                words,
-                scales,
-                biases,
+        let (a, f) = (&self.arrays, self.fmt());
+        let stack = match f.format {
+            DevFormat::Bf16 => TwinMat::Bf16(view(&a[0])),
+            DevFormat::Affine { bits, group } => TwinMat::Affine {
+                words: view(&a[0]),
+                scales: view(&a[1]),
+                biases: view(&a[2]),
                 bits,
                 group,
-            } => TwinMat::Affine {
-                words: words.as_slice(),
-                scales: scales.as_slice(),
-                biases: biases.as_slice(),
-                bits: *bits,
-                group: *group,
             },
         };
-        stack.row_range(self.k, e * self.n..(e + 1) * self.n)
+        stack.row_range(f.k, e * f.n..(e + 1) * f.n)
     }
+}
+
+/// A pinned array as `T`s (pinned allocations are page-aligned and each array of a format holds
+/// whole `T`s, so the cast does not fail).
+fn view<T: bytemuck::Pod>(a: &HostBuf<u8>) -> &[T] {
+    bytemuck::try_cast_slice(a.as_slice()).unwrap_or_default()
 }
 
 /// Seconds the host takes to compute `n` experts of `lx` (at positions of its host stacks):
@@ -132,10 +134,10 @@ impl HostMat {
 /// are not in the CPU's caches).
 fn time_host(lx: &LayerExperts, n: usize) -> Result<f64> {
     let positions = lx.host_positions();
-    let x: Vec<f32> = (0..lx.gu.k)
+    let x: Vec<f32> = (0..lx.gu.fmt().k)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
         .collect();
-    let mut out = vec![0f32; n * lx.gu.k];
+    let mut out = vec![0f32; n * lx.gu.fmt().k];
     let sink = Out {
         ptr: out.as_mut_ptr(),
         len: out.len(),

@@ -23,23 +23,27 @@ use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::Far;
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
+use super::format::DevFormat;
 use super::homes::{Homes, WriteBack};
-use super::upload::array_bytes;
 use super::{DevMat, DevWeights, Result};
 use crate::residency::{Policy, Residency, Swap};
 
-/// The format of one `[n, k]` matrix of a stack: bf16, or MLX affine `(bits, group)`.
+/// The format of one `[n, k]` matrix of a stack.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Fmt {
     pub(super) n: usize,
     pub(super) k: usize,
-    pub(super) affine: Option<(u32, usize)>,
+    pub(super) format: DevFormat,
 }
 
 impl Fmt {
-    /// Bytes of one matrix in each array (values; or words, scales, biases).
+    pub(crate) fn new(n: usize, k: usize, format: DevFormat) -> Fmt {
+        Fmt { n, k, format }
+    }
+
+    /// Bytes of one matrix in each array.
     pub(super) fn array_bytes(&self) -> Vec<usize> {
-        array_bytes(self.n, self.k, self.affine)
+        self.format.array_bytes(self.n, self.k)
     }
 
     pub(super) fn matrix_bytes(&self) -> usize {
@@ -48,19 +52,13 @@ impl Fmt {
 
     /// A zeroed device stack of `count` matrices.
     pub(super) fn device_stack(&self, g: &Gpu, count: usize) -> Result<DevMat> {
-        let nk = self.n * self.k;
-        let w = match self.affine {
-            None => DevWeights::Bf16(g.zeros(count * nk)?),
-            Some((bits, group)) => DevWeights::Affine {
-                words: g.zeros(count * nk * bits as usize / 32)?,
-                scales: g.zeros(count * nk / group)?,
-                biases: g.zeros(count * nk / group)?,
-                bits,
-                group,
-            },
-        };
+        let arrays = self.array_bytes().into_iter();
+        let arrays = arrays.map(|b| g.zeros(count * b)).collect::<Result<_>>()?;
         Ok(DevMat {
-            w,
+            w: DevWeights {
+                format: self.format,
+                arrays,
+            },
             n: self.n,
             k: self.k,
             bias: None,
@@ -69,97 +67,46 @@ impl Fmt {
 
     /// A zeroed pinned host stack of `count` matrices.
     pub(super) fn host_stack(&self, g: &Gpu, count: usize) -> Result<HostMat> {
-        let nk = self.n * self.k;
-        let w = match self.affine {
-            None => HostWeights::Bf16(HostBuf::zeros(g, count * nk)?),
-            Some((bits, group)) => HostWeights::Affine {
-                words: HostBuf::zeros(g, count * nk * bits as usize / 32)?,
-                scales: HostBuf::zeros(g, count * nk / group)?,
-                biases: HostBuf::zeros(g, count * nk / group)?,
-                bits,
-                group,
-            },
-        };
-        Ok(HostMat {
-            w,
-            n: self.n,
-            k: self.k,
-        })
+        let arrays = self.array_bytes().into_iter();
+        let arrays = arrays
+            .map(|b| HostBuf::zeros(g, count * b))
+            .collect::<Result<_>>()?;
+        Ok(HostMat { arrays, fmt: *self })
     }
 }
 
-/// Weights in pinned host memory, in the device layout of [`DevWeights`].
-pub(crate) enum HostWeights {
-    Bf16(HostBuf<u16>),
-    Affine {
-        words: HostBuf<u32>,
-        scales: HostBuf<u16>,
-        biases: HostBuf<u16>,
-        bits: u32,
-        group: usize,
-    },
-}
-
-/// A stack of same-shaped `[n, k]` matrices in pinned host memory.
+/// A stack of same-shaped `[n, k]` matrices in pinned host memory, in the device layout of its
+/// format.
 pub(crate) struct HostMat {
-    pub(super) w: HostWeights,
-    pub(super) n: usize,
-    pub(super) k: usize,
+    pub(super) arrays: Vec<HostBuf<u8>>,
+    fmt: Fmt,
 }
 
 impl HostMat {
+    fn ptrs(&self) -> Vec<u64> {
+        self.arrays.iter().map(|a| a.ptr()).collect()
+    }
+
     /// The far-stack arguments for ids from `split` on.
     fn far(&self, split: usize) -> Far {
-        match &self.w {
-            HostWeights::Bf16(b) => Far {
-                w: b.ptr(),
-                scales: 0,
-                biases: 0,
-                split,
-            },
-            HostWeights::Affine {
-                words,
-                scales,
-                biases,
-                ..
-            } => Far {
-                w: words.ptr(),
-                scales: scales.ptr(),
-                biases: biases.ptr(),
-                split,
-            },
-        }
+        self.fmt.format.far(&self.ptrs(), split)
     }
 
     pub(super) fn fmt(&self) -> Fmt {
-        let affine = match &self.w {
-            HostWeights::Bf16(_) => None,
-            HostWeights::Affine { bits, group, .. } => Some((*bits, *group)),
-        };
-        Fmt {
-            n: self.n,
-            k: self.k,
-            affine,
-        }
+        self.fmt
     }
 
     /// (base address, bytes per matrix) of each array.
     pub(super) fn pieces(&self) -> Vec<(u64, usize)> {
-        let ptrs = match &self.w {
-            HostWeights::Bf16(b) => vec![b.ptr()],
-            HostWeights::Affine {
-                words,
-                scales,
-                biases,
-                ..
-            } => vec![words.ptr(), scales.ptr(), biases.ptr()],
-        };
-        ptrs.into_iter().zip(self.fmt().array_bytes()).collect()
+        self.ptrs()
+            .into_iter()
+            .zip(self.fmt.array_bytes())
+            .collect()
     }
 
     /// Bytes of one row of one matrix.
     pub(super) fn row_bytes(&self) -> usize {
-        self.fmt().matrix_bytes() / self.n.max(1)
+        self.fmt.matrix_bytes() / self.fmt.n.max(1)
     }
 }
 

@@ -143,7 +143,7 @@ pub(super) fn run_rounds<'a>(
                 let job = next(r);
                 let t = Instant::now();
                 if let Some(j) = &job {
-                    let (inter, tasks) = (j.lx.gu.n / 2, j.experts.len());
+                    let (inter, tasks) = (j.lx.gu.fmt().n / 2, j.experts.len());
                     let h = (0..tasks * inter).map(|_| AtomicU32::new(0));
                     let _ = round.h.set(h.collect());
                     let _ = round
@@ -193,7 +193,7 @@ fn input(inputs: &[OnceLock<TwinInput>], t: usize) -> Result<&TwinInput, TwinErr
 /// input and down pieces.
 fn work(job: &Job, round: &Round, out: Out) -> Result<(), TwinError> {
     let (lx, tasks) = (job.lx, job.experts.len());
-    let (inter, hidden) = (lx.gu.n / 2, lx.gu.k);
+    let (inter, hidden) = (lx.gu.fmt().n / 2, lx.gu.fmt().k);
     let h = round.h.get().map(Vec::as_slice).unwrap_or(&[]);
     let x_gu = round.x_gu.get().map(Vec::as_slice).unwrap_or(&[]);
     let x_down = round.x_down.get().map(Vec::as_slice).unwrap_or(&[]);

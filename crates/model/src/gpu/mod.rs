@@ -13,18 +13,20 @@
 //! the GDN conv and delta-rule kernels, attention prep and split-K decode, router top-k, expert
 //! SwiGLU and down projections (all K experts of all B rows in one launch each), combine, final
 //! norm, lm_head and sampling; at batch 1 the norms, residual adds, conv step and combine ride on
-//! the products instead ([`mixer`]). Sequence state lives in a pool of slots ([`pool`]); the
+//! the products instead ([`fused`]). Each layer kind enqueues its own work ([`layers`]). Sequence state lives in a pool of slots ([`pool`]); the
 //! token ids and slot indices of a step live in device memory, so the step is captured once per
 //! batch size into a CUDA graph and replayed; the only host↔device traffic per token is its id
 //! and slot.
 //! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
 //! layer pass.
 
+mod format;
+mod fused;
 mod homes;
 mod host_experts;
 mod host_store;
 mod host_team;
-mod mixer;
+mod layers;
 mod offload;
 mod pool;
 mod prefill;
@@ -43,15 +45,15 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
-use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Route, Slots, ATTN_DMAX};
-use deltamoe_compute::cuda::vec::{self, VecIo};
+use deltamoe_compute::cuda::ops::Batch;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
 use crate::config::ModelConfig;
 use crate::qwen3_hybrid::Qwen3Hybrid;
+use layers::head::{Head, Picks};
+use layers::{FfnIo, GpuLayer, Step};
 use pool::Pool;
 use scratch::Scratch;
-use upload::{upload_ffn, upload_mixer};
 
 type Result<T> = std::result::Result<T, CudaError>;
 
@@ -61,84 +63,16 @@ const ATTN_SPLITS: usize = 64;
 /// Most rows one batched step runs; the engine splits larger batches.
 pub const MAX_BATCH: usize = 32;
 
-pub(crate) enum GpuMixer {
-    Linear {
-        proj: DevMat,
-        conv_w: DevBuf<f32>,
-        neg_a: DevBuf<f32>,
-        dt_bias: DevBuf<f32>,
-        norm_w: DevBuf<f32>,
-        out: DevMat,
-        dims: GdnDims,
-        conv_dim: usize,
-        kernel: usize,
-    },
-    Full {
-        proj: DevMat,
-        qn: DevBuf<f32>,
-        kn: DevBuf<f32>,
-        out: DevMat,
-    },
-}
-
-#[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
-pub(crate) enum GpuFfn {
-    Dense {
-        gate_up: DevMat,
-        down: DevMat,
-    },
-    /// Routed experts stacked `[E (+1), …]`; `shared` holds the shared expert's `[gate | up]`
-    /// and down when it could not be stacked as expert E. With `offload` the stacks are the
-    /// expert cache `[slots (+1), …]` (see [`offload`]).
-    Moe {
-        router: DevMat,
-        experts_gu: DevMat,
-        experts_down: DevMat,
-        shared: Option<(DevMat, DevMat)>,
-        offload: Option<Box<host_store::LayerExperts>>,
-    },
-}
-
-pub(crate) struct GpuLayer {
-    input_norm: DevBuf<f32>,
-    mixer: GpuMixer,
-    post_norm: DevBuf<f32>,
-    ffn: GpuFfn,
-}
-
-/// The residual an MoE layer's output joins and the scale of the norm after the layer (none in
-/// the fused decode form, where the next projection normalizes), for [`GpuModel::moe_tail`] to
-/// fuse in (device addresses).
-pub(crate) struct NextNorm {
-    pub x: u64,
-    pub scale: Option<u64>,
-}
-
-/// The buffers [`GpuModel::moe_tail`] reads and writes (device addresses).
-pub(crate) struct MoeTail {
-    pub normed: u64,
-    pub hs: u64,
-    pub ys: u64,
-    pub sg: u64,
-    pub y: u64,
-    pub weights: u64,
-    pub delta: u64,
-}
-
-/// The model on a GPU.
+/// The model on a GPU: its layers ([`layers`]) and what runs them — the step's scratch, the
+/// sequence pool, the captured graphs and the expert residency.
 pub struct GpuModel {
     gpu: Arc<Gpu>,
     hidden: usize,
     vocab: usize,
     eps: f32,
-    attn: AttnDims,
     top_k: usize,
     num_experts: usize,
-    norm_topk: bool,
-    embed: DevMat,
-    lm_head: DevMat,
-    final_norm: DevBuf<f32>,
-    inv_freq: DevBuf<f32>,
+    head: Head,
     layers: Vec<GpuLayer>,
     cfg: ModelConfig,
     /// Rows the scratch holds (the largest batch a step takes).
@@ -166,10 +100,7 @@ fn unsupported(msg: String) -> CudaError {
 
 /// The device weights a [`GpuModel`] is assembled from.
 pub(crate) struct Parts {
-    pub embed: DevMat,
-    pub lm_head: DevMat,
-    pub final_norm: DevBuf<f32>,
-    pub inv_freq: DevBuf<f32>,
+    pub head: Head,
     pub layers: Vec<GpuLayer>,
 }
 
@@ -181,19 +112,9 @@ impl GpuModel {
             hidden: c.hidden_size,
             vocab: c.vocab_size,
             eps: c.rms_norm_eps,
-            attn: AttnDims {
-                hq: c.num_heads,
-                hkv: c.num_kv_heads,
-                d: c.head_dim,
-                rotary: c.rotary_dim,
-            },
             top_k: c.experts_per_token,
             num_experts: c.num_experts,
-            norm_topk: c.norm_topk_prob,
-            embed: p.embed,
-            lm_head: p.lm_head,
-            final_norm: p.final_norm,
-            inv_freq: p.inv_freq,
+            head: p.head,
             layers: p.layers,
             cfg: c.clone(),
             rows: 1,
@@ -231,40 +152,8 @@ impl GpuModel {
     /// Upload `model` to `gpu`, its routed experts offloaded to pinned host memory with a
     /// device cache sized by `cache` unless that is [`ExpertCache::All`].
     pub fn upload_with(model: &Qwen3Hybrid, gpu: Arc<Gpu>, cache: ExpertCache) -> Result<GpuModel> {
-        let offload = cache != ExpertCache::All;
-        let c = model.config();
-        let g = &*gpu;
-        if c.head_dim > ATTN_DMAX {
-            return Err(unsupported(format!(
-                "head_dim {} exceeds the CUDA attention limit {ATTN_DMAX}",
-                c.head_dim
-            )));
-        }
-        let h = c.hidden_size;
-        let mut pending = Vec::new();
-        let mut layers = Vec::with_capacity(model.layers.len());
-        for (i, l) in model.layers.iter().enumerate() {
-            let (input_norm, mixer) = (g.upload(&l.input_norm)?, upload_mixer(g, &l.mixer, h)?);
-            let post_norm = g.upload(&l.post_norm)?;
-            let (ffn, experts) = upload_ffn(g, &l.ffn, i, h, offload)?;
-            pending.extend(experts);
-            layers.push(GpuLayer {
-                input_norm,
-                mixer,
-                post_norm,
-                ffn,
-            });
-        }
-        let embed = DevMat::stack(g, &[&model.embed], c.vocab_size, h, None)?;
-        let lm_head = DevMat::stack(g, &[&model.lm_head], c.vocab_size, h, None)?;
-        let parts = Parts {
-            embed,
-            lm_head,
-            final_norm: g.upload(&model.final_norm)?,
-            inv_freq: g.upload(model.rope.inv_freq())?,
-            layers,
-        };
-        let mut m = GpuModel::assemble(c, gpu.clone(), parts)?;
+        let (parts, pending) = upload::upload_model(&gpu, model, cache != ExpertCache::All)?;
+        let mut m = GpuModel::assemble(model.config(), gpu.clone(), parts)?;
         m.place_experts(cache, pending)?;
         Ok(m)
     }
@@ -368,45 +257,33 @@ impl GpuModel {
     /// mixers, router, top-k and shared experts, lm_head), the GDN states (read and written)
     /// and the KV caches.
     pub fn bytes_per_token(&self, ctx: usize) -> usize {
-        let mat = |m: &DevMat| m.bytes();
-        let mut b = mat(&self.embed) / self.vocab + mat(&self.lm_head);
-        for l in &self.layers {
-            b += match &l.mixer {
-                GpuMixer::Linear {
-                    proj, out, dims, ..
-                } => mat(proj) + mat(out) + 2 * 4 * dims.hv * dims.dk * dims.dv,
-                GpuMixer::Full { proj, out, .. } => {
-                    mat(proj) + mat(out) + 2 * 4 * ctx * self.attn.hkv * self.attn.d
-                }
-            };
-            b += match &l.ffn {
-                GpuFfn::Dense { gate_up, down } => mat(gate_up) + mat(down),
-                GpuFfn::Moe {
-                    router,
-                    experts_gu,
-                    experts_down,
-                    shared,
-                    ..
-                } => {
-                    let slots = self.top_k + shared.is_none() as usize;
-                    mat(router)
-                        + slots * (mat(experts_gu) + mat(experts_down))
-                        + shared.as_ref().map_or(0, |(gu, d)| mat(gu) + mat(d))
-                }
-            };
-        }
-        b
+        let layers = self.layers.iter();
+        let l: usize = layers
+            .map(|l| l.mixer.bytes_per_token(ctx) + l.ffn.bytes_per_token())
+            .sum();
+        self.head.bytes_per_token() + l
+    }
+
+    /// Weights one token multiplies (2 FLOPs each): projections, router, the top-k (and shared)
+    /// experts and the lm_head; the embedding is a lookup and attention's own FLOPs are not
+    /// weights.
+    pub fn active_params(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| l.mixer.params() + l.ffn.params())
+            .sum();
+        self.head.params() + l
     }
 
     /// Mixer kind of each layer: "gdn" or "attention".
     pub fn layer_kinds(&self) -> Vec<&'static str> {
-        self.layers
-            .iter()
-            .map(|l| match l.mixer {
-                GpuMixer::Linear { .. } => "gdn",
-                GpuMixer::Full { .. } => "attention",
-            })
-            .collect()
+        self.layers.iter().map(|l| l.mixer.kind()).collect()
+    }
+
+    /// Tokens of the vocabulary (rows of the lm_head).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
     }
 
     /// Run one batched step eagerly (no graph) with device timers: milliseconds per layer for
@@ -423,23 +300,18 @@ impl GpuModel {
         let g = self.gpu.clone();
         let n = self.layers.len();
         let marks: Vec<_> = (0..2 * n + 3).map(|_| g.timer()).collect::<Result<_>>()?;
+        let st = self.step_ctx(b)?;
         g.mark(&marks[0])?;
-        ops::embed(
-            &g,
-            self.embed.mv(),
-            self.io.ptr(),
-            self.scratch.x.ptr(),
-            self.hidden,
-            b,
-        )?;
+        self.head
+            .embed(&g, self.io.ptr(), self.scratch.x.ptr(), b)?;
         g.mark(&marks[1])?;
         for i in 0..n {
-            self.enqueue_mixer(i, b)?;
+            self.enqueue_mixer(&st, i)?;
             g.mark(&marks[2 * i + 2])?;
-            self.enqueue_ffn(i, b)?;
+            self.enqueue_ffn(&st, i)?;
             g.mark(&marks[2 * i + 3])?;
         }
-        self.enqueue_head(b)?;
+        self.enqueue_head(&st)?;
         g.mark(&marks[2 * n + 2])?;
         // Experts the step hands the host are computed as in `step_batch` (else each hand-off
         // would wait out the GPU's time limit and void the step).
@@ -464,163 +336,83 @@ impl GpuModel {
             .read_at(&self.scratch.logits, row * self.vocab, self.vocab)
     }
 
-    /// The rows of a `b`-row step.
-    fn batch(&self, b: usize) -> Batch {
-        Batch {
-            rows: b,
-            slots: self.io.at(self.rows),
-        }
+    /// What the layers of a `b`-row step see.
+    fn step_ctx(&self, b: usize) -> Result<Step<'_>> {
+        let pool = self.pool()?;
+        Ok(Step {
+            g: &self.gpu,
+            s: &self.scratch,
+            bt: Batch {
+                rows: b,
+                slots: self.io.at(self.rows),
+            },
+            fused: self.fused(b),
+            eps: self.eps,
+            hidden: self.hidden,
+            pos: pool.pos.ptr(),
+            ctx: pool.ctx,
+        })
     }
 
     /// Enqueue a `b`-row step on the stream (eagerly or into a capture).
     fn enqueue_step(&self, b: usize) -> Result<()> {
-        let s = &self.scratch;
-        ops::embed(
-            &self.gpu,
-            self.embed.mv(),
-            self.io.ptr(),
-            s.x.ptr(),
-            self.hidden,
-            b,
-        )?;
+        let st = self.step_ctx(b)?;
+        self.head.embed(st.g, self.io.ptr(), st.s.x.ptr(), b)?;
         for i in 0..self.layers.len() {
-            self.enqueue_layer(i, b)?;
+            self.enqueue_mixer(&st, i)?;
+            self.enqueue_ffn(&st, i)?;
         }
-        self.enqueue_head(b)?;
+        self.enqueue_head(&st)?;
         self.enqueue_ids_download()
-    }
-
-    /// Layer `i` for `b` rows: the previous sublayer's output (in `delta`) joins the residual,
-    /// then the mixer and the ffn run; the ffn's output is left in `delta`.
-    fn enqueue_layer(&self, i: usize, b: usize) -> Result<()> {
-        self.enqueue_mixer(i, b)?;
-        self.enqueue_ffn(i, b)
     }
 
     /// The residual add + input norm (unless the layer before applied them, or the fused form's
     /// input projection does) and the mixer of layer `i`.
-    fn enqueue_mixer(&self, i: usize, b: usize) -> Result<()> {
-        if !self.fused(b) && !self.normed_by_previous(i) {
-            let delta = if i == 0 { 0 } else { self.scratch.delta.ptr() };
-            self.add_norm(delta, self.layers[i].input_norm.ptr(), b)?;
+    fn enqueue_mixer(&self, st: &Step, i: usize) -> Result<()> {
+        let l = &self.layers[i];
+        if !st.fused && !self.normed_by_previous(i) {
+            let delta = if i == 0 { 0 } else { st.s.delta.ptr() };
+            st.add_norm(delta, l.input_norm.ptr())?;
         }
-        match &self.layers[i].mixer {
-            GpuMixer::Linear { .. } => self.enqueue_gdn(i, b),
-            GpuMixer::Full { .. } => self.enqueue_attention(i, b),
-        }
+        l.mixer
+            .decode(st, self.pool()?.state(i), l.input_norm.ptr())
     }
 
-    /// The residual add + post norm (in the fused form the residual is whole, and the router
+    /// The residual add + post norm (in the fused form the residual is whole, and the ffn
     /// normalizes it when it can) and the ffn of layer `i`.
-    fn enqueue_ffn(&self, i: usize, b: usize) -> Result<()> {
-        let post = self.layers[i].post_norm.ptr();
-        if !self.fused(b) {
-            self.add_norm(self.scratch.delta.ptr(), post, b)?;
-        } else if !self.router_normalizes(i) {
-            self.add_norm(0, post, b)?;
+    fn enqueue_ffn(&self, st: &Step, i: usize) -> Result<()> {
+        let l = &self.layers[i];
+        let post = l.post_norm.ptr();
+        if !st.fused {
+            st.add_norm(st.s.delta.ptr(), post)?;
+        } else if !l.ffn.normalizes_input() {
+            st.add_norm(0, post)?;
         }
-        self.enqueue_ffn_only(i, b)
+        let io = FfnIo {
+            post_norm: post,
+            norm_after: self.norm_after(i),
+            ids: self.moe_ids(i),
+            mailbox: self.active_mailbox(),
+        };
+        l.ffn.decode(st, &io)
     }
 
-    /// The ffn of `layer` on `normed`; an MoE ffn also joins its output to the residual and
-    /// applies the norm after the layer.
-    fn enqueue_ffn_only(&self, layer: usize, b: usize) -> Result<()> {
-        let (g, s, h) = (&*self.gpu, &self.scratch, self.hidden);
-        let ffn = &self.layers[layer].ffn;
-        let x_rows = Slots::rows(b, h);
-        match ffn {
-            GpuFfn::Dense { gate_up, down } => {
-                ops::matvec_swiglu(g, gate_up.mv(), s.normed.ptr(), s.h.ptr(), x_rows)?;
-                let dm = down.mv();
-                ops::matvec(g, dm, s.h.ptr(), s.delta.ptr(), Slots::rows(b, down.k))?;
-                if self.fused(b) {
-                    // The residual stays whole: the output joins it now (the norm written with
-                    // it goes unused; the next projection normalizes).
-                    self.add_norm(s.delta.ptr(), self.norm_after(layer), b)?;
-                }
-                Ok(())
-            }
-            GpuFfn::Moe {
-                router,
-                experts_gu,
-                experts_down,
-                shared,
-                offload,
-            } => {
-                let i_e = experts_gu.n / 2;
-                let per_row = self.top_k + shared.is_none() as usize;
-                let mut route = self.route(shared.is_none());
-                let (mut far_gu, mut far_down) = (None, None);
-                let mailbox = offload.as_ref().and(self.active_mailbox());
-                if let Some(lx) = offload {
-                    route.shared_slot = lx.shared_slot();
-                    route.loc = lx.loc();
-                    route.far_from = lx.split();
-                    if let Some(m) = mailbox {
-                        route.host_take = m.take;
-                    }
-                    (far_gu, far_down) = (Some(lx.far_gu()), Some(lx.far_down()));
-                }
-                let (ids, n) = (self.moe_ids(layer), b * per_row);
-                let fused = self.fused(b);
-                if fused && self.router_normalizes(layer) {
-                    // The post norm of x, staged by every block; block 0 leaves it in `normed`.
-                    let io = VecIo {
-                        norm: self.layers[layer].post_norm.ptr(),
-                        normed: s.normed.ptr(),
-                        eps: self.eps,
-                        ..VecIo::default()
-                    };
-                    vec::matvec(g, router.mv(), s.x.ptr(), s.router.ptr(), io)?;
-                } else {
-                    ops::matvec(g, router.mv(), s.normed.ptr(), s.router.ptr(), x_rows)?;
-                }
-                ops::router_topk(
-                    g,
-                    s.router.ptr(),
-                    router.n,
-                    route,
-                    ids,
-                    s.weights.ptr(),
-                    s.sg.ptr(),
-                    b,
-                )?;
-                if let Some(m) = mailbox {
-                    ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
-                }
-                let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
-                ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
-                let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
-                let down = experts_down.mv();
-                if fused
-                    && shared.is_none()
-                    && mailbox.is_none()
-                    && ops::down_combine_takes(&down, per_row)
-                {
-                    // The down projections add their weighted sum into the residual themselves.
-                    let (x, w) = (s.x.ptr(), s.weights.ptr());
-                    return ops::moe_down_combine(g, down, s.h.ptr(), x, w, down_slots, per_row, b);
-                }
-                ops::matvec(g, down, s.h.ptr(), s.y.ptr(), down_slots)?;
-                if let Some(m) = mailbox {
-                    ops::host_experts_wait(g, m, ids, s.y.ptr(), h, n)?;
-                }
-                let bufs = MoeTail {
-                    normed: s.normed.ptr(),
-                    hs: s.hs.ptr(),
-                    ys: s.ys.ptr(),
-                    sg: s.sg.ptr(),
-                    y: s.y.ptr(),
-                    weights: s.weights.ptr(),
-                    delta: s.delta.ptr(),
-                };
-                let next = NextNorm {
-                    x: s.x.ptr(),
-                    scale: (!fused).then(|| self.norm_after(layer)),
-                };
-                self.moe_tail(shared.as_ref(), bufs, per_row, b, Some(next))
-            }
-        }
+    /// Final norm, lm_head and each row's next token (greedy or sampled on the device).
+    fn enqueue_head(&self, st: &Step) -> Result<()> {
+        let pool = self.pool()?;
+        let picks = Picks {
+            tokens: self.io.ptr(),
+            sampling: pool.sampling.ptr(),
+            pos: pool.pos.ptr(),
+        };
+        let normed = self.normed_by_previous(self.layers.len());
+        self.head.decode(st, normed, picks)
+    }
+
+    /// Whether a `b`-row step runs the fused decode form (see [`fused`]).
+    fn fused(&self, b: usize) -> bool {
+        let mats = self.layers.iter().flat_map(|l| l.mixer.projections());
+        fused::fused_decode(b, mats)
     }
 
     /// The scale of the norm that follows layer `i`: the next layer's input norm, or the final
@@ -628,114 +420,13 @@ impl GpuModel {
     fn norm_after(&self, i: usize) -> u64 {
         self.layers
             .get(i + 1)
-            .map_or(self.final_norm.ptr(), |l| l.input_norm.ptr())
+            .map_or(self.head.final_norm(), |l| l.input_norm.ptr())
     }
 
     /// Whether the norm before layer `i` (the final norm for `i` = layers) was already applied by
-    /// the layer before: an MoE ffn adds its output to the residual and normalizes in its
-    /// combine, a dense ffn leaves its output in `delta`.
+    /// the layer before (an MoE ffn adds its output to the residual and normalizes in its
+    /// combine; a dense ffn leaves its output in `delta`).
     fn normed_by_previous(&self, i: usize) -> bool {
-        i > 0 && matches!(self.layers[i - 1].ffn, GpuFfn::Moe { .. })
-    }
-
-    /// An MoE layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
-    /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`; with `next`,
-    /// that sum joins the residual `next.x` instead and `normed` gets the next norm of it.
-    pub(crate) fn moe_tail(
-        &self,
-        shared: Option<&(DevMat, DevMat)>,
-        t: MoeTail,
-        per_row: usize,
-        rows: usize,
-        next: Option<NextNorm>,
-    ) -> Result<()> {
-        let (g, h) = (&*self.gpu, self.hidden);
-        let (ys, sg) = match shared {
-            Some((gu, down)) => {
-                ops::matvec_swiglu(g, gu.mv(), t.normed, t.hs, Slots::rows(rows, h))?;
-                ops::matvec(g, down.mv(), t.hs, t.ys, Slots::rows(rows, down.k))?;
-                (t.ys, t.sg)
-            }
-            None => (0, 0),
-        };
-        let (w, y) = (t.weights, t.y);
-        match next {
-            Some(NextNorm { x, scale: Some(sc) }) => {
-                ops::moe_combine_norm(g, y, w, ys, sg, x, sc, t.normed, per_row, h, rows, self.eps)
-            }
-            Some(NextNorm { x, scale: None }) => {
-                ops::moe_combine(g, y, w, ys, sg, x, per_row, h, rows, true)
-            }
-            None => ops::moe_combine(g, y, w, ys, sg, t.delta, per_row, h, rows, false),
-        }
-    }
-
-    /// The router's top-k for an MoE layer whose shared expert is stacked after the routed
-    /// ones (`stacked`) or runs apart.
-    pub(crate) fn route(&self, stacked: bool) -> Route {
-        Route {
-            experts: self.num_experts,
-            top_k: self.top_k,
-            renorm: self.norm_topk,
-            shared_gate: true,
-            shared_slot: stacked.then_some(self.num_experts),
-            loc: 0,
-            host_take: 0,
-            far_from: 0,
-        }
-    }
-
-    /// For `b` rows: `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.
-    fn add_norm(&self, delta: u64, scale: u64, b: usize) -> Result<()> {
-        let s = &self.scratch;
-        ops::add_rmsnorm(
-            &self.gpu,
-            s.x.ptr(),
-            delta,
-            scale,
-            s.normed.ptr(),
-            b,
-            self.hidden,
-            self.eps,
-        )
-    }
-
-    /// Final norm, lm_head and each row's next token (greedy or sampled on the device).
-    fn enqueue_head(&self, b: usize) -> Result<()> {
-        let (g, s, pool) = (&*self.gpu, &self.scratch, self.pool()?);
-        if self.fused(b) {
-            self.add_norm(0, self.final_norm.ptr(), b)?;
-        } else if !self.normed_by_previous(self.layers.len()) {
-            self.add_norm(s.delta.ptr(), self.final_norm.ptr(), b)?;
-        }
-        let (head, rows) = (self.lm_head.mv(), Slots::rows(b, self.hidden));
-        // One row through the ring kernel: its blocks hand the sampler their largest logit and
-        // its index, so a greedy pick need not scan the vocabulary.
-        let ring = if b == 1 && vec::takes(&head, &rows) {
-            vec::ring_blocks(g, &head)?
-        } else {
-            None
-        };
-        let best = ring.map(|n| (s.best.ptr(), n as usize));
-        match best {
-            Some((p, _)) => {
-                let io = VecIo {
-                    best: p,
-                    ..VecIo::default()
-                };
-                vec::matvec(g, head, s.normed.ptr(), s.logits.ptr(), io)?;
-            }
-            None => ops::matvec(g, head, s.normed.ptr(), s.logits.ptr(), rows)?,
-        }
-        ops::sample_advance(
-            g,
-            s.logits.ptr(),
-            self.vocab,
-            pool.sampling.ptr(),
-            self.io.ptr(),
-            pool.pos.ptr(),
-            self.batch(b),
-            best,
-        )
+        i > 0 && self.layers[i - 1].ffn.normalizes_after()
     }
 }

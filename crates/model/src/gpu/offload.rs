@@ -25,7 +25,9 @@ use deltamoe_compute::cuda::DevBuf;
 
 use super::host_experts::HostExperts;
 use super::host_store::{copy_matrices, ExpertSource, LayerExperts};
-use super::{unsupported, DevMat, GpuFfn, GpuModel, Result, MAX_BATCH};
+use super::layers::MoeFfn;
+use super::{unsupported, DevMat, GpuModel, Result, MAX_BATCH};
+pub use crate::residency::slots_for_bytes;
 
 /// How many routed experts of each MoE layer the GPU keeps.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -72,11 +74,6 @@ fn host_available() -> usize {
         .find_map(|l| l.strip_prefix("MemAvailable:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
         .map_or(0, |kb| kb << 10)
-}
-
-/// Cache slots per layer for `bytes` of cache over `layers` layers of experts of `slot_bytes`.
-pub fn slots_for_bytes(bytes: usize, layers: usize, slot_bytes: usize, experts: usize) -> usize {
-    (bytes / (layers * slot_bytes).max(1)).min(experts)
 }
 
 /// What offload did, summed over steps.
@@ -153,24 +150,39 @@ pub(crate) struct Pending<'a> {
     pub(super) src: Box<dyn ExpertSource + 'a>,
 }
 
+impl<'a> Pending<'a> {
+    /// Layer `layer`'s `experts` routed experts (the shared one stacked after them when
+    /// `stacked`), from `src`.
+    pub(crate) fn new(
+        layer: usize,
+        experts: usize,
+        stacked: bool,
+        src: Box<dyn ExpertSource + 'a>,
+    ) -> Pending<'a> {
+        Pending {
+            layer,
+            experts,
+            stacked,
+            src,
+        }
+    }
+}
+
 impl GpuModel {
     /// The offloaded experts of layer `i`, if any.
     pub(super) fn layer_experts(&self, i: usize) -> Option<&LayerExperts> {
-        match &self.layers[i].ffn {
-            GpuFfn::Moe { offload, .. } => offload.as_deref(),
-            GpuFfn::Dense { .. } => None,
-        }
+        self.layers[i].ffn.moe()?.offload.as_deref()
     }
 
     /// Layer `i`'s offloaded experts and its device stacks (the cache).
     pub(super) fn offloaded(&self, i: usize) -> Result<(&LayerExperts, &DevMat, &DevMat)> {
-        match &self.layers[i].ffn {
-            GpuFfn::Moe {
+        match self.layers[i].ffn.moe() {
+            Some(MoeFfn {
                 experts_gu,
                 experts_down,
                 offload: Some(lx),
                 ..
-            } => Ok((lx, experts_gu, experts_down)),
+            }) => Ok((lx, experts_gu, experts_down)),
             _ => Err(unsupported(format!("layer {i} has no offloaded experts"))),
         }
     }
@@ -195,12 +207,12 @@ impl GpuModel {
         let shape = (moe.len(), experts, slot_bytes);
         let (slots, copies) = self.placement(spec, shape, held_device, held_host)?;
         for i in moe {
-            let GpuFfn::Moe {
+            let Some(MoeFfn {
                 experts_gu,
                 experts_down,
                 offload,
                 ..
-            } = &mut self.layers[i].ffn
+            }) = self.layers[i].ffn.moe_mut()
             else {
                 continue;
             };
@@ -312,12 +324,12 @@ impl GpuModel {
         let (lx, gu, down) = LayerExperts::place(&g, &*p.src, p.experts, p.stacked, slots, copies)?;
         // The source (a gathered layer: host memory) is freed before the next one is placed.
         drop(p.src);
-        if let GpuFfn::Moe {
+        if let Some(MoeFfn {
             experts_gu,
             experts_down,
             offload,
             ..
-        } = &mut self.layers[p.layer].ffn
+        }) = self.layers[p.layer].ffn.moe_mut()
         {
             (*experts_gu, *experts_down) = (gu, down);
             *offload = Some(Box::new(lx));
@@ -407,12 +419,12 @@ impl GpuModel {
         st.tokens += b as u64;
         let spare = &o.stage;
         for (i, l) in self.layers.iter_mut().enumerate() {
-            let GpuFfn::Moe {
+            let Some(MoeFfn {
                 experts_gu,
                 experts_down,
                 offload: Some(lx),
                 ..
-            } = &mut l.ffn
+            }) = l.ffn.moe_mut()
             else {
                 continue;
             };

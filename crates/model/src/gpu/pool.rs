@@ -1,27 +1,24 @@
-//! Sequence state on the device: a pool of slots, each holding one sequence's conv and
-//! recurrent states (GDN layers), KV caches (attention layers), position and sampling
-//! parameters. Per layer the slots are one array (`[slots, …]`), so a batched step addresses a
-//! row's state by its slot index; a sequence owns one slot from [`GpuModel::new_seq`] until
+//! Sequence state on the device: a pool of slots, each holding one sequence's state of every
+//! layer (GDN conv and recurrent states, attention KV caches: two arrays a layer, sized by the
+//! layer's [`StateSpec`]), position and sampling parameters. Per layer the slots are one array
+//! (`[slots, …]`), so a batched step addresses a row's state by its slot index; a sequence owns one slot from [`GpuModel::new_seq`] until
 //! [`GpuModel::release`]. Snapshots copy a slot's state (the KV caches up to the position) into
 //! buffers of their own, and restore copies them into a free slot.
 
 use deltamoe_compute::cuda::ops::SampleParams;
 use deltamoe_compute::cuda::{CudaError, DevBuf};
 
-use super::{GpuMixer, GpuModel, Result};
+use super::layers::{State, StateSpec};
+use super::{GpuModel, Result};
 
 /// The state arrays of every slot.
 pub(crate) struct Pool {
     pub slots: usize,
     /// Context of each slot (rows of its KV caches).
     pub ctx: usize,
-    /// Per layer: GDN conv state `[slots, K−1, C]` (None for attention layers).
-    pub conv: Vec<Option<DevBuf<f32>>>,
-    /// Per layer: GDN recurrent state `[slots, Hv, Dk, Dv]`.
-    pub rec: Vec<Option<DevBuf<f32>>>,
-    /// Per layer: KV caches `[slots, ctx, Hkv, D]` (None for GDN layers).
-    pub k_cache: Vec<Option<DevBuf<f32>>>,
-    pub v_cache: Vec<Option<DevBuf<f32>>>,
+    /// Per layer: its two state arrays `[slots, per_slot]` (GDN conv and recurrent state,
+    /// attention K and V caches) and their sizes.
+    states: Vec<([DevBuf<f32>; 2], StateSpec)>,
     /// Position (tokens seen) per slot.
     pub pos: DevBuf<i32>,
     /// Sampling words per slot, `[slots, 7]` (see `ops::SampleParams::words`).
@@ -46,8 +43,8 @@ impl GpuSeq {
 /// A copy of one sequence's device state.
 pub struct GpuSnapshot {
     pos: usize,
-    /// Per layer: conv and recurrent state, or the first `pos` rows of the K and V caches.
-    layers: Vec<(DevBuf<f32>, DevBuf<f32>)>,
+    /// Per layer: the part of its two state arrays a snapshot copies (see [`StateSpec`]).
+    layers: Vec<[DevBuf<f32>; 2]>,
 }
 
 impl GpuSnapshot {
@@ -55,74 +52,41 @@ impl GpuSnapshot {
     pub fn bytes(&self) -> usize {
         self.layers
             .iter()
-            .map(|(a, b)| a.len() + b.len())
+            .map(|[a, b]| a.len() + b.len())
             .sum::<usize>()
             * 4
     }
 }
 
-/// Floats per slot of each per-layer state array: (conv or K, recurrent or V).
-fn layer_sizes(m: &GpuModel, ctx: usize) -> Vec<(usize, usize)> {
-    let a = m.attn;
-    m.layers
-        .iter()
-        .map(|l| match &l.mixer {
-            GpuMixer::Linear {
-                dims,
-                conv_dim,
-                kernel,
-                ..
-            } => ((kernel - 1) * conv_dim, dims.hv * dims.dk * dims.dv),
-            GpuMixer::Full { .. } => (ctx * a.hkv * a.d, ctx * a.hkv * a.d),
-        })
-        .collect()
+/// Each layer's state at context `ctx`.
+fn layer_specs(m: &GpuModel, ctx: usize) -> Vec<StateSpec> {
+    m.layers.iter().map(|l| l.mixer.state(ctx)).collect()
 }
 
 impl Pool {
     pub fn new(m: &GpuModel, slots: usize, ctx: usize) -> Result<Pool> {
         let g = &*m.gpu;
-        let (mut conv, mut rec, mut k_cache, mut v_cache) = (vec![], vec![], vec![], vec![]);
-        for (l, (a, b)) in m.layers.iter().zip(layer_sizes(m, ctx)) {
-            let (x, y) = (Some(g.zeros(slots * a)?), Some(g.zeros(slots * b)?));
-            match l.mixer {
-                GpuMixer::Linear { .. } => {
-                    conv.push(x);
-                    rec.push(y);
-                    k_cache.push(None);
-                    v_cache.push(None);
-                }
-                GpuMixer::Full { .. } => {
-                    conv.push(None);
-                    rec.push(None);
-                    k_cache.push(x);
-                    v_cache.push(y);
-                }
-            }
-        }
+        let states = layer_specs(m, ctx)
+            .into_iter()
+            .map(|spec| {
+                let [a, b] = spec.per_slot;
+                Ok(([g.zeros(slots * a)?, g.zeros(slots * b)?], spec))
+            })
+            .collect::<Result<_>>()?;
         Ok(Pool {
             slots,
             ctx,
-            conv,
-            rec,
-            k_cache,
-            v_cache,
+            states,
             pos: g.zeros(slots)?,
             sampling: g.zeros(slots * 7)?,
             free: (0..slots).rev().collect(),
         })
     }
 
-    /// Per layer, the two state arrays (conv/rec or K/V).
-    fn arrays_mut(&mut self) -> impl Iterator<Item = (&mut DevBuf<f32>, &mut DevBuf<f32>)> {
-        self.conv
-            .iter_mut()
-            .zip(self.rec.iter_mut())
-            .zip(self.k_cache.iter_mut().zip(self.v_cache.iter_mut()))
-            .filter_map(|((c, r), (k, v))| match (c, r, k, v) {
-                (Some(c), Some(r), _, _) => Some((c, r)),
-                (_, _, Some(k), Some(v)) => Some((k, v)),
-                _ => None,
-            })
+    /// Layer `i`'s state arrays (base addresses).
+    pub fn state(&self, i: usize) -> State {
+        let [a, b] = &self.states[i].0;
+        [a.ptr(), b.ptr()]
     }
 }
 
@@ -203,13 +167,13 @@ impl GpuModel {
 
     /// A fresh sequence (zero state, greedy sampling) in a free slot.
     pub fn new_seq(&mut self) -> Result<GpuSeq> {
-        let sizes = layer_sizes(self, self.context());
         let g = self.gpu.clone();
         let pool = self.pool_mut()?;
         let slot = pool.free.pop().ok_or_else(|| full(pool.slots))?;
-        for ((a, b), &(na, nb)) in pool.arrays_mut().zip(&sizes) {
-            g.zero_range(a, slot * na, na)?;
-            g.zero_range(b, slot * nb, nb)?;
+        for (arrays, spec) in &mut pool.states {
+            for (a, &n) in arrays.iter_mut().zip(&spec.per_slot) {
+                g.zero_range(a, slot * n, n)?;
+            }
         }
         g.write_at(&mut pool.pos, slot, &[0])?;
         g.write_at(
@@ -233,24 +197,15 @@ impl GpuModel {
     pub fn snapshot(&self, seq: &GpuSeq) -> Result<GpuSnapshot> {
         let pool = self.pool()?;
         let g = &*self.gpu;
-        let rows = seq.pos * self.attn.hkv * self.attn.d;
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (i, (na, nb)) in layer_sizes(self, pool.ctx).into_iter().enumerate() {
-            let (src_a, src_b, na, nb) = match (&pool.conv[i], &pool.rec[i]) {
-                (Some(c), Some(r)) => (c, r, na, nb),
-                _ => match (&pool.k_cache[i], &pool.v_cache[i]) {
-                    (Some(k), Some(v)) => (k, v, rows, rows),
-                    _ => return Err(CudaError::Unsupported("a layer without state".into())),
-                },
-            };
-            let (mut a, mut b) = (g.zeros(na)?, g.zeros(nb)?);
-            let (sa, sb) = (
-                seq.slot * src_a.len() / pool.slots,
-                seq.slot * src_b.len() / pool.slots,
-            );
-            g.copy(src_a, sa, &mut a, 0, na)?;
-            g.copy(src_b, sb, &mut b, 0, nb)?;
-            layers.push((a, b));
+        let mut layers = Vec::with_capacity(pool.states.len());
+        for (arrays, spec) in &pool.states {
+            let lens = spec.snapshot(seq.pos);
+            let mut copy = [g.zeros(lens[0])?, g.zeros(lens[1])?];
+            for j in 0..2 {
+                let from = seq.slot * spec.per_slot[j];
+                g.copy(&arrays[j], from, &mut copy[j], 0, lens[j])?;
+            }
+            layers.push(copy);
         }
         Ok(GpuSnapshot {
             pos: seq.pos,
@@ -270,11 +225,11 @@ impl GpuModel {
         let g = self.gpu.clone();
         let pool = self.pool_mut()?;
         let slot = pool.free.pop().ok_or_else(|| full(pool.slots))?;
-        let slots = pool.slots;
-        for ((a, b), (sa, sb)) in pool.arrays_mut().zip(&snap.layers) {
-            let (oa, ob) = (slot * a.len() / slots, slot * b.len() / slots);
-            g.copy(sa, 0, a, oa, sa.len())?;
-            g.copy(sb, 0, b, ob, sb.len())?;
+        for ((arrays, spec), copy) in pool.states.iter_mut().zip(&snap.layers) {
+            for j in 0..2 {
+                let to = slot * spec.per_slot[j];
+                g.copy(&copy[j], 0, &mut arrays[j], to, copy[j].len())?;
+            }
         }
         g.write_at(&mut pool.pos, slot, &[snap.pos as i32])?;
         g.write_at(
@@ -311,9 +266,9 @@ impl GpuModel {
 
     /// Bytes of device state per sequence at `ctx` tokens.
     pub fn seq_bytes(&self, ctx: usize) -> usize {
-        layer_sizes(self, ctx)
+        layer_specs(self, ctx)
             .iter()
-            .map(|(a, b)| a + b)
+            .map(|s| s.per_slot[0] + s.per_slot[1])
             .sum::<usize>()
             * 4
             + 8 * 4

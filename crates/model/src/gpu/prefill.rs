@@ -13,12 +13,12 @@
 //! rows (grouped products), shared expert, combine. Final norm and lm_head only for the rows whose logits are
 //! wanted.
 
-use deltamoe_compute::cuda::gdn_chunk::{self, GdnChunkBufs, GdnChunkDims};
-use deltamoe_compute::cuda::ops::{self, Batch, Slots};
-use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked, Grouped};
-use deltamoe_compute::cuda::{DevBuf, Gpu};
+use deltamoe_compute::cuda::prefill as pf;
+use deltamoe_compute::cuda::DevBuf;
 
-use super::{unsupported, GpuFfn, GpuMixer, GpuModel, GpuSeq, Result};
+use super::layers::head::LOGIT_ROWS;
+use super::layers::{Pass, Stager};
+use super::{unsupported, GpuModel, GpuSeq, Result};
 use crate::Logits;
 
 /// How prefill runs the gated delta rule of GDN layers.
@@ -52,40 +52,38 @@ pub fn gdn_path(mode: GdnPrefill, rows: usize) -> GdnPrefill {
 
 /// Most tokens one pass runs (the scratch is sized for this many rows at most).
 pub const PREFILL_MAX_ROWS: usize = 4096;
-/// Rows of logits computed per lm_head launch for `Logits::All`.
-const LOGIT_ROWS: usize = 64;
 
 /// Activations of one pass of up to `rows` tokens.
-pub(super) struct PrefillScratch {
+pub(crate) struct PrefillScratch {
     rows: usize,
-    tok: DevBuf<i32>,
-    slots: DevBuf<i32>,
-    x: DevBuf<f32>,
-    normed: DevBuf<f32>,
-    delta: DevBuf<f32>,
-    proj: DevBuf<f32>,
-    mixed: DevBuf<f32>,
-    core: DevBuf<f32>,
-    mix_out: DevBuf<f32>,
-    q: DevBuf<f32>,
-    qb: DevBuf<u16>,
-    kb: DevBuf<u16>,
-    vb: DevBuf<u16>,
-    gate: DevBuf<f32>,
-    beta: DevBuf<f32>,
-    ws: DevBuf<u8>,
-    router: DevBuf<f32>,
-    ids: DevBuf<i32>,
-    weights: DevBuf<f32>,
-    sg: DevBuf<f32>,
-    h: DevBuf<f32>,
-    y: DevBuf<f32>,
-    hs: DevBuf<f32>,
-    ys: DevBuf<f32>,
-    order: DevBuf<i32>,
-    tiles: DevBuf<i32>,
-    n_tiles: DevBuf<i32>,
-    logits: DevBuf<f32>,
+    pub(crate) tok: DevBuf<i32>,
+    pub(crate) slots: DevBuf<i32>,
+    pub(crate) x: DevBuf<f32>,
+    pub(crate) normed: DevBuf<f32>,
+    pub(crate) delta: DevBuf<f32>,
+    pub(crate) proj: DevBuf<f32>,
+    pub(crate) mixed: DevBuf<f32>,
+    pub(crate) core: DevBuf<f32>,
+    pub(crate) mix_out: DevBuf<f32>,
+    pub(crate) q: DevBuf<f32>,
+    pub(crate) qb: DevBuf<u16>,
+    pub(crate) kb: DevBuf<u16>,
+    pub(crate) vb: DevBuf<u16>,
+    pub(crate) gate: DevBuf<f32>,
+    pub(crate) beta: DevBuf<f32>,
+    pub(crate) ws: DevBuf<u8>,
+    pub(crate) router: DevBuf<f32>,
+    pub(crate) ids: DevBuf<i32>,
+    pub(crate) weights: DevBuf<f32>,
+    pub(crate) sg: DevBuf<f32>,
+    pub(crate) h: DevBuf<f32>,
+    pub(crate) y: DevBuf<f32>,
+    pub(crate) hs: DevBuf<f32>,
+    pub(crate) ys: DevBuf<f32>,
+    pub(crate) order: DevBuf<i32>,
+    pub(crate) tiles: DevBuf<i32>,
+    pub(crate) n_tiles: DevBuf<i32>,
+    pub(crate) logits: DevBuf<f32>,
 }
 
 impl PrefillScratch {
@@ -93,37 +91,9 @@ impl PrefillScratch {
         let (g, c, r) = (&*m.gpu, &m.cfg, rows);
         let h = c.hidden_size;
         let ks = c.experts_per_token + 1;
-        let (mut proj, mut inter, mut shared_inter, mut gdn) = (0, 0, 0, None);
-        for l in &m.layers {
-            match &l.mixer {
-                GpuMixer::Linear { proj: p, dims, .. } => {
-                    proj = proj.max(p.n);
-                    gdn = Some(*dims);
-                }
-                GpuMixer::Full { proj: p, .. } => proj = proj.max(p.n),
-            }
-            match &l.ffn {
-                GpuFfn::Dense { gate_up, .. } => inter = inter.max(gate_up.n / 2),
-                GpuFfn::Moe {
-                    experts_gu, shared, ..
-                } => {
-                    inter = inter.max(experts_gu.n / 2 * ks);
-                    if let Some((gu, _)) = shared {
-                        shared_inter = shared_inter.max(gu.n / 2);
-                    }
-                }
-            }
-        }
-        let ws = match gdn {
-            Some(d) => gdn_chunk::workspace_bytes(GdnChunkDims {
-                t: rows,
-                hk: d.hk,
-                hv: d.hv,
-                dk: d.dk,
-                dv: d.dv,
-            }),
-            None => 1,
-        };
+        let needs = super::scratch::needs(&m.layers, rows);
+        let (proj, inter, shared_inter) = (needs.proj, needs.inter, needs.shared);
+        let ws = needs.workspace.max(1);
         let (qd, vd, kd) = (
             c.num_heads * c.head_dim,
             c.linear_value_size(),
@@ -162,30 +132,6 @@ impl PrefillScratch {
             logits: g.zeros(LOGIT_ROWS * c.vocab_size)?,
         })
     }
-}
-
-/// `ops::matvec` (or SwiGLU when `swiglu`) over `t` input rows of `xs` floats.
-#[allow(clippy::too_many_arguments)]
-fn rows_mv(
-    g: &Gpu,
-    m: ops::Matvec,
-    x: u64,
-    y: u64,
-    t: usize,
-    xs: usize,
-    swiglu: bool,
-) -> Result<()> {
-    let sl = Slots::rows(t, xs);
-    if swiglu {
-        ops::matvec_swiglu(g, m, x, y, sl)
-    } else {
-        ops::matvec(g, m, x, y, sl)
-    }
-}
-
-/// Byte offset of slot `slot` in a per-layer state array of `per_slot` floats per slot.
-fn slot_at(buf: &Option<DevBuf<f32>>, slot: usize, per_slot: usize) -> u64 {
-    buf.as_ref().map_or(0, |b| b.at(slot * per_slot))
 }
 
 impl GpuModel {
@@ -249,59 +195,31 @@ impl GpuModel {
         g.write(&mut ps.tok, &toks)?;
         g.write(&mut ps.slots, &vec![seq.slot as i32; t])?;
         let ps = &*ps;
-        ops::embed(
-            &g,
-            self.embed.mv(),
-            ps.tok.ptr(),
-            ps.x.ptr(),
-            self.hidden,
+        self.head.embed(&g, ps.tok.ptr(), ps.x.ptr(), t)?;
+        let pool = self.pool()?;
+        let p = Pass {
+            g: &g,
+            ps,
             t,
-        )?;
-        for i in 0..self.layers.len() {
+            slot: seq.slot,
+            pos0: seq.pos,
+            eps: self.eps,
+            hidden: self.hidden,
+            pos: pool.pos.ptr(),
+            ctx: pool.ctx,
+            gdn: self.prefill_gdn,
+        };
+        for (i, l) in self.layers.iter().enumerate() {
             let delta = if i == 0 { 0 } else { ps.delta.ptr() };
-            self.rows_norm(ps, delta, self.layers[i].input_norm.ptr(), t)?;
-            match &self.layers[i].mixer {
-                GpuMixer::Linear { .. } => self.prefill_gdn(ps, i, seq, t)?,
-                GpuMixer::Full { .. } => self.prefill_attention(ps, i, seq, t)?,
-            }
-            self.rows_norm(ps, ps.delta.ptr(), self.layers[i].post_norm.ptr(), t)?;
-            self.prefill_ffn(ps, i, t)?;
+            self.rows_norm(ps, delta, l.input_norm.ptr(), t)?;
+            l.mixer.prefill(&p, pool.state(i))?;
+            self.rows_norm(ps, ps.delta.ptr(), l.post_norm.ptr(), t)?;
+            let stage: &Stager = &|ids: &DevBuf<i32>, pairs| self.stage_experts(i, ids, pairs);
+            l.ffn.prefill(&p, stage)?;
         }
         // Final norm + lm_head for the wanted rows only.
-        let h = self.hidden;
-        let first = match which {
-            Logits::All => 0,
-            Logits::Last => t - 1,
-        };
-        let mut r0 = first;
-        while r0 < t {
-            let n = (t - r0).min(LOGIT_ROWS);
-            ops::add_rmsnorm(
-                &g,
-                ps.x.at(r0 * h),
-                ps.delta.at(r0 * h),
-                self.final_norm.ptr(),
-                ps.normed.at(r0 * h),
-                n,
-                h,
-                self.eps,
-            )?;
-            rows_mv(
-                &g,
-                self.lm_head.mv(),
-                ps.normed.at(r0 * h),
-                ps.logits.ptr(),
-                n,
-                h,
-                false,
-            )?;
-            let got = g.read(&ps.logits, n * self.vocab)?;
-            match which {
-                Logits::All => out.extend_from_slice(&got),
-                Logits::Last => *out = got,
-            }
-            r0 += n;
-        }
+        self.head
+            .prefill_logits(&g, ps, (t, self.eps), which, out)?;
         seq.pos += t;
         let pos = seq.pos as i32;
         let pool = self
@@ -314,7 +232,7 @@ impl GpuModel {
 
     /// `x += delta` (when delta ≠ 0), `normed = rmsnorm(x)·scale` over `t` rows.
     fn rows_norm(&self, ps: &PrefillScratch, delta: u64, scale: u64, t: usize) -> Result<()> {
-        ops::add_rmsnorm(
+        deltamoe_compute::cuda::ops::add_rmsnorm(
             &self.gpu,
             ps.x.ptr(),
             delta,
@@ -325,321 +243,12 @@ impl GpuModel {
             self.eps,
         )
     }
-
-    fn prefill_gdn(&self, ps: &PrefillScratch, i: usize, seq: &GpuSeq, t: usize) -> Result<()> {
-        let GpuMixer::Linear {
-            proj,
-            conv_w,
-            neg_a,
-            dt_bias,
-            norm_w,
-            out,
-            dims,
-            conv_dim,
-            kernel,
-        } = &self.layers[i].mixer
-        else {
-            return Err(unsupported(format!("layer {i} is not a GDN layer")));
-        };
-        let (g, pool) = (&*self.gpu, self.pool()?);
-        let conv = slot_at(&pool.conv[i], seq.slot, (kernel - 1) * conv_dim);
-        let rec = slot_at(&pool.rec[i], seq.slot, dims.hv * dims.dk * dims.dv);
-        rows_mv(
-            g,
-            proj.mv(),
-            ps.normed.ptr(),
-            ps.proj.ptr(),
-            t,
-            self.hidden,
-            false,
-        )?;
-        let p = proj.n;
-        pf::gdn_conv_rows(
-            g,
-            ps.proj.ptr(),
-            p,
-            conv,
-            conv_w.ptr(),
-            ps.mixed.ptr(),
-            *conv_dim,
-            *kernel,
-            t,
-        )?;
-        let packed = GdnPacked {
-            q: ps.qb.ptr(),
-            k: ps.kb.ptr(),
-            v: ps.vb.ptr(),
-            gate: ps.gate.ptr(),
-            beta: ps.beta.ptr(),
-        };
-        let path = gdn_path(self.prefill_gdn, t);
-        if path == GdnPrefill::Chunked {
-            pf::gdn_pack(
-                g,
-                ps.mixed.ptr(),
-                ps.proj.ptr(),
-                p,
-                neg_a.ptr(),
-                dt_bias.ptr(),
-                packed,
-                *dims,
-                t,
-            )?;
-        }
-        let cd = GdnChunkDims {
-            t,
-            hk: dims.hk,
-            hv: dims.hv,
-            dk: dims.dk,
-            dv: dims.dv,
-        };
-        let bufs = GdnChunkBufs {
-            q: ps.qb.ptr(),
-            k: ps.kb.ptr(),
-            v: ps.vb.ptr(),
-            g: ps.gate.ptr(),
-            beta: ps.beta.ptr(),
-            state: rec,
-            out: ps.core.ptr(),
-            workspace: ps.ws.ptr(),
-        };
-        match path {
-            GdnPrefill::Chunked => gdn_chunk::gdn_chunk_forward(g, bufs, cd, true)?,
-            GdnPrefill::Recurrent | GdnPrefill::Auto => pf::gdn_rec_rows(
-                g,
-                ps.mixed.ptr(),
-                ps.proj.ptr(),
-                p,
-                rec,
-                neg_a.ptr(),
-                dt_bias.ptr(),
-                ps.core.ptr(),
-                *dims,
-                t,
-            )?,
-        }
-        pf::gated_rmsnorm_rows(
-            g,
-            ps.core.ptr(),
-            ps.proj.ptr(),
-            p,
-            *conv_dim,
-            norm_w.ptr(),
-            ps.mix_out.ptr(),
-            dims.hv,
-            dims.dv,
-            self.eps,
-            t,
-        )?;
-        rows_mv(
-            g,
-            out.mv(),
-            ps.mix_out.ptr(),
-            ps.delta.ptr(),
-            t,
-            out.k,
-            false,
-        )
-    }
-
-    fn prefill_attention(
-        &self,
-        ps: &PrefillScratch,
-        i: usize,
-        seq: &GpuSeq,
-        t: usize,
-    ) -> Result<()> {
-        let GpuMixer::Full { proj, qn, kn, out } = &self.layers[i].mixer else {
-            return Err(unsupported(format!("layer {i} is not an attention layer")));
-        };
-        let (g, pool, a) = (&*self.gpu, self.pool()?, self.attn);
-        let kc = pool.k_cache[i].as_ref().map_or(0, |x| x.ptr());
-        let vc = pool.v_cache[i].as_ref().map_or(0, |x| x.ptr());
-        rows_mv(
-            g,
-            proj.mv(),
-            ps.normed.ptr(),
-            ps.proj.ptr(),
-            t,
-            self.hidden,
-            false,
-        )?;
-        let bt = Batch {
-            rows: t,
-            slots: ps.slots.ptr(),
-        };
-        ops::attn_prep(
-            g,
-            ps.proj.ptr(),
-            proj.n,
-            qn.ptr(),
-            kn.ptr(),
-            self.inv_freq.ptr(),
-            ps.q.ptr(),
-            kc,
-            vc,
-            pool.pos.ptr(),
-            a,
-            self.eps,
-            bt,
-            pool.ctx,
-            true,
-        )?;
-        let per_slot = pool.ctx * a.hkv * a.d;
-        pf::attn_prefill(
-            g,
-            ps.q.ptr(),
-            slot_at(&pool.k_cache[i], seq.slot, per_slot),
-            slot_at(&pool.v_cache[i], seq.slot, per_slot),
-            ps.proj.ptr(),
-            proj.n,
-            ps.mix_out.ptr(),
-            a,
-            t,
-            seq.pos,
-        )?;
-        rows_mv(
-            g,
-            out.mv(),
-            ps.mix_out.ptr(),
-            ps.delta.ptr(),
-            t,
-            out.k,
-            false,
-        )
-    }
-
-    fn prefill_ffn(&self, ps: &PrefillScratch, i: usize, t: usize) -> Result<()> {
-        let (g, h) = (&*self.gpu, self.hidden);
-        match &self.layers[i].ffn {
-            GpuFfn::Dense { gate_up, down } => {
-                rows_mv(g, gate_up.mv(), ps.normed.ptr(), ps.h.ptr(), t, h, true)?;
-                rows_mv(g, down.mv(), ps.h.ptr(), ps.delta.ptr(), t, down.k, false)
-            }
-            GpuFfn::Moe {
-                router,
-                experts_gu,
-                experts_down,
-                shared,
-                offload,
-            } => {
-                let i_e = experts_gu.n / 2;
-                let ks = self.top_k + shared.is_none() as usize;
-                let route = self.route(shared.is_none());
-                let (ids, pairs) = (ps.ids.ptr(), t * ks);
-                rows_mv(
-                    g,
-                    router.mv(),
-                    ps.normed.ptr(),
-                    ps.router.ptr(),
-                    t,
-                    h,
-                    false,
-                )?;
-                ops::router_topk(
-                    g,
-                    ps.router.ptr(),
-                    router.n,
-                    route,
-                    ids,
-                    ps.weights.ptr(),
-                    ps.sg.ptr(),
-                    t,
-                )?;
-                let (gu, dn) = match offload {
-                    Some(_) => self.stage_experts(i, &ps.ids, pairs)?,
-                    None => (experts_gu.mv(), experts_down.mv()),
-                };
-                if pf::grouped_supported(&gu, h) && pf::grouped_supported(&dn, i_e) {
-                    let stacked = self.num_experts + shared.is_none() as usize;
-                    let tile = pf::group_tile(&gu, &dn);
-                    pf::moe_group(
-                        g,
-                        ids,
-                        pairs,
-                        stacked,
-                        tile,
-                        ps.order.ptr(),
-                        ps.tiles.ptr(),
-                        ps.n_tiles.ptr(),
-                    )?;
-                    let gr = Grouped {
-                        order: ps.order.ptr(),
-                        tiles: ps.tiles.ptr(),
-                        n_tiles: ps.n_tiles.ptr(),
-                        tile,
-                        max_tiles: pf::max_tiles(pairs, stacked, tile),
-                        x_stride: h,
-                        x_div: ks,
-                    };
-                    pf::grouped_swiglu(g, gu, ps.normed.ptr(), ps.h.ptr(), gr)?;
-                    let gr = Grouped {
-                        x_stride: i_e,
-                        x_div: 1,
-                        ..gr
-                    };
-                    pf::grouped_matvec(g, dn, ps.h.ptr(), ps.y.ptr(), gr)?;
-                } else {
-                    let gu_slots = Slots::experts(pairs, ids, h, ks);
-                    ops::matvec_swiglu(g, gu, ps.normed.ptr(), ps.h.ptr(), gu_slots)?;
-                    let down_slots = Slots::experts(pairs, ids, i_e, 1);
-                    ops::matvec(g, dn, ps.h.ptr(), ps.y.ptr(), down_slots)?;
-                }
-                let bufs = super::MoeTail {
-                    normed: ps.normed.ptr(),
-                    hs: ps.hs.ptr(),
-                    ys: ps.ys.ptr(),
-                    sg: ps.sg.ptr(),
-                    y: ps.y.ptr(),
-                    weights: ps.weights.ptr(),
-                    delta: ps.delta.ptr(),
-                };
-                self.moe_tail(shared.as_ref(), bufs, ks, t, None)
-            }
-        }
-    }
 }
 
 impl GpuModel {
     /// How later prefills run the GDN layers' delta rule.
     pub fn set_prefill_gdn(&mut self, mode: GdnPrefill) {
         self.prefill_gdn = mode;
-    }
-
-    /// Tokens of the vocabulary (rows of the lm_head).
-    pub fn vocab_size(&self) -> usize {
-        self.vocab
-    }
-
-    /// Weights one token multiplies (2 FLOPs each): projections, router, the top-k (and shared)
-    /// experts and the lm_head; the embedding is a lookup and attention's own FLOPs are not
-    /// weights.
-    pub fn active_params(&self) -> usize {
-        let mat = |m: &super::DevMat| m.n * m.k;
-        let mut p = mat(&self.lm_head);
-        for l in &self.layers {
-            p += match &l.mixer {
-                GpuMixer::Linear { proj, out, .. } | GpuMixer::Full { proj, out, .. } => {
-                    mat(proj) + mat(out)
-                }
-            };
-            p += match &l.ffn {
-                GpuFfn::Dense { gate_up, down } => mat(gate_up) + mat(down),
-                GpuFfn::Moe {
-                    router,
-                    experts_gu,
-                    experts_down,
-                    shared,
-                    ..
-                } => {
-                    let per = self.top_k + shared.is_none() as usize;
-                    mat(router)
-                        + per * (mat(experts_gu) + mat(experts_down))
-                        + shared.as_ref().map_or(0, |(gu, d)| mat(gu) + mat(d))
-                }
-            };
-        }
-        p
     }
 }
 

@@ -2,32 +2,40 @@
 
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
-use super::{GpuFfn, GpuLayer, GpuMixer, Result, ATTN_SPLITS};
+use super::layers::{GpuLayer, Needs};
+use super::{Result, ATTN_SPLITS};
 use crate::config::ModelConfig;
 
+/// What every layer needs, together, for passes of `rows` rows.
+pub(super) fn needs(layers: &[GpuLayer], rows: usize) -> Needs {
+    layers.iter().fold(Needs::default(), |n, l| {
+        n.max(l.mixer.needs(rows)).max(l.ffn.needs())
+    })
+}
+
 /// Activations of a step, `rows` rows each (steps run one at a time on one stream).
-pub(super) struct Scratch {
-    pub(super) x: DevBuf<f32>,
-    pub(super) normed: DevBuf<f32>,
-    pub(super) delta: DevBuf<f32>,
-    pub(super) proj: DevBuf<f32>,
-    pub(super) mixed: DevBuf<f32>,
-    pub(super) mix_out: DevBuf<f32>,
-    pub(super) q: DevBuf<f32>,
-    pub(super) part_o: DevBuf<f32>,
-    pub(super) part_ml: DevBuf<f32>,
-    pub(super) router: DevBuf<f32>,
-    pub(super) ids: DevBuf<i32>,
-    pub(super) weights: DevBuf<f32>,
-    pub(super) sg: DevBuf<f32>,
-    pub(super) h: DevBuf<f32>,
-    pub(super) y: DevBuf<f32>,
-    pub(super) hs: DevBuf<f32>,
-    pub(super) ys: DevBuf<f32>,
-    pub(super) logits: DevBuf<f32>,
+pub(crate) struct Scratch {
+    pub(crate) x: DevBuf<f32>,
+    pub(crate) normed: DevBuf<f32>,
+    pub(crate) delta: DevBuf<f32>,
+    pub(crate) proj: DevBuf<f32>,
+    pub(crate) mixed: DevBuf<f32>,
+    pub(crate) mix_out: DevBuf<f32>,
+    pub(crate) q: DevBuf<f32>,
+    pub(crate) part_o: DevBuf<f32>,
+    pub(crate) part_ml: DevBuf<f32>,
+    pub(crate) router: DevBuf<f32>,
+    pub(crate) ids: DevBuf<i32>,
+    pub(crate) weights: DevBuf<f32>,
+    pub(crate) sg: DevBuf<f32>,
+    pub(crate) h: DevBuf<f32>,
+    pub(crate) y: DevBuf<f32>,
+    pub(crate) hs: DevBuf<f32>,
+    pub(crate) ys: DevBuf<f32>,
+    pub(crate) logits: DevBuf<f32>,
     /// A one-row lm_head's largest logit and its index per block (`VecIo::best`), at most one
     /// block per 16 rows.
-    pub(super) best: DevBuf<f32>,
+    pub(crate) best: DevBuf<f32>,
 }
 
 impl Scratch {
@@ -38,25 +46,12 @@ impl Scratch {
         rows: usize,
     ) -> Result<Scratch> {
         let h = c.hidden_size;
-        let mut proj = 0;
-        let mut inter = 0;
-        let mut shared_inter = 0;
-        for l in layers {
-            proj = proj.max(match &l.mixer {
-                GpuMixer::Linear { proj, .. } | GpuMixer::Full { proj, .. } => proj.n,
-            });
-            match &l.ffn {
-                GpuFfn::Dense { gate_up, .. } => inter = inter.max(gate_up.n / 2),
-                GpuFfn::Moe {
-                    experts_gu, shared, ..
-                } => {
-                    inter = inter.max(experts_gu.n / 2 * (c.experts_per_token + 1));
-                    if let Some((gu, _)) = shared {
-                        shared_inter = shared_inter.max(gu.n / 2);
-                    }
-                }
-            }
-        }
+        let Needs {
+            proj,
+            inter,
+            shared: shared_inter,
+            ..
+        } = needs(layers, rows);
         // Room for the shared expert stacked as one more slot.
         let k = c.experts_per_token + 1;
         let qd = c.num_heads * c.head_dim;

@@ -127,6 +127,26 @@ impl LinearWeight {
         }
     }
 
+    /// Whether `other` is stored alike (both dense, or affine with the same bits and group).
+    pub fn stored_alike(&self, other: &LinearWeight) -> bool {
+        match (self, other) {
+            (LinearWeight::Dense(_), LinearWeight::Dense(_)) => true,
+            (LinearWeight::Affine(x), LinearWeight::Affine(y)) => {
+                x.bits() == y.bits() && x.group_size() == y.group_size()
+            }
+            _ => false,
+        }
+    }
+
+    /// Rows `start..start + len` as a view sharing the storage (quantized weights stay
+    /// quantized).
+    pub fn rows(&self, start: usize, len: usize) -> LinearWeight {
+        match self {
+            LinearWeight::Dense(t) => LinearWeight::Dense(t.narrow(start, len)),
+            LinearWeight::Affine(a) => LinearWeight::Affine(Box::new(a.rows(start, len))),
+        }
+    }
+
     /// Row `r` as f32 (an embedding lookup; quantized rows are dequantized).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         match self {

@@ -1,0 +1,143 @@
+//! Weight formats on the GPU, in one place: how a stack of `[n, k]` matrices of each format is
+//! laid out (its arrays and their bytes per matrix, the same in device and pinned host memory),
+//! which format a checkpoint's weights take, how they are written in that layout, and the kernel
+//! operands that describe it ([`WeightFormat`]). The kernels' dispatch on those operands is
+//! `deltamoe_compute::cuda::ops`'s. Adding a format is one arm in each function here (see
+//! `docs/architecture.md`).
+
+use deltamoe_compute::cuda::ops::{Far, WeightFormat};
+use deltamoe_compute::dtype::f32_to_bf16;
+use deltamoe_compute::TensorData;
+
+use crate::layers::{DenseSource, LinearWeight};
+
+/// How a device matrix stack is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DevFormat {
+    /// bf16 values `[E, N, K]` (f16/f32 checkpoints rounded, other formats dequantized).
+    Bf16,
+    /// MLX affine: u32 words `[E, N, K·bits/32]`, bf16 scales and biases `[E, N, K/group]`.
+    Affine { bits: u32, group: usize },
+}
+
+/// Affine bits the quantized CUDA kernels read (MLX's 3, 5 and 6 bits pack across words:
+/// dequantized to bf16).
+const GPU_BITS: [u32; 3] = [2, 4, 8];
+
+impl DevFormat {
+    /// The format of `parts` stacked by rows: affine when every part is affine with the same
+    /// bits (2/4/8) and group, else bf16.
+    pub fn of(parts: &[&LinearWeight]) -> DevFormat {
+        let affine: Option<Vec<_>> = parts.iter().map(|p| p.as_affine()).collect();
+        let Some(a) = affine.filter(|a| !a.is_empty()) else {
+            return DevFormat::Bf16;
+        };
+        let (bits, group) = (a[0].bits(), a[0].group_size());
+        let same = a
+            .iter()
+            .all(|w| w.bits() == bits && w.group_size() == group);
+        match same && GPU_BITS.contains(&bits) {
+            true => DevFormat::Affine { bits, group },
+            false => DevFormat::Bf16,
+        }
+    }
+
+    /// Bytes one `[n, k]` matrix takes in each array.
+    pub fn array_bytes(&self, n: usize, k: usize) -> Vec<usize> {
+        let nk = n * k;
+        match *self {
+            DevFormat::Bf16 => vec![2 * nk],
+            DevFormat::Affine { bits, group } => {
+                vec![nk * bits as usize / 8, 2 * nk / group, 2 * nk / group]
+            }
+        }
+    }
+
+    /// `parts` stacked by rows in this format (one of [`Self::of`] the parts, or of a stack they
+    /// are part of), as the bytes of each array.
+    pub fn arrays(&self, parts: &[&LinearWeight]) -> Vec<Vec<u8>> {
+        let affine: Option<Vec<_>> = parts.iter().map(|p| p.as_affine()).collect();
+        let (DevFormat::Affine { .. }, Some(a)) = (self, affine) else {
+            return vec![concat(parts.iter().map(|p| bf16_bits(*p)))];
+        };
+        vec![
+            concat(a.iter().map(|w| w.words())),
+            concat(a.iter().map(|w| bf16_bits(w.scales()))),
+            concat(a.iter().map(|w| bf16_bits(w.biases()))),
+        ]
+    }
+
+    /// The kernels' operands for a stack whose arrays start at `ptrs`.
+    pub fn operands(&self, ptrs: &[u64]) -> (u64, WeightFormat) {
+        match *self {
+            DevFormat::Bf16 => (ptrs[0], WeightFormat::Bf16),
+            DevFormat::Affine { bits, group } => (
+                ptrs[0],
+                WeightFormat::Affine {
+                    bits,
+                    group,
+                    scales: ptrs[1],
+                    biases: ptrs[2],
+                },
+            ),
+        }
+    }
+
+    /// The far-stack operands (pinned host arrays at `ptrs`) for ids from `split` on.
+    pub fn far(&self, ptrs: &[u64], split: usize) -> Far {
+        let (w, f) = self.operands(ptrs);
+        let (scales, biases) = match f {
+            WeightFormat::Affine { scales, biases, .. } => (scales, biases),
+            WeightFormat::Bf16 => (0, 0),
+        };
+        Far {
+            w,
+            scales,
+            biases,
+            split,
+        }
+    }
+}
+
+/// bf16 bits of a tensor (rounded from f16/f32; quantized weights dequantized).
+pub(crate) fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
+    let t = w.dense();
+    match t.data() {
+        TensorData::BF16(s) => s.iter().map(|v| v.to_bits()).collect(),
+        TensorData::F16(s) => s.iter().map(|v| f32_to_bf16(v.to_f32())).collect(),
+        TensorData::F32(s) => s.iter().map(|&v| f32_to_bf16(v)).collect(),
+    }
+}
+
+/// The bytes of `parts` one after another.
+fn concat<T: bytemuck::Pod, P: AsRef<[T]>>(parts: impl Iterator<Item = P>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for p in parts {
+        out.extend_from_slice(bytemuck::cast_slice(p.as_ref()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DevFormat;
+
+    #[test]
+    fn array_bytes_per_matrix() {
+        assert_eq!(DevFormat::Bf16.array_bytes(4, 64), vec![512]);
+        let a4 = DevFormat::Affine { bits: 4, group: 64 };
+        assert_eq!(a4.array_bytes(4, 128), vec![256, 16, 16]);
+        let a8 = DevFormat::Affine { bits: 8, group: 32 };
+        assert_eq!(a8.array_bytes(2, 64), vec![128, 8, 8]);
+    }
+
+    #[test]
+    fn operands_name_each_array() {
+        let (w, f) = DevFormat::Bf16.operands(&[7]);
+        assert_eq!(w, 7);
+        assert!(matches!(f, deltamoe_compute::cuda::ops::WeightFormat::Bf16));
+        let a = DevFormat::Affine { bits: 4, group: 64 };
+        let far = a.far(&[1, 2, 3], 9);
+        assert_eq!((far.w, far.scales, far.biases, far.split), (1, 2, 3, 9));
+    }
+}

@@ -1,0 +1,82 @@
+//! The dense SwiGLU MLP on the GPU: `[gate | up]` as one matrix (SwiGLU in its epilogue), then
+//! down.
+
+use deltamoe_compute::cuda::ops::{self, Slots};
+use deltamoe_compute::cuda::Gpu;
+
+use super::{gate_up, rows_mv, Ffn, FfnIo, Needs, Pass, Stager, Step};
+use crate::gpu::synthetic::Filler;
+use crate::gpu::upload::DevMat;
+use crate::gpu::Result;
+use crate::layers::Mlp;
+
+pub(crate) struct DenseFfn {
+    gate_up: DevMat,
+    down: DevMat,
+}
+
+impl DenseFfn {
+    /// A loaded MLP's weights on the device.
+    pub fn upload(g: &Gpu, m: &Mlp, hidden: usize) -> Result<DenseFfn> {
+        let i = m.gate.out_features();
+        Ok(DenseFfn {
+            gate_up: DevMat::stack(g, &gate_up(m), 2 * i, hidden, None)?,
+            down: DevMat::of(g, &m.down)?,
+        })
+    }
+
+    /// Random weights: hidden size `h`, intermediate size `n`.
+    pub fn random(f: &mut Filler, h: usize, n: usize) -> Result<DenseFfn> {
+        Ok(DenseFfn {
+            gate_up: f.mats(1, 2 * n, h)?,
+            down: f.mats(1, h, n)?,
+        })
+    }
+}
+
+impl Ffn for DenseFfn {
+    fn needs(&self) -> Needs {
+        Needs {
+            inter: self.gate_up.n / 2,
+            ..Needs::default()
+        }
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        self.gate_up.bytes() + self.down.bytes()
+    }
+
+    fn params(&self) -> usize {
+        self.gate_up.params() + self.down.params()
+    }
+
+    fn normalizes_after(&self) -> bool {
+        false
+    }
+
+    fn normalizes_input(&self) -> bool {
+        false
+    }
+
+    fn decode(&self, st: &Step, io: &FfnIo) -> Result<()> {
+        let (g, s, b) = (st.g, st.s, st.rows());
+        let x_rows = Slots::rows(b, st.hidden);
+        ops::matvec_swiglu(g, self.gate_up.mv(), s.normed.ptr(), s.h.ptr(), x_rows)?;
+        let dm = self.down.mv();
+        ops::matvec(g, dm, s.h.ptr(), s.delta.ptr(), Slots::rows(b, dm.k))?;
+        if st.fused {
+            // The residual stays whole: the output joins it now (the norm written with it goes
+            // unused; the next projection normalizes).
+            st.add_norm(s.delta.ptr(), io.norm_after)?;
+        }
+        Ok(())
+    }
+
+    fn prefill(&self, p: &Pass, _stage: &Stager) -> Result<()> {
+        let (g, ps, t) = (p.g, p.ps, p.t);
+        let gu = (ps.normed.ptr(), ps.h.ptr());
+        rows_mv(g, self.gate_up.mv(), gu, t, p.hidden, true)?;
+        let dm = self.down.mv();
+        rows_mv(g, dm, (ps.h.ptr(), ps.delta.ptr()), t, dm.k, false)
+    }
+}

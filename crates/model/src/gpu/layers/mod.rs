@@ -1,0 +1,258 @@
+//! The GPU model's layers, one type per kind: token mixers ([`gdn::GdnMixer`],
+//! [`attention::AttnMixer`]) behind [`Mixer`], feed-forward blocks ([`dense::DenseFfn`],
+//! [`moe::MoeFfn`]) behind [`Ffn`], and the embedding and head ([`head::Head`]). Each owns its
+//! device weights, its upload and random fill, its decode enqueue (one or many rows) and its
+//! prefill pass, and says what sequence state and scratch it needs. The orchestration (scratch,
+//! sequence pool, graph capture, expert residency) is [`super::GpuModel`]'s.
+//!
+//! A decode step hands each layer a [`Step`] (device, scratch, rows, fused form); a prefill pass
+//! a [`Pass`]. Sequence state is two f32 arrays per layer in the pool, `[slots, per_slot]` each
+//! ([`StateSpec`]): the mixer says how large and how much of them a snapshot copies.
+
+pub(crate) mod attention;
+pub(crate) mod dense;
+pub(crate) mod gdn;
+pub(crate) mod head;
+pub(crate) mod moe;
+
+use deltamoe_compute::cuda::ops::{self, Batch, Matvec, Slots};
+use deltamoe_compute::cuda::vec::{self, VecIo};
+use deltamoe_compute::cuda::{DevBuf, Gpu};
+
+use super::offload::Pending;
+use super::prefill::{GdnPrefill, PrefillScratch};
+use super::scratch::Scratch;
+use super::Result;
+
+pub(crate) use moe::MoeFfn;
+
+/// Sizes of a layer's two state arrays for one sequence slot (f32s), and what a snapshot of a
+/// sequence at position `pos` copies of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StateSpec {
+    pub per_slot: [usize; 2],
+    /// Floats per position when the arrays are indexed by position (KV caches: a snapshot
+    /// copies `pos` rows); None when a snapshot copies them whole (recurrent state).
+    pub row: Option<usize>,
+}
+
+impl StateSpec {
+    /// Floats of each array a snapshot at position `pos` copies.
+    pub fn snapshot(&self, pos: usize) -> [usize; 2] {
+        match self.row {
+            Some(r) => [pos * r, pos * r],
+            None => self.per_slot,
+        }
+    }
+}
+
+/// Scratch a layer needs beyond the residual: floats per row of its input projection's outputs
+/// (`proj`), the ffn's hidden activations (`inter`, all slots of a row) and a shared expert's
+/// run apart (`shared`); bytes of workspace for a prefill pass (`workspace`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Needs {
+    pub proj: usize,
+    pub inter: usize,
+    pub shared: usize,
+    pub workspace: usize,
+}
+
+impl Needs {
+    pub fn max(self, o: Needs) -> Needs {
+        Needs {
+            proj: self.proj.max(o.proj),
+            inter: self.inter.max(o.inter),
+            shared: self.shared.max(o.shared),
+            workspace: self.workspace.max(o.workspace),
+        }
+    }
+}
+
+/// One decode step as the layers see it: `bt.rows` rows, each a sequence in the pool slot
+/// `bt.slots[row]`, activations in `s`.
+pub(crate) struct Step<'a> {
+    pub g: &'a Gpu,
+    pub s: &'a Scratch,
+    pub bt: Batch,
+    /// The fused one-row form (see [`super::mixer`]).
+    pub fused: bool,
+    pub eps: f32,
+    pub hidden: usize,
+    /// Positions per slot `[slots]` and the slots' context.
+    pub pos: u64,
+    pub ctx: usize,
+}
+
+impl Step<'_> {
+    pub fn rows(&self) -> usize {
+        self.bt.rows
+    }
+
+    /// `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.
+    pub fn add_norm(&self, delta: u64, scale: u64) -> Result<()> {
+        let s = self.s;
+        ops::add_rmsnorm(
+            self.g,
+            s.x.ptr(),
+            delta,
+            scale,
+            s.normed.ptr(),
+            self.rows(),
+            self.hidden,
+            self.eps,
+        )
+    }
+
+    /// A mixer's input projection into `proj`: of `normed`, or in the fused form of the residual
+    /// with the layer's input norm (`norm`) applied as it is staged, plus `io`'s extras.
+    pub fn input_projection(&self, m: Matvec, norm: u64, io: VecIo) -> Result<()> {
+        let s = self.s;
+        if self.fused {
+            let io = VecIo {
+                norm,
+                eps: self.eps,
+                ..io
+            };
+            vec::matvec(self.g, m, s.x.ptr(), s.proj.ptr(), io)
+        } else {
+            let rows = Slots::rows(self.rows(), self.hidden);
+            ops::matvec(self.g, m, s.normed.ptr(), s.proj.ptr(), rows)
+        }
+    }
+
+    /// A mixer's output projection of `mix_out`: added into the residual in the fused form,
+    /// else into `delta`.
+    pub fn output_projection(&self, m: Matvec) -> Result<()> {
+        let s = self.s;
+        if self.fused {
+            let io = VecIo {
+                accumulate: 1,
+                ..VecIo::default()
+            };
+            vec::matvec(self.g, m, s.mix_out.ptr(), s.x.ptr(), io)
+        } else {
+            let rows = Slots::rows(self.rows(), m.k);
+            ops::matvec(self.g, m, s.mix_out.ptr(), s.delta.ptr(), rows)
+        }
+    }
+}
+
+/// One prefill pass as the layers see it: `t` tokens of the sequence in pool slot `slot`, which
+/// has seen `pos0` tokens before them.
+pub(crate) struct Pass<'a> {
+    pub g: &'a Gpu,
+    pub ps: &'a PrefillScratch,
+    pub t: usize,
+    pub slot: usize,
+    pub pos0: usize,
+    pub eps: f32,
+    pub hidden: usize,
+    pub pos: u64,
+    pub ctx: usize,
+    pub gdn: GdnPrefill,
+}
+
+/// `ops::matvec` (or SwiGLU when `swiglu`) over `t` input rows of `xs` floats.
+pub(crate) fn rows_mv(
+    g: &Gpu,
+    m: Matvec,
+    (x, y): (u64, u64),
+    t: usize,
+    xs: usize,
+    swiglu: bool,
+) -> Result<()> {
+    let sl = Slots::rows(t, xs);
+    if swiglu {
+        ops::matvec_swiglu(g, m, x, y, sl)
+    } else {
+        ops::matvec(g, m, x, y, sl)
+    }
+}
+
+/// The base addresses of a layer's two state arrays in the pool.
+pub(crate) type State = [u64; 2];
+
+/// Address of slot `slot`'s part of a state array of `per_slot` floats a slot.
+pub(crate) fn slot_at(base: u64, slot: usize, per_slot: usize) -> u64 {
+    base + (slot * per_slot * 4) as u64
+}
+
+/// A token mixer on the GPU (Gated DeltaNet, gated attention).
+pub(crate) trait Mixer {
+    /// "gdn" or "attention".
+    fn kind(&self) -> &'static str;
+    /// Its input and output projections (the fused form needs both taken by the one-row kernel).
+    fn projections(&self) -> [Matvec; 2];
+    /// Scratch it needs, for prefill passes of `rows` tokens.
+    fn needs(&self, rows: usize) -> Needs;
+    /// Its state per sequence slot at context `ctx`.
+    fn state(&self, ctx: usize) -> StateSpec;
+    /// Bytes one decode step reads at context `ctx` (weights, state read and written).
+    fn bytes_per_token(&self, ctx: usize) -> usize;
+    /// Weights one token multiplies.
+    fn params(&self) -> usize;
+    /// Enqueue a decode step: from `normed` (or the residual, fused, with the input norm
+    /// `norm`) to `delta` (or added into the residual, fused).
+    fn decode(&self, st: &Step, state: State, norm: u64) -> Result<()>;
+    /// A prefill pass: `normed` rows to `delta` rows, advancing the slot's state.
+    fn prefill(&self, p: &Pass, state: State) -> Result<()>;
+}
+
+/// A feed-forward block on the GPU (dense SwiGLU MLP, routed experts with a shared expert).
+pub(crate) trait Ffn {
+    /// Scratch it needs per row.
+    fn needs(&self) -> Needs;
+    /// Bytes one decode step reads.
+    fn bytes_per_token(&self) -> usize;
+    /// Weights one token multiplies.
+    fn params(&self) -> usize;
+    /// Whether it joins its output to the residual and applies the next norm itself (the
+    /// next sublayer then finds `normed` ready).
+    fn normalizes_after(&self) -> bool;
+    /// In the fused form, whether it normalizes the residual for itself (else the post norm
+    /// runs as its own launch).
+    fn normalizes_input(&self) -> bool;
+    /// Enqueue a decode step on `normed` (see [`FfnIo`]).
+    fn decode(&self, st: &Step, io: &FfnIo) -> Result<()>;
+    /// A prefill pass: `normed` rows to `delta` rows.
+    fn prefill(&self, p: &Pass, stage: &Stager) -> Result<()>;
+    /// The routed-experts block, when it is one (expert residency reaches into it).
+    fn moe(&self) -> Option<&MoeFfn> {
+        None
+    }
+    fn moe_mut(&mut self) -> Option<&mut MoeFfn> {
+        None
+    }
+}
+
+/// Copies the experts a prefill pass's routed ids (`pairs` of them at the buffer) use into a
+/// staging stack and returns its `[gate | up]` and down products (offloaded experts only).
+pub(crate) type Stager<'a> = dyn Fn(&DevBuf<i32>, usize) -> Result<(Matvec, Matvec)> + 'a;
+
+/// What a decode step's ffn gets from the model around it (device addresses).
+pub(crate) struct FfnIo {
+    /// The layer's post norm (the router applies it in the fused form).
+    pub post_norm: u64,
+    /// The norm after the layer: the next layer's input norm, or the final norm.
+    pub norm_after: u64,
+    /// Where the routed ids go (the offload log, or the scratch).
+    pub ids: u64,
+    /// The host experts' mailbox when this step hands experts to the host.
+    pub mailbox: Option<ops::Mailbox>,
+}
+
+/// One decoder layer: `x += mixer(norm(x))`, `x += ffn(norm(x))`.
+pub(crate) struct GpuLayer {
+    pub input_norm: DevBuf<f32>,
+    pub mixer: Box<dyn Mixer>,
+    pub post_norm: DevBuf<f32>,
+    pub ffn: Box<dyn Ffn>,
+}
+
+/// `[gate | up]` rows of an MLP (one matrix on the device).
+pub(crate) fn gate_up(m: &crate::layers::Mlp) -> [&crate::layers::LinearWeight; 2] {
+    [&m.gate.weight, &m.up.weight]
+}
+
+/// A layer's ffn as made, with the routed experts still to be placed when they are offloaded.
+pub(crate) type FfnMade<'a> = (Box<dyn Ffn>, Option<Pending<'a>>);

@@ -1,0 +1,402 @@
+//! Routed experts with a shared expert on the GPU: the router `[experts | shared gate]` and its
+//! top-k, each row's picked experts' SwiGLU and down products (all rows' picks in one launch
+//! each; grouped by expert in prefill), the shared expert (stacked as one more expert when it has
+//! their shape and format, so it runs in the same launches) and the weighted combine. With
+//! offload the expert stacks are the device cache and `offload` says where every expert lives
+//! (see [`crate::gpu::offload`]).
+
+use std::ops::Range;
+
+use deltamoe_compute::cuda::ops::{self, Route, Slots};
+use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
+use deltamoe_compute::cuda::vec::{self, VecIo};
+use deltamoe_compute::cuda::Gpu;
+
+use super::{gate_up, rows_mv, Ffn, FfnIo, FfnMade, Needs, Pass, Stager, Step};
+use crate::config::ModelConfig;
+use crate::gpu::format::DevFormat;
+use crate::gpu::host_store::{Dest, ExpertSource, Fmt, LayerExperts};
+use crate::gpu::offload::Pending;
+use crate::gpu::synthetic::{Filler, SeededExperts};
+use crate::gpu::upload::DevMat;
+use crate::gpu::{unsupported, Result};
+use crate::layers::{LinearWeight, Moe};
+
+pub(crate) struct MoeFfn {
+    pub router: DevMat,
+    /// Routed experts stacked `[E (+1), …]` (with offload: the cache `[slots (+1), …]`).
+    pub experts_gu: DevMat,
+    pub experts_down: DevMat,
+    /// The shared expert's `[gate | up]` and down when it could not be stacked as expert E.
+    pub shared: Option<(DevMat, DevMat)>,
+    pub offload: Option<Box<LayerExperts>>,
+    /// Routed experts, picks per row, and whether the picks' weights are renormalized.
+    pub experts: usize,
+    top_k: usize,
+    renorm: bool,
+}
+
+/// The buffers of an MoE layer's end (device addresses; see [`MoeFfn::tail`]).
+struct Tail {
+    normed: u64,
+    hs: u64,
+    ys: u64,
+    sg: u64,
+    y: u64,
+    weights: u64,
+    delta: u64,
+}
+
+/// Where an MoE layer's end writes: `delta` (None), or the residual `x` it joins, with the
+/// norm after the layer applied into `normed` when `scale` is set.
+struct NextNorm {
+    x: u64,
+    scale: Option<u64>,
+}
+
+impl MoeFfn {
+    /// A loaded MoE layer (number `layer`) on the device; with `offload` its expert stacks start
+    /// empty and the routed experts are returned to be placed.
+    pub fn upload<'a>(
+        g: &Gpu,
+        m: &'a Moe,
+        layer: usize,
+        hidden: usize,
+        offload: bool,
+    ) -> Result<FfnMade<'a>> {
+        let (e, i) = (m.experts.len(), m.experts[0].gate.out_features());
+        check(e, m.top_k)?;
+        let si = m.shared.gate.out_features();
+        let stacked = si == i && m.shared.gate.weight.stored_alike(&m.experts[0].gate.weight);
+        let mlps = m.experts.iter().chain(stacked.then_some(&m.shared));
+        let gu: Vec<&LinearWeight> = mlps.clone().flat_map(gate_up).collect();
+        let down: Vec<&LinearWeight> = mlps.map(|x| &x.down.weight).collect();
+        let shared = match stacked {
+            true => None,
+            false => Some((
+                DevMat::stack(g, &gate_up(&m.shared), 2 * si, hidden, None)?,
+                DevMat::of(g, &m.shared.down)?,
+            )),
+        };
+        let router_parts = [&m.router.weight, &m.shared_gate.weight];
+        let router = DevMat::stack(g, &router_parts, e + 1, hidden, None)?;
+        let (gu_fmt, down_fmt) = (
+            Fmt::new(2 * i, hidden, DevFormat::of(&gu)),
+            Fmt::new(hidden, i, DevFormat::of(&down)),
+        );
+        let (experts_gu, experts_down, pending) = if offload {
+            let src = LoadedExperts {
+                gu,
+                down,
+                formats: (gu_fmt, down_fmt),
+            };
+            let stacks = (gu_fmt.device_stack(g, 0)?, down_fmt.device_stack(g, 0)?);
+            let p = Pending::new(layer, e, stacked, Box::new(src));
+            (stacks.0, stacks.1, Some(p))
+        } else {
+            let gu_mat = DevMat::stack(g, &gu, 2 * i, hidden, None)?;
+            (gu_mat, DevMat::stack(g, &down, hidden, i, None)?, None)
+        };
+        let ffn = MoeFfn {
+            router,
+            experts_gu,
+            experts_down,
+            shared,
+            offload: None,
+            experts: e,
+            top_k: m.top_k,
+            renorm: m.norm_topk_prob,
+        };
+        Ok((Box::new(ffn), pending))
+    }
+
+    /// Random weights of config `c`'s shape for MoE layer `layer` (the experts made where they
+    /// are placed when `offload`).
+    pub fn random<'a>(
+        f: &mut Filler,
+        c: &ModelConfig,
+        layer: usize,
+        offload: bool,
+    ) -> Result<FfnMade<'a>> {
+        let (h, e, n, sn) = (
+            c.hidden_size,
+            c.num_experts,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
+        check(e, c.experts_per_token)?;
+        // As on upload: a shared expert of the experts' shape is stacked as expert E.
+        let stacked = sn == n;
+        let shared = match stacked {
+            true => None,
+            false => Some((f.mats(1, 2 * sn, h)?, f.mats(1, h, sn)?)),
+        };
+        let router = f.router(e + 1, h)?;
+        let (experts_gu, experts_down, pending) = if offload {
+            let src = SeededExperts::new(f, (2 * n, h), (h, n));
+            let (fg, fd) = src.formats();
+            let stacks = (fg.device_stack(f.g, 0)?, fd.device_stack(f.g, 0)?);
+            let p = Pending::new(layer, e, stacked, Box::new(src));
+            (stacks.0, stacks.1, Some(p))
+        } else {
+            let count = e + stacked as usize;
+            (f.mats(count, 2 * n, h)?, f.mats(count, h, n)?, None)
+        };
+        let ffn = MoeFfn {
+            router,
+            experts_gu,
+            experts_down,
+            shared,
+            offload: None,
+            experts: e,
+            top_k: c.experts_per_token,
+            renorm: c.norm_topk_prob,
+        };
+        Ok((Box::new(ffn), pending))
+    }
+
+    /// Expert slots per row: the picks and the stacked shared expert.
+    pub fn per_row(&self) -> usize {
+        self.top_k + self.shared.is_none() as usize
+    }
+
+    /// The router's top-k as uploaded (every expert at its own index).
+    fn route(&self) -> Route {
+        Route {
+            experts: self.experts,
+            top_k: self.top_k,
+            renorm: self.renorm,
+            shared_gate: true,
+            shared_slot: self.shared.is_none().then_some(self.experts),
+            loc: 0,
+            host_take: 0,
+            far_from: 0,
+        }
+    }
+
+    /// The layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
+    /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`; with `next`,
+    /// that sum joins the residual `next.x` instead and `normed` gets the next norm of it.
+    fn tail(&self, g: &Gpu, t: Tail, rows: usize, next: Option<NextNorm>, eps: f32) -> Result<()> {
+        let (per_row, h) = (self.per_row(), self.router.k);
+        let (ys, sg) = match &self.shared {
+            Some((gu, down)) => {
+                ops::matvec_swiglu(g, gu.mv(), t.normed, t.hs, Slots::rows(rows, h))?;
+                ops::matvec(g, down.mv(), t.hs, t.ys, Slots::rows(rows, down.k))?;
+                (t.ys, t.sg)
+            }
+            None => (0, 0),
+        };
+        let (w, y) = (t.weights, t.y);
+        match next {
+            Some(NextNorm { x, scale: Some(sc) }) => {
+                ops::moe_combine_norm(g, y, w, ys, sg, x, sc, t.normed, per_row, h, rows, eps)
+            }
+            Some(NextNorm { x, scale: None }) => {
+                ops::moe_combine(g, y, w, ys, sg, x, per_row, h, rows, true)
+            }
+            None => ops::moe_combine(g, y, w, ys, sg, t.delta, per_row, h, rows, false),
+        }
+    }
+}
+
+/// The expert counts the CUDA router takes.
+fn check(experts: usize, top_k: usize) -> Result<()> {
+    if experts > 1024 || top_k > 32 {
+        return Err(unsupported(format!(
+            "{experts} experts / top-{top_k} exceed the CUDA router limits (1024 / 32)"
+        )));
+    }
+    Ok(())
+}
+
+impl Ffn for MoeFfn {
+    fn needs(&self) -> Needs {
+        Needs {
+            proj: 0,
+            // Room for the shared expert stacked as one more slot.
+            inter: self.experts_gu.n / 2 * (self.top_k + 1),
+            shared: self.shared.as_ref().map_or(0, |(gu, _)| gu.n / 2),
+            workspace: 0,
+        }
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        let experts = self.experts_gu.bytes() + self.experts_down.bytes();
+        let shared = self
+            .shared
+            .as_ref()
+            .map_or(0, |(gu, d)| gu.bytes() + d.bytes());
+        self.router.bytes() + self.per_row() * experts + shared
+    }
+
+    fn params(&self) -> usize {
+        let experts = self.experts_gu.params() + self.experts_down.params();
+        let shared = self
+            .shared
+            .as_ref()
+            .map_or(0, |(gu, d)| gu.params() + d.params());
+        self.router.params() + self.per_row() * experts + shared
+    }
+
+    fn normalizes_after(&self) -> bool {
+        true
+    }
+
+    fn normalizes_input(&self) -> bool {
+        vec::takes(&self.router.mv(), &Slots::one())
+    }
+
+    fn decode(&self, st: &Step, io: &FfnIo) -> Result<()> {
+        let (g, s, h, b) = (st.g, st.s, st.hidden, st.rows());
+        let (i_e, per_row) = (self.experts_gu.n / 2, self.per_row());
+        let mut route = self.route();
+        let (mut far_gu, mut far_down) = (None, None);
+        let mailbox = self.offload.as_ref().and(io.mailbox);
+        if let Some(lx) = &self.offload {
+            route.shared_slot = lx.shared_slot();
+            route.loc = lx.loc();
+            route.far_from = lx.split();
+            if let Some(m) = mailbox {
+                route.host_take = m.take;
+            }
+            (far_gu, far_down) = (Some(lx.far_gu()), Some(lx.far_down()));
+        }
+        let (ids, n, router) = (io.ids, b * per_row, self.router.mv());
+        if st.fused && self.normalizes_input() {
+            // The post norm of x, staged by every block; block 0 leaves it in `normed`.
+            let vio = VecIo {
+                norm: io.post_norm,
+                normed: s.normed.ptr(),
+                eps: st.eps,
+                ..VecIo::default()
+            };
+            vec::matvec(g, router, s.x.ptr(), s.router.ptr(), vio)?;
+        } else {
+            ops::matvec(g, router, s.normed.ptr(), s.router.ptr(), Slots::rows(b, h))?;
+        }
+        let (w, sg) = (s.weights.ptr(), s.sg.ptr());
+        ops::router_topk(g, s.router.ptr(), router.n, route, ids, w, sg, b)?;
+        if let Some(m) = mailbox {
+            ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
+        }
+        let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
+        ops::matvec_swiglu(g, self.experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
+        let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
+        let down = self.experts_down.mv();
+        let direct = self.shared.is_none() && mailbox.is_none();
+        if st.fused && direct && ops::down_combine_takes(&down, per_row) {
+            // The down projections add their weighted sum into the residual themselves.
+            let (x, w) = (s.x.ptr(), s.weights.ptr());
+            return ops::moe_down_combine(g, down, s.h.ptr(), x, w, down_slots, per_row, b);
+        }
+        ops::matvec(g, down, s.h.ptr(), s.y.ptr(), down_slots)?;
+        if let Some(m) = mailbox {
+            ops::host_experts_wait(g, m, ids, s.y.ptr(), h, n)?;
+        }
+        let bufs = Tail {
+            normed: s.normed.ptr(),
+            hs: s.hs.ptr(),
+            ys: s.ys.ptr(),
+            sg: s.sg.ptr(),
+            y: s.y.ptr(),
+            weights: s.weights.ptr(),
+            delta: s.delta.ptr(),
+        };
+        let next = NextNorm {
+            x: s.x.ptr(),
+            scale: (!st.fused).then_some(io.norm_after),
+        };
+        self.tail(g, bufs, b, Some(next), st.eps)
+    }
+
+    fn prefill(&self, p: &Pass, stage: &Stager) -> Result<()> {
+        let (g, ps, t, h) = (p.g, p.ps, p.t, p.hidden);
+        let (i_e, ks) = (self.experts_gu.n / 2, self.per_row());
+        let (ids, pairs, router) = (ps.ids.ptr(), t * ks, self.router.mv());
+        rows_mv(g, router, (ps.normed.ptr(), ps.router.ptr()), t, h, false)?;
+        let (w, sg) = (ps.weights.ptr(), ps.sg.ptr());
+        ops::router_topk(g, ps.router.ptr(), router.n, self.route(), ids, w, sg, t)?;
+        let (gu, dn) = match self.offload {
+            Some(_) => stage(&ps.ids, pairs)?,
+            None => (self.experts_gu.mv(), self.experts_down.mv()),
+        };
+        if pf::grouped_supported(&gu, h) && pf::grouped_supported(&dn, i_e) {
+            let stacked = self.experts + self.shared.is_none() as usize;
+            let tile = pf::group_tile(&gu, &dn);
+            let (order, tiles, n_tiles) = (ps.order.ptr(), ps.tiles.ptr(), ps.n_tiles.ptr());
+            pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
+            let gr = Grouped {
+                order,
+                tiles,
+                n_tiles,
+                tile,
+                max_tiles: pf::max_tiles(pairs, stacked, tile),
+                x_stride: h,
+                x_div: ks,
+            };
+            pf::grouped_swiglu(g, gu, ps.normed.ptr(), ps.h.ptr(), gr)?;
+            let gr = Grouped {
+                x_stride: i_e,
+                x_div: 1,
+                ..gr
+            };
+            pf::grouped_matvec(g, dn, ps.h.ptr(), ps.y.ptr(), gr)?;
+        } else {
+            let gu_slots = Slots::experts(pairs, ids, h, ks);
+            ops::matvec_swiglu(g, gu, ps.normed.ptr(), ps.h.ptr(), gu_slots)?;
+            let down_slots = Slots::experts(pairs, ids, i_e, 1);
+            ops::matvec(g, dn, ps.h.ptr(), ps.y.ptr(), down_slots)?;
+        }
+        let bufs = Tail {
+            normed: ps.normed.ptr(),
+            hs: ps.hs.ptr(),
+            ys: ps.ys.ptr(),
+            sg: ps.sg.ptr(),
+            y: ps.y.ptr(),
+            weights: ps.weights.ptr(),
+            delta: ps.delta.ptr(),
+        };
+        self.tail(g, bufs, t, None, p.eps)
+    }
+
+    fn moe(&self) -> Option<&MoeFfn> {
+        Some(self)
+    }
+
+    fn moe_mut(&mut self) -> Option<&mut MoeFfn> {
+        Some(self)
+    }
+}
+
+/// A loaded MoE layer's experts as an [`ExpertSource`]: `[gate | up]` (two parts an expert)
+/// and down of each, the shared expert last when stacked.
+struct LoadedExperts<'a> {
+    gu: Vec<&'a LinearWeight>,
+    down: Vec<&'a LinearWeight>,
+    formats: (Fmt, Fmt),
+}
+
+impl ExpertSource for LoadedExperts<'_> {
+    fn formats(&self) -> (Fmt, Fmt) {
+        self.formats
+    }
+
+    fn write(&self, g: &Gpu, down: bool, experts: Range<usize>, to: Dest<'_>) -> Result<()> {
+        let (parts, per, fmt) = match down {
+            false => (&self.gu, 2, self.formats.0),
+            true => (&self.down, 1, self.formats.1),
+        };
+        for (j, e) in experts.enumerate() {
+            let data = fmt.format.arrays(&parts[e * per..(e + 1) * per]);
+            let at = (to.at + j) as u64;
+            for (src, &(d, bytes)) in data.iter().zip(to.arrays) {
+                // SAFETY: `src` is one matrix's array (`bytes` bytes, the format's size) and
+                // `to` holds matrix at; a copy from pageable memory returns once the source
+                // has been read.
+                unsafe { g.copy_raw(d + at * bytes as u64, src.as_ptr() as u64, bytes)? };
+            }
+        }
+        Ok(())
+    }
+}
