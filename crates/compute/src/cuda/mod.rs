@@ -7,6 +7,7 @@
 //! cached on disk (see [`kernels`]). Launch wrappers are in [`ops`].
 
 pub mod attention;
+pub mod dispatch;
 pub mod gdn_chunk;
 pub mod host;
 pub mod kernels;

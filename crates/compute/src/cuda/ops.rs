@@ -6,6 +6,10 @@
 use cudarc::driver::LaunchConfig;
 
 pub use super::attention::{attn_decode, attn_prep, AttnDims, ATTN_DMAX, ATTN_MAX_SPLITS};
+use super::dispatch::{self, vector_x, Plan, RowsForm, MMA_ROWS_INPUTS, MV_ROWS, MV_VECS};
+pub use super::dispatch::{
+    affine_kernel, affine_rows_per_warp, swiglu_warps_per_block, tensor_core_rows, GEMM_MIN_ROWS,
+};
 use super::host::far_args;
 pub use super::host::Far;
 pub use super::moe::{
@@ -107,59 +111,9 @@ pub struct Batch {
     pub slots: u64,
 }
 
-/// Rows one warp of the affine kernels computes for `rows` output rows in one launch: 4 (each
-/// input value loaded serves four rows) when there are enough rows to keep every SM busy, else 2
-/// (more warps in flight for the small expert matrices of decode).
-pub fn affine_rows_per_warp(rows: usize) -> usize {
-    if rows >= 16_384 {
-        4
-    } else {
-        2
-    }
-}
-
-/// Warps per block of the CUDA-core affine SwiGLU for `rows_per_warp` (from
-/// [`affine_rows_per_warp`]): 4 for the near one-row entries, whose 9 blocks an SM at 56
-/// registers hold a decode step's experts in one wave; 8 for the others.
-pub(crate) fn swiglu_warps_per_block(rows_per_warp: usize, far: bool) -> u32 {
-    if rows_per_warp == 2 && !far {
-        4
-    } else {
-        8
-    }
-}
-
-/// The CUDA-core affine kernel (qmatvec.cu) for `bits` and `rows` per warp (2 or 4, from
-/// [`affine_rows_per_warp`]), `swiglu` or plain: one entry point per form, each with the
-/// registers it needs; with 2 rows a warp, launches that read a `far` stack (experts over PCIe)
-/// take the `_far` entries, which keep more blocks resident.
-pub(super) fn affine_kernel(swiglu: bool, bits: u32, rows: usize, far: bool) -> &'static str {
-    match (swiglu, bits, rows) {
-        (false, 2, 2) if far => "matvec_affine2_r2_far",
-        (false, 4, 2) if far => "matvec_affine4_r2_far",
-        (false, 8, 2) if far => "matvec_affine8_r2_far",
-        (true, 2, 2) if far => "matvec_swiglu_affine2_r2_far",
-        (true, 4, 2) if far => "matvec_swiglu_affine4_r2_far",
-        (true, 8, 2) if far => "matvec_swiglu_affine8_r2_far",
-        (false, 2, 2) => "matvec_affine2_r2",
-        (false, 4, 2) => "matvec_affine4_r2",
-        (false, 8, 2) => "matvec_affine8_r2",
-        (false, 2, _) => "matvec_affine2_r4",
-        (false, 4, _) => "matvec_affine4_r4",
-        (false, _, _) => "matvec_affine8_r4",
-        (true, 2, 2) => "matvec_swiglu_affine2_r2",
-        (true, 4, 2) => "matvec_swiglu_affine4_r2",
-        (true, 8, 2) => "matvec_swiglu_affine8_r2",
-        (true, 2, _) => "matvec_swiglu_affine2_r4",
-        (true, 4, _) => "matvec_swiglu_affine4_r4",
-        (true, _, _) => "matvec_swiglu_affine8_r4",
-    }
-}
-
 /// The matvec kernels read x as float4s (bf16 rows only when K is a multiple of 8).
 fn check_stride(m: &Matvec, x_stride: usize) -> Result<()> {
-    let vector = matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8);
-    if vector && !x_stride.is_multiple_of(4) {
+    if vector_x(m) && !x_stride.is_multiple_of(4) {
         return Err(super::CudaError::Unsupported(format!(
             "matvec input stride {x_stride} is not a multiple of 4"
         )));
@@ -167,67 +121,26 @@ fn check_stride(m: &Matvec, x_stride: usize) -> Result<()> {
     Ok(())
 }
 
-/// Whether `sl` is a batch of rows through one matrix that the `*_rows` kernels (each weight
-/// load serving several rows) take.
-fn batched_rows(m: &Matvec, sl: &Slots) -> bool {
-    let vector = matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8);
-    sl.n > 1 && sl.ids == 0 && sl.far.is_none() && sl.x_div == 1 && sl.x_stride >= m.k && vector
-}
-
-/// Input rows the `*_rows` kernels serve per weight load (`MV_VECS` in matvec_rows.cu).
-const MV_VECS: usize = 8;
-/// Weight rows a warp of the `*_rows` kernels computes (`MV_ROWS` in matvec_rows.cu).
-const MV_ROWS: usize = 4;
-
-/// Input rows one warp of the `mma_*` kernels takes (`8·MMA_TILES` in mma_rows.cu).
-const MMA_ROWS_INPUTS: usize = 32;
-
-/// From this many input rows on, the GEMM form of mma_rows.cu (inputs staged once per block of
-/// 128 weight rows) beats the split-K form (16 weight rows per block, made for decode batches).
-const GEMM_MIN_ROWS: usize = 64;
-
-/// Whether the tensor-core kernels of mma_rows.cu take this matrix: K a multiple of 32 and
-/// bf16 or 4/8-bit affine weights with groups of 32, 64 or 128.
-pub(super) fn tensor_core_rows(m: &Matvec) -> bool {
-    m.k.is_multiple_of(32)
-        && match m.format {
-            WeightFormat::Bf16 => true,
-            WeightFormat::Affine { bits, group, .. } => {
-                matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128)
-            }
-        }
-}
-
-/// A batch of rows through one matrix (see [`batched_rows`]): `y[b] = W x_b (+ bias)`, or
-/// `h[b] = silu(G x_b) ⊙ U x_b` when `swiglu`.
-fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> Result<()> {
+/// A batch of rows through one matrix on `kernel` in `form` (see [`dispatch::plan`]):
+/// `y[b] = W x_b (+ bias)`, or `h[b] = silu(G x_b) ⊙ U x_b` when `swiglu`.
+fn matvec_rows(
+    g: &Gpu,
+    m: Matvec,
+    (x, y): (u64, u64),
+    sl: Slots,
+    plan: (&str, RowsForm),
+    swiglu: bool,
+) -> Result<()> {
+    let (name, form) = plan;
     let out_rows = if swiglu { m.n / 2 } else { m.n };
     let (n32, k32, b32, xs) = (out_rows as i32, m.k as i32, sl.n as i32, sl.x_stride as i64);
-    let tensor_cores = tensor_core_rows(&m);
-    let gemm = tensor_cores && sl.n >= GEMM_MIN_ROWS;
-    let grid = if gemm {
-        (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 128))
-    } else if tensor_cores {
-        (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 16))
-    } else {
-        let per_warp = if swiglu { MV_ROWS / 2 } else { MV_ROWS };
-        (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp))
-    };
-    let name = match (m.format, swiglu, tensor_cores) {
-        _ if gemm => match (m.format, swiglu) {
-            (WeightFormat::Bf16, false) => "mma_gemm_rows_bf16",
-            (WeightFormat::Bf16, true) => "mma_gemm_swiglu_bf16",
-            (WeightFormat::Affine { .. }, false) => "mma_gemm_rows_affine",
-            (WeightFormat::Affine { .. }, true) => "mma_gemm_swiglu_affine",
-        },
-        (WeightFormat::Bf16, false, true) => "mma_rows_bf16",
-        (WeightFormat::Bf16, true, true) => "mma_swiglu_bf16",
-        (WeightFormat::Affine { .. }, false, true) => "mma_rows_affine",
-        (WeightFormat::Affine { .. }, true, true) => "mma_swiglu_affine",
-        (WeightFormat::Bf16, false, false) => "matvec_rows_bf16",
-        (WeightFormat::Bf16, true, false) => "swiglu_rows_bf16",
-        (WeightFormat::Affine { .. }, false, false) => "matvec_rows_affine",
-        (WeightFormat::Affine { .. }, true, false) => "swiglu_rows_affine",
+    let grid = match form {
+        RowsForm::Gemm => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 128)),
+        RowsForm::SplitK => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 16)),
+        RowsForm::Cores => {
+            let per_warp = if swiglu { MV_ROWS / 2 } else { MV_ROWS };
+            (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp))
+        }
     };
     let (g32, bits32, scales, biases) = match m.format {
         WeightFormat::Affine {
@@ -265,19 +178,22 @@ fn matvec_rows(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots, swiglu: bool) -> R
 /// `y[s, :N] = W_e · x_s (+ bias_e)` for every slot of `sl`.
 pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
     check_stride(&m, sl.x_stride)?;
-    if super::vec::takes(&m, &sl) {
-        return super::vec::matvec(g, m, x, y, super::vec::VecIo::default());
-    }
-    if batched_rows(&m, &sl) {
-        return matvec_rows(g, m, x, y, sl, false);
-    }
+    let (name, rpw) = match dispatch::plan(&m, &sl, false) {
+        Plan::OneRow => return super::vec::matvec(g, m, x, y, super::vec::VecIo::default()),
+        Plan::Rows { kernel, form } => return matvec_rows(g, m, (x, y), sl, (kernel, form), false),
+        Plan::Slots {
+            kernel,
+            rows_per_warp,
+            ..
+        } => (kernel, rows_per_warp),
+    };
     let (n32, k32, xs, xd) = (m.n as i32, m.k as i32, sl.x_stride as i64, sl.x_div as i32);
     let (slots, ids) = (sl.n, sl.ids);
     let (fw, fs, fb, split) = far_args(&sl);
-    let grid = (slots as u32, blocks(m.n, 8));
+    let grid = (slots as u32, blocks(m.n, 8 * rpw));
     match m.format {
         WeightFormat::Bf16 => {
-            let mut b = g.launch_builder(g.kernels().get("matvec_bf16"));
+            let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&x)
                 .arg(&y)
@@ -292,18 +208,15 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
             // SAFETY: W holds split·N·K bf16 (all ids < split without a far stack) and the far
             // stack (max id − split + 1)·N·K, x holds (slots / x_div)·x_stride + K floats, y
             // holds slots·N floats; rows are bounds-checked against N.
-            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_bf16"))?;
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
         }
         WeightFormat::Affine {
-            bits,
             group,
             scales,
             biases,
+            ..
         } => {
             let g32 = group as i32;
-            let rpw = affine_rows_per_warp(m.n * slots);
-            let grid = (slots as u32, blocks(m.n, 8 * rpw));
-            let name = affine_kernel(false, bits, rpw, sl.far.is_some());
             let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&scales)
@@ -328,17 +241,27 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
 /// `m.n = 2I`, for every slot of `sl`. No bias.
 pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()> {
     check_stride(&m, sl.x_stride)?;
-    if batched_rows(&m, &sl) {
-        return matvec_rows(g, m, x, h, sl, true);
-    }
+    let (name, rpw, wpb) = match dispatch::plan(&m, &sl, true) {
+        Plan::Rows { kernel, form } => return matvec_rows(g, m, (x, h), sl, (kernel, form), true),
+        Plan::Slots {
+            kernel,
+            rows_per_warp,
+            warps,
+        } => (kernel, rows_per_warp, warps),
+        Plan::OneRow => {
+            return Err(super::CudaError::Unsupported(
+                "no single-row SwiGLU kernel".into(),
+            ))
+        }
+    };
     let i = m.n / 2;
     let (i32_, k32, xs, xd) = (i as i32, m.k as i32, sl.x_stride as i64, sl.x_div as i32);
     let (slots, ids) = (sl.n, sl.ids);
     let (fw, fs, fb, split) = far_args(&sl);
-    let grid = (slots as u32, blocks(i, 8));
     match m.format {
         WeightFormat::Bf16 => {
-            let mut b = g.launch_builder(g.kernels().get("matvec_swiglu_bf16"));
+            let grid = (slots as u32, blocks(i, 8));
+            let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&x)
                 .arg(&h)
@@ -350,19 +273,16 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
                 .arg(&fw)
                 .arg(&split);
             // SAFETY: as `matvec` with 2I rows per expert and h of slots·I floats.
-            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err("matvec_swiglu_bf16"))?;
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
         }
         WeightFormat::Affine {
-            bits,
             group,
             scales,
             biases,
+            ..
         } => {
             let g32 = group as i32;
-            let rpw = affine_rows_per_warp(m.n * slots);
-            let wpb = swiglu_warps_per_block(rpw, sl.far.is_some());
             let grid = (slots as u32, blocks(i, wpb as usize * rpw / 2));
-            let name = affine_kernel(true, bits, rpw, sl.far.is_some());
             let mut b = g.launch_builder(g.kernels().get(name));
             b.arg(&m.w)
                 .arg(&scales)

@@ -251,16 +251,6 @@ pub const TILE_CORES: usize = 8;
 /// Pairs per grouped tile of the tensor-core grouped kernels (`8·MMA_TILES` in mma_rows.cu).
 pub const TILE_MMA: usize = 32;
 
-/// The tile size for grouped products through the expert matrices `gate_up` and `down`: the
-/// tensor-core kernels when both take them, else the CUDA-core ones.
-pub fn group_tile(gate_up: &Matvec, down: &Matvec) -> usize {
-    if super::ops::tensor_core_rows(gate_up) && super::ops::tensor_core_rows(down) {
-        TILE_MMA
-    } else {
-        TILE_CORES
-    }
-}
-
 /// Tiles a grouping of `pairs` pairs over `experts` experts in tiles of `tile` can take (the
 /// grid of the grouped products).
 pub fn max_tiles(pairs: usize, experts: usize, tile: usize) -> usize {

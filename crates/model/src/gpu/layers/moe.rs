@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use deltamoe_compute::cuda::dispatch;
 use deltamoe_compute::cuda::ops::{self, Route, Slots};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::vec::{self, VecIo};
@@ -321,9 +322,8 @@ impl Ffn for MoeFfn {
             Some(_) => stage(&ps.ids, pairs)?,
             None => (self.experts_gu.mv(), self.experts_down.mv()),
         };
-        if pf::grouped_supported(&gu, h) && pf::grouped_supported(&dn, i_e) {
+        if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e) {
             let stacked = self.experts + self.shared.is_none() as usize;
-            let tile = pf::group_tile(&gu, &dn);
             let (order, tiles, n_tiles) = (ps.order.ptr(), ps.tiles.ptr(), ps.n_tiles.ptr());
             pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
             let gr = Grouped {

@@ -1,0 +1,335 @@
+//! The one place a matrix product on CUDA picks its kernel: [`plan`], a pure function of the
+//! weight format, the matrix's shape and the product's slots (no device needed, tested below).
+//! [`super::ops::matvec`] and [`super::ops::matvec_swiglu`] launch what it names. A new weight
+//! format adds one arm to each match here (and its kernels' entry points to the registry).
+//!
+//! The families, in the order they are tried:
+//! - one input row on the single-row tensor-core kernel (mma_vec.cu, 4/8-bit affine; plain
+//!   products only): the decode step's dense projections;
+//! - a batch of rows through one matrix, each weight load serving several rows: tensor cores
+//!   (mma_rows.cu; a GEMM form from [`GEMM_MIN_ROWS`] rows on) or CUDA cores (matvec_rows.cu);
+//! - slots that pick their matrices by id (experts, far stacks over PCIe), CUDA cores
+//!   (matvec.cu for bf16, qmatvec.cu for affine).
+//!
+//! Prefill's expert products grouped by expert take their tile from [`grouped_tile`].
+
+use super::ops::{Matvec, Slots, WeightFormat};
+
+/// How a product runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plan {
+    /// One row on the single-row tensor-core kernel (`vec::matvec`).
+    OneRow,
+    /// A batch of rows through one matrix: `kernel` in `form`.
+    Rows {
+        kernel: &'static str,
+        form: RowsForm,
+    },
+    /// Slots picking matrices by id: `kernel`, computing `rows_per_warp` output rows a warp in
+    /// blocks of `warps` warps.
+    Slots {
+        kernel: &'static str,
+        rows_per_warp: usize,
+        warps: u32,
+    },
+}
+
+/// The form of a batch-of-rows product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowsForm {
+    /// Tensor cores, inputs staged once per block of 128 weight rows (mma_rows.cu).
+    Gemm,
+    /// Tensor cores, split-K, 16 weight rows a block (mma_rows.cu; decode batches).
+    SplitK,
+    /// CUDA cores (matvec_rows.cu).
+    Cores,
+}
+
+/// Input rows the `*_rows` kernels serve per weight load (`MV_VECS` in matvec_rows.cu).
+pub(super) const MV_VECS: usize = 8;
+/// Weight rows a warp of the `*_rows` kernels computes (`MV_ROWS` in matvec_rows.cu).
+pub(super) const MV_ROWS: usize = 4;
+/// Input rows one warp of the `mma_*` kernels takes (`8·MMA_TILES` in mma_rows.cu).
+pub(super) const MMA_ROWS_INPUTS: usize = 32;
+
+/// From this many input rows on, the GEMM form of mma_rows.cu (inputs staged once per block of
+/// 128 weight rows) beats the split-K form (16 weight rows per block, made for decode batches).
+pub const GEMM_MIN_ROWS: usize = 64;
+
+/// The kernel a product of `m` over `sl` runs (`swiglu`: `[gate | up]` rows with the SwiGLU
+/// epilogue).
+pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
+    if !swiglu && super::vec::takes(m, sl) {
+        return Plan::OneRow;
+    }
+    if batched_rows(m, sl) {
+        let form = match (tensor_core_rows(m), sl.n >= GEMM_MIN_ROWS) {
+            (true, true) => RowsForm::Gemm,
+            (true, false) => RowsForm::SplitK,
+            (false, _) => RowsForm::Cores,
+        };
+        return Plan::Rows {
+            kernel: rows_kernel(m.format, swiglu, form),
+            form,
+        };
+    }
+    let far = sl.far.is_some();
+    match m.format {
+        WeightFormat::Bf16 => Plan::Slots {
+            kernel: if swiglu {
+                "matvec_swiglu_bf16"
+            } else {
+                "matvec_bf16"
+            },
+            rows_per_warp: 1,
+            warps: 8,
+        },
+        WeightFormat::Affine { bits, .. } => {
+            let rpw = affine_rows_per_warp(m.n * sl.n);
+            Plan::Slots {
+                kernel: affine_kernel(swiglu, bits, rpw, far),
+                rows_per_warp: rpw,
+                warps: if swiglu {
+                    swiglu_warps_per_block(rpw, far)
+                } else {
+                    8
+                },
+            }
+        }
+    }
+}
+
+/// The tile of the grouped expert products of prefill (prefill.rs) for `[gate | up]` and down
+/// matrices whose inputs are `x_stride` and `inter` floats apart: tensor-core tiles when both
+/// take them, else CUDA-core tiles; None when the grouped kernels do not take them (the
+/// products then run per slot).
+pub fn grouped_tile(
+    gate_up: &Matvec,
+    down: &Matvec,
+    x_stride: usize,
+    inter: usize,
+) -> Option<usize> {
+    use super::prefill::{grouped_supported, TILE_CORES, TILE_MMA};
+    if !grouped_supported(gate_up, x_stride) || !grouped_supported(down, inter) {
+        return None;
+    }
+    match tensor_core_rows(gate_up) && tensor_core_rows(down) {
+        true => Some(TILE_MMA),
+        false => Some(TILE_CORES),
+    }
+}
+
+/// Whether the kernels read x as float4s (bf16 rows only when K is a multiple of 8).
+pub(super) fn vector_x(m: &Matvec) -> bool {
+    matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8)
+}
+
+/// Whether `sl` is a batch of rows through one matrix that the `*_rows` kernels (each weight
+/// load serving several rows) take.
+fn batched_rows(m: &Matvec, sl: &Slots) -> bool {
+    sl.n > 1
+        && sl.ids == 0
+        && sl.far.is_none()
+        && sl.x_div == 1
+        && sl.x_stride >= m.k
+        && vector_x(m)
+}
+
+/// Whether the tensor-core kernels of mma_rows.cu take this matrix: K a multiple of 32 and
+/// bf16 or 4/8-bit affine weights with groups of 32, 64 or 128.
+pub fn tensor_core_rows(m: &Matvec) -> bool {
+    m.k.is_multiple_of(32)
+        && match m.format {
+            WeightFormat::Bf16 => true,
+            WeightFormat::Affine { bits, group, .. } => {
+                matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128)
+            }
+        }
+}
+
+/// The entry point of a batch-of-rows product in `form`.
+fn rows_kernel(format: WeightFormat, swiglu: bool, form: RowsForm) -> &'static str {
+    let affine = matches!(format, WeightFormat::Affine { .. });
+    match (form, affine, swiglu) {
+        (RowsForm::Gemm, false, false) => "mma_gemm_rows_bf16",
+        (RowsForm::Gemm, false, true) => "mma_gemm_swiglu_bf16",
+        (RowsForm::Gemm, true, false) => "mma_gemm_rows_affine",
+        (RowsForm::Gemm, true, true) => "mma_gemm_swiglu_affine",
+        (RowsForm::SplitK, false, false) => "mma_rows_bf16",
+        (RowsForm::SplitK, false, true) => "mma_swiglu_bf16",
+        (RowsForm::SplitK, true, false) => "mma_rows_affine",
+        (RowsForm::SplitK, true, true) => "mma_swiglu_affine",
+        (RowsForm::Cores, false, false) => "matvec_rows_bf16",
+        (RowsForm::Cores, false, true) => "swiglu_rows_bf16",
+        (RowsForm::Cores, true, false) => "matvec_rows_affine",
+        (RowsForm::Cores, true, true) => "swiglu_rows_affine",
+    }
+}
+
+/// Rows one warp of the affine kernels computes for `rows` output rows in one launch: 4 (each
+/// input value loaded serves four rows) when there are enough rows to keep every SM busy, else 2
+/// (more warps in flight for the small expert matrices of decode).
+pub fn affine_rows_per_warp(rows: usize) -> usize {
+    if rows >= 16_384 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Warps per block of the CUDA-core affine SwiGLU for `rows_per_warp` (from
+/// [`affine_rows_per_warp`]): 4 for the near one-row entries, whose 9 blocks an SM at 56
+/// registers hold a decode step's experts in one wave; 8 for the others.
+pub fn swiglu_warps_per_block(rows_per_warp: usize, far: bool) -> u32 {
+    if rows_per_warp == 2 && !far {
+        4
+    } else {
+        8
+    }
+}
+
+/// The CUDA-core affine kernel (qmatvec.cu) for `bits` and `rows` per warp (2 or 4, from
+/// [`affine_rows_per_warp`]), `swiglu` or plain: one entry point per form, each with the
+/// registers it needs; with 2 rows a warp, launches that read a `far` stack (experts over PCIe)
+/// take the `_far` entries, which keep more blocks resident.
+pub fn affine_kernel(swiglu: bool, bits: u32, rows: usize, far: bool) -> &'static str {
+    match (swiglu, bits, rows) {
+        (false, 2, 2) if far => "matvec_affine2_r2_far",
+        (false, 4, 2) if far => "matvec_affine4_r2_far",
+        (false, 8, 2) if far => "matvec_affine8_r2_far",
+        (true, 2, 2) if far => "matvec_swiglu_affine2_r2_far",
+        (true, 4, 2) if far => "matvec_swiglu_affine4_r2_far",
+        (true, 8, 2) if far => "matvec_swiglu_affine8_r2_far",
+        (false, 2, 2) => "matvec_affine2_r2",
+        (false, 4, 2) => "matvec_affine4_r2",
+        (false, 8, 2) => "matvec_affine8_r2",
+        (false, 2, _) => "matvec_affine2_r4",
+        (false, 4, _) => "matvec_affine4_r4",
+        (false, _, _) => "matvec_affine8_r4",
+        (true, 2, 2) => "matvec_swiglu_affine2_r2",
+        (true, 4, 2) => "matvec_swiglu_affine4_r2",
+        (true, 8, 2) => "matvec_swiglu_affine8_r2",
+        (true, 2, _) => "matvec_swiglu_affine2_r4",
+        (true, 4, _) => "matvec_swiglu_affine4_r4",
+        (true, _, _) => "matvec_swiglu_affine8_r4",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{plan, Plan, RowsForm};
+    use crate::cuda::ops::{Far, Matvec, Slots, WeightFormat};
+
+    fn mat(n: usize, k: usize, bits: u32) -> Matvec {
+        let format = match bits {
+            16 => WeightFormat::Bf16,
+            _ => WeightFormat::Affine {
+                bits,
+                group: 64,
+                scales: 0,
+                biases: 0,
+            },
+        };
+        Matvec {
+            w: 0,
+            n,
+            k,
+            bias: 0,
+            format,
+        }
+    }
+
+    fn rows(p: Plan) -> Option<(&'static str, RowsForm)> {
+        match p {
+            Plan::Rows { kernel, form } => Some((kernel, form)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn one_row_of_4_bit_weights_takes_the_single_row_kernel_unless_swiglu() {
+        let m = mat(2048, 2048, 4);
+        assert_eq!(plan(&m, &Slots::one(), false), Plan::OneRow);
+        assert!(matches!(plan(&m, &Slots::one(), true), Plan::Slots { .. }));
+        // bf16 has no single-row tensor-core kernel.
+        let b = plan(&mat(2048, 2048, 16), &Slots::one(), false);
+        assert!(matches!(
+            b,
+            Plan::Slots {
+                kernel: "matvec_bf16",
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn batches_of_rows_take_tensor_cores_then_the_gemm_form() {
+        let m = mat(4096, 2048, 4);
+        let split = rows(plan(&m, &Slots::rows(8, 2048), false));
+        assert_eq!(split, Some(("mma_rows_affine", RowsForm::SplitK)));
+        let gemm = rows(plan(&m, &Slots::rows(64, 2048), true));
+        assert_eq!(gemm, Some(("mma_gemm_swiglu_affine", RowsForm::Gemm)));
+        let b = rows(plan(&mat(4096, 2048, 16), &Slots::rows(8, 2048), false));
+        assert_eq!(b, Some(("mma_rows_bf16", RowsForm::SplitK)));
+        // 2-bit and K not a multiple of 32 stay on CUDA cores.
+        let c = rows(plan(&mat(4096, 2048, 2), &Slots::rows(8, 2048), false));
+        assert_eq!(c, Some(("matvec_rows_affine", RowsForm::Cores)));
+        let odd = rows(plan(&mat(100, 40, 16), &Slots::rows(8, 40), true));
+        assert_eq!(odd, Some(("swiglu_rows_bf16", RowsForm::Cores)));
+    }
+
+    #[test]
+    fn expert_slots_pick_the_cuda_core_kernels_by_rows_and_far_stacks() {
+        let m = mat(1024, 2048, 4);
+        let sl = Slots::experts(9, 0x1000, 2048, 9);
+        let near = plan(&m, &sl, true);
+        let want = Plan::Slots {
+            kernel: "matvec_swiglu_affine4_r2",
+            rows_per_warp: 2,
+            warps: 4,
+        };
+        assert_eq!(near, want);
+        let far = Far {
+            w: 1,
+            scales: 2,
+            biases: 3,
+            split: 4,
+        };
+        let p = plan(&m, &sl.with_far(Some(far)), true);
+        assert!(matches!(
+            p,
+            Plan::Slots {
+                kernel: "matvec_swiglu_affine4_r2_far",
+                warps: 8,
+                ..
+            }
+        ));
+        // Enough rows for every SM: four rows a warp.
+        let big = plan(
+            &mat(16_384, 2048, 8),
+            &Slots::experts(2, 0x1000, 2048, 1),
+            false,
+        );
+        assert!(matches!(
+            big,
+            Plan::Slots {
+                kernel: "matvec_affine8_r4",
+                rows_per_warp: 4,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn grouped_products_take_tensor_core_tiles_when_both_matrices_do() {
+        use super::grouped_tile;
+        use crate::cuda::prefill::{TILE_CORES, TILE_MMA};
+        let (gu, down) = (mat(1024, 2048, 4), mat(2048, 512, 4));
+        assert_eq!(grouped_tile(&gu, &down, 2048, 512), Some(TILE_MMA));
+        let down2 = mat(2048, 512, 2);
+        assert_eq!(grouped_tile(&gu, &down2, 2048, 512), Some(TILE_CORES));
+        // bf16 inputs must be float4-aligned.
+        let odd = mat(100, 42, 16);
+        assert_eq!(grouped_tile(&odd, &odd, 42, 42), None);
+    }
+}
