@@ -14,8 +14,8 @@
 // attn_partial: grid (Hkv·⌈G/ATTN_GQA⌉, S splits, B), block 256 (8 warps), dynamic shared memory
 //   8·ATTN_STAGES·ATTN_POS·2 KB; G = Hq/Hkv q heads per kv head. Block x serves kv head
 //   x / ⌈G/ATTN_GQA⌉ and up to ATTN_GQA of its q heads, so each K/V row is read once for all of
-//   them (the 8 q heads a kv head of Qwen3.5/3.6 and Qwen3-Next; a block per q head read each row
-//   8 times: 35B 4-bit decode on an H200 at 8k / 32k context 452 / 315 tok/s, this kernel 510 / 460).
+//   them (the 8 q heads a kv head of Qwen3.5/3.6 and Qwen3-Next, where a block per q head would
+//   read each row 8 times through L2).
 //   Of the S splits the first S_L = min(S, ceil(L / ATTN_SPLIT_MIN)) are used (short contexts:
 //   fewer, fuller splits and fewer partials to merge), L = pos + 1; split s < S_L covers positions
 //   [s·c, min((s+1)·c, L)), c = ceil(L / S_L). Each warp takes runs of ATTN_POS positions (every
@@ -26,13 +26,13 @@
 //   part_ml[h, s] = (m, l) and part_o[h, s, :] = acc (unnormalised) for each of its heads h.
 //   The K/V rows before the token's own were written by earlier steps: the first runs are copied
 //   before the wait on the kernel before, which writes row L − 1 (read from global memory after
-//   it: copying that row after the wait instead measured no faster).
+//   it: copying that one row into shared memory after the wait gains nothing).
 //
 // attn_combine: grid (Hq, B), block D (rounded up to 32): merges the S_L ≤ ATTN_MAX_SPLITS partials and
 //   multiplies by sigmoid(gate_h) → out [Hq·D]. Thread d loads dim d of the first
 //   ATTN_COMBINE_REGS partials right after its wait, with the gate and the splits' (m, l), and
-//   sums them in split order as before (the same bits): 35B 4-bit decode at context 128 on an
-//   H200 660.1 / 661.4 / 661.3 → 665.6 / 665.6 / 664.6 tok/s, 80B 506.5 / 509.1 → 512.1 / 511.1.
+//   sums them in split order (the same bits as loading each in turn): one round trip to L2
+//   instead of two.
 
 extern "C" __global__ void attn_prep(const float* proj, const float* __restrict__ qn,
                                      const float* __restrict__ kn, const float* __restrict__ inv_freq,

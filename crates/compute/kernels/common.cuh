@@ -270,8 +270,8 @@ __device__ __forceinline__ void l1_prefetch_range(const void* p, long long bytes
 // is widened to 16-byte alignment at its start and narrowed at its end, so it stays inside the
 // allocation that holds it. Kernels call it on their weights before `pdl_entry`: weights never
 // depend on earlier kernels, so they stream into L2 while the kernel before still runs. Each block
-// asks only for its own share: one SM's bulk prefetches are served slowly (one warp asking for a
-// layer's 16 MB of routed experts measured ~70 µs, twice the layer).
+// asks only for its own share: one SM's bulk prefetches are served slowly (a whole layer's routed
+// experts asked by one warp arrive after the layer has run).
 __device__ __forceinline__ void l2_prefetch(const void* p, long long bytes, int i, int n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (bytes <= 0) return;

@@ -13,9 +13,9 @@
 //   threads; block x = h·nc + c takes the state columns j = c·cw … c·cw + cw − 1. On sm_90+ the
 //   host launches cw = 32 and nc = ⌈Dv/32⌉ as one cluster per head (a 256-thread block holding
 //   16 KB of a 128 × 128 state fits beside the input projection's blocks, so it becomes resident
-//   and loads its state before its wait; one 1024-thread block per head could not: 35B 4-bit
-//   decode 518 → 523 tok/s on an H200, and more once the staged input projection leaves it room,
-//   mma_vec.cu); before, nc = 1 and cw = Dv rounded up to 32.
+//   and loads its state before its wait; one 1024-thread block per head could not. The staged
+//   input projection's register cap leaves it that room, mma_vec.cu); before, nc = 1 and cw = Dv
+//   rounded up to 32.
 //   State S_h of row b at state + (slots[b]·Hv + h)·Dk·Dv;
 //   kh = h / (Hv / Hk); q, k = l2norm(mixed q/k of kh) (eps 1e-6), q ·= 1/sqrt(Dk); v = mixed v of h;
 //   g = neg_a[h] · softplus(a[h] + dt_bias[h]); β = sigmoid(b[h]); state S_h: [Dk, Dv].
@@ -76,10 +76,9 @@ __device__ __forceinline__ void cluster_ready(int nc) {
 // The partial sums of a cluster's nc CTAs, added in rank order by every thread: the CTAs of a
 // head share its RMSNorm. Each CTA sends its sum into slot[rank] of every CTA of the cluster by
 // an asynchronous store that completes on that CTA's mbarrier, and each waits on its own
-// mbarrier for the nc sums. A cluster barrier there (arrive.release, wait.acquire) had cost
-// more: its release compiles to MEMBAR.ALL.GPU, and its acquire invalidates L1 just before the
-// step reads z and the norm weights (35B 4-bit decode on an H200 665.6 → 670.1 tok/s, 80B
-// 512.5 → 516.0, alternating runs in one call). A CTA leaves only after every sum sent to it
+// mbarrier for the nc sums. A cluster barrier there (arrive.release, wait.acquire) costs more:
+// its release compiles to MEMBAR.ALL.GPU, and its acquire invalidates L1 just before the step
+// reads z and the norm weights. A CTA leaves only after every sum sent to it
 // has arrived, so no store meets a CTA that has left. sm_90+ (clusters); before, the host
 // launches one CTA per head and this is the CTA's own sum.
 __device__ __forceinline__ float cluster_sum(float mine, float* slot, unsigned long long* bar, int nc) {
@@ -100,9 +99,8 @@ __device__ __forceinline__ float cluster_sum(float mine, float* slot, unsigned l
 }
 
 // The step with the head sizes and block width as template arguments, or 0: those of the launch.
-// Fixed sizes (gdn_step128) took the 35B 4-bit decode from 598.8 to 613.8 tok/s on an H100 (three
-// alternating runs; 80B 467.0 → 475.5), and storing the state after the norm's cluster sum to 616.4
-// (80B 476.8).
+// Fixed sizes (gdn_step128) leave no branch per state row, so ptxas schedules the rows together
+// without spilling.
 template <int DK, int DV, int CW>
 __device__ __forceinline__ void gdn_step_t(const float* mixed, const float* proj, float* __restrict__ state,
                                            const float* __restrict__ neg_a, const float* __restrict__ dt_bias,

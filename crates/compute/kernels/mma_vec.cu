@@ -69,10 +69,8 @@
 // before its wait; a buffer is refilled with the tile nbuf steps on once every warp is past it,
 // so later tiles arrive under the products of earlier ones. The tiles' partial sums alternate
 // between two sets in shared memory and every warp adds up 2·T rows of them, so a tile takes one
-// block barrier. On the 35B lm_head (248,320 × 2048, an H200) 104 µs where the streamed form
-// took 135. More tiles in flight measured slower on an H200 (against 103.8 µs): 16-row tiles in
-// 4 buffers 127.9, one 16-warp block an SM with 5 buffers 123.7, each block asking L2 for the
-// two tiles after its ring's 114.0.
+// block barrier. More tiles in flight (smaller tiles in more buffers, one 16-warp block an SM, L2
+// requests for the tiles after the ring's) do not shorten it (docs/experiments.md).
 
 struct VecIo {
     const float* norm;
@@ -148,9 +146,7 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 }
 
 // Words of x (8 inputs each) a thread stages a pass. A block runs its staging code once, all of
-// it fetched cold, so the shortest code wins over more loads in flight for a large K: 35B 4-bit
-// decode on an H200 563.5 / 564.2 → 586.4 / 581.3 tok/s with 2 instead of 4, 580.8 / 583.3 →
-// 586.3 / 586.3 with 1 instead of 2 (80B 451.8 → 455.0).
+// it fetched cold, so the shortest code wins over more loads in flight, even for a large K.
 #define VEC_X_WORDS 1
 
 // Where the single-row kernel reads its weights: straight from global memory (one tile per
@@ -169,14 +165,11 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 //   words gid·(2T·nw + G/8) + s·nw + t·P .. + P − 1: the lanes served together (8 of 16-byte
 //   loads, 16 of 8-byte, 32 of 4-byte: gid < 8/P) cover the 32 banks once when nw % 32 == 0, and
 //   lanes t = 0 read their scales from 8 distinct banks. Lane gid's run is copied by lane gid of
-//   warp 0: 24 bulk copies a tile where one a padded row took 16·T + 2. 35B 4-bit decode on an
-//   H200 590.3 / 588.3 / 588.4 → 599.2 / 599.3 / 600.0 tok/s, 80B 457.3 → 464.7; with the runs'
-//   words but the scales unpadded (their reads 8-way conflicts) 562.1 / 562.5 against 591.5 /
-//   591.6 in another call.
+//   warp 0: 24 bulk copies a tile where one a padded row took 16·T + 2. The scales are padded
+//   too: unpadded, their reads conflict 8 ways, which costs more than the padding.
 // - whole (the ring): the tile's rows nw words apart, lane gid holding rows 16i + gid and
 //   16i + gid + 8, the words one bulk copy, the scales and biases one each. The rows of one load
-//   share banks, which costs the ring less than more copies: on the 35B lm_head (an H200) 115.9
-//   µs with a copy a padded row, 103.8 whole, 125.3 in runs (with unpadded scales).
+//   share banks, which costs the ring less than more copies (a copy a padded row, or the runs).
 __device__ __forceinline__ int vec_run_words(int K, int G, int T) {
     return 2 * T * (K / 8) + G / 8;
 }
@@ -239,8 +232,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     // Groups in flight per warp iteration when streaming from global memory: 2·T·P·U ≤ 24 words
     // per lane (at most 4 groups). From shared memory (staged, ring) one group an iteration: a
     // warp runs through its products once, so every instruction of an unrolled body is fetched
-    // cold, and Nsight Compute found the staged launches stalled on instruction fetch for about
-    // half their cycles (35B 4-bit decode on an H200 557 → 561 tok/s, 80B 434 → 439).
+    // cold: the staged launches stall on instruction fetch, and shorter code wins.
     constexpr int U_FIT = 12 / (T * P);
     constexpr int U = SM ? 1 : U_FIT < 1 ? 1 : U_FIT > 4 ? 4 : U_FIT;
     extern __shared__ __align__(16) unsigned char vec_smem[];
@@ -580,15 +572,14 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 // runs). Needs K/G % 8 == 0 (the scale rows copied whole 16-byte units) and 16-byte aligned
 // matrices. 96 registers: two blocks an SM then leave 16K registers, room for a 256-thread block
 // of the next kernel at 64 (the GDN step after the input projection) to become resident and load
-// its state before its wait. At the 128 that two blocks allow nothing else fits: 35B 4-bit decode
-// on an H200 535 → 550 tok/s (at 104 registers 532, at 85 with spills 489).
+// its state before its wait. At the 128 that two blocks allow nothing else fits; fewer than 96
+// spill.
 //
 // mma_vec_affine{BITS}_staged16: as _staged in blocks of 16 warps (512 threads, one block an SM
 // at 96 registers with room for 16K more), for a launch of at most one block per SM: each warp
 // then takes half the groups, which halves the chain of products on a block's critical path (the
-// router's 17 blocks, a GDN or attention output projection's 128 on the 35B shape). 35B 4-bit
-// decode on an H200 538.2 / 535.8 / 535.7 → 556.8 / 548.5 / 553.7 tok/s, 80B 420.9 → 433.8, a
-// whole 8-bit 35B (twice the digits a row) 376.5 → 426.4.
+// router's 17 blocks, a GDN or attention output projection's 128 on the 35B shape), where the
+// SM's other warps would idle.
 //
 // mma_vec_affine{BITS}_ring: as _staged for a launch of more row tiles than blocks: block b works
 // through tiles b, b + gridDim.x, … of VEC_RING_TILES row tiles each from a ring of `nbuf` staged

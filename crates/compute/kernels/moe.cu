@@ -68,12 +68,10 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
     const float mx = warp_max_redux(lmax);
     // The lanes whose largest logit is among the K largest of the 32 (at least K lanes, each
     // holding an expert) bound the K-th largest p from below by the least of their largest p:
-    // ranked on the logits while the exponentials run (two independent chains), then one redux
-    // (35B 4-bit decode on an H200, alternating runs: 616.8 → 621.6 tok/s with the redux max and
-    // the ballot packing below, 13.3K instructions a launch of 16 rows instead of 15.1K; holding
-    // the row in registers, 128 of them a thread, 606). The passes over p are unrolled as the
-    // loads are: one warp runs the kernel, so its shared-memory loads and exps otherwise wait one
-    // after another.
+    // ranked on the logits while the exponentials run (two independent chains), then one redux.
+    // The row stays in shared memory: held in registers (128 of them a thread) it is slower. The
+    // passes over p are unrolled as the loads are: one warp runs the kernel, so its shared-memory
+    // loads and exps otherwise wait one after another.
     int greater = 0;
 #pragma unroll
     for (int j = 0; j < 32; ++j) greater += __shfl_sync(all, lmax, j) > lmax;

@@ -39,13 +39,11 @@
 // Rows of the fused expert down + combine per block (each warp computes them for its slot), and
 // its words per lane and row in flight: an expert down row is short (K = 512 on the 35B shape, 64
 // words at 4 bits, two per lane), so QMV_UNROLL's 4 would hold two dead words a row; with 2 the
-// kernel takes 51 registers instead of 64 and its 512 blocks fit one wave (35B 4-bit decode
-// 538.9 → 557.7 tok/s on an H200, three alternating pairs). 8 rows a block (one wave at half the
-// warps) measured −4% there. Where 4-row blocks do not fit one wave (the 80B shape's 11 slots:
-// 512 blocks of 11 warps against 396 resident), the _r8 entries take 8 rows a block at 72
-// registers, 256 blocks in one wave of 2 an SM (moe.rs, down_rows): 80B 4-bit decode 484.2 →
-// 492.5 tok/s on an H100, 515.2 → 525.8 on an H200 (means of three alternating runs); the 35B
-// shape's one wave at 8 rows was 2% slower.
+// kernel takes 51 registers instead of 64 and its 512 blocks fit one wave. Where 4-row blocks fit
+// one wave they stay: 8 rows a block would halve the warps in flight and lengthen each warp's
+// chain. Where they do not (the 80B shape's 11 slots: 512 blocks of 11 warps against 396
+// resident), the _r8 entries take 8 rows a block at 72 registers, 256 blocks in one wave of 2 an
+// SM (moe.rs, down_rows): a second wave costs more than the longer chains.
 #define DOWN_ROWS 4
 #define DOWN_ROWS_WIDE 8
 #define DOWN_UNROLL 2
@@ -81,8 +79,7 @@ __device__ __forceinline__ float code4_scaled(unsigned p, unsigned hi, int i) {
 // time, or 0: gshift's): with it each row's scale and bias pointers start at the lane's first word
 // and advance by 32·V/G groups a word (32·V ≥ G, both powers of two, so the same groups), one add
 // a load; without it each word's scale and bias addresses come from the row's 64-bit offset,
-// about five integer instructions a load. The one-row SwiGLU of the 35B 4-bit shape: 4.58M
-// instructions instead of 5.29M (ncu).
+// about five integer instructions a load.
 template <int BITS, int R, bool SB_L1, int UNROLL = QMV_UNROLL, int GT = 0, bool REDUCE = true>
 __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
                                 const bf16_t* __restrict__ B, const long long* rows, int nrows,
@@ -106,9 +103,9 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
     // SB_L1 (the expert kernels of a one-row decode step): the rows' scales and biases, read
     // once per word after its products (the compiler places those loads there), are asked of L1
     // now, so they do not each wait on memory in the middle of the products; lanes 0..7 take
-    // 128-byte parts 0..3 of the scale and bias rows. 35B 4-bit decode +0.45% on an H200 at one
-    // row; with batches of 8 and 32 rows (4 rows a warp, many blocks) it cost 1.5–2%, and the
-    // one-row SwiGLU that steps its scale pointers (GT) is faster without it.
+    // 128-byte parts 0..3 of the scale and bias rows. It pays at one row only: with batches (4
+    // rows a warp, many blocks) the extra requests cost more than they hide, and the one-row
+    // SwiGLU that steps its scale pointers (GT) does without it.
     if (SB_L1 && lane < 8 && (lane >> 1) * 128 < gpr * 2) {
         const char* base = (lane & 1 ? (const char*)B : (const char*)S) + (lane >> 1) * 128;
 #pragma unroll
@@ -262,10 +259,8 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
     }
     float out[R];
     // Two rows a warp (the one-row SwiGLU) with groups of 64 step their scale and bias pointers
-    // (with four rows a warp the extra pointers would spill), and do without SB_L1: asking L1 for
-    // the scales ahead cost more than it saved there (35B 4-bit decode on an H100, alternating
-    // runs: 584.7 / 580.2 / 583.0 / 582.8 → 590.9 / 589.1 / 580.7 / 584.7 tok/s, 80B 452.1 /
-    // 453.1 → 457.3 / 454.1; 4.42M instructions a launch instead of 4.58M).
+    // (with four rows a warp the extra pointers would spill), and do without SB_L1: with the
+    // pointers stepped, asking L1 for the scales ahead costs more than it saves.
     // One output a warp (R = 2): its gate and up sums meet in lane 0 by warp_sum2_scatter.
     constexpr bool REDUCE = R != 2;
     if (R == 2 && G == 64)
@@ -304,8 +299,7 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
     // The block's rows, or in a last block of fewer the last ROWS rows of the matrix (N ≥
     // ROWS), so that every warp computes ROWS rows: with a row count known at compile
     // time the products have no branch per row, which had kept ptxas from scheduling the rows
-    // together (53 registers instead of 52; 35B 4-bit decode 617.1 → 641.1 tok/s on an H200,
-    // 593.4 → 600.7 on an H100, three alternating runs each; 80B 475.8 → 495.7 on the H200).
+    // together.
     const int nb = min(n0, N - ROWS), shift = n0 - nb;
     long long rows[ROWS];
 #pragma unroll
@@ -318,9 +312,8 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
     cp_async_commit();
     float acc[ROWS];
     dot_rows_affine<BITS, ROWS, true, DOWN_UNROLL, 0, false>(W, S, B, rows, ROWS, h + (long long)s * K, K, __ffs(G) - 1, lane, acc);
-    // The warp sums, four rows at a time by warp_sum4_scatter (the same values as four warp_sum):
-    // 35B 4-bit decode on an H200 619.0 → 623.0 tok/s with the SwiGLU's warp_sum2_scatter,
-    // three alternating runs.
+    // The warp sums, four rows at a time by warp_sum4_scatter (the same values as four warp_sum,
+    // in 6 shuffles instead of 20).
     static_assert(ROWS == 4 || ROWS == 8, "warp_sum4_scatter sums four rows");
 #pragma unroll
     for (int q = 0; q < ROWS; q += 4) {
@@ -362,19 +355,18 @@ QMV_DOWN_COMBINE(8, DOWN_ROWS_WIDE, _r8, __maxnreg__(72))
 // The expert projections of a 35B decode step (9 experts × 64 blocks) fit one wave of 5 blocks
 // per SM at 48 registers, but under that cap the compiler issues a batch's later words only after
 // the first word's products, two memory round trips per batch instead of one; at 64 registers
-// (4 blocks, 528 of the 576 in the first wave) it issues them together: 35B 4-bit decode
-// +0.9% on an H200. Experts read over PCIe (a far stack) are bound by the requests in flight
-// rather than by the round trips: their launches take the `_far` entries, 5 blocks an SM
-// (35B, uniform routing, half the experts cached, an H200: 148–149 tok/s with 4 blocks against
-// 153 with 5).
+// (4 blocks, 528 of the 576 in the first wave) it issues them together, which saves more than
+// the blocks left to a second wave cost. Experts read over PCIe (a far stack) are bound by the
+// requests in flight rather than by the round trips: their launches take the `_far` entries, 5
+// blocks an SM.
 #define QMV_MIN_BLOCKS_R2 4
 #define QMV_MIN_BLOCKS_R4 4
 #define QMV_MIN_BLOCKS_FAR 5
 // The one-row SwiGLU (9 experts × 512 outputs, a warp each on the 35B shape: 4608 warps) fits
 // one wave only below 57 registers (36 warps an SM); in blocks of 4 warps, 9 an SM, the cap is
 // 56, still high enough for a batch's words to be issued together, and the 576 blocks of 8
-// warps that ran in two waves at 64 registers become 1152 of 4 in one: 35B 4-bit decode
-// 551.2 → 560.8 tok/s on an H200 (two alternating pairs; 4-warp blocks at 64 registers 550.2).
+// warps that ran in two waves at 64 registers become 1152 of 4 in one (4-warp blocks alone, at 64
+// registers and still two waves, do not pay: the single wave does).
 #define QMV_SWIGLU_R2_THREADS 128
 #define QMV_MIN_BLOCKS_SWIGLU_R2 9
 
