@@ -1,6 +1,7 @@
-//! The engine: sequences and their state, prefill and decode steps, sampling, tokenizer and
-//! chat templates.
+//! The engine: sequences and their state on a backend (CPU or CUDA), prefill and decode steps,
+//! sampling, tokenizer and chat templates.
 
+mod backend;
 pub mod chat;
 pub mod engine;
 pub mod error;
