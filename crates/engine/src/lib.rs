@@ -1,5 +1,6 @@
 //! The engine: sequences and their state on a backend (CPU or CUDA), prefill and decode steps,
-//! sampling, tokenizer and chat templates.
+//! sampling, a scheduler for continuous batching with prompt reuse, tokenizer and chat
+//! templates.
 
 mod backend;
 pub mod chat;
@@ -7,11 +8,14 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod generation_config;
+pub mod prefix_cache;
 pub mod sampler;
+pub mod scheduler;
 pub mod sequence;
 pub mod tokenizer;
 
 pub use engine::Engine;
 pub use error::{EngineError, Result};
 pub use generate::{generate, GenerateRequest, GenerateStats};
+pub use scheduler::{Event, FinishReason, Request, RequestId, Scheduler, SchedulerConfig};
 pub use sequence::{SeqId, Sequence};
