@@ -170,7 +170,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
     let mut eos = defaults.eos_token_ids.clone();
     eos.extend(tpl.eos_token().and_then(|t| tok.token_id(t)));
     let mut session = Session {
-        engine: engine_for(model, &a.model)?,
+        engine: engine_for(model, &a.model, 1)?,
         seq: None,
         conv: Conversation::new(a.system.clone()),
         tpl,

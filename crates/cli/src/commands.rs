@@ -21,31 +21,46 @@ use crate::{Device, ModelArgs};
 #[derive(Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
     /// Prompt text (needs the model's tokenizer.json).
     #[arg(
         long,
-        conflicts_with = "prompt_tokens",
-        required_unless_present = "prompt_tokens"
+        conflicts_with_all = ["prompt_tokens", "prompts_file"],
+        required_unless_present_any = ["prompt_tokens", "prompts_file"]
     )]
-    prompt: Option<String>,
+    pub(crate) prompt: Option<String>,
     /// Prompt as comma-separated token ids, e.g. 1,2,3.
-    #[arg(long)]
-    prompt_tokens: Option<String>,
+    #[arg(long, conflicts_with = "prompts_file")]
+    pub(crate) prompt_tokens: Option<String>,
+    /// Many prompts run as one batch: FILE holds one JSON string per line (blank lines are
+    /// skipped). All of them go through the engine's scheduler together (continuous batching,
+    /// chunked prefill between decode steps), each with the sampling flags and seed a run of
+    /// that prompt alone would use. Prints one JSON object per prompt and line, in input
+    /// order, each as soon as it and those before it are done: {"index": 0, "text": "...",
+    /// "finish_reason": "stop" or "length", "prompt_tokens": N, "completion_tokens": M}
+    /// ("error" instead of "text" when a prompt fails; the command then fails). --chat and
+    /// --system apply to every prompt.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) prompts_file: Option<PathBuf>,
+    /// With --prompts-file: sequences decoded together at most (on CUDA their state is
+    /// reserved up front). Default: 16.
+    #[arg(long, requires = "prompts_file")]
+    pub(crate) max_seqs: Option<usize>,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
-    chat: bool,
+    pub(crate) chat: bool,
     /// System message for --chat.
     #[arg(long, requires = "chat")]
-    system: Option<String>,
-    /// Most tokens to generate.
+    pub(crate) system: Option<String>,
+    /// Most tokens to generate (per prompt).
     #[arg(long, default_value_t = 128)]
-    max_tokens: usize,
+    pub(crate) max_tokens: usize,
     #[command(flatten)]
-    sampling: SamplingArgs,
-    /// Prefill in passes of at most N tokens.
+    pub(crate) sampling: SamplingArgs,
+    /// Prefill in passes of at most N tokens (with --prompts-file: also at most N prompt
+    /// tokens between two decode steps).
     #[arg(long)]
-    prefill_chunk: Option<usize>,
+    pub(crate) prefill_chunk: Option<usize>,
 }
 
 /// Sampling flags shared by `generate` and `chat`; unset ones come from generation_config.json.
@@ -120,8 +135,9 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
 }
 
 /// An engine for `model` on the backend `--device` asks for: `cuda` fails with the reason
-/// when no GPU is usable; `auto` takes CUDA when it is usable and the CPU otherwise.
-pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
+/// when no GPU is usable; `auto` takes CUDA when it is usable and the CPU otherwise. On CUDA
+/// state for `seqs` sequences is reserved.
+pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Result<Engine> {
     let reason = cuda::unavailable_reason();
     let cache = args.expert_cache()?;
     let use_cuda = match (args.device, &reason) {
@@ -139,7 +155,7 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs) -> Result<Engine> {
     }
     let t0 = Instant::now();
     let gpu = Arc::new(cuda::Gpu::new(0).context("--device cuda")?);
-    let mut engine = Engine::new_cuda_with(model, gpu, DEFAULT_CUDA_CONTEXT, 1, cache)?;
+    let mut engine = Engine::new_cuda_with(model, gpu, DEFAULT_CUDA_CONTEXT, seqs, cache)?;
     if args.cpu_experts() {
         engine.set_host_experts(true)?;
     }
@@ -204,32 +220,45 @@ fn prompt_ids(a: &GenerateArgs, dir: &Path, tok: Option<&TextTokenizer>) -> Resu
             dir.display()
         );
     };
-    let ids = if a.chat {
-        let Some(tpl) = ChatTemplate::from_dir(dir)? else {
-            bail!("--chat: {} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
-        };
-        let mut msgs = Vec::new();
-        if let Some(s) = &a.system {
-            msgs.push(ChatMessage {
-                role: "system".into(),
-                content: s.clone(),
-            });
-        }
-        msgs.push(ChatMessage {
-            role: "user".into(),
-            content: text.to_string(),
-        });
-        tok.encode(&tpl.render(&msgs, true)?, false)?
-    } else {
-        tok.encode(text, true)?
-    };
+    let ids = encode_prompt(a, text, dir, tok)?;
     if ids.is_empty() {
         bail!("--prompt: the prompt is empty; give some text");
     }
     Ok(ids)
 }
 
+/// The ids of prompt `text`: wrapped in the chat template as a user message (after the
+/// `--system` message) with `--chat`, else tokenized as is.
+pub fn encode_prompt(
+    a: &GenerateArgs,
+    text: &str,
+    dir: &Path,
+    tok: &TextTokenizer,
+) -> Result<Vec<u32>> {
+    if !a.chat {
+        return Ok(tok.encode(text, true)?);
+    }
+    let Some(tpl) = ChatTemplate::from_dir(dir)? else {
+        bail!("--chat: {} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
+    };
+    let mut msgs = Vec::new();
+    if let Some(s) = &a.system {
+        msgs.push(ChatMessage {
+            role: "system".into(),
+            content: s.clone(),
+        });
+    }
+    msgs.push(ChatMessage {
+        role: "user".into(),
+        content: text.to_string(),
+    });
+    Ok(tok.encode(&tpl.render(&msgs, true)?, false)?)
+}
+
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    if let Some(file) = &a.prompts_file {
+        return crate::batch::run(&a, file);
+    }
     let dir = a.model.dir()?;
     let tok = TextTokenizer::from_dir(&dir)?;
     let model = load_model(&a.model)?;
@@ -242,7 +271,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         eos: &defaults.eos_token_ids,
         prefill_chunk: a.prefill_chunk,
     };
-    let mut engine = engine_for(model, &a.model)?;
+    let mut engine = engine_for(model, &a.model, 1)?;
     let mut out = std::io::stdout().lock();
     // A plain text prompt is echoed so the continuation reads on from it, as llama.cpp does.
     if let (Some(p), false, Some(_)) = (&a.prompt, a.chat, &tok) {
@@ -303,7 +332,7 @@ pub fn score(a: ScoreArgs) -> Result<()> {
     let tokens = parse_ids(&a.tokens, "--tokens")?;
     let model = load_model(&a.model)?;
     let vocab = model.config().vocab_size;
-    let mut engine = engine_for(model, &a.model)?;
+    let mut engine = engine_for(model, &a.model, 1)?;
     let id = engine.add_sequence()?;
     let t0 = Instant::now();
     let logits = engine.prefill(id, &tokens, a.prefill_chunk, Logits::All)?;

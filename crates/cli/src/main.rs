@@ -1,5 +1,6 @@
 //! `deltamoe`: run Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid models.
 
+mod batch;
 mod bench;
 mod chat;
 mod commands;
@@ -31,7 +32,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate text (or token ids) from a prompt, streamed to stdout.
+    /// Generate text (or token ids) from a prompt, streamed to stdout, or from many prompts
+    /// (--prompts-file) run as one batch.
     Generate(commands::GenerateArgs),
     /// Chat with a model in the terminal (needs a chat template).
     Chat(chat::ChatArgs),

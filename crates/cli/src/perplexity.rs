@@ -142,7 +142,7 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     if longest > max_pos {
         bail!("--ctx {}: longer than the model's max_position_embeddings {max_pos}; use --ctx {max_pos} or less", a.ctx);
     }
-    let mut engine = engine_for(model, &a.model)?;
+    let mut engine = engine_for(model, &a.model, 1)?;
     let bar = ProgressBar::new(spans.len() as u64);
     let style = ProgressStyle::with_template(
         "{elapsed_precise} [{bar:40}] {pos}/{len} windows ({eta} left) {msg}",

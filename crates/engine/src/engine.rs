@@ -1,37 +1,29 @@
 //! The engine: a model plus the sequences it serves. Prefill runs a prompt in one pass per layer
 //! (optionally in chunks of at most N tokens); [`Engine::step`] feeds one token to each of a
 //! batch of sequences and returns each one's next token, picked with the sequence's own
-//! sampling parameters. On the CPU the sequences of a step run one after another; on CUDA one
-//! batched step (a captured graph per batch size) serves them all. Snapshots copy a sequence's
-//! whole state so a later request with the same token prefix can start from it.
+//! sampling parameters. Where the model runs is the engine's [`Backend`]: on the CPU the
+//! sequences of a step run one after another; on CUDA one batched step serves them all.
+//! Snapshots copy a sequence's whole state so a later request with the same token prefix can
+//! start from it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use deltamoe_compute::cuda::ops::SampleParams;
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_model::gpu::{ExpertCache, GdnPrefill, GpuModel, GpuSeq, GpuSnapshot, OffloadStats};
-use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
+use deltamoe_model::gpu::{ExpertCache, GdnPrefill, OffloadStats};
+use deltamoe_model::{Logits, Qwen3Hybrid};
 
-use crate::error::{EngineError, Result};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, SavedState, StepRow};
+use crate::error::{no_such_sequence, EngineError, Result};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::sequence::{SeqId, Sequence};
-
-/// Per-sequence state on the engine's backend.
-pub enum SeqState {
-    Cpu(SequenceState),
-    Cuda(GpuSeq),
-}
 
 /// A copy of a sequence's state after `tokens`, to start new sequences from.
 pub struct Snapshot {
     tokens: Vec<u32>,
-    state: SnapState,
-}
-
-enum SnapState {
-    Cpu(SequenceState),
-    Cuda(GpuSnapshot),
+    saved: SavedState,
 }
 
 impl Snapshot {
@@ -42,45 +34,24 @@ impl Snapshot {
 
     /// Memory the snapshot holds (host memory on the CPU, device memory on CUDA).
     pub fn bytes(&self) -> usize {
-        match &self.state {
-            SnapState::Cpu(s) => s.bytes(),
-            SnapState::Cuda(s) => s.bytes(),
-        }
+        self.saved.bytes
     }
 }
 
 pub struct Engine {
     model: Qwen3Hybrid,
-    gpu: Option<GpuModel>,
+    backend: Box<dyn Backend>,
     /// Context per sequence (on CUDA the KV caches are allocated for it up front).
     max_ctx: usize,
     sequences: BTreeMap<SeqId, Sequence>,
     next_id: u64,
 }
 
-fn no_such_sequence(id: SeqId) -> EngineError {
-    EngineError::Input(format!("sequence {} does not exist", id.0))
-}
-
-fn cuda_err(e: deltamoe_compute::cuda::CudaError) -> EngineError {
-    EngineError::Input(format!("cuda: {e}"))
-}
-
-fn wrong_backend() -> EngineError {
-    EngineError::Input("a sequence's state is on another backend than the engine".into())
-}
-
 impl Engine {
     /// An engine on the CPU.
     pub fn new(model: Qwen3Hybrid) -> Engine {
         let max_ctx = model.config().max_position_embeddings;
-        Engine {
-            model,
-            gpu: None,
-            max_ctx,
-            sequences: BTreeMap::new(),
-            next_id: 0,
-        }
+        Engine::with_backend(model, Box::new(CpuBackend::default()), max_ctx)
     }
 
     /// An engine on a GPU: uploads the weights and reserves state for `max_seqs` sequences of
@@ -105,36 +76,34 @@ impl Engine {
         cache: ExpertCache,
     ) -> Result<Engine> {
         let max_ctx = max_ctx.min(model.config().max_position_embeddings);
-        let mut gm = GpuModel::upload_with(&model, gpu, cache).map_err(cuda_err)?;
-        gm.reserve(max_seqs, max_ctx).map_err(cuda_err)?;
-        Ok(Engine {
+        let backend = CudaBackend::new(&model, gpu, max_ctx, max_seqs, cache)?;
+        Ok(Engine::with_backend(model, Box::new(backend), max_ctx))
+    }
+
+    fn with_backend(model: Qwen3Hybrid, backend: Box<dyn Backend>, max_ctx: usize) -> Engine {
+        Engine {
             model,
-            gpu: Some(gm),
+            backend,
             max_ctx,
             sequences: BTreeMap::new(),
             next_id: 0,
-        })
+        }
     }
 
     /// How later GPU prefills run the Gated DeltaNet delta rule (the CPU ignores it).
     pub fn set_gdn_prefill(&mut self, mode: GdnPrefill) {
-        if let Some(g) = self.gpu.as_mut() {
-            g.set_prefill_gdn(mode);
-        }
+        self.backend.set_gdn_prefill(mode);
     }
 
     /// With offloaded experts on the GPU: whether the CPU may compute some of the experts outside
-    /// the cache (see [`GpuModel::set_host_experts`]; off by default).
+    /// the cache (see [`deltamoe_model::gpu::GpuModel::set_host_experts`]; off by default).
     pub fn set_host_experts(&mut self, on: bool) -> Result<()> {
-        match self.gpu.as_mut() {
-            Some(g) => g.set_host_experts(on).map_err(cuda_err),
-            None => Ok(()),
-        }
+        self.backend.set_host_experts(on)
     }
 
     /// Expert-offload statistics, when the GPU model offloads experts.
     pub fn offload_stats(&self) -> Option<OffloadStats> {
-        self.gpu.as_ref().and_then(|g| g.offload_stats())
+        self.backend.offload_stats()
     }
 
     pub fn model(&self) -> &Qwen3Hybrid {
@@ -143,15 +112,7 @@ impl Engine {
 
     /// `"cpu"` or the GPU's name.
     pub fn backend_name(&self) -> String {
-        match &self.gpu {
-            Some(g) => format!("cuda ({})", g.gpu().name()),
-            None => "cpu".to_string(),
-        }
-    }
-
-    /// True on a GPU backend.
-    pub fn is_cuda(&self) -> bool {
-        self.gpu.is_some()
+        self.backend.name()
     }
 
     /// Tokens one sequence can hold.
@@ -162,49 +123,45 @@ impl Engine {
     /// How many more sequences fit: the free state slots on CUDA, `None` (no fixed limit) on
     /// the CPU.
     pub fn free_sequences(&self) -> Option<usize> {
-        self.gpu.as_ref().map(|g| g.free_slots())
+        self.backend.free_sequences()
     }
 
     /// Bytes of state one sequence holds at full context.
     pub fn sequence_bytes(&self) -> usize {
-        match &self.gpu {
-            Some(g) => g.seq_bytes(self.max_ctx),
-            None => self.model.state_bytes(self.max_ctx),
-        }
+        self.backend.sequence_bytes(&self.model, self.max_ctx)
     }
 
-    fn insert(&mut self, tokens: Vec<u32>, state: SeqState) -> SeqId {
+    fn next_id(&mut self) -> SeqId {
         let id = SeqId(self.next_id);
         self.next_id += 1;
+        id
+    }
+
+    /// Registers sequence `id` (its backend state already made) holding `tokens`, sampling
+    /// greedily until set.
+    fn insert(&mut self, id: SeqId, tokens: Vec<u32>) -> SeqId {
         let sampler = Sampler::new(SamplingParams::default());
-        self.sequences.insert(
+        let seq = Sequence {
             id,
-            Sequence {
-                id,
-                tokens,
-                state,
-                sampler,
-            },
-        );
+            tokens,
+            sampler,
+        };
+        self.sequences.insert(id, seq);
         id
     }
 
     /// Start an empty sequence. On CUDA, fails with [`EngineError::Capacity`] when every
     /// reserved slot is taken.
     pub fn add_sequence(&mut self) -> Result<SeqId> {
-        let state = match &mut self.gpu {
-            Some(g) => SeqState::Cuda(g.new_seq().map_err(capacity)?),
-            None => SeqState::Cpu(self.model.new_state()),
-        };
-        Ok(self.insert(Vec::new(), state))
+        let id = self.next_id();
+        self.backend.add(&self.model, id)?;
+        Ok(self.insert(id, Vec::new()))
     }
 
     /// Drop a sequence and free its state.
     pub fn remove_sequence(&mut self, id: SeqId) -> Option<Vec<u32>> {
         let seq = self.sequences.remove(&id)?;
-        if let (SeqState::Cuda(s), Some(g)) = (seq.state, &mut self.gpu) {
-            g.release(s);
-        }
+        self.backend.remove(id);
         Some(seq.tokens)
     }
 
@@ -218,25 +175,17 @@ impl Engine {
             .sequences
             .get(&id)
             .ok_or_else(|| no_such_sequence(id))?;
-        let state = match (&seq.state, &self.gpu) {
-            (SeqState::Cpu(s), _) => SnapState::Cpu(s.clone()),
-            (SeqState::Cuda(s), Some(g)) => SnapState::Cuda(g.snapshot(s).map_err(cuda_err)?),
-            (SeqState::Cuda(_), None) => return Err(wrong_backend()),
-        };
         Ok(Snapshot {
             tokens: seq.tokens.clone(),
-            state,
+            saved: self.backend.snapshot(id)?,
         })
     }
 
     /// A new sequence whose state is a copy of `snap` (sampling greedy until set).
     pub fn restore(&mut self, snap: &Snapshot) -> Result<SeqId> {
-        let state = match (&snap.state, &mut self.gpu) {
-            (SnapState::Cpu(s), None) => SeqState::Cpu(s.clone()),
-            (SnapState::Cuda(s), Some(g)) => SeqState::Cuda(g.restore(s).map_err(capacity)?),
-            _ => return Err(wrong_backend()),
-        };
-        Ok(self.insert(snap.tokens.clone(), state))
+        let id = self.next_id();
+        self.backend.restore(id, &snap.saved)?;
+        Ok(self.insert(id, snap.tokens.clone()))
     }
 
     fn check(&self, id: SeqId, tokens: &[u32]) -> Result<()> {
@@ -282,27 +231,13 @@ impl Engine {
                 "--prefill-chunk must be at least 1".into(),
             ));
         }
-        let (model, gpu) = (&self.model, &mut self.gpu);
+        let out = self
+            .backend
+            .prefill(&self.model, id, tokens, chunk, which)?;
         let seq = self
             .sequences
             .get_mut(&id)
             .ok_or_else(|| no_such_sequence(id))?;
-        let mut out = Vec::new();
-        match (&mut seq.state, gpu) {
-            (SeqState::Cpu(st), _) => {
-                for part in tokens.chunks(chunk) {
-                    let logits = model.forward(part, st, which)?;
-                    match which {
-                        Logits::All => out.extend_from_slice(&logits),
-                        Logits::Last => out = logits,
-                    }
-                }
-            }
-            (SeqState::Cuda(st), Some(g)) => {
-                out = g.prefill(st, tokens, which, chunk).map_err(cuda_err)?;
-            }
-            (SeqState::Cuda(_), None) => return Err(wrong_backend()),
-        }
         seq.tokens.extend_from_slice(tokens);
         Ok(out)
     }
@@ -324,10 +259,7 @@ impl Engine {
             .get_mut(&id)
             .ok_or_else(|| no_such_sequence(id))?;
         seq.sampler = Sampler::new(p.clone());
-        if let (SeqState::Cuda(st), Some(g)) = (&seq.state, &mut self.gpu) {
-            g.set_sampling(st, device_params(p)).map_err(cuda_err)?;
-        }
-        Ok(())
+        self.backend.set_sampling(id, p)
     }
 
     /// Feed one token to each listed sequence (each at most once) and return each one's next
@@ -344,87 +276,31 @@ impl Engine {
                 )));
             }
         }
-        match &mut self.gpu {
-            Some(g) => step_cuda(g, &mut self.sequences, batch),
-            None => batch
-                .iter()
-                .map(|&(id, tok)| {
-                    let seq = self
-                        .sequences
-                        .get_mut(&id)
-                        .ok_or_else(|| no_such_sequence(id))?;
-                    let SeqState::Cpu(st) = &mut seq.state else {
-                        return Err(wrong_backend());
-                    };
-                    let logits = self.model.forward(&[tok], st, Logits::Last)?;
-                    seq.tokens.push(tok);
-                    Ok(seq.sampler.sample(&logits, &seq.tokens))
-                })
-                .collect(),
-        }
+        let mut rows = step_rows(&mut self.sequences, batch);
+        self.backend.step(&self.model, &mut rows)
     }
 }
 
-/// [`Engine::step`] on CUDA: batches of at most `max_batch` rows; rows whose sequence has a
-/// repetition penalty take the logits to the host sampler.
-fn step_cuda(
-    g: &mut GpuModel,
-    sequences: &mut BTreeMap<SeqId, Sequence>,
+/// The rows of a step in `batch` order, each sequence's token appended to its history.
+fn step_rows<'a>(
+    sequences: &'a mut BTreeMap<SeqId, Sequence>,
     batch: &[(SeqId, u32)],
-) -> Result<Vec<u32>> {
-    let mut rows = Vec::with_capacity(batch.len());
-    let mut hosts = Vec::with_capacity(batch.len());
+) -> Vec<StepRow<'a>> {
     let mut seqs: Vec<&mut Sequence> = sequences
         .values_mut()
         .filter(|s| batch.iter().any(|&(id, _)| id == s.id))
         .collect();
     seqs.sort_by_key(|s| batch.iter().position(|&(id, _)| id == s.id));
-    for (s, &(_, tok)) in seqs.into_iter().zip(batch) {
-        let Sequence {
-            tokens,
-            state,
-            sampler,
-            ..
-        } = s;
-        tokens.push(tok);
-        match state {
-            SeqState::Cuda(st) => rows.push((st, tok)),
-            SeqState::Cpu(_) => return Err(wrong_backend()),
-        }
-        hosts.push((sampler, &*tokens));
-    }
-    let mut next = Vec::with_capacity(batch.len());
-    for (rows, hosts) in rows
-        .chunks_mut(g.max_batch())
-        .zip(hosts.chunks_mut(g.max_batch()))
-    {
-        let mut picked = g.step_batch(rows).map_err(cuda_err)?;
-        for (row, (sampler, tokens)) in hosts.iter_mut().enumerate() {
-            if sampler.params().repetition_penalty != 1.0 {
-                let logits = g.logits(row).map_err(cuda_err)?;
-                picked[row] = sampler.sample(&logits, tokens);
+    seqs.into_iter()
+        .zip(batch)
+        .map(|(s, &(id, token))| {
+            s.tokens.push(token);
+            StepRow {
+                id,
+                token,
+                sampler: &mut s.sampler,
+                history: &s.tokens,
             }
-        }
-        next.extend(picked);
-    }
-    Ok(next)
-}
-
-/// The device sampler's parameters for `p` (its repetition penalty is applied on the host).
-fn device_params(p: &SamplingParams) -> SampleParams {
-    SampleParams {
-        temperature: if p.is_greedy() { 0.0 } else { p.temperature },
-        top_k: p.top_k as u32,
-        top_p: p.top_p,
-        min_p: p.min_p,
-        seed: p.seed,
-    }
-}
-
-/// A failure to take a state slot: [`EngineError::Capacity`] when every slot is busy.
-fn capacity(e: deltamoe_compute::cuda::CudaError) -> EngineError {
-    match e {
-        deltamoe_compute::cuda::CudaError::Full(msg) => EngineError::Capacity(msg),
-        e => cuda_err(e),
-    }
+        })
+        .collect()
 }

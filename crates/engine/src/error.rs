@@ -20,3 +20,8 @@ pub enum EngineError {
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// The error for a sequence id the engine does not hold.
+pub(crate) fn no_such_sequence(id: crate::SeqId) -> EngineError {
+    EngineError::Input(format!("sequence {} does not exist", id.0))
+}

@@ -1,16 +1,21 @@
-//! The engine: sequences and their state, prefill and decode steps, sampling, tokenizer and
-//! chat templates.
+//! The engine: sequences and their state on a backend (CPU or CUDA), prefill and decode steps,
+//! sampling, a scheduler for continuous batching with prompt reuse, tokenizer and chat
+//! templates.
 
+mod backend;
 pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod generation_config;
+pub mod prefix_cache;
 pub mod sampler;
+pub mod scheduler;
 pub mod sequence;
 pub mod tokenizer;
 
 pub use engine::Engine;
 pub use error::{EngineError, Result};
 pub use generate::{generate, GenerateRequest, GenerateStats};
+pub use scheduler::{Event, FinishReason, Request, RequestId, Scheduler, SchedulerConfig};
 pub use sequence::{SeqId, Sequence};

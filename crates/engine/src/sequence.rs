@@ -1,7 +1,7 @@
-//! A sequence: its tokens so far and its own model state (KV caches, conv and recurrent
-//! states). Sequences are independent; the engine may hold many.
+//! A sequence: its tokens so far and how it samples. Its model state (KV caches, conv and
+//! recurrent states) lives on the engine's backend. Sequences are independent; the engine may
+//! hold many.
 
-use crate::engine::SeqState;
 use crate::sampler::Sampler;
 
 /// Identifies a sequence within an [`crate::Engine`].
@@ -12,8 +12,6 @@ pub struct Sequence {
     pub id: SeqId,
     /// Every token fed so far, prompt and generated.
     pub tokens: Vec<u32>,
-    /// Model state on the engine's backend.
-    pub state: SeqState,
     /// Picks the sequence's tokens in [`crate::Engine::step`] (on the host; on CUDA only when a
     /// repetition penalty needs the history).
     pub sampler: Sampler,

@@ -1,6 +1,7 @@
 //! An OpenAI-compatible HTTP server over a deltamoe [`Engine`]: chat and text completions
-//! (JSON or server-sent events), continuous batching on a dedicated engine thread, prompt
-//! reuse from state snapshots, admission limits and Prometheus metrics.
+//! (JSON or server-sent events), reasoning and tool-call parsing, admission limits and
+//! Prometheus metrics. Scheduling (continuous batching, prompt reuse) is the engine's
+//! [`Scheduler`], driven on a dedicated engine thread.
 //!
 //! The engine is built and used on its own thread (it may not be `Send` on CUDA); the HTTP
 //! handlers talk to it through channels.
@@ -9,10 +10,9 @@ pub mod api;
 pub mod metrics;
 pub mod output;
 pub mod parse;
-pub mod prefix_cache;
 pub mod request;
 pub mod routes;
-pub mod scheduler;
+pub mod worker;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -23,13 +23,14 @@ use std::thread::JoinHandle;
 
 use deltamoe_engine::chat::ChatTemplate;
 use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::scheduler::{Scheduler, SchedulerConfig};
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{Engine, EngineError};
 
 use crate::metrics::Metrics;
 use crate::request::{unix_now, ModelInfo};
 use crate::routes::App;
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::worker::{Job, Worker};
 
 /// Builds the engine on the engine thread.
 pub type EngineFactory = Box<dyn FnOnce() -> Result<Engine, EngineError> + Send>;
@@ -163,7 +164,7 @@ impl Server {
     }
 }
 
-type Spawned = (mpsc::Sender<scheduler::Job>, EngineFacts, JoinHandle<()>);
+type Spawned = (mpsc::Sender<Job>, EngineFacts, JoinHandle<()>);
 
 /// Starts the engine thread and waits until the engine is built.
 fn spawn_engine(
@@ -194,7 +195,7 @@ fn spawn_engine(
                 max_context: facts.max_context,
             };
             let _ = ready_tx.send(Ok(facts));
-            Scheduler::new(engine, cfg, jobs_rx, metrics).run();
+            Worker::new(Scheduler::new(engine, cfg), jobs_rx, metrics).run();
             alive.store(false, Ordering::Release);
         })
         .map_err(|e| ServerError::Thread(e.to_string()))?;

@@ -1,6 +1,6 @@
 //! Counters, gauges and latency summaries, rendered in the Prometheus text format at /metrics.
-//! The scheduler thread updates the token, cache and sequence figures; the HTTP handlers count
-//! requests by endpoint and status.
+//! The engine thread publishes the scheduler's token, cache and sequence figures; the HTTP
+//! handlers count requests by endpoint and status.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;

@@ -7,7 +7,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::ApiError;
 use crate::parse::partial_tag_len;
-use crate::scheduler::{Event, FinishReason};
+use deltamoe_engine::scheduler::{Event, FinishReason};
 
 /// Cuts generated text at the first stop string.
 pub struct StopStrings {

@@ -26,7 +26,8 @@ use crate::parse::{ChatParser, Delta};
 use crate::request::{
     check_model, new_id, prepare_chat, prepare_completion, unix_now, ModelInfo, Prepared,
 };
-use crate::scheduler::{Event, FinishReason, Job, Ticket};
+use crate::worker::{Job, Ticket};
+use deltamoe_engine::scheduler::{Event, FinishReason};
 
 /// State shared by the handlers.
 pub struct App {

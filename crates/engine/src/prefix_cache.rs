@@ -3,7 +3,7 @@
 //! at least one token to feed (the recurrent state cannot be rolled back, so only exact
 //! prefixes count). The store keeps to a byte budget by evicting the least recently used.
 
-use deltamoe_engine::engine::Snapshot;
+use crate::engine::Snapshot;
 
 /// What the cache needs from a stored state.
 pub trait Cached {

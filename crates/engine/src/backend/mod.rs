@@ -1,0 +1,97 @@
+//! Where the model runs. [`Backend`] is the one place the engine's backend choice lives: the
+//! CPU backend ([`cpu::CpuBackend`]) runs the host model itself, the CUDA backend
+//! ([`cuda::CudaBackend`]) a copy of its weights on a GPU. Each backend keeps the model state
+//! of every sequence (keyed by [`SeqId`]); the engine keeps the tokens and samplers, so the
+//! engine never looks at a backend-specific type.
+
+pub mod cpu;
+pub mod cuda;
+
+use std::any::Any;
+
+use deltamoe_model::gpu::{GdnPrefill, OffloadStats};
+use deltamoe_model::{Logits, Qwen3Hybrid};
+
+use crate::error::{EngineError, Result};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::sequence::SeqId;
+
+/// One row of a decode step.
+pub struct StepRow<'a> {
+    pub id: SeqId,
+    /// The token fed to the sequence.
+    pub token: u32,
+    /// Picks the row's next token on the host.
+    pub sampler: &'a mut Sampler,
+    /// The sequence's tokens, `token` included (the repetition penalty's history).
+    pub history: &'a [u32],
+}
+
+/// A copy of one sequence's model state, opaque outside the backend that made it.
+pub struct SavedState {
+    /// Memory the copy holds (host memory on the CPU, device memory on CUDA).
+    pub bytes: usize,
+    pub state: Box<dyn Any>,
+}
+
+/// What the engine needs from a backend. `model` is the host model the engine owns.
+pub trait Backend {
+    /// `"cpu"` or the GPU's name.
+    fn name(&self) -> String;
+
+    /// How many more sequences fit; `None` when there is no fixed limit.
+    fn free_sequences(&self) -> Option<usize>;
+
+    /// Bytes of state one sequence holds at `ctx` tokens.
+    fn sequence_bytes(&self, model: &Qwen3Hybrid, ctx: usize) -> usize;
+
+    /// Gives `id` a fresh state; [`EngineError::Capacity`] when none is free.
+    fn add(&mut self, model: &Qwen3Hybrid, id: SeqId) -> Result<()>;
+
+    /// Frees the state of `id` (nothing when it has none).
+    fn remove(&mut self, id: SeqId);
+
+    /// A copy of the state of `id`.
+    fn snapshot(&self, id: SeqId) -> Result<SavedState>;
+
+    /// Gives `id` a state copied from `saved`.
+    fn restore(&mut self, id: SeqId, saved: &SavedState) -> Result<()>;
+
+    /// Feeds `tokens` to `id` in passes of at most `chunk` tokens; returns the logits `which`
+    /// asks for.
+    fn prefill(
+        &mut self,
+        model: &Qwen3Hybrid,
+        id: SeqId,
+        tokens: &[u32],
+        chunk: usize,
+        which: Logits,
+    ) -> Result<Vec<f32>>;
+
+    /// Tells the backend how `id` samples (checked already); a backend sampling on the host
+    /// ignores it.
+    fn set_sampling(&mut self, _id: SeqId, _p: &SamplingParams) -> Result<()> {
+        Ok(())
+    }
+
+    /// Feeds each row's token to its sequence and returns each row's next token.
+    fn step(&mut self, model: &Qwen3Hybrid, rows: &mut [StepRow]) -> Result<Vec<u32>>;
+
+    /// How later prefills run the Gated DeltaNet delta rule (only CUDA has a choice).
+    fn set_gdn_prefill(&mut self, _mode: GdnPrefill) {}
+
+    /// Whether the CPU may compute offloaded experts (only CUDA offloads to the host).
+    fn set_host_experts(&mut self, _on: bool) -> Result<()> {
+        Ok(())
+    }
+
+    /// Expert-offload statistics, when the backend offloads experts to the host.
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        None
+    }
+}
+
+/// The error for a state that another backend made.
+pub(crate) fn wrong_backend() -> EngineError {
+    EngineError::Input("a sequence's state is on another backend than the engine".into())
+}
