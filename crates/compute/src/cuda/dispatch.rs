@@ -99,6 +99,12 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
     }
 }
 
+/// Whether a decode step of `rows` rows runs its fused one-row form: one row and every mixer
+/// input and output projection (`mats`) taken by the single-row kernel.
+pub fn fused_decode(rows: usize, mut mats: impl Iterator<Item = Matvec>) -> bool {
+    rows == 1 && mats.all(|m| plan(&m, &Slots::one(), false) == Plan::OneRow)
+}
+
 /// The tile of the grouped expert products of prefill (prefill.rs) for `[gate | up]` and down
 /// matrices whose inputs are `x_stride` and `inter` floats apart: tensor-core tiles when both
 /// take them, else CUDA-core tiles; None when the grouped kernels do not take them (the
@@ -318,6 +324,21 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn fused_decode_takes_one_row_of_4_and_8_bit_mixer_projections() {
+        use super::fused_decode;
+        let layer = |bits| [mat(12_352, 2048, bits), mat(2048, 4096, bits)];
+        assert!(fused_decode(1, layer(4).into_iter()));
+        assert!(fused_decode(1, layer(8).into_iter()));
+        // Batches, bf16 or 2-bit weights, or inputs past the staging limit (an 8-bit input
+        // counts as two digits) do not.
+        assert!(!fused_decode(2, layer(4).into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 4096, 16)].into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 4096, 2)].into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 16_384, 4)].into_iter()));
+        assert!(!fused_decode(1, [mat(2048, 8192, 8)].into_iter()));
     }
 
     #[test]

@@ -258,9 +258,9 @@ impl GpuModel {
             let ids = g.upload(&ids)?;
             g.mark(&a)?;
             let gu = Slots::experts(4, ids.ptr(), 0, 1).with_far(Some(lx.far_gu()));
-            ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu)?;
+            ops::matvec_swiglu(g, experts_gu.mv(), s.normed.ptr(), s.ffn.h.ptr(), gu)?;
             let dn = Slots::experts(4, ids.ptr(), inter, 1).with_far(Some(lx.far_down()));
-            ops::matvec(g, experts_down.mv(), s.h.ptr(), s.y.ptr(), dn)?;
+            ops::matvec(g, experts_down.mv(), s.ffn.h.ptr(), s.ffn.y.ptr(), dn)?;
             g.mark(&b)?;
             g.sync()?;
             // The first round warms the kernels up.

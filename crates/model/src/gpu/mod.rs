@@ -13,15 +13,28 @@
 //! the GDN conv and delta-rule kernels, attention prep and split-K decode, router top-k, expert
 //! SwiGLU and down projections (all K experts of all B rows in one launch each), combine, final
 //! norm, lm_head and sampling; at batch 1 the norms, residual adds, conv step and combine ride on
-//! the products instead ([`fused`]). Each layer kind enqueues its own work ([`layers`]). Sequence state lives in a pool of slots ([`pool`]); the
+//! the products instead (the fused form, below). Each layer kind enqueues its own work
+//! ([`layers`]). Sequence state lives in a pool of slots ([`pool`]); the
 //! token ids and slot indices of a step live in device memory, so the step is captured once per
 //! batch size into a CUDA graph and replayed; the only host↔device traffic per token is its id
 //! and slot.
 //! Prompts run through [`GpuModel::prefill`] ([`prefill`]): many tokens of one sequence per
 //! layer pass.
+//!
+//! ## The fused decode form
+//!
+//! In the fused form (one row, every mixer projection on the single-row tensor-core kernel, as
+//! `deltamoe_compute::cuda::dispatch::fused_decode` decides) the residual `x` is whole at every
+//! sublayer boundary: the input projection normalizes `x` as it stages it and, for a GDN layer,
+//! runs the conv step on its output rows; the output projection adds into `x`; the router
+//! normalizes `x` for the ffn and leaves that row in `normed` for the experts (a router the kernel
+//! does not take, e.g. bf16 or 2-bit, or a dense ffn gets the norm as its own launch); the expert
+//! down projections (or, with the shared expert apart or experts on the host, the combine after
+//! them) add their weighted sum into `x`. That saves the add+norm, conv and combine launches of
+//! every layer. Otherwise the norms run as their own launches on `normed` and each sublayer's
+//! output waits in `delta` for the next add+norm.
 
 mod format;
-mod fused;
 mod homes;
 mod host_experts;
 mod host_store;
@@ -45,6 +58,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
+use deltamoe_compute::cuda::dispatch;
 use deltamoe_compute::cuda::ops::Batch;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
@@ -409,10 +423,10 @@ impl GpuModel {
         self.head.decode(st, normed, picks)
     }
 
-    /// Whether a `b`-row step runs the fused decode form (see [`fused`]).
+    /// Whether a `b`-row step runs the fused decode form (see the module doc).
     fn fused(&self, b: usize) -> bool {
         let mats = self.layers.iter().flat_map(|l| l.mixer.projections());
-        fused::fused_decode(b, mats)
+        dispatch::fused_decode(b, mats)
     }
 
     /// The scale of the norm that follows layer `i`: the next layer's input norm, or the final

@@ -381,7 +381,7 @@ impl GpuModel {
     pub(super) fn moe_ids(&self, i: usize) -> u64 {
         match (&self.offload, self.layer_experts(i)) {
             (Some(o), Some(_)) => o.ids.at(i * o.layer_len()),
-            _ => self.scratch.ids.ptr(),
+            _ => self.scratch.ffn.ids.ptr(),
         }
     }
 

@@ -17,6 +17,7 @@ use deltamoe_compute::cuda::prefill as pf;
 use deltamoe_compute::cuda::DevBuf;
 
 use super::layers::head::LOGIT_ROWS;
+use super::layers::FfnBufs;
 use super::layers::{Pass, Stager};
 use super::{unsupported, GpuModel, GpuSeq, Result};
 use crate::Logits;
@@ -72,14 +73,7 @@ pub(crate) struct PrefillScratch {
     pub(crate) gate: DevBuf<f32>,
     pub(crate) beta: DevBuf<f32>,
     pub(crate) ws: DevBuf<u8>,
-    pub(crate) router: DevBuf<f32>,
-    pub(crate) ids: DevBuf<i32>,
-    pub(crate) weights: DevBuf<f32>,
-    pub(crate) sg: DevBuf<f32>,
-    pub(crate) h: DevBuf<f32>,
-    pub(crate) y: DevBuf<f32>,
-    pub(crate) hs: DevBuf<f32>,
-    pub(crate) ys: DevBuf<f32>,
+    pub(crate) ffn: FfnBufs,
     pub(crate) order: DevBuf<i32>,
     pub(crate) tiles: DevBuf<i32>,
     pub(crate) n_tiles: DevBuf<i32>,
@@ -92,7 +86,7 @@ impl PrefillScratch {
         let h = c.hidden_size;
         let ks = c.experts_per_token + 1;
         let needs = super::scratch::needs(&m.layers, rows);
-        let (proj, inter, shared_inter) = (needs.proj, needs.inter, needs.shared);
+        let proj = needs.proj;
         let ws = needs.workspace.max(1);
         let (qd, vd, kd) = (
             c.num_heads * c.head_dim,
@@ -118,14 +112,7 @@ impl PrefillScratch {
             gate: g.zeros(r * c.linear_v_heads)?,
             beta: g.zeros(r * c.linear_v_heads)?,
             ws: g.zeros(ws)?,
-            router: g.zeros(r * (c.num_experts + 1))?,
-            ids: g.zeros(pairs)?,
-            weights: g.zeros(pairs)?,
-            sg: g.zeros(r)?,
-            h: g.zeros(r * inter)?,
-            y: g.zeros(pairs * h)?,
-            hs: g.zeros(r * shared_inter)?,
-            ys: g.zeros(r * h)?,
+            ffn: FfnBufs::new(g, c, needs, r)?,
             order: g.zeros(pairs)?,
             tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1, pf::TILE_CORES))?,
             n_tiles: g.zeros(1)?,

@@ -2,6 +2,7 @@
 
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
+use super::layers::FfnBufs;
 use super::layers::{GpuLayer, Needs};
 use super::{Result, ATTN_SPLITS};
 use crate::config::ModelConfig;
@@ -24,14 +25,7 @@ pub(crate) struct Scratch {
     pub(crate) q: DevBuf<f32>,
     pub(crate) part_o: DevBuf<f32>,
     pub(crate) part_ml: DevBuf<f32>,
-    pub(crate) router: DevBuf<f32>,
-    pub(crate) ids: DevBuf<i32>,
-    pub(crate) weights: DevBuf<f32>,
-    pub(crate) sg: DevBuf<f32>,
-    pub(crate) h: DevBuf<f32>,
-    pub(crate) y: DevBuf<f32>,
-    pub(crate) hs: DevBuf<f32>,
-    pub(crate) ys: DevBuf<f32>,
+    pub(crate) ffn: FfnBufs,
     pub(crate) logits: DevBuf<f32>,
     /// A one-row lm_head's largest logit and its index per block (`VecIo::best`), at most one
     /// block per 16 rows.
@@ -46,34 +40,20 @@ impl Scratch {
         rows: usize,
     ) -> Result<Scratch> {
         let h = c.hidden_size;
-        let Needs {
-            proj,
-            inter,
-            shared: shared_inter,
-            ..
-        } = needs(layers, rows);
-        // Room for the shared expert stacked as one more slot.
-        let k = c.experts_per_token + 1;
+        let needs = needs(layers, rows);
         let qd = c.num_heads * c.head_dim;
         let r = rows;
         Ok(Scratch {
             x: g.zeros(r * h)?,
             normed: g.zeros(r * h)?,
             delta: g.zeros(r * h)?,
-            proj: g.zeros(r * proj)?,
+            proj: g.zeros(r * needs.proj)?,
             mixed: g.zeros(r * c.conv_dim())?,
             mix_out: g.zeros(r * qd.max(c.linear_value_size()))?,
             q: g.zeros(r * qd)?,
             part_o: g.zeros(r * c.num_heads * ATTN_SPLITS * c.head_dim)?,
             part_ml: g.zeros(r * c.num_heads * ATTN_SPLITS * 2)?,
-            router: g.zeros(r * (c.num_experts + 1))?,
-            ids: g.zeros(r * k)?,
-            weights: g.zeros(r * k)?,
-            sg: g.zeros(r)?,
-            h: g.zeros(r * inter)?,
-            y: g.zeros(r * k * h)?,
-            hs: g.zeros(r * shared_inter)?,
-            ys: g.zeros(r * h)?,
+            ffn: FfnBufs::new(g, c, needs, r)?,
             logits: g.zeros(r * c.vocab_size)?,
             best: g.zeros(2 * c.vocab_size.div_ceil(16))?,
         })

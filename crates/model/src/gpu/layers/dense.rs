@@ -61,9 +61,9 @@ impl Ffn for DenseFfn {
     fn decode(&self, st: &Step, io: &FfnIo) -> Result<()> {
         let (g, s, b) = (st.g, st.s, st.rows());
         let x_rows = Slots::rows(b, st.hidden);
-        ops::matvec_swiglu(g, self.gate_up.mv(), s.normed.ptr(), s.h.ptr(), x_rows)?;
+        ops::matvec_swiglu(g, self.gate_up.mv(), s.normed.ptr(), s.ffn.h.ptr(), x_rows)?;
         let dm = self.down.mv();
-        ops::matvec(g, dm, s.h.ptr(), s.delta.ptr(), Slots::rows(b, dm.k))?;
+        ops::matvec(g, dm, s.ffn.h.ptr(), s.delta.ptr(), Slots::rows(b, dm.k))?;
         if st.fused {
             // The residual stays whole: the output joins it now (the norm written with it goes
             // unused; the next projection normalizes).
@@ -74,9 +74,9 @@ impl Ffn for DenseFfn {
 
     fn prefill(&self, p: &Pass, _stage: &Stager) -> Result<()> {
         let (g, ps, t) = (p.g, p.ps, p.t);
-        let gu = (ps.normed.ptr(), ps.h.ptr());
+        let gu = (ps.normed.ptr(), ps.ffn.h.ptr());
         rows_mv(g, self.gate_up.mv(), gu, t, p.hidden, true)?;
         let dm = self.down.mv();
-        rows_mv(g, dm, (ps.h.ptr(), ps.delta.ptr()), t, dm.k, false)
+        rows_mv(g, dm, (ps.ffn.h.ptr(), ps.delta.ptr()), t, dm.k, false)
     }
 }

@@ -19,6 +19,8 @@ use deltamoe_compute::cuda::ops::{self, Batch, Matvec, Slots};
 use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
+use crate::config::ModelConfig;
+
 use super::offload::Pending;
 use super::prefill::{GdnPrefill, PrefillScratch};
 use super::scratch::Scratch;
@@ -74,7 +76,7 @@ pub(crate) struct Step<'a> {
     pub g: &'a Gpu,
     pub s: &'a Scratch,
     pub bt: Batch,
-    /// The fused one-row form (see [`super::mixer`]).
+    /// The fused one-row form (see [`super`]'s doc).
     pub fused: bool,
     pub eps: f32,
     pub hidden: usize,
@@ -239,6 +241,39 @@ pub(crate) struct FfnIo {
     pub ids: u64,
     /// The host experts' mailbox when this step hands experts to the host.
     pub mailbox: Option<ops::Mailbox>,
+}
+
+/// An ffn's activations for `rows` rows (a decode step's, or a prefill pass's), `k` = top-k + 1
+/// slots a row for an MoE: router logits `[rows, E + 1]`, routed ids and weights `[rows, k]`,
+/// shared-expert gates `[rows]`, hidden activations `[rows, inter]` (all slots of a row), expert
+/// outputs `[rows, k, H]`, and the shared expert's hidden `[rows, shared]` and output `[rows, H]`
+/// when it runs apart.
+pub(crate) struct FfnBufs {
+    pub router: DevBuf<f32>,
+    pub ids: DevBuf<i32>,
+    pub weights: DevBuf<f32>,
+    pub sg: DevBuf<f32>,
+    pub h: DevBuf<f32>,
+    pub y: DevBuf<f32>,
+    pub hs: DevBuf<f32>,
+    pub ys: DevBuf<f32>,
+}
+
+impl FfnBufs {
+    /// Buffers for `rows` rows of config `c`'s shape, with the layers' `needs`.
+    pub fn new(g: &Gpu, c: &ModelConfig, needs: Needs, rows: usize) -> Result<FfnBufs> {
+        let (r, h, k) = (rows, c.hidden_size, c.experts_per_token + 1);
+        Ok(FfnBufs {
+            router: g.zeros(r * (c.num_experts + 1))?,
+            ids: g.zeros(r * k)?,
+            weights: g.zeros(r * k)?,
+            sg: g.zeros(r)?,
+            h: g.zeros(r * needs.inter)?,
+            y: g.zeros(r * k * h)?,
+            hs: g.zeros(r * needs.shared)?,
+            ys: g.zeros(r * h)?,
+        })
+    }
 }
 
 /// One decoder layer: `x += mixer(norm(x))`, `x += ffn(norm(x))`.

@@ -13,7 +13,7 @@ use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::Gpu;
 
-use super::{gate_up, rows_mv, Ffn, FfnIo, FfnMade, Needs, Pass, Stager, Step};
+use super::{gate_up, rows_mv, Ffn, FfnBufs, FfnIo, FfnMade, Needs, Pass, Stager, Step};
 use crate::config::ModelConfig;
 use crate::gpu::format::DevFormat;
 use crate::gpu::host_store::{Dest, ExpertSource, Fmt, LayerExperts};
@@ -178,8 +178,24 @@ impl MoeFfn {
     /// The layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
     /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`; with `next`,
     /// that sum joins the residual `next.x` instead and `normed` gets the next norm of it.
-    fn tail(&self, g: &Gpu, t: Tail, rows: usize, next: Option<NextNorm>, eps: f32) -> Result<()> {
+    fn tail(
+        &self,
+        g: &Gpu,
+        (m, normed, delta): (&FfnBufs, u64, u64),
+        rows: usize,
+        next: Option<NextNorm>,
+        eps: f32,
+    ) -> Result<()> {
         let (per_row, h) = (self.per_row(), self.router.k);
+        let t = Tail {
+            normed,
+            hs: m.hs.ptr(),
+            ys: m.ys.ptr(),
+            sg: m.sg.ptr(),
+            y: m.y.ptr(),
+            weights: m.weights.ptr(),
+            delta,
+        };
         let (ys, sg) = match &self.shared {
             Some((gu, down)) => {
                 ops::matvec_swiglu(g, gu.mv(), t.normed, t.hs, Slots::rows(rows, h))?;
@@ -250,6 +266,7 @@ impl Ffn for MoeFfn {
 
     fn decode(&self, st: &Step, io: &FfnIo) -> Result<()> {
         let (g, s, h, b) = (st.g, st.s, st.hidden, st.rows());
+        let fb = &s.ffn;
         let (i_e, per_row) = (self.experts_gu.n / 2, self.per_row());
         let mut route = self.route();
         let (mut far_gu, mut far_down) = (None, None);
@@ -272,54 +289,59 @@ impl Ffn for MoeFfn {
                 eps: st.eps,
                 ..VecIo::default()
             };
-            vec::matvec(g, router, s.x.ptr(), s.router.ptr(), vio)?;
+            vec::matvec(g, router, s.x.ptr(), fb.router.ptr(), vio)?;
         } else {
-            ops::matvec(g, router, s.normed.ptr(), s.router.ptr(), Slots::rows(b, h))?;
+            ops::matvec(
+                g,
+                router,
+                s.normed.ptr(),
+                fb.router.ptr(),
+                Slots::rows(b, h),
+            )?;
         }
-        let (w, sg) = (s.weights.ptr(), s.sg.ptr());
-        ops::router_topk(g, s.router.ptr(), router.n, route, ids, w, sg, b)?;
+        let (w, sg) = (fb.weights.ptr(), fb.sg.ptr());
+        ops::router_topk(g, fb.router.ptr(), router.n, route, ids, w, sg, b)?;
         if let Some(m) = mailbox {
             ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
         }
         let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
-        ops::matvec_swiglu(g, self.experts_gu.mv(), s.normed.ptr(), s.h.ptr(), gu_slots)?;
+        ops::matvec_swiglu(
+            g,
+            self.experts_gu.mv(),
+            s.normed.ptr(),
+            fb.h.ptr(),
+            gu_slots,
+        )?;
         let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
         let down = self.experts_down.mv();
         let direct = self.shared.is_none() && mailbox.is_none();
         if st.fused && direct && ops::down_combine_takes(&down, per_row) {
             // The down projections add their weighted sum into the residual themselves.
-            let (x, w) = (s.x.ptr(), s.weights.ptr());
-            return ops::moe_down_combine(g, down, s.h.ptr(), x, w, down_slots, per_row, b);
+            let (x, w) = (s.x.ptr(), fb.weights.ptr());
+            return ops::moe_down_combine(g, down, fb.h.ptr(), x, w, down_slots, per_row, b);
         }
-        ops::matvec(g, down, s.h.ptr(), s.y.ptr(), down_slots)?;
+        ops::matvec(g, down, fb.h.ptr(), fb.y.ptr(), down_slots)?;
         if let Some(m) = mailbox {
-            ops::host_experts_wait(g, m, ids, s.y.ptr(), h, n)?;
+            ops::host_experts_wait(g, m, ids, fb.y.ptr(), h, n)?;
         }
-        let bufs = Tail {
-            normed: s.normed.ptr(),
-            hs: s.hs.ptr(),
-            ys: s.ys.ptr(),
-            sg: s.sg.ptr(),
-            y: s.y.ptr(),
-            weights: s.weights.ptr(),
-            delta: s.delta.ptr(),
-        };
         let next = NextNorm {
             x: s.x.ptr(),
             scale: (!st.fused).then_some(io.norm_after),
         };
+        let bufs = (fb, s.normed.ptr(), s.delta.ptr());
         self.tail(g, bufs, b, Some(next), st.eps)
     }
 
     fn prefill(&self, p: &Pass, stage: &Stager) -> Result<()> {
         let (g, ps, t, h) = (p.g, p.ps, p.t, p.hidden);
+        let fb = &ps.ffn;
         let (i_e, ks) = (self.experts_gu.n / 2, self.per_row());
-        let (ids, pairs, router) = (ps.ids.ptr(), t * ks, self.router.mv());
-        rows_mv(g, router, (ps.normed.ptr(), ps.router.ptr()), t, h, false)?;
-        let (w, sg) = (ps.weights.ptr(), ps.sg.ptr());
-        ops::router_topk(g, ps.router.ptr(), router.n, self.route(), ids, w, sg, t)?;
+        let (ids, pairs, router) = (fb.ids.ptr(), t * ks, self.router.mv());
+        rows_mv(g, router, (ps.normed.ptr(), fb.router.ptr()), t, h, false)?;
+        let (w, sg) = (fb.weights.ptr(), fb.sg.ptr());
+        ops::router_topk(g, fb.router.ptr(), router.n, self.route(), ids, w, sg, t)?;
         let (gu, dn) = match self.offload {
-            Some(_) => stage(&ps.ids, pairs)?,
+            Some(_) => stage(&fb.ids, pairs)?,
             None => (self.experts_gu.mv(), self.experts_down.mv()),
         };
         if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e) {
@@ -335,29 +357,20 @@ impl Ffn for MoeFfn {
                 x_stride: h,
                 x_div: ks,
             };
-            pf::grouped_swiglu(g, gu, ps.normed.ptr(), ps.h.ptr(), gr)?;
+            pf::grouped_swiglu(g, gu, ps.normed.ptr(), fb.h.ptr(), gr)?;
             let gr = Grouped {
                 x_stride: i_e,
                 x_div: 1,
                 ..gr
             };
-            pf::grouped_matvec(g, dn, ps.h.ptr(), ps.y.ptr(), gr)?;
+            pf::grouped_matvec(g, dn, fb.h.ptr(), fb.y.ptr(), gr)?;
         } else {
             let gu_slots = Slots::experts(pairs, ids, h, ks);
-            ops::matvec_swiglu(g, gu, ps.normed.ptr(), ps.h.ptr(), gu_slots)?;
+            ops::matvec_swiglu(g, gu, ps.normed.ptr(), fb.h.ptr(), gu_slots)?;
             let down_slots = Slots::experts(pairs, ids, i_e, 1);
-            ops::matvec(g, dn, ps.h.ptr(), ps.y.ptr(), down_slots)?;
+            ops::matvec(g, dn, fb.h.ptr(), fb.y.ptr(), down_slots)?;
         }
-        let bufs = Tail {
-            normed: ps.normed.ptr(),
-            hs: ps.hs.ptr(),
-            ys: ps.ys.ptr(),
-            sg: ps.sg.ptr(),
-            y: ps.y.ptr(),
-            weights: ps.weights.ptr(),
-            delta: ps.delta.ptr(),
-        };
-        self.tail(g, bufs, t, None, p.eps)
+        self.tail(g, (fb, ps.normed.ptr(), ps.delta.ptr()), t, None, p.eps)
     }
 
     fn moe(&self) -> Option<&MoeFfn> {
