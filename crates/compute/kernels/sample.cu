@@ -5,7 +5,7 @@
 // embed_affine: x[b, i] = q[tok[b], i]·scale + bias for an MLX affine table (words u32
 //   [V, H·bits/32], scales and biases bf16 [V, H/G]; bits 2, 4 or 8). grid (ceil(H/256), B), block 256.
 // sample_advance: row b (grid B, one block each) belongs to the sequence in slot s = slots[b]; with
-//   its parameters params + 7·s and logits + b·V it writes tok[b] and advances pos[s]. With
+//   its parameters params + SAMPLE_WORDS·s and logits + b·V it writes tok[b] and advances pos[s]. With
 //   npairs > 0 (one row), the logits' max and its lowest index come from pairs [npairs, 2]: the
 //   lm_head's largest output and its row per block (mma_vec.cu, VecIo best).
 //   The token is picked from logits[0..V] with the sampling parameters
@@ -14,6 +14,9 @@
 //   smallest set of largest z holding top_p of their mass, then z ≥ ln(min_p) (min-p relative to
 //   the most likely token), and draw u·Σ e^z with u uniform from (seed, step) over the kept tokens
 //   in index order. Thresholds are found by bisection on z. step += 1, pos += 1. block 1024.
+
+// u32 words of one slot's sampling parameters (ops::SampleParams::WORDS).
+#define SAMPLE_WORDS 7
 
 extern "C" __global__ void embed_bf16(const bf16_t* __restrict__ table, const int* __restrict__ tok,
                                       float* __restrict__ x, int H) {
@@ -102,7 +105,7 @@ extern "C" __global__ void sample_advance(const float* logits, int V, unsigned i
     int t = threadIdx.x;
     int row = blockIdx.x, slot = slots[row];
     logits += (long long)row * V;
-    params += 7LL * slot;
+    params += (long long)SAMPLE_WORDS * slot;
     tok += row;
     pos += slot;
     float temp = __uint_as_float(params[0]);

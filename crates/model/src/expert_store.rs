@@ -335,7 +335,7 @@ mod tests {
     use safetensors::Dtype;
 
     use super::*;
-    use crate::layers::moe::load_experts;
+    use crate::checkpoint::moe::load_experts;
 
     const E: usize = 3;
     const H: usize = 64;

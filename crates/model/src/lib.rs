@@ -1,6 +1,7 @@
 //! Model definitions for deltamoe: HF config parsing, safetensors weights and the Qwen3 hybrid
 //! family (Gated DeltaNet + gated attention + MoE).
 
+pub mod checkpoint;
 pub mod config;
 pub mod convert;
 pub mod error;
@@ -14,9 +15,19 @@ pub mod residency;
 pub mod state;
 pub mod weights;
 
+pub use checkpoint::Checkpoint;
 pub use config::{Family, FfnKind, LayerKind, ModelConfig};
 pub use error::{ModelError, Result};
 pub use quant::{Layout, QuantConfig, QuantSpec};
-pub use qwen3_hybrid::{Logits, Qwen3Hybrid};
+pub use qwen3_hybrid::Qwen3Hybrid;
 pub use state::SequenceState;
 pub use weights::{TensorBytes, TensorInfo, WeightStore};
+
+/// Which positions' logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// `[T, vocab]`, every position (scoring).
+    All,
+    /// `[vocab]`, the last position only (generation).
+    Last,
+}

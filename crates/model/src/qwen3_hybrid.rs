@@ -11,54 +11,32 @@ use std::sync::Arc;
 use deltamoe_compute::cpu::norm::rms_norm;
 use deltamoe_compute::cpu::rope::Rope;
 
-use crate::config::{FfnKind, LayerKind, ModelConfig};
+use crate::checkpoint::{Checkpoint, Ffn, Mixer, Moe};
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert_store::{ExpertStore, MoeLayer};
 use crate::layers::attention::KvCache;
-use crate::layers::{
-    Attention, ExpertStats, GatedDeltaNet, LinearWeight, Mlp, Moe, OffloadedExperts,
-};
+use crate::layers::{ExpertStats, OffloadedExperts};
 use crate::state::{LayerState, SequenceState};
 use crate::weights::WeightStore;
+use crate::Logits;
 
-#[derive(Clone, Debug)]
-pub(crate) enum Mixer {
-    Linear(GatedDeltaNet),
-    Full(Attention),
-}
-
-#[derive(Clone, Debug)]
-#[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
-pub(crate) enum Ffn {
-    Dense(Mlp),
-    Moe(Moe),
-}
-
-#[derive(Clone, Debug)]
-pub(crate) struct Layer {
-    pub(crate) input_norm: Vec<f32>,
-    pub(crate) mixer: Mixer,
-    pub(crate) post_norm: Vec<f32>,
-    pub(crate) ffn: Ffn,
-}
-
-/// Which positions' logits a forward pass returns.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Logits {
-    /// `[T, vocab]`, every position (scoring).
-    All,
-    /// `[vocab]`, the last position only (generation).
-    Last,
-}
-
-/// A loaded model.
+/// A loaded model on the CPU: its checkpoint's weights and how the CPU runs them.
 pub struct Qwen3Hybrid {
-    pub(crate) config: ModelConfig,
-    pub(crate) embed: LinearWeight,
-    pub(crate) layers: Vec<Layer>,
-    pub(crate) final_norm: Vec<f32>,
-    pub(crate) lm_head: LinearWeight,
-    pub(crate) rope: Rope,
+    ckpt: Checkpoint,
+    rope: Rope,
+    /// Multi-token GDN passes with the GPU's chunked-rule roundings (see
+    /// [`Self::set_gdn_gpu_roundings`]).
+    gdn_gpu_roundings: bool,
+    /// Per layer: where an MoE layer's routed experts are read from when offloaded (see
+    /// [`Self::offload_experts`]).
+    expert_offload: Vec<Option<Arc<OffloadedExperts>>>,
+}
+
+impl AsRef<Checkpoint> for Qwen3Hybrid {
+    fn as_ref(&self) -> &Checkpoint {
+        &self.ckpt
+    }
 }
 
 impl Qwen3Hybrid {
@@ -71,29 +49,27 @@ impl Qwen3Hybrid {
 
     /// Build from a parsed config and an opened store; every tensor's shape is checked here.
     pub fn from_store(config: ModelConfig, store: &WeightStore) -> Result<Qwen3Hybrid> {
-        let c = &config;
-        let (v, h) = (c.vocab_size, c.hidden_size);
-        let embed = LinearWeight::load(store, "model.embed_tokens", v, h)?;
-        let lm_head = if c.tie_word_embeddings {
-            embed.clone()
-        } else {
-            LinearWeight::load(store, "lm_head", v, h)?
-        };
-        let layers = (0..c.num_layers)
-            .map(|i| load_layer(store, c, i))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Qwen3Hybrid {
-            embed,
-            lm_head,
-            layers,
-            final_norm: store.zero_centred_norm("model.norm.weight", h)?,
+        Ok(Qwen3Hybrid::new(Checkpoint::from_store(config, store)?))
+    }
+
+    /// The CPU model of a loaded checkpoint.
+    pub fn new(ckpt: Checkpoint) -> Qwen3Hybrid {
+        let c = &ckpt.config;
+        Qwen3Hybrid {
             rope: Rope::new(c.rotary_dim, c.rope_theta),
-            config,
-        })
+            gdn_gpu_roundings: false,
+            expert_offload: vec![None; ckpt.layers.len()],
+            ckpt,
+        }
+    }
+
+    /// The weights as loaded (what the GPU model uploads).
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ckpt
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.config
+        &self.ckpt.config
     }
 
     /// Run the Gated DeltaNet layers' multi-token passes through the CPU twin of the GPU's
@@ -101,16 +77,13 @@ impl Qwen3Hybrid {
     /// bf16 where it rounds them): the CPU reference with the same roundings that the chunked
     /// GPU prefill is checked against.
     pub fn set_gdn_gpu_roundings(&mut self, on: bool) {
-        for l in &mut self.layers {
-            if let Mixer::Linear(g) = &mut l.mixer {
-                g.gpu_roundings = on;
-            }
-        }
+        self.gdn_gpu_roundings = on;
     }
 
     /// The MoE layers.
     fn moes(&self) -> impl Iterator<Item = (usize, &Moe)> {
-        self.layers
+        self.ckpt
+            .layers
             .iter()
             .enumerate()
             .filter_map(|(i, l)| match &l.ffn {
@@ -139,12 +112,10 @@ impl Qwen3Hybrid {
             )));
         }
         let es = Arc::new(ExpertStore::open(&store, &layers)?);
-        let moes = self.layers.iter_mut().filter_map(|l| match &mut l.ffn {
-            Ffn::Moe(m) => Some(m),
-            Ffn::Dense(_) => None,
-        });
-        for (k, m) in moes.enumerate() {
-            m.offload = Some(Arc::new(OffloadedExperts::new(es.clone(), k, slots)?));
+        let moes: Vec<usize> = self.moes().map(|(i, _)| i).collect();
+        for (k, i) in moes.into_iter().enumerate() {
+            let o = OffloadedExperts::new(es.clone(), k, slots)?;
+            self.expert_offload[i] = Some(Arc::new(o));
         }
         Ok(())
     }
@@ -165,15 +136,20 @@ impl Qwen3Hybrid {
 
     /// Offload statistics summed over the MoE layers, when the experts are offloaded.
     pub fn expert_stats(&self) -> Option<ExpertStats> {
-        self.moes()
-            .filter_map(|(_, m)| m.offload.as_ref().map(|o| o.stats()))
+        self.expert_offload
+            .iter()
+            .flatten()
+            .map(|o| o.stats())
             .reduce(|a, b| a.add(&b))
     }
 
     /// Cache slots per MoE layer, when the experts are offloaded.
     pub fn expert_cache_slots(&self) -> Option<usize> {
-        self.moes()
-            .find_map(|(_, m)| m.offload.as_ref().map(|o| o.slots()))
+        self.expert_offload
+            .iter()
+            .flatten()
+            .map(|o| o.slots())
+            .next()
     }
 
     /// Fresh per-sequence state: empty KV caches, zero conv and recurrent states.
@@ -181,7 +157,8 @@ impl Qwen3Hybrid {
     pub fn state_bytes(&self, ctx: usize) -> usize {
         let c = self.config();
         let kv = 2 * ctx * c.num_kv_heads * c.head_dim;
-        self.layers
+        self.ckpt
+            .layers
             .iter()
             .map(|l| match &l.mixer {
                 Mixer::Linear(g) => g.conv_state_len() + g.recurrent_state_len(),
@@ -193,6 +170,7 @@ impl Qwen3Hybrid {
 
     pub fn new_state(&self) -> SequenceState {
         let layers = self
+            .ckpt
             .layers
             .iter()
             .map(|l| match &l.mixer {
@@ -214,7 +192,7 @@ impl Qwen3Hybrid {
         state: &mut SequenceState,
         which: Logits,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
+        let (c, w) = (&self.ckpt.config, &self.ckpt);
         if tokens.is_empty() {
             return Err(ModelError::Input(
                 "no tokens to run: the prompt is empty".into(),
@@ -229,15 +207,16 @@ impl Qwen3Hybrid {
         let (t, h) = (tokens.len(), c.hidden_size);
         let mut x = vec![0.0f32; t * h];
         for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
-            self.embed.row_f32(id as usize, row);
+            w.embed.row_f32(id as usize, row);
         }
         let pos0 = state.pos;
-        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
+        let layers = w.layers.iter().zip(&self.expert_offload);
+        for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
             let mut n = x.clone();
             rms_norm(&mut n, &layer.input_norm, c.rms_norm_eps);
             let mixed = match (&layer.mixer, st) {
                 (Mixer::Linear(g), LayerState::Linear { conv, recurrent }) => {
-                    g.forward(&n, t, conv, recurrent)
+                    g.forward(&n, t, (conv, recurrent), self.gdn_gpu_roundings)
                 }
                 (Mixer::Full(a), LayerState::Full(cache)) => {
                     a.forward(&n, t, pos0, &self.rope, cache)
@@ -253,7 +232,7 @@ impl Qwen3Hybrid {
             rms_norm(&mut n, &layer.post_norm, c.rms_norm_eps);
             let f = match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&n, t),
-                Ffn::Moe(m) => m.forward(&n, t)?,
+                Ffn::Moe(m) => m.forward(&n, t, offload.as_deref())?,
             };
             x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
         }
@@ -262,38 +241,10 @@ impl Qwen3Hybrid {
             Logits::All => &mut x[..],
             Logits::Last => &mut x[(t - 1) * h..],
         };
-        rms_norm(rows, &self.final_norm, c.rms_norm_eps);
+        rms_norm(rows, &w.final_norm, c.rms_norm_eps);
         let n = rows.len() / h;
         let mut logits = vec![0.0; n * c.vocab_size];
-        self.lm_head.matmul(rows, n, &mut logits);
+        w.lm_head.matmul(rows, n, &mut logits);
         Ok(logits)
     }
-}
-
-fn load_layer(store: &WeightStore, c: &ModelConfig, i: usize) -> Result<Layer> {
-    let p = format!("model.layers.{i}");
-    let h = c.hidden_size;
-    let mixer = match c.layer_kinds[i] {
-        LayerKind::LinearAttention => {
-            Mixer::Linear(GatedDeltaNet::load(store, &format!("{p}.linear_attn"), c)?)
-        }
-        LayerKind::FullAttention => {
-            Mixer::Full(Attention::load(store, &format!("{p}.self_attn"), c)?)
-        }
-    };
-    let ffn = match c.ffn_kinds[i] {
-        FfnKind::Dense => Ffn::Dense(Mlp::load(
-            store,
-            &format!("{p}.mlp"),
-            h,
-            c.intermediate_size,
-        )?),
-        FfnKind::Moe => Ffn::Moe(Moe::load(store, &format!("{p}.mlp"), c)?),
-    };
-    Ok(Layer {
-        input_norm: store.zero_centred_norm(&format!("{p}.input_layernorm.weight"), h)?,
-        mixer,
-        post_norm: store.zero_centred_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
-        ffn,
-    })
 }

@@ -275,6 +275,7 @@ mod tests {
         };
         let file = |name: &str| super::FILES.iter().find(|f| f.0 == name).unwrap().1;
         let (gdn, qmv, attn) = (file("gdn.cu"), file("qmatvec.cu"), file("attention.cu"));
+        let sample = file("sample.cu");
         use super::super::attention as at;
         for (src, name, value) in [
             (super::COMMON, "CONV_KMAX", GDN_CONV_KMAX as u32),
@@ -297,6 +298,11 @@ mod tests {
             (attn, "ATTN_GQA", at::ATTN_GQA as u32),
             (attn, "ATTN_POS", at::ATTN_POS as u32),
             (attn, "ATTN_STAGES", at::ATTN_STAGES as u32),
+            (
+                sample,
+                "SAMPLE_WORDS",
+                super::super::ops::SampleParams::WORDS as u32,
+            ),
         ] {
             let line = format!("#define {name} {value}\n");
             assert!(

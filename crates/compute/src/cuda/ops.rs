@@ -532,7 +532,8 @@ pub fn fill_uniform(
     Ok(())
 }
 
-/// Device sampling parameters as `sample_advance` reads them (7 u32, see sample.cu).
+/// Device sampling parameters as `sample_advance` reads them ([`SampleParams::WORDS`] u32, see
+/// sample.cu).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SampleParams {
     /// ≤ 0: greedy.
@@ -548,7 +549,10 @@ pub struct SampleParams {
 
 impl SampleParams {
     /// The device words, with the draw counter at `step`.
-    pub fn words(&self, step: u32) -> [u32; 7] {
+    /// Words a slot's parameters take (`SAMPLE_WORDS` in sample.cu).
+    pub const WORDS: usize = 7;
+
+    pub fn words(&self, step: u32) -> [u32; Self::WORDS] {
         [
             self.temperature.to_bits(),
             self.top_k,
@@ -562,7 +566,7 @@ impl SampleParams {
 }
 
 /// Per row b of `bt` (slot s): `tok[b]` = a token drawn from `logits[b, ..v]` with the
-/// parameters at `params + 7·s` (see [`SampleParams::words`]; greedy when the temperature is
+/// parameters at `params + WORDS·s` (see [`SampleParams::words`]; greedy when the temperature is
 /// ≤ 0), `pos[s] += 1`. `best` (one row only): the device address and count of the pairs the
 /// lm_head wrote ([`super::vec::VecIo::best`]), from which the logits' max and its index come.
 #[allow(clippy::too_many_arguments)]
@@ -593,7 +597,7 @@ pub fn sample_advance(
         .arg(&bt.slots)
         .arg(&best)
         .arg(&nbest);
-    // SAFETY: logits hold rows·v floats, params (max slot + 1)·7 u32, pos (max slot + 1) ints,
+    // SAFETY: logits hold rows·v floats, params (max slot + 1)·WORDS u32, pos (max slot + 1) ints,
     // tok and slots rows ints; best, when given, 2·nbest floats (one row, checked above).
     unsafe { b.launch(cfg((bt.rows as u32, 1), 1024, 0)) }.map_err(driver_err("sample_advance"))?;
     Ok(())

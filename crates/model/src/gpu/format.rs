@@ -1,15 +1,16 @@
-//! Weight formats on the GPU, in one place: how a stack of `[n, k]` matrices of each format is
+//! Weight formats on the GPU, in one place, and the device matrices ([`DevMat`]) stored in them: how a stack of `[n, k]` matrices of each format is
 //! laid out (its arrays and their bytes per matrix, the same in device and pinned host memory),
 //! which format a checkpoint's weights take, how they are written in that layout, and the kernel
 //! operands that describe it ([`WeightFormat`]). The kernels' dispatch on those operands is
 //! `deltamoe_compute::cuda::ops`'s. Adding a format is one arm in each function here (see
 //! `docs/architecture.md`).
 
-use deltamoe_compute::cuda::ops::{Far, WeightFormat};
+use deltamoe_compute::cuda::ops::{Far, Matvec, WeightFormat};
+use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 use deltamoe_compute::dtype::f32_to_bf16;
 use deltamoe_compute::TensorData;
 
-use crate::layers::{DenseSource, LinearWeight};
+use crate::checkpoint::{DenseSource, Linear, LinearWeight};
 
 /// How a device matrix stack is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +97,121 @@ impl DevFormat {
             biases,
             split,
         }
+    }
+}
+
+/// The format of one `[n, k]` matrix of a stack.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Fmt {
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) format: DevFormat,
+}
+
+impl Fmt {
+    pub(crate) fn new(n: usize, k: usize, format: DevFormat) -> Fmt {
+        Fmt { n, k, format }
+    }
+
+    /// Bytes of one matrix in each array.
+    pub(crate) fn array_bytes(&self) -> Vec<usize> {
+        self.format.array_bytes(self.n, self.k)
+    }
+
+    pub(crate) fn matrix_bytes(&self) -> usize {
+        self.array_bytes().iter().sum()
+    }
+
+    /// A zeroed device stack of `count` matrices.
+    pub(crate) fn device_stack(&self, g: &Gpu, count: usize) -> Result<DevMat> {
+        let arrays = self.array_bytes().into_iter();
+        let arrays = arrays.map(|b| g.zeros(count * b)).collect::<Result<_>>()?;
+        Ok(DevMat {
+            w: DevWeights {
+                format: self.format,
+                arrays,
+            },
+            n: self.n,
+            k: self.k,
+            bias: None,
+        })
+    }
+}
+
+/// A device matrix (or a stack of same-shaped matrices, e.g. experts) with its per-matrix
+/// geometry and optional bias.
+pub(crate) struct DevMat {
+    pub(crate) w: DevWeights,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) bias: Option<DevBuf<f32>>,
+}
+
+/// A stack's arrays on the device, in the layout of its format.
+pub(crate) struct DevWeights {
+    pub(crate) format: DevFormat,
+    pub(crate) arrays: Vec<DevBuf<u8>>,
+}
+
+impl DevMat {
+    /// `parts` stacked by rows, read as matrices of `n` rows, in the format
+    /// [`DevFormat::of`] picks for them.
+    pub(crate) fn stack(
+        g: &Gpu,
+        parts: &[&LinearWeight],
+        n: usize,
+        k: usize,
+        bias: Option<Vec<f32>>,
+    ) -> Result<DevMat> {
+        let bias = bias.map(|b| g.upload(&b)).transpose()?;
+        let format = DevFormat::of(parts);
+        let arrays = format.arrays(parts);
+        let arrays = arrays.iter().map(|a| g.upload(a)).collect::<Result<_>>()?;
+        let w = DevWeights { format, arrays };
+        Ok(DevMat { w, n, k, bias })
+    }
+
+    pub(crate) fn of(g: &Gpu, l: &Linear) -> Result<DevMat> {
+        let [n, k] = l.weight.shape();
+        DevMat::stack(g, &[&l.weight], n, k, l.bias.clone())
+    }
+
+    pub(crate) fn mv(&self) -> Matvec {
+        let bias = self.bias.as_ref().map_or(0, |b| b.ptr());
+        let ptrs: Vec<u64> = self.w.arrays.iter().map(|a| a.ptr()).collect();
+        let (w, format) = self.w.format.operands(&ptrs);
+        Matvec {
+            w,
+            n: self.n,
+            k: self.k,
+            bias,
+            format,
+        }
+    }
+
+    /// Bytes one matrix of the stack occupies.
+    pub(crate) fn bytes(&self) -> usize {
+        self.fmt().matrix_bytes()
+    }
+
+    /// Weights of one matrix of the stack.
+    pub(crate) fn params(&self) -> usize {
+        self.n * self.k
+    }
+
+    pub(crate) fn fmt(&self) -> Fmt {
+        Fmt::new(self.n, self.k, self.w.format)
+    }
+
+    /// A stack of no matrices in this one's format.
+    pub(crate) fn empty(&self, g: &Gpu) -> Result<DevMat> {
+        self.fmt().device_stack(g, 0)
+    }
+
+    /// (base address, bytes per matrix) of each array of the stack.
+    pub(crate) fn pieces(&self) -> Vec<(u64, usize)> {
+        let ptrs = self.w.arrays.iter().map(|a| a.ptr());
+        ptrs.zip(self.fmt().array_bytes()).collect()
     }
 }
 

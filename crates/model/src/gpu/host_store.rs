@@ -23,57 +23,11 @@ use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::Far;
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 
-use super::format::DevFormat;
+use deltamoe_compute::cuda::Result;
+
+use super::format::{DevMat, Fmt};
 use super::homes::{Homes, WriteBack};
-use super::{DevMat, DevWeights, Result};
 use crate::residency::{Policy, Residency, Swap};
-
-/// The format of one `[n, k]` matrix of a stack.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Fmt {
-    pub(super) n: usize,
-    pub(super) k: usize,
-    pub(super) format: DevFormat,
-}
-
-impl Fmt {
-    pub(crate) fn new(n: usize, k: usize, format: DevFormat) -> Fmt {
-        Fmt { n, k, format }
-    }
-
-    /// Bytes of one matrix in each array.
-    pub(super) fn array_bytes(&self) -> Vec<usize> {
-        self.format.array_bytes(self.n, self.k)
-    }
-
-    pub(super) fn matrix_bytes(&self) -> usize {
-        self.array_bytes().iter().sum()
-    }
-
-    /// A zeroed device stack of `count` matrices.
-    pub(super) fn device_stack(&self, g: &Gpu, count: usize) -> Result<DevMat> {
-        let arrays = self.array_bytes().into_iter();
-        let arrays = arrays.map(|b| g.zeros(count * b)).collect::<Result<_>>()?;
-        Ok(DevMat {
-            w: DevWeights {
-                format: self.format,
-                arrays,
-            },
-            n: self.n,
-            k: self.k,
-            bias: None,
-        })
-    }
-
-    /// A zeroed pinned host stack of `count` matrices.
-    pub(super) fn host_stack(&self, g: &Gpu, count: usize) -> Result<HostMat> {
-        let arrays = self.array_bytes().into_iter();
-        let arrays = arrays
-            .map(|b| HostBuf::zeros(g, count * b))
-            .collect::<Result<_>>()?;
-        Ok(HostMat { arrays, fmt: *self })
-    }
-}
 
 /// A stack of same-shaped `[n, k]` matrices in pinned host memory, in the device layout of its
 /// format.
@@ -83,6 +37,15 @@ pub(crate) struct HostMat {
 }
 
 impl HostMat {
+    /// A zeroed pinned host stack of `count` matrices.
+    pub(super) fn zeros(g: &Gpu, fmt: Fmt, count: usize) -> Result<HostMat> {
+        let arrays = fmt.array_bytes().into_iter();
+        let arrays = arrays
+            .map(|b| HostBuf::zeros(g, count * b))
+            .collect::<Result<_>>()?;
+        Ok(HostMat { arrays, fmt })
+    }
+
     fn ptrs(&self) -> Vec<u64> {
         self.arrays.iter().map(|a| a.ptr()).collect()
     }
@@ -135,6 +98,32 @@ pub(super) fn copy_matrices(
         };
     }
     Ok(())
+}
+
+/// A layer whose routed experts wait to be placed, and where they come from.
+pub(crate) struct Pending<'a> {
+    pub(crate) layer: usize,
+    pub(crate) experts: usize,
+    pub(crate) stacked: bool,
+    pub(crate) src: Box<dyn ExpertSource + 'a>,
+}
+
+impl<'a> Pending<'a> {
+    /// Layer `layer`'s `experts` routed experts (the shared one stacked after them when
+    /// `stacked`), from `src`.
+    pub(crate) fn new(
+        layer: usize,
+        experts: usize,
+        stacked: bool,
+        src: Box<dyn ExpertSource + 'a>,
+    ) -> Pending<'a> {
+        Pending {
+            layer,
+            experts,
+            stacked,
+            src,
+        }
+    }
 }
 
 /// Matrices `at..` of a stack whose arrays ((base address, bytes per matrix) each) are `arrays`,
@@ -211,7 +200,10 @@ impl LayerExperts {
             fg.device_stack(g, s + stacked as usize)?,
             fd.device_stack(g, s + stacked as usize)?,
         );
-        let (gu, down) = (fg.host_stack(g, out + c)?, fd.host_stack(g, out + c)?);
+        let (gu, down) = (
+            HostMat::zeros(g, fg, out + c)?,
+            HostMat::zeros(g, fd, out + c)?,
+        );
         for (is_down, d, h) in [(false, &dev.0, &gu), (true, &dev.1, &down)] {
             let (d, h) = (d.pieces(), h.pieces());
             let on_device = |at| Dest { arrays: &d, at };
@@ -242,8 +234,8 @@ impl LayerExperts {
     /// host stacks at its index, for placing again.
     pub(super) fn gather(&self, g: &Gpu, cache: (&DevMat, &DevMat)) -> Result<Gathered> {
         let count = self.experts + self.stacked as usize;
-        let gu = self.gu.fmt().host_stack(g, count)?;
-        let down = self.down.fmt().host_stack(g, count)?;
+        let gu = HostMat::zeros(g, self.gu.fmt(), count)?;
+        let down = HostMat::zeros(g, self.down.fmt(), count)?;
         let (to_gu, to_down) = (gu.pieces(), down.pieces());
         let (cache_gu, cache_down) = (cache.0.pieces(), cache.1.pieces());
         let slots = self.res.slots();

@@ -1,6 +1,6 @@
 //! The Qwen3 hybrid model's decode step on CUDA.
 //!
-//! Weights are uploaded once from a loaded [`Qwen3Hybrid`]: dense ones as bf16 (f16/f32
+//! Weights are uploaded once from a loaded [`Checkpoint`]: dense ones as bf16 (f16/f32
 //! checkpoints rounded to bf16), MLX affine 2/4/8-bit ones kept quantized (u32 words, bf16
 //! scales and biases; 3/5/6-bit, which pack across words, are dequantized to bf16). Projections
 //! that read the same input are fused into one matrix: GDN `[qkv | z | b | a]` (Qwen3-Next's
@@ -43,16 +43,16 @@ mod layers;
 mod offload;
 mod pool;
 mod prefill;
-mod scratch;
+mod random;
 mod synthetic;
 mod upload;
 
+pub use layers::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS};
 pub use offload::{
     clean_copies, slots_for_bytes, ExpertCache, OffloadStats, HOST_RESERVE, STATE_RESERVE,
 };
 pub use pool::{GpuSeq, GpuSnapshot};
-pub use prefill::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS, PREFILL_MAX_ROWS};
-pub(crate) use upload::{DevMat, DevWeights};
+pub use prefill::PREFILL_MAX_ROWS;
 
 use std::sync::Arc;
 
@@ -62,17 +62,13 @@ use deltamoe_compute::cuda::dispatch;
 use deltamoe_compute::cuda::ops::Batch;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
+use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::qwen3_hybrid::Qwen3Hybrid;
 use layers::head::{Head, Picks};
-use layers::{FfnIo, GpuLayer, Step};
+use layers::{needs, FfnIo, GpuLayer, Scratch, Step};
 use pool::Pool;
-use scratch::Scratch;
 
 type Result<T> = std::result::Result<T, CudaError>;
-
-/// Split-K partitions of the attention decode.
-const ATTN_SPLITS: usize = 64;
 
 /// Most rows one batched step runs; the engine splits larger batches.
 pub const MAX_BATCH: usize = 32;
@@ -99,8 +95,8 @@ pub struct GpuModel {
     /// The captured step per batch size (index B − 1).
     graphs: Vec<Option<CudaGraph>>,
     /// Activations of a prefill pass (allocated by the first prefill).
-    prefill: Option<prefill::PrefillScratch>,
-    prefill_gdn: prefill::GdnPrefill,
+    prefill: Option<layers::PrefillScratch>,
+    prefill_gdn: GdnPrefill,
     /// Routed-id log, staging and statistics when experts are offloaded.
     offload: Option<offload::Offload>,
     /// A cap on the pinned host memory of offloaded experts (see
@@ -121,7 +117,7 @@ pub(crate) struct Parts {
 impl GpuModel {
     /// A model of config `c` from its device weights, with scratch buffers sized for it.
     pub(crate) fn assemble(c: &crate::ModelConfig, gpu: Arc<Gpu>, p: Parts) -> Result<GpuModel> {
-        let scratch = Scratch::new(&gpu, c, &p.layers, 1)?;
+        let scratch = Scratch::new(&gpu, c, needs(&p.layers, 1), 1)?;
         Ok(GpuModel {
             hidden: c.hidden_size,
             vocab: c.vocab_size,
@@ -137,7 +133,7 @@ impl GpuModel {
             io: gpu.zeros(2)?,
             graphs: Vec::new(),
             prefill: None,
-            prefill_gdn: prefill::GdnPrefill::default(),
+            prefill_gdn: GdnPrefill::default(),
             offload: None,
             host_memory: None,
             gpu,
@@ -147,7 +143,7 @@ impl GpuModel {
     /// Size the scratch for batches of `rows` rows.
     fn set_rows(&mut self, rows: usize) -> Result<()> {
         self.graphs.clear();
-        self.scratch = Scratch::new(&self.gpu, &self.cfg, &self.layers, rows)?;
+        self.scratch = Scratch::new(&self.gpu, &self.cfg, needs(&self.layers, rows), rows)?;
         self.io = self.gpu.zeros(2 * rows)?;
         self.rows = rows;
         Ok(())
@@ -158,16 +154,21 @@ impl GpuModel {
         self.rows
     }
 
-    /// Upload `model` to `gpu`.
-    pub fn upload(model: &Qwen3Hybrid, gpu: Arc<Gpu>) -> Result<GpuModel> {
+    /// Upload `model`'s weights (a [`Checkpoint`], or a loaded model holding one) to `gpu`.
+    pub fn upload(model: &impl AsRef<Checkpoint>, gpu: Arc<Gpu>) -> Result<GpuModel> {
         GpuModel::upload_with(model, gpu, ExpertCache::All)
     }
 
     /// Upload `model` to `gpu`, its routed experts offloaded to pinned host memory with a
     /// device cache sized by `cache` unless that is [`ExpertCache::All`].
-    pub fn upload_with(model: &Qwen3Hybrid, gpu: Arc<Gpu>, cache: ExpertCache) -> Result<GpuModel> {
-        let (parts, pending) = upload::upload_model(&gpu, model, cache != ExpertCache::All)?;
-        let mut m = GpuModel::assemble(model.config(), gpu.clone(), parts)?;
+    pub fn upload_with(
+        model: &impl AsRef<Checkpoint>,
+        gpu: Arc<Gpu>,
+        cache: ExpertCache,
+    ) -> Result<GpuModel> {
+        let ckpt = model.as_ref();
+        let (parts, pending) = upload::upload_model(&gpu, ckpt, cache != ExpertCache::All)?;
+        let mut m = GpuModel::assemble(&ckpt.config, gpu.clone(), parts)?;
         m.place_experts(cache, pending)?;
         Ok(m)
     }

@@ -23,10 +23,11 @@ use deltamoe_compute::cuda::host::HostBuf;
 use deltamoe_compute::cuda::ops::Matvec;
 use deltamoe_compute::cuda::DevBuf;
 
+use super::format::DevMat;
 use super::host_experts::HostExperts;
-use super::host_store::{copy_matrices, ExpertSource, LayerExperts};
-use super::layers::MoeFfn;
-use super::{unsupported, DevMat, GpuModel, Result, MAX_BATCH};
+use super::host_store::{copy_matrices, LayerExperts, Pending};
+use super::layers::moe::MoeFfn;
+use super::{unsupported, GpuModel, Result, MAX_BATCH};
 pub use crate::residency::slots_for_bytes;
 
 /// How many routed experts of each MoE layer the GPU keeps.
@@ -142,41 +143,15 @@ impl Offload {
     }
 }
 
-/// A layer whose routed experts wait to be placed, and where they come from.
-pub(crate) struct Pending<'a> {
-    pub(super) layer: usize,
-    pub(super) experts: usize,
-    pub(super) stacked: bool,
-    pub(super) src: Box<dyn ExpertSource + 'a>,
-}
-
-impl<'a> Pending<'a> {
-    /// Layer `layer`'s `experts` routed experts (the shared one stacked after them when
-    /// `stacked`), from `src`.
-    pub(crate) fn new(
-        layer: usize,
-        experts: usize,
-        stacked: bool,
-        src: Box<dyn ExpertSource + 'a>,
-    ) -> Pending<'a> {
-        Pending {
-            layer,
-            experts,
-            stacked,
-            src,
-        }
-    }
-}
-
 impl GpuModel {
     /// The offloaded experts of layer `i`, if any.
     pub(super) fn layer_experts(&self, i: usize) -> Option<&LayerExperts> {
-        self.layers[i].ffn.moe()?.offload.as_deref()
+        MoeFfn::of(&*self.layers[i].ffn)?.offload.as_deref()
     }
 
     /// Layer `i`'s offloaded experts and its device stacks (the cache).
     pub(super) fn offloaded(&self, i: usize) -> Result<(&LayerExperts, &DevMat, &DevMat)> {
-        match self.layers[i].ffn.moe() {
+        match MoeFfn::of(&*self.layers[i].ffn) {
             Some(MoeFfn {
                 experts_gu,
                 experts_down,
@@ -212,7 +187,7 @@ impl GpuModel {
                 experts_down,
                 offload,
                 ..
-            }) = self.layers[i].ffn.moe_mut()
+            }) = MoeFfn::of_mut(&mut *self.layers[i].ffn)
             else {
                 continue;
             };
@@ -329,7 +304,7 @@ impl GpuModel {
             experts_down,
             offload,
             ..
-        }) = self.layers[p.layer].ffn.moe_mut()
+        }) = MoeFfn::of_mut(&mut *self.layers[p.layer].ffn)
         {
             (*experts_gu, *experts_down) = (gu, down);
             *offload = Some(Box::new(lx));
@@ -424,7 +399,7 @@ impl GpuModel {
                 experts_down,
                 offload: Some(lx),
                 ..
-            }) = l.ffn.moe_mut()
+            }) = MoeFfn::of_mut(&mut *l.ffn)
             else {
                 continue;
             };

@@ -21,7 +21,7 @@ pub(crate) struct Pool {
     states: Vec<([DevBuf<f32>; 2], StateSpec)>,
     /// Position (tokens seen) per slot.
     pub pos: DevBuf<i32>,
-    /// Sampling words per slot, `[slots, 7]` (see `ops::SampleParams::words`).
+    /// Sampling words per slot, `[slots, SampleParams::WORDS]` (see `ops::SampleParams::words`).
     pub sampling: DevBuf<u32>,
     free: Vec<usize>,
 }
@@ -78,7 +78,7 @@ impl Pool {
             ctx,
             states,
             pos: g.zeros(slots)?,
-            sampling: g.zeros(slots * 7)?,
+            sampling: g.zeros(slots * SampleParams::WORDS)?,
             free: (0..slots).rev().collect(),
         })
     }
@@ -178,7 +178,7 @@ impl GpuModel {
         g.write_at(&mut pool.pos, slot, &[0])?;
         g.write_at(
             &mut pool.sampling,
-            slot * 7,
+            slot * SampleParams::WORDS,
             &SampleParams::default().words(0),
         )?;
         Ok(GpuSeq { slot, pos: 0 })
@@ -234,7 +234,7 @@ impl GpuModel {
         g.write_at(&mut pool.pos, slot, &[snap.pos as i32])?;
         g.write_at(
             &mut pool.sampling,
-            slot * 7,
+            slot * SampleParams::WORDS,
             &SampleParams::default().words(0),
         )?;
         Ok(GpuSeq {
@@ -246,7 +246,11 @@ impl GpuModel {
     /// How the step picks the sequence's next token (the draw counter restarts at 0).
     pub fn set_sampling(&mut self, seq: &GpuSeq, p: SampleParams) -> Result<()> {
         let g = self.gpu.clone();
-        g.write_at(&mut self.pool_mut()?.sampling, seq.slot * 7, &p.words(0))
+        g.write_at(
+            &mut self.pool_mut()?.sampling,
+            seq.slot * SampleParams::WORDS,
+            &p.words(0),
+        )
     }
 
     /// Move the sequence to position `pos` without running tokens (benchmarks measure decode

@@ -13,113 +13,14 @@
 //! rows (grouped products), shared expert, combine. Final norm and lm_head only for the rows whose logits are
 //! wanted.
 
-use deltamoe_compute::cuda::prefill as pf;
 use deltamoe_compute::cuda::DevBuf;
 
-use super::layers::head::LOGIT_ROWS;
-use super::layers::FfnBufs;
-use super::layers::{Pass, Stager};
+use super::layers::{needs, Pass, PrefillScratch, Stager};
 use super::{unsupported, GpuModel, GpuSeq, Result};
 use crate::Logits;
 
-/// How prefill runs the gated delta rule of GDN layers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum GdnPrefill {
-    /// [`GdnPrefill::Chunked`] for passes of at least [`CHUNKED_MIN_ROWS`] tokens,
-    /// [`GdnPrefill::Recurrent`] for shorter ones (see [`gdn_path`]). The default.
-    #[default]
-    Auto,
-    /// f32, token by token inside one launch per layer with the decode kernel's arithmetic: the
-    /// state a prefill leaves is the one decode steps would leave.
-    Recurrent,
-    /// The chunked form on tensor cores (`cuda::gdn_chunk`: q, k, v rounded to bf16, bf16
-    /// operands with f32 accumulation): 1.4–2.1× the end-to-end prefill speed at 4k tokens, at
-    /// about 3e-3 relative per GDN output (as flash-linear-attention's kernel).
-    Chunked,
-}
-
-/// Passes from this many tokens on take the chunked delta rule under [`GdnPrefill::Auto`]: one
-/// full chunk of 64, below which the recurrence does the same work in fewer launches.
-pub const CHUNKED_MIN_ROWS: usize = 64;
-
-/// The delta-rule form a pass of `rows` tokens runs under `mode` (never `Auto`).
-pub fn gdn_path(mode: GdnPrefill, rows: usize) -> GdnPrefill {
-    match mode {
-        GdnPrefill::Auto if rows >= CHUNKED_MIN_ROWS => GdnPrefill::Chunked,
-        GdnPrefill::Auto => GdnPrefill::Recurrent,
-        m => m,
-    }
-}
-
 /// Most tokens one pass runs (the scratch is sized for this many rows at most).
 pub const PREFILL_MAX_ROWS: usize = 4096;
-
-/// Activations of one pass of up to `rows` tokens.
-pub(crate) struct PrefillScratch {
-    rows: usize,
-    pub(crate) tok: DevBuf<i32>,
-    pub(crate) slots: DevBuf<i32>,
-    pub(crate) x: DevBuf<f32>,
-    pub(crate) normed: DevBuf<f32>,
-    pub(crate) delta: DevBuf<f32>,
-    pub(crate) proj: DevBuf<f32>,
-    pub(crate) mixed: DevBuf<f32>,
-    pub(crate) core: DevBuf<f32>,
-    pub(crate) mix_out: DevBuf<f32>,
-    pub(crate) q: DevBuf<f32>,
-    pub(crate) qb: DevBuf<u16>,
-    pub(crate) kb: DevBuf<u16>,
-    pub(crate) vb: DevBuf<u16>,
-    pub(crate) gate: DevBuf<f32>,
-    pub(crate) beta: DevBuf<f32>,
-    pub(crate) ws: DevBuf<u8>,
-    pub(crate) ffn: FfnBufs,
-    pub(crate) order: DevBuf<i32>,
-    pub(crate) tiles: DevBuf<i32>,
-    pub(crate) n_tiles: DevBuf<i32>,
-    pub(crate) logits: DevBuf<f32>,
-}
-
-impl PrefillScratch {
-    fn new(m: &GpuModel, rows: usize) -> Result<PrefillScratch> {
-        let (g, c, r) = (&*m.gpu, &m.cfg, rows);
-        let h = c.hidden_size;
-        let ks = c.experts_per_token + 1;
-        let needs = super::scratch::needs(&m.layers, rows);
-        let proj = needs.proj;
-        let ws = needs.workspace.max(1);
-        let (qd, vd, kd) = (
-            c.num_heads * c.head_dim,
-            c.linear_value_size(),
-            c.linear_k_heads * c.linear_k_dim,
-        );
-        let pairs = r * ks;
-        Ok(PrefillScratch {
-            rows,
-            tok: g.zeros(r)?,
-            slots: g.zeros(r)?,
-            x: g.zeros(r * h)?,
-            normed: g.zeros(r * h)?,
-            delta: g.zeros(r * h)?,
-            proj: g.zeros(r * proj)?,
-            mixed: g.zeros(r * c.conv_dim())?,
-            core: g.zeros(r * vd)?,
-            mix_out: g.zeros(r * qd.max(vd))?,
-            q: g.zeros(r * qd)?,
-            qb: g.zeros(r * kd)?,
-            kb: g.zeros(r * kd)?,
-            vb: g.zeros(r * vd)?,
-            gate: g.zeros(r * c.linear_v_heads)?,
-            beta: g.zeros(r * c.linear_v_heads)?,
-            ws: g.zeros(ws)?,
-            ffn: FfnBufs::new(g, c, needs, r)?,
-            order: g.zeros(pairs)?,
-            tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1, pf::TILE_CORES))?,
-            n_tiles: g.zeros(1)?,
-            logits: g.zeros(LOGIT_ROWS * c.vocab_size)?,
-        })
-    }
-}
 
 impl GpuModel {
     /// Feed `tokens` to `seq` in passes of at most `chunk` tokens (capped at
@@ -151,7 +52,8 @@ impl GpuModel {
         let need = c.min(tokens.len()).max(1);
         if self.prefill.as_ref().is_none_or(|p| p.rows < need) {
             self.prefill = None;
-            self.prefill = Some(PrefillScratch::new(self, need)?);
+            let needs = needs(&self.layers, need);
+            self.prefill = Some(PrefillScratch::new(&self.gpu, &self.cfg, needs, need)?);
         }
         let Some(mut ps) = self.prefill.take() else {
             return Err(unsupported("prefill scratch missing".into()));
@@ -234,23 +136,7 @@ impl GpuModel {
 
 impl GpuModel {
     /// How later prefills run the GDN layers' delta rule.
-    pub fn set_prefill_gdn(&mut self, mode: GdnPrefill) {
+    pub fn set_prefill_gdn(&mut self, mode: super::GdnPrefill) {
         self.prefill_gdn = mode;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS};
-
-    #[test]
-    fn auto_takes_the_chunked_rule_from_one_full_chunk() {
-        let auto = GdnPrefill::Auto;
-        assert_eq!(gdn_path(auto, 1), GdnPrefill::Recurrent);
-        assert_eq!(gdn_path(auto, CHUNKED_MIN_ROWS - 1), GdnPrefill::Recurrent);
-        assert_eq!(gdn_path(auto, CHUNKED_MIN_ROWS), GdnPrefill::Chunked);
-        assert_eq!(gdn_path(auto, 4096), GdnPrefill::Chunked);
-        assert_eq!(gdn_path(GdnPrefill::Recurrent, 4096), GdnPrefill::Recurrent);
-        assert_eq!(gdn_path(GdnPrefill::Chunked, 3), GdnPrefill::Chunked);
     }
 }

@@ -14,51 +14,16 @@
 
 use deltamoe_compute::cpu::act::{sigmoid, softplus};
 use deltamoe_compute::cpu::conv::causal_conv1d_silu;
-use deltamoe_compute::cpu::gdn::{gdn_chunked, gdn_recurrent, GdnInputs, GdnShape};
+use deltamoe_compute::cpu::gdn::{gdn_chunked, gdn_recurrent, GdnInputs};
 use deltamoe_compute::cpu::gdn_bf16::gdn_chunked_bf16;
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 
-use super::Linear;
-use crate::config::ModelConfig;
-use crate::error::Result;
-use crate::quant::Layout;
-use crate::weights::WeightStore;
+use crate::checkpoint::gdn::InProj;
+use crate::checkpoint::GatedDeltaNet;
 
 /// Chunk length of the chunked gated delta rule used for prefill.
 pub const CHUNK: usize = 64;
-
-#[derive(Clone, Debug)]
-pub(crate) enum InProj {
-    Split {
-        qkv: Linear,
-        z: Linear,
-        b: Linear,
-        a: Linear,
-    },
-    Packed {
-        qkvz: Linear,
-        ba: Linear,
-    },
-}
-
-#[derive(Clone, Debug)]
-pub struct GatedDeltaNet {
-    pub(crate) proj: InProj,
-    /// `[C, K]` depthwise kernel.
-    pub(crate) conv_w: Vec<f32>,
-    /// `−exp(A_log)` per value head.
-    pub(crate) neg_a: Vec<f32>,
-    pub(crate) dt_bias: Vec<f32>,
-    pub(crate) norm_w: Vec<f32>,
-    pub(crate) out_proj: Linear,
-    pub(crate) shape: GdnShape,
-    pub(crate) conv_kernel: usize,
-    pub(crate) eps: f32,
-    /// Run multi-token passes through the CPU twin of the GPU's chunked delta rule, with its
-    /// bf16 roundings (see [`crate::Qwen3Hybrid::set_gdn_gpu_roundings`]).
-    pub(crate) gpu_roundings: bool,
-}
 
 /// Projected activations for T tokens.
 struct Projected {
@@ -69,60 +34,6 @@ struct Projected {
 }
 
 impl GatedDeltaNet {
-    pub fn load(store: &WeightStore, prefix: &str, c: &ModelConfig) -> Result<GatedDeltaNet> {
-        let (h, nv) = (c.hidden_size, c.linear_v_heads);
-        let (kd, vd, cd) = (c.linear_key_size(), c.linear_value_size(), c.conv_dim());
-        let packed = format!("{prefix}.in_proj_qkvz.weight");
-        let proj = if store.contains(&packed) {
-            InProj::Packed {
-                qkvz: Linear::load(
-                    store,
-                    &format!("{prefix}.in_proj_qkvz"),
-                    2 * kd + 2 * vd,
-                    h,
-                    false,
-                )?,
-                ba: Linear::load(store, &format!("{prefix}.in_proj_ba"), 2 * nv, h, false)?,
-            }
-        } else {
-            InProj::Split {
-                qkv: Linear::load(store, &format!("{prefix}.in_proj_qkv"), cd, h, false)?,
-                z: Linear::load(store, &format!("{prefix}.in_proj_z"), vd, h, false)?,
-                b: Linear::load(store, &format!("{prefix}.in_proj_b"), nv, h, false)?,
-                a: Linear::load(store, &format!("{prefix}.in_proj_a"), nv, h, false)?,
-            }
-        };
-        let k = c.conv_kernel;
-        // HF stores the depthwise kernel as [C, 1, K], mlx-lm as [C, K, 1]: the same bytes.
-        let conv_shape = match store.layout() {
-            Layout::Hf => [cd, 1, k],
-            Layout::Mlx => [cd, k, 1],
-        };
-        Ok(GatedDeltaNet {
-            proj,
-            conv_w: store
-                .get(&format!("{prefix}.conv1d.weight"), &conv_shape)?
-                .to_f32_vec(),
-            neg_a: store
-                .vec_f32(&format!("{prefix}.A_log"), nv)?
-                .iter()
-                .map(|v| -v.exp())
-                .collect(),
-            dt_bias: store.vec_f32(&format!("{prefix}.dt_bias"), nv)?,
-            norm_w: store.vec_f32(&format!("{prefix}.norm.weight"), c.linear_v_dim)?,
-            out_proj: Linear::load(store, &format!("{prefix}.out_proj"), h, vd, false)?,
-            gpu_roundings: false,
-            shape: GdnShape {
-                n_k_heads: c.linear_k_heads,
-                n_v_heads: nv,
-                k_dim: c.linear_k_dim,
-                v_dim: c.linear_v_dim,
-            },
-            conv_kernel: k,
-            eps: c.rms_norm_eps,
-        })
-    }
-
     fn project(&self, x: &[f32], t: usize) -> Projected {
         match &self.proj {
             InProj::Split { qkv, z, b, a } => Projected {
@@ -178,13 +89,15 @@ impl GatedDeltaNet {
         self.shape.n_v_heads * self.shape.k_dim * self.shape.v_dim
     }
 
-    /// `x: [t, H]` → `[t, H]`, advancing `conv_state` and `state`.
+    /// `x: [t, H]` → `[t, H]`, advancing `conv_state` and `state`; with `gpu_roundings`,
+    /// multi-token passes run the CPU twin of the GPU's chunked delta rule with its bf16
+    /// roundings (see [`crate::Qwen3Hybrid::set_gdn_gpu_roundings`]).
     pub fn forward(
         &self,
         x: &[f32],
         t: usize,
-        conv_state: &mut [f32],
-        state: &mut [f32],
+        (conv_state, state): (&mut [f32], &mut [f32]),
+        gpu_roundings: bool,
     ) -> Vec<f32> {
         let s = self.shape;
         let p = self.project(x, t);
@@ -207,7 +120,7 @@ impl GatedDeltaNet {
             k.extend_from_slice(&row[kd..2 * kd]);
             v.extend_from_slice(&row[2 * kd..]);
         }
-        let twin = self.gpu_roundings && t > 1;
+        let twin = gpu_roundings && t > 1;
         if twin {
             // The chunked kernel reads q, k, v as bf16 and normalises q and k itself.
             for x in [&mut q, &mut k, &mut v] {

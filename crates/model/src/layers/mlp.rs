@@ -1,43 +1,10 @@
-//! SwiGLU feed-forward: `down(silu(gate x) ⊙ up x)`. Used for dense layers, the shared expert
-//! and each routed expert.
+//! SwiGLU feed-forward on the CPU: `down(silu(gate x) ⊙ up x)`.
 
 use deltamoe_compute::cpu::act::silu;
-use deltamoe_compute::Tensor;
 
-use super::{Linear, LinearWeight};
-use crate::error::Result;
-use crate::weights::WeightStore;
-
-#[derive(Clone, Debug)]
-pub struct Mlp {
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
-}
+use crate::checkpoint::Mlp;
 
 impl Mlp {
-    /// `{prefix}.{gate,up,down}_proj.weight` with intermediate size `inter`.
-    pub fn load(store: &WeightStore, prefix: &str, hidden: usize, inter: usize) -> Result<Mlp> {
-        Ok(Mlp {
-            gate: Linear::load(store, &format!("{prefix}.gate_proj"), inter, hidden, false)?,
-            up: Linear::load(store, &format!("{prefix}.up_proj"), inter, hidden, false)?,
-            down: Linear::load(store, &format!("{prefix}.down_proj"), hidden, inter, false)?,
-        })
-    }
-
-    pub fn from_tensors(gate: Tensor, up: Tensor, down: Tensor) -> Mlp {
-        Mlp::from_weights(gate.into(), up.into(), down.into())
-    }
-
-    /// From weights that may be dense or quantized (e.g. views of stacked experts).
-    pub fn from_weights(gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> Mlp {
-        Mlp {
-            gate: Linear::new(gate),
-            up: Linear::new(up),
-            down: Linear::new(down),
-        }
-    }
-
     /// `x: [t, hidden]` → `[t, hidden]`.
     pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
         let mut h = self.gate.forward(x, t);

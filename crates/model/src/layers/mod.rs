@@ -1,6 +1,6 @@
-//! Layers of the Qwen3 hybrid family, each loading its own tensors (shape-checked against the
-//! config) and running on the CPU kernels of `deltamoe-compute`. Activations are row-major
-//! `[T, features]` f32.
+//! The CPU forward passes of the Qwen3 hybrid family's layers, one file per kind, over the
+//! weights of [`crate::checkpoint`] and the CPU kernels of `deltamoe-compute`. Activations are
+//! row-major `[T, features]` f32.
 
 pub mod attention;
 pub mod gdn;
@@ -9,9 +9,7 @@ pub mod mlp;
 pub mod moe;
 pub mod offloaded;
 
-pub use attention::Attention;
-pub use gdn::GatedDeltaNet;
-pub use linear::{DenseSource, Linear, LinearWeight};
-pub use mlp::Mlp;
-pub use moe::Moe;
+pub use crate::checkpoint::{
+    Attention, DenseSource, GatedDeltaNet, Linear, LinearWeight, Mlp, Moe,
+};
 pub use offloaded::{ExpertStats, OffloadedExperts};

@@ -2,19 +2,18 @@
 //! and RoPE with the KV-cache append, split-K decode attention (tensor-core flash attention in
 //! prefill) gated by the sigmoid of the gate rows, then the output projection. State per slot:
 //! the K and V caches `[ctx, Hkv, D]`.
-
 use deltamoe_compute::cpu::rope::Rope;
 use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, Matvec, ATTN_DMAX};
 use deltamoe_compute::cuda::prefill as pf;
 use deltamoe_compute::cuda::vec::VecIo;
-use deltamoe_compute::cuda::{DevBuf, Gpu};
+use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu, Result};
 
+use super::bufs::ATTN_SPLITS;
 use super::{rows_mv, slot_at, Mixer, Needs, Pass, State, StateSpec, Step};
+use crate::checkpoint::Attention;
 use crate::config::ModelConfig;
-use crate::gpu::synthetic::Filler;
-use crate::gpu::upload::DevMat;
-use crate::gpu::{unsupported, Result, ATTN_SPLITS};
-use crate::layers::Attention;
+use crate::gpu::format::DevMat;
+use crate::gpu::random::Filler;
 
 pub(crate) struct AttnMixer {
     proj: DevMat,
@@ -28,7 +27,7 @@ pub(crate) struct AttnMixer {
 /// Attention geometry of config `c`, checked against the CUDA kernels' head-dim limit.
 fn dims(c: &ModelConfig) -> Result<AttnDims> {
     if c.head_dim > ATTN_DMAX {
-        return Err(unsupported(format!(
+        return Err(CudaError::Unsupported(format!(
             "head_dim {} exceeds the CUDA attention limit {ATTN_DMAX}",
             c.head_dim
         )));

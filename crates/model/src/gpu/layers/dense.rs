@@ -1,14 +1,12 @@
 //! The dense SwiGLU MLP on the GPU: `[gate | up]` as one matrix (SwiGLU in its epilogue), then
 //! down.
-
 use deltamoe_compute::cuda::ops::{self, Slots};
-use deltamoe_compute::cuda::Gpu;
+use deltamoe_compute::cuda::{Gpu, Result};
 
 use super::{gate_up, rows_mv, Ffn, FfnIo, Needs, Pass, Stager, Step};
-use crate::gpu::synthetic::Filler;
-use crate::gpu::upload::DevMat;
-use crate::gpu::Result;
-use crate::layers::Mlp;
+use crate::checkpoint::Mlp;
+use crate::gpu::format::DevMat;
+use crate::gpu::random::Filler;
 
 pub(crate) struct DenseFfn {
     gate_up: DevMat,

@@ -2,21 +2,18 @@
 //! (Qwen3-Next's per-key-head packing reordered by row runs at upload), the causal conv, the
 //! gated delta rule and the gated RMSNorm, then the output projection. State per slot: the conv
 //! window `[K−1, C]` and the recurrent state `[Hv, Dk, Dv]`.
-
 use deltamoe_compute::cuda::gdn_chunk::{self, GdnChunkBufs, GdnChunkDims};
 use deltamoe_compute::cuda::ops::{self, GdnDims, Matvec, GDN_DK_MAX, GDN_DV_MAX};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked};
 use deltamoe_compute::cuda::vec::VecIo;
-use deltamoe_compute::cuda::{DevBuf, Gpu};
+use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu, Result};
 
-use super::{rows_mv, slot_at, Mixer, Needs, Pass, State, StateSpec, Step};
+use super::{gdn_path, rows_mv, slot_at, GdnPrefill, Mixer, Needs, Pass, State, StateSpec, Step};
+use crate::checkpoint::gdn::InProj;
+use crate::checkpoint::{GatedDeltaNet, LinearWeight};
 use crate::config::ModelConfig;
-use crate::gpu::prefill::{gdn_path, GdnPrefill};
-use crate::gpu::synthetic::Filler;
-use crate::gpu::upload::DevMat;
-use crate::gpu::{unsupported, Result};
-use crate::layers::gdn::InProj;
-use crate::layers::{GatedDeltaNet, LinearWeight};
+use crate::gpu::format::DevMat;
+use crate::gpu::random::Filler;
 
 pub(crate) struct GdnMixer {
     proj: DevMat,
@@ -118,7 +115,7 @@ impl GdnMixer {
 /// The head dims the CUDA kernels take.
 fn check(d: GdnDims) -> Result<()> {
     if d.dk > GDN_DK_MAX || d.dv > GDN_DV_MAX {
-        return Err(unsupported(format!(
+        return Err(CudaError::Unsupported(format!(
             "GDN head dims {}/{} exceed the CUDA kernel limits ({GDN_DK_MAX}/{GDN_DV_MAX})",
             d.dk, d.dv
         )));

@@ -1,22 +1,17 @@
 //! The embedding and the head on the GPU: token rows looked up (bf16, or affine rows
 //! dequantized), and at the end the final RMSNorm, the lm_head and each row's next token picked
 //! on the device (greedy or sampled).
-
 use deltamoe_compute::cuda::ops::{self, Slots};
 use deltamoe_compute::cuda::vec::{self, VecIo};
-use deltamoe_compute::cuda::{DevBuf, Gpu};
+use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 
+use super::bufs::{PrefillScratch, LOGIT_ROWS};
 use super::{rows_mv, Step};
+use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::gpu::prefill::PrefillScratch;
-use crate::gpu::synthetic::Filler;
-use crate::gpu::upload::DevMat;
-use crate::gpu::Result;
-use crate::qwen3_hybrid::Qwen3Hybrid;
+use crate::gpu::format::DevMat;
+use crate::gpu::random::Filler;
 use crate::Logits;
-
-/// Rows of logits computed per lm_head launch of a prefill pass for `Logits::All`.
-pub(crate) const LOGIT_ROWS: usize = 64;
 
 pub(crate) struct Head {
     embed: DevMat,
@@ -34,7 +29,7 @@ pub(crate) struct Picks {
 
 impl Head {
     /// A loaded model's embedding, lm_head and final norm on the device.
-    pub fn upload(g: &Gpu, m: &Qwen3Hybrid) -> Result<Head> {
+    pub fn upload(g: &Gpu, m: &Checkpoint) -> Result<Head> {
         let (v, h) = (m.config.vocab_size, m.config.hidden_size);
         Ok(Head {
             embed: DevMat::stack(g, &[&m.embed], v, h, None)?,

@@ -4,24 +4,21 @@
 //! their shape and format, so it runs in the same launches) and the weighted combine. With
 //! offload the expert stacks are the device cache and `offload` says where every expert lives
 //! (see [`crate::gpu::offload`]).
-
+use std::any::Any;
 use std::ops::Range;
 
 use deltamoe_compute::cuda::dispatch;
 use deltamoe_compute::cuda::ops::{self, Route, Slots};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::vec::{self, VecIo};
-use deltamoe_compute::cuda::Gpu;
+use deltamoe_compute::cuda::{CudaError, Gpu, Result};
 
 use super::{gate_up, rows_mv, Ffn, FfnBufs, FfnIo, FfnMade, Needs, Pass, Stager, Step};
+use crate::checkpoint::{LinearWeight, Moe};
 use crate::config::ModelConfig;
-use crate::gpu::format::DevFormat;
-use crate::gpu::host_store::{Dest, ExpertSource, Fmt, LayerExperts};
-use crate::gpu::offload::Pending;
-use crate::gpu::synthetic::{Filler, SeededExperts};
-use crate::gpu::upload::DevMat;
-use crate::gpu::{unsupported, Result};
-use crate::layers::{LinearWeight, Moe};
+use crate::gpu::format::{DevFormat, DevMat, Fmt};
+use crate::gpu::host_store::{Dest, ExpertSource, LayerExperts, Pending};
+use crate::gpu::random::{Filler, SeededExperts};
 
 pub(crate) struct MoeFfn {
     pub router: DevMat,
@@ -156,6 +153,15 @@ impl MoeFfn {
         Ok((Box::new(ffn), pending))
     }
 
+    /// `ffn` as a routed-experts block, when it is one (expert residency reaches into it).
+    pub fn of(ffn: &dyn Ffn) -> Option<&MoeFfn> {
+        (ffn as &dyn Any).downcast_ref()
+    }
+
+    pub fn of_mut(ffn: &mut dyn Ffn) -> Option<&mut MoeFfn> {
+        (ffn as &mut dyn Any).downcast_mut()
+    }
+
     /// Expert slots per row: the picks and the stacked shared expert.
     pub fn per_row(&self) -> usize {
         self.top_k + self.shared.is_none() as usize
@@ -220,7 +226,7 @@ impl MoeFfn {
 /// The expert counts the CUDA router takes.
 fn check(experts: usize, top_k: usize) -> Result<()> {
     if experts > 1024 || top_k > 32 {
-        return Err(unsupported(format!(
+        return Err(CudaError::Unsupported(format!(
             "{experts} experts / top-{top_k} exceed the CUDA router limits (1024 / 32)"
         )));
     }
@@ -371,14 +377,6 @@ impl Ffn for MoeFfn {
             ops::matvec(g, dn, fb.h.ptr(), fb.y.ptr(), down_slots)?;
         }
         self.tail(g, (fb, ps.normed.ptr(), ps.delta.ptr()), t, None, p.eps)
-    }
-
-    fn moe(&self) -> Option<&MoeFfn> {
-        Some(self)
-    }
-
-    fn moe_mut(&mut self) -> Option<&mut MoeFfn> {
-        Some(self)
     }
 }
 

@@ -1,0 +1,106 @@
+//! A loaded checkpoint: the model's weights by layer kind, every tensor's shape checked against
+//! the config as it is read. Both backends are built from it: the CPU model runs its layers
+//! ([`crate::layers`], [`crate::Qwen3Hybrid`]) and the GPU model uploads them ([`crate::gpu`]).
+//! A weight format enters here ([`LinearWeight`]); a layer kind is one file here and one arm in
+//! [`load_layer`].
+
+pub mod attention;
+pub mod gdn;
+pub mod linear;
+pub mod mlp;
+pub mod moe;
+
+pub use attention::Attention;
+pub use gdn::GatedDeltaNet;
+pub use linear::{DenseSource, Linear, LinearWeight};
+pub use mlp::Mlp;
+pub use moe::Moe;
+
+use crate::config::{FfnKind, LayerKind, ModelConfig};
+use crate::error::Result;
+use crate::weights::WeightStore;
+
+#[derive(Clone, Debug)]
+pub enum Mixer {
+    Linear(GatedDeltaNet),
+    Full(Attention),
+}
+
+#[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+#[derive(Clone, Debug)]
+pub struct Layer {
+    pub input_norm: Vec<f32>,
+    pub mixer: Mixer,
+    pub post_norm: Vec<f32>,
+    pub ffn: Ffn,
+}
+
+/// The weights of a Qwen3 hybrid model, as loaded.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    pub config: ModelConfig,
+    pub embed: LinearWeight,
+    pub layers: Vec<Layer>,
+    pub final_norm: Vec<f32>,
+    pub lm_head: LinearWeight,
+}
+
+impl Checkpoint {
+    /// Read every tensor of config `config` from `store` (the lm_head tied to the embedding when
+    /// configured), checking its shape.
+    pub fn from_store(config: ModelConfig, store: &WeightStore) -> Result<Checkpoint> {
+        let c = &config;
+        let (v, h) = (c.vocab_size, c.hidden_size);
+        let embed = LinearWeight::load(store, "model.embed_tokens", v, h)?;
+        let lm_head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            LinearWeight::load(store, "lm_head", v, h)?
+        };
+        let layers = (0..c.num_layers)
+            .map(|i| load_layer(store, c, i))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Checkpoint {
+            embed,
+            lm_head,
+            layers,
+            final_norm: store.zero_centred_norm("model.norm.weight", h)?,
+            config,
+        })
+    }
+}
+
+/// Layer `i`'s weights: its mixer and ffn by the config's layer kinds, and its norms.
+fn load_layer(store: &WeightStore, c: &ModelConfig, i: usize) -> Result<Layer> {
+    let p = format!("model.layers.{i}");
+    let h = c.hidden_size;
+    let mixer = match c.layer_kinds[i] {
+        LayerKind::LinearAttention => {
+            Mixer::Linear(GatedDeltaNet::load(store, &format!("{p}.linear_attn"), c)?)
+        }
+        LayerKind::FullAttention => {
+            Mixer::Full(Attention::load(store, &format!("{p}.self_attn"), c)?)
+        }
+    };
+    let ffn = match c.ffn_kinds[i] {
+        FfnKind::Dense => Ffn::Dense(Mlp::load(
+            store,
+            &format!("{p}.mlp"),
+            h,
+            c.intermediate_size,
+        )?),
+        FfnKind::Moe => Ffn::Moe(Moe::load(store, &format!("{p}.mlp"), c)?),
+    };
+    Ok(Layer {
+        input_norm: store.zero_centred_norm(&format!("{p}.input_layernorm.weight"), h)?,
+        mixer,
+        post_norm: store.zero_centred_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+        ffn,
+    })
+}

@@ -1,0 +1,180 @@
+//! The activations the layers read and write: a decode step's ([`Scratch`], `rows` rows) and a
+//! prefill pass's ([`PrefillScratch`], up to `rows` tokens), sized by what the layers need
+//! ([`Needs`]).
+
+use deltamoe_compute::cuda::prefill as pf;
+use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
+
+use crate::config::ModelConfig;
+
+/// Split-K partitions of the attention decode (its partial outputs are sized for them).
+pub(crate) const ATTN_SPLITS: usize = 64;
+
+/// Rows of logits computed per lm_head launch of a prefill pass for `Logits::All`.
+pub(crate) const LOGIT_ROWS: usize = 64;
+
+/// Scratch a layer needs beyond the residual: floats per row of its input projection's outputs
+/// (`proj`), the ffn's hidden activations (`inter`, all slots of a row) and a shared expert's
+/// run apart (`shared`); bytes of workspace for a prefill pass (`workspace`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Needs {
+    pub proj: usize,
+    pub inter: usize,
+    pub shared: usize,
+    pub workspace: usize,
+}
+
+impl Needs {
+    pub fn max(self, o: Needs) -> Needs {
+        Needs {
+            proj: self.proj.max(o.proj),
+            inter: self.inter.max(o.inter),
+            shared: self.shared.max(o.shared),
+            workspace: self.workspace.max(o.workspace),
+        }
+    }
+}
+
+/// An ffn's activations for `rows` rows (a decode step's, or a prefill pass's), `k` = top-k + 1
+/// slots a row for an MoE: router logits `[rows, E + 1]`, routed ids and weights `[rows, k]`,
+/// shared-expert gates `[rows]`, hidden activations `[rows, inter]` (all slots of a row), expert
+/// outputs `[rows, k, H]`, and the shared expert's hidden `[rows, shared]` and output `[rows, H]`
+/// when it runs apart.
+pub(crate) struct FfnBufs {
+    pub router: DevBuf<f32>,
+    pub ids: DevBuf<i32>,
+    pub weights: DevBuf<f32>,
+    pub sg: DevBuf<f32>,
+    pub h: DevBuf<f32>,
+    pub y: DevBuf<f32>,
+    pub hs: DevBuf<f32>,
+    pub ys: DevBuf<f32>,
+}
+
+impl FfnBufs {
+    /// Buffers for `rows` rows of config `c`'s shape, with the layers' `needs`.
+    pub fn new(g: &Gpu, c: &ModelConfig, needs: Needs, rows: usize) -> Result<FfnBufs> {
+        let (r, h, k) = (rows, c.hidden_size, c.experts_per_token + 1);
+        Ok(FfnBufs {
+            router: g.zeros(r * (c.num_experts + 1))?,
+            ids: g.zeros(r * k)?,
+            weights: g.zeros(r * k)?,
+            sg: g.zeros(r)?,
+            h: g.zeros(r * needs.inter)?,
+            y: g.zeros(r * k * h)?,
+            hs: g.zeros(r * needs.shared)?,
+            ys: g.zeros(r * h)?,
+        })
+    }
+}
+
+/// Activations of a step, `rows` rows each (steps run one at a time on one stream).
+pub(crate) struct Scratch {
+    pub(crate) x: DevBuf<f32>,
+    pub(crate) normed: DevBuf<f32>,
+    pub(crate) delta: DevBuf<f32>,
+    pub(crate) proj: DevBuf<f32>,
+    pub(crate) mixed: DevBuf<f32>,
+    pub(crate) mix_out: DevBuf<f32>,
+    pub(crate) q: DevBuf<f32>,
+    pub(crate) part_o: DevBuf<f32>,
+    pub(crate) part_ml: DevBuf<f32>,
+    pub(crate) ffn: FfnBufs,
+    pub(crate) logits: DevBuf<f32>,
+    /// A one-row lm_head's largest logit and its index per block (`VecIo::best`), at most one
+    /// block per 16 rows.
+    pub(crate) best: DevBuf<f32>,
+}
+
+impl Scratch {
+    pub(crate) fn new(g: &Gpu, c: &ModelConfig, needs: Needs, rows: usize) -> Result<Scratch> {
+        let h = c.hidden_size;
+        let qd = c.num_heads * c.head_dim;
+        let r = rows;
+        Ok(Scratch {
+            x: g.zeros(r * h)?,
+            normed: g.zeros(r * h)?,
+            delta: g.zeros(r * h)?,
+            proj: g.zeros(r * needs.proj)?,
+            mixed: g.zeros(r * c.conv_dim())?,
+            mix_out: g.zeros(r * qd.max(c.linear_value_size()))?,
+            q: g.zeros(r * qd)?,
+            part_o: g.zeros(r * c.num_heads * ATTN_SPLITS * c.head_dim)?,
+            part_ml: g.zeros(r * c.num_heads * ATTN_SPLITS * 2)?,
+            ffn: FfnBufs::new(g, c, needs, r)?,
+            logits: g.zeros(r * c.vocab_size)?,
+            best: g.zeros(2 * c.vocab_size.div_ceil(16))?,
+        })
+    }
+}
+
+/// Activations of one pass of up to `rows` tokens.
+pub(crate) struct PrefillScratch {
+    pub(crate) rows: usize,
+    pub(crate) tok: DevBuf<i32>,
+    pub(crate) slots: DevBuf<i32>,
+    pub(crate) x: DevBuf<f32>,
+    pub(crate) normed: DevBuf<f32>,
+    pub(crate) delta: DevBuf<f32>,
+    pub(crate) proj: DevBuf<f32>,
+    pub(crate) mixed: DevBuf<f32>,
+    pub(crate) core: DevBuf<f32>,
+    pub(crate) mix_out: DevBuf<f32>,
+    pub(crate) q: DevBuf<f32>,
+    pub(crate) qb: DevBuf<u16>,
+    pub(crate) kb: DevBuf<u16>,
+    pub(crate) vb: DevBuf<u16>,
+    pub(crate) gate: DevBuf<f32>,
+    pub(crate) beta: DevBuf<f32>,
+    pub(crate) ws: DevBuf<u8>,
+    pub(crate) ffn: FfnBufs,
+    pub(crate) order: DevBuf<i32>,
+    pub(crate) tiles: DevBuf<i32>,
+    pub(crate) n_tiles: DevBuf<i32>,
+    pub(crate) logits: DevBuf<f32>,
+}
+
+impl PrefillScratch {
+    pub(crate) fn new(
+        g: &Gpu,
+        c: &ModelConfig,
+        needs: Needs,
+        rows: usize,
+    ) -> Result<PrefillScratch> {
+        let r = rows;
+        let h = c.hidden_size;
+        let ks = c.experts_per_token + 1;
+        let proj = needs.proj;
+        let ws = needs.workspace.max(1);
+        let (qd, vd, kd) = (
+            c.num_heads * c.head_dim,
+            c.linear_value_size(),
+            c.linear_k_heads * c.linear_k_dim,
+        );
+        let pairs = r * ks;
+        Ok(PrefillScratch {
+            rows,
+            tok: g.zeros(r)?,
+            slots: g.zeros(r)?,
+            x: g.zeros(r * h)?,
+            normed: g.zeros(r * h)?,
+            delta: g.zeros(r * h)?,
+            proj: g.zeros(r * proj)?,
+            mixed: g.zeros(r * c.conv_dim())?,
+            core: g.zeros(r * vd)?,
+            mix_out: g.zeros(r * qd.max(vd))?,
+            q: g.zeros(r * qd)?,
+            qb: g.zeros(r * kd)?,
+            kb: g.zeros(r * kd)?,
+            vb: g.zeros(r * vd)?,
+            gate: g.zeros(r * c.linear_v_heads)?,
+            beta: g.zeros(r * c.linear_v_heads)?,
+            ws: g.zeros(ws)?,
+            ffn: FfnBufs::new(g, c, needs, r)?,
+            order: g.zeros(pairs)?,
+            tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1, pf::TILE_CORES))?,
+            n_tiles: g.zeros(1)?,
+            logits: g.zeros(LOGIT_ROWS * c.vocab_size)?,
+        })
+    }
+}

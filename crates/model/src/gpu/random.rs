@@ -1,0 +1,165 @@
+//! Random weights made directly in device (or pinned host) memory from seeds: bf16 or MLX
+//! affine-quantized matrices and f32 vectors, for synthetic models of real shapes.
+
+use std::ops::Range;
+
+use deltamoe_compute::cuda::ops;
+use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
+
+use super::format::{DevFormat, DevMat, Fmt};
+use super::host_store::{seed_at, Dest, ExpertSource};
+use crate::convert::ROUTER_SPEC;
+
+/// Fills buffers with seeded uniform values, a new seed per buffer. Matrices are bf16, or
+/// affine-quantized with `(bits, group)` when `quant` is set.
+pub(crate) struct Filler<'a> {
+    pub g: &'a Gpu,
+    seed: u64,
+    quant: Option<(u32, usize)>,
+}
+
+impl<'a> Filler<'a> {
+    /// Values from `seed` on; matrices quantized with `quant` (bits, group) when set.
+    pub fn new(g: &'a Gpu, seed: u64, quant: Option<(u32, usize)>) -> Filler<'a> {
+        Filler { g, seed, quant }
+    }
+
+    fn next_seed(&mut self) -> u64 {
+        self.seed = self
+            .seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.seed
+    }
+
+    /// `count` stacked `[n, k]` matrices with values of magnitude about 1/sqrt(k), quantized as
+    /// the model ([`Self::mats_as`]).
+    pub fn mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
+        self.mats_as(self.quant, count, n, k)
+    }
+
+    /// As [`Self::mats`], bf16 or affine-quantized with `quant = Some((bits, group))`: the
+    /// matrices [`Seeded::write`] fills with the seeds they are given here.
+    pub fn mats_as(
+        &mut self,
+        quant: Option<(u32, usize)>,
+        count: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<DevMat> {
+        let seeded = self.seeded_as(quant, n, k);
+        let stack = seeded.fmt.device_stack(self.g, count)?;
+        seeded.write(
+            self.g,
+            0..count,
+            Dest {
+                arrays: &stack.pieces(),
+                at: 0,
+            },
+        )?;
+        Ok(stack)
+    }
+
+    /// An MoE router (its experts' rows and the shared-expert gate's) as `deltamoe convert` and
+    /// mlx-lm store it in a quantized model: at [`ROUTER_SPEC`] (8 bits, group 64).
+    pub fn router(&mut self, n: usize, k: usize) -> Result<DevMat> {
+        let quant = self
+            .quant
+            .map(|_| (ROUTER_SPEC.bits, ROUTER_SPEC.group_size));
+        self.mats_as(quant, 1, n, k)
+    }
+
+    /// The seeds [`Self::mats`] would fill `[n, k]` matrices with, for matrices written later
+    /// wherever they are placed ([`SeededExperts`]): the same values as a stack made here.
+    fn seeded(&mut self, n: usize, k: usize) -> Seeded {
+        self.seeded_as(self.quant, n, k)
+    }
+
+    fn seeded_as(&mut self, quant: Option<(u32, usize)>, n: usize, k: usize) -> Seeded {
+        let (format, seeds) = match quant {
+            None => (DevFormat::Bf16, [self.next_seed(), 0, 0]),
+            Some((bits, group)) => (
+                DevFormat::Affine { bits, group },
+                [self.next_seed(), self.next_seed(), self.next_seed()],
+            ),
+        };
+        Seeded {
+            fmt: Fmt::new(n, k, format),
+            seeds,
+        }
+    }
+
+    pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Result<DevBuf<f32>> {
+        let v: DevBuf<f32> = self.g.zeros(n)?;
+        let seed = self.next_seed();
+        ops::fill_uniform(self.g, v.ptr(), n, false, seed, lo, hi)?;
+        Ok(v)
+    }
+}
+
+/// The seeds of a stack of random `[n, k]` matrices ([`Filler::seeded`]): values, or affine
+/// words, scales and biases.
+struct Seeded {
+    fmt: Fmt,
+    seeds: [u64; 3],
+}
+
+impl Seeded {
+    /// Fill matrices `mats` of the stack into `to`, with the values [`Filler::mats`] gives them.
+    fn write(&self, g: &Gpu, mats: Range<usize>, to: Dest<'_>) -> Result<()> {
+        let (first, count, dst, at) = (mats.start, mats.len(), to.arrays, to.at);
+        let (n, k) = (self.fmt.n, self.fmt.k);
+        let a = 1.0 / (k as f32).sqrt();
+        let nk = n * k;
+        let DevFormat::Affine { bits, group } = self.fmt.format else {
+            let (d, bytes) = dst[0];
+            let out = d + (at * bytes) as u64;
+            let seed = seed_at(self.seeds[0], first * nk);
+            return ops::fill_uniform(g, out, count * nk, true, seed, -a, a);
+        };
+        let step = 2.0 * a / ((1u32 << bits) - 1) as f32;
+        let (words, groups) = (nk * bits as usize / 32, nk / group);
+        let at_of = |i: usize| dst[i].0 + (at * dst[i].1) as u64;
+        // fill_random_u32 draws two values a word.
+        let seed = seed_at(self.seeds[0], 2 * first * words);
+        ops::fill_random_u32(g, at_of(0), count * words, seed)?;
+        let (s1, s2) = (
+            seed_at(self.seeds[1], first * groups),
+            seed_at(self.seeds[2], first * groups),
+        );
+        ops::fill_uniform(
+            g,
+            at_of(1),
+            count * groups,
+            true,
+            s1,
+            0.5 * step,
+            1.5 * step,
+        )?;
+        ops::fill_uniform(g, at_of(2), count * groups, true, s2, -1.5 * a, -0.5 * a)
+    }
+}
+
+/// A synthetic MoE layer's experts (`[gate | up]`, down): filled where they are placed.
+pub(crate) struct SeededExperts(Seeded, Seeded);
+
+impl SeededExperts {
+    /// The seeds of random experts whose `[gate | up]` and down are `gu` and `down` (n, k).
+    pub fn new(f: &mut Filler, gu: (usize, usize), down: (usize, usize)) -> SeededExperts {
+        SeededExperts(f.seeded(gu.0, gu.1), f.seeded(down.0, down.1))
+    }
+}
+
+impl ExpertSource for SeededExperts {
+    fn formats(&self) -> (Fmt, Fmt) {
+        (self.0.fmt, self.1.fmt)
+    }
+
+    fn write(&self, g: &Gpu, down: bool, experts: Range<usize>, to: Dest<'_>) -> Result<()> {
+        if experts.is_empty() {
+            return Ok(());
+        }
+        let stack = if down { &self.1 } else { &self.0 };
+        stack.write(g, experts, to)
+    }
+}
