@@ -82,30 +82,19 @@ impl MoeFfn {
             Fmt::new(2 * i, hidden, DevFormat::of(&gu)),
             Fmt::new(hidden, i, DevFormat::of(&down)),
         );
-        let (experts_gu, experts_down, pending) = if offload {
+        let experts = if offload {
             let src = LoadedExperts {
                 gu,
                 down,
                 formats: (gu_fmt, down_fmt),
             };
-            let stacks = (gu_fmt.device_stack(g, 0)?, down_fmt.device_stack(g, 0)?);
-            let p = Pending::new(layer, e, stacked, Box::new(src));
-            (stacks.0, stacks.1, Some(p))
+            placed_later(g, (layer, e, stacked), Box::new(src))?
         } else {
             let gu_mat = DevMat::stack(g, &gu, 2 * i, hidden, None)?;
             (gu_mat, DevMat::stack(g, &down, hidden, i, None)?, None)
         };
-        let ffn = MoeFfn {
-            router,
-            experts_gu,
-            experts_down,
-            shared,
-            offload: None,
-            experts: e,
-            top_k: m.top_k,
-            renorm: m.norm_topk_prob,
-        };
-        Ok((Box::new(ffn), pending))
+        let routing = (e, m.top_k, m.norm_topk_prob);
+        Ok(made(router, experts, shared, routing))
     }
 
     /// Random weights of config `c`'s shape for MoE layer `layer` (the experts made where they
@@ -130,27 +119,15 @@ impl MoeFfn {
             false => Some((f.mats(1, 2 * sn, h)?, f.mats(1, h, sn)?)),
         };
         let router = f.router(e + 1, h)?;
-        let (experts_gu, experts_down, pending) = if offload {
+        let experts = if offload {
             let src = SeededExperts::new(f, (2 * n, h), (h, n));
-            let (fg, fd) = src.formats();
-            let stacks = (fg.device_stack(f.g, 0)?, fd.device_stack(f.g, 0)?);
-            let p = Pending::new(layer, e, stacked, Box::new(src));
-            (stacks.0, stacks.1, Some(p))
+            placed_later(f.g, (layer, e, stacked), Box::new(src))?
         } else {
             let count = e + stacked as usize;
             (f.mats(count, 2 * n, h)?, f.mats(count, h, n)?, None)
         };
-        let ffn = MoeFfn {
-            router,
-            experts_gu,
-            experts_down,
-            shared,
-            offload: None,
-            experts: e,
-            top_k: c.experts_per_token,
-            renorm: c.norm_topk_prob,
-        };
-        Ok((Box::new(ffn), pending))
+        let routing = (e, c.experts_per_token, c.norm_topk_prob);
+        Ok(made(router, experts, shared, routing))
     }
 
     /// `ffn` as a routed-experts block, when it is one (expert residency reaches into it).
@@ -165,6 +142,14 @@ impl MoeFfn {
     /// Expert slots per row: the picks and the stacked shared expert.
     pub fn per_row(&self) -> usize {
         self.top_k + self.shared.is_none() as usize
+    }
+
+    /// `f` summed over the matrices one token multiplies: the router, each of its expert slots
+    /// and the shared expert when it runs apart.
+    fn per_token(&self, f: impl Fn(&DevMat) -> usize) -> usize {
+        let experts = f(&self.experts_gu) + f(&self.experts_down);
+        let shared = self.shared.as_ref().map_or(0, |(gu, d)| f(gu) + f(d));
+        f(&self.router) + self.per_row() * experts + shared
     }
 
     /// The router's top-k as uploaded (every expert at its own index).
@@ -223,6 +208,43 @@ impl MoeFfn {
     }
 }
 
+/// Expert stacks and, when the experts are placed later, where they come from.
+type Experts<'a> = (DevMat, DevMat, Option<Pending<'a>>);
+
+/// Empty device stacks in `src`'s formats for MoE layer `layer` (`experts` routed ones, the shared
+/// one `stacked` after them), its experts to be placed from `src`.
+fn placed_later<'a>(
+    g: &Gpu,
+    (layer, experts, stacked): (usize, usize, bool),
+    src: Box<dyn ExpertSource + 'a>,
+) -> Result<Experts<'a>> {
+    let (fg, fd) = src.formats();
+    let stacks = (fg.device_stack(g, 0)?, fd.device_stack(g, 0)?);
+    let p = Pending::new(layer, experts, stacked, src);
+    Ok((stacks.0, stacks.1, Some(p)))
+}
+
+/// The block of `router`, `experts` and `shared`, routing to `top_k` of `e` experts
+/// (`renorm`: the picks' weights renormalized).
+fn made<'a>(
+    router: DevMat,
+    (experts_gu, experts_down, pending): Experts<'a>,
+    shared: Option<(DevMat, DevMat)>,
+    (e, top_k, renorm): (usize, usize, bool),
+) -> FfnMade<'a> {
+    let ffn = MoeFfn {
+        router,
+        experts_gu,
+        experts_down,
+        shared,
+        offload: None,
+        experts: e,
+        top_k,
+        renorm,
+    };
+    (Box::new(ffn), pending)
+}
+
 /// The expert counts the CUDA router takes.
 fn check(experts: usize, top_k: usize) -> Result<()> {
     if experts > 1024 || top_k > 32 {
@@ -245,21 +267,11 @@ impl Ffn for MoeFfn {
     }
 
     fn bytes_per_token(&self) -> usize {
-        let experts = self.experts_gu.bytes() + self.experts_down.bytes();
-        let shared = self
-            .shared
-            .as_ref()
-            .map_or(0, |(gu, d)| gu.bytes() + d.bytes());
-        self.router.bytes() + self.per_row() * experts + shared
+        self.per_token(DevMat::bytes)
     }
 
     fn params(&self) -> usize {
-        let experts = self.experts_gu.params() + self.experts_down.params();
-        let shared = self
-            .shared
-            .as_ref()
-            .map_or(0, |(gu, d)| gu.params() + d.params());
-        self.router.params() + self.per_row() * experts + shared
+        self.per_token(DevMat::params)
     }
 
     fn normalizes_after(&self) -> bool {
