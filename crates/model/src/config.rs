@@ -175,7 +175,7 @@ impl ModelConfig {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
-            source,
+            err: source,
         })?;
         ModelConfig::from_json_str(&text, &path)
     }
@@ -303,22 +303,47 @@ fn parse_text(
             None => Ok(None),
         }
     };
-    let rope_theta = match from_rope("rope_theta")? {
-        Some(v) => v,
-        None => k.f64_opt("rope_theta")?.ok_or_else(|| {
-            k.err(
-                "rope_theta",
-                "missing (neither rope_parameters.rope_theta nor rope_theta is set)",
-            )
-        })?,
+    // Each RoPE value is checked against the object it was read from, so errors name that key.
+    let (rope_theta, theta_keys) = match from_rope("rope_theta")? {
+        Some(v) => (v, rope_keys.as_ref().unwrap_or(&k)),
+        None => (
+            k.f64_opt("rope_theta")?.ok_or_else(|| {
+                k.err(
+                    "rope_theta",
+                    "missing (neither rope_parameters.rope_theta nor rope_theta is set)",
+                )
+            })?,
+            &k,
+        ),
     };
-    let prf = match from_rope("partial_rotary_factor")? {
-        Some(v) => v,
-        None => k.f64_opt("partial_rotary_factor")?.unwrap_or(0.25),
+    // theta = 0 makes every rotation frequency infinite or NaN: all-NaN logits.
+    if !(rope_theta.is_finite() && rope_theta > 0.0) {
+        return Err(theta_keys.err(
+            "rope_theta",
+            format!("{rope_theta} is out of range; expected a finite number above 0 (e.g. 10000)"),
+        ));
+    }
+    let (prf, prf_keys) = match from_rope("partial_rotary_factor")? {
+        Some(v) => (v, rope_keys.as_ref().unwrap_or(&k)),
+        None => (k.f64_opt("partial_rotary_factor")?.unwrap_or(0.25), &k),
     };
+    if !(prf > 0.0 && prf <= 1.0) {
+        return Err(prf_keys.err(
+            "partial_rotary_factor",
+            format!("{prf} is out of range; expected a fraction in (0, 1] (e.g. 0.25)"),
+        ));
+    }
     let rotary_dim = (head_dim as f64 * prf) as usize;
     if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
-        return Err(k.err("partial_rotary_factor", format!("gives rotary dim {rotary_dim} for head_dim {head_dim}; it must be even and in 2..=head_dim")));
+        return Err(prf_keys.err("partial_rotary_factor", format!("gives rotary dim {rotary_dim} for head_dim {head_dim}; it must be even and in 2..=head_dim")));
+    }
+    // A zero or negative epsilon divides by zero (or takes the root of a negative) in RMSNorm.
+    let eps = k.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
+    if !(eps.is_finite() && (eps as f32) > 0.0 && eps < 1.0) {
+        return Err(k.err(
+            "rms_norm_eps",
+            format!("{eps} is out of range; expected a number in (0, 1) (e.g. 1e-6)"),
+        ));
     }
 
     let layer_kinds = layer_kinds(&k, num_layers)?;
@@ -344,7 +369,7 @@ fn parse_text(
         vocab_size: k.usize("vocab_size")?,
         hidden_size,
         num_layers,
-        rms_norm_eps: k.f64_opt("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+        rms_norm_eps: eps as f32,
         layer_kinds,
         ffn_kinds,
         tie_word_embeddings: tie,
@@ -438,23 +463,76 @@ fn ffn_kinds(k: &Keys, family: Family, n: usize, num_experts: usize) -> Result<V
     })
 }
 
+/// Upper bounds far above any released model of the family: a value past one is a typo or a
+/// corrupt file, caught here before it sizes an allocation.
+const MAX_VOCAB: usize = 1 << 22;
+const MAX_WIDTH: usize = 1 << 16;
+const MAX_LAYERS: usize = 1024;
+const MAX_HEADS: usize = 1024;
+const MAX_HEAD_DIM: usize = 4096;
+const MAX_INTERMEDIATE: usize = 1 << 20;
+const MAX_EXPERTS: usize = 1 << 14;
+const MAX_CONTEXT: usize = 1 << 24;
+const MAX_CONV_KERNEL: usize = 64;
+
+/// Ranges and the relations between sizes the layers rely on; each error names the key and the
+/// valid range.
 fn validate(c: &ModelConfig, k: &Keys) -> Result<()> {
-    let positive = [
-        ("vocab_size", c.vocab_size),
-        ("hidden_size", c.hidden_size),
-        ("num_hidden_layers", c.num_layers),
-        ("num_attention_heads", c.num_heads),
-        ("num_key_value_heads", c.num_kv_heads),
-        ("head_dim", c.head_dim),
-        ("linear_num_key_heads", c.linear_k_heads),
-        ("linear_num_value_heads", c.linear_v_heads),
-        ("linear_key_head_dim", c.linear_k_dim),
-        ("linear_value_head_dim", c.linear_v_dim),
-        ("linear_conv_kernel_dim", c.conv_kernel),
+    let required = [
+        ("vocab_size", c.vocab_size, MAX_VOCAB),
+        ("hidden_size", c.hidden_size, MAX_WIDTH),
+        ("num_hidden_layers", c.num_layers, MAX_LAYERS),
+        ("num_attention_heads", c.num_heads, MAX_HEADS),
+        ("num_key_value_heads", c.num_kv_heads, MAX_HEADS),
+        ("head_dim", c.head_dim, MAX_HEAD_DIM),
+        ("linear_num_key_heads", c.linear_k_heads, MAX_HEADS),
+        ("linear_num_value_heads", c.linear_v_heads, MAX_HEADS),
+        ("linear_key_head_dim", c.linear_k_dim, MAX_HEAD_DIM),
+        ("linear_value_head_dim", c.linear_v_dim, MAX_HEAD_DIM),
+        ("linear_conv_kernel_dim", c.conv_kernel, MAX_CONV_KERNEL),
+        (
+            "max_position_embeddings",
+            c.max_position_embeddings,
+            MAX_CONTEXT,
+        ),
     ];
-    for (key, v) in positive {
-        if v == 0 {
-            return Err(k.err(key, "must be positive"));
+    for (key, v, max) in required {
+        if v == 0 || v > max {
+            return Err(k.err(key, format!("{v} is out of range; expected 1..={max}")));
+        }
+    }
+    // Sizes that are 0 when the layers that use them are absent.
+    let optional = [
+        ("intermediate_size", c.intermediate_size, MAX_INTERMEDIATE),
+        ("num_experts", c.num_experts, MAX_EXPERTS),
+        (
+            "moe_intermediate_size",
+            c.moe_intermediate_size,
+            MAX_INTERMEDIATE,
+        ),
+        (
+            "shared_expert_intermediate_size",
+            c.shared_expert_intermediate_size,
+            MAX_INTERMEDIATE,
+        ),
+    ];
+    for (key, v, max) in optional {
+        if v > max {
+            return Err(k.err(key, format!("{v} is out of range; expected 0..={max}")));
+        }
+    }
+    let moe = c.ffn_kinds.contains(&FfnKind::Moe);
+    let dense = c.ffn_kinds.contains(&FfnKind::Dense);
+    let needed = [
+        ("intermediate_size", c.intermediate_size, dense),
+        ("moe_intermediate_size", c.moe_intermediate_size, moe),
+    ];
+    for (key, v, used) in needed {
+        if used && v == 0 {
+            return Err(k.err(
+                key,
+                format!("0 is out of range; expected 1..={MAX_INTERMEDIATE}"),
+            ));
         }
     }
     if !c.num_heads.is_multiple_of(c.num_kv_heads) {
@@ -488,6 +566,8 @@ fn validate(c: &ModelConfig, k: &Keys) -> Result<()> {
     }
     Ok(())
 }
+
+mod size;
 
 #[cfg(test)]
 mod tests;

@@ -5,11 +5,10 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    /// The I/O error is shown in the message and deliberately not exposed as `source()`, so
+    /// printing the error with its chain of causes does not repeat it.
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path}: key `{key}`: {msg}")]
     Config {
         path: PathBuf,

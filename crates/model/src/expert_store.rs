@@ -129,7 +129,7 @@ impl ExpertStore {
             .into_iter()
             .map(|path| match File::open(&path) {
                 Ok(f) => Ok((path, f)),
-                Err(source) => Err(ModelError::Io { path, source }),
+                Err(source) => Err(ModelError::Io { path, err: source }),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(ExpertStore { files, layers })
@@ -208,7 +208,7 @@ impl ExpertStore {
         file.read_exact_at(bytemuck::cast_slice_mut(&mut v), r.offset)
             .map_err(|source| ModelError::Io {
                 path: path.clone(),
-                source,
+                err: source,
             })?;
         Ok(v)
     }

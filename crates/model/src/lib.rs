@@ -7,6 +7,7 @@ pub mod convert;
 pub mod error;
 pub mod expert_store;
 pub mod gpu;
+pub mod host_memory;
 pub mod host_split;
 pub mod layers;
 pub mod quant;

@@ -196,7 +196,7 @@ pub(crate) fn load_affine(
         format!("{prefix}.biases"),
     );
     let qerr = |name: &str, msg: String| ModelError::Quant {
-        name: name.to_string(),
+        name: store.stored_name(name),
         file: store.file_of(name),
         msg,
     };

@@ -42,9 +42,12 @@ enum Stored {
     Other(String),
 }
 
-/// One tensor entry, its file and where its bytes lie in that file.
+/// One tensor entry, its name as the file spells it, its file and where its bytes lie in that
+/// file.
 struct Entry {
     tensor: Stored,
+    /// The name in the file (before [`normalise`]), for error messages.
+    stored: String,
     file: PathBuf,
     offset: u64,
     len: usize,
@@ -125,7 +128,7 @@ impl WeightStore {
     fn add_file(&mut self, path: &Path) -> Result<()> {
         let file = File::open(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            err: source,
         })?;
         let bad = |msg: String| ModelError::Safetensors {
             path: path.to_path_buf(),
@@ -135,7 +138,7 @@ impl WeightStore {
             .metadata()
             .map_err(|source| ModelError::Io {
                 path: path.to_path_buf(),
-                source,
+                err: source,
             })?
             .len();
         if len < 8 {
@@ -148,10 +151,16 @@ impl WeightStore {
         let map = Arc::new(
             unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
                 path: path.to_path_buf(),
-                source,
+                err: source,
             })?,
         );
-        let st = SafeTensors::deserialize(&map).map_err(|e| bad(e.to_string()))?;
+        let st = SafeTensors::deserialize(&map).map_err(|e| match e {
+            // The crate's message names no tensor; find the one whose bytes disagree.
+            safetensors::SafeTensorError::TensorInvalidInfo => {
+                bad(mismatched_tensor(&map).unwrap_or_else(|| e.to_string()))
+            }
+            e => bad(e.to_string()),
+        })?;
         let base = map.as_ptr() as usize;
         for (name, view) in st.tensors() {
             let Some(key) = normalise(&name) else {
@@ -180,6 +189,7 @@ impl WeightStore {
                 key,
                 Entry {
                     tensor,
+                    stored: name.clone(),
                     file: path.to_path_buf(),
                     offset: off as u64,
                     len: view.data().len(),
@@ -271,19 +281,19 @@ impl WeightStore {
         let t = match &e.tensor {
             Stored::Float(t) => t,
             Stored::Words(..) => return Err(ModelError::Quant {
-                name: name.to_string(),
+                name: e.stored.clone(),
                 file: e.file.clone(),
                 msg: "is packed uint32 (quantized) where a bf16/f16/f32 tensor is expected; a quantized linear needs its `.scales` and `.biases` beside it, only linears and the embedding can be quantized".into(),
             }),
             Stored::Other(dtype) => return Err(ModelError::DType {
-                name: name.to_string(),
+                name: e.stored.clone(),
                 file: e.file.clone(),
                 dtype: dtype.clone(),
             }),
         };
         if t.shape() != shape {
             return Err(ModelError::Shape {
-                name: name.to_string(),
+                name: e.stored.clone(),
                 file: e.file.clone(),
                 expected: shape.to_vec(),
                 found: t.shape().to_vec(),
@@ -322,6 +332,13 @@ impl WeightStore {
             Stored::Words(_, s) => s.clone(),
             Stored::Other(_) => vec![],
         })
+    }
+
+    /// The name of `name` as its file spells it (`name` itself when absent), for messages.
+    pub fn stored_name(&self, name: &str) -> String {
+        self.entries
+            .get(name)
+            .map_or_else(|| name.to_string(), |e| e.stored.clone())
     }
 
     /// File holding `name` (the directory for lookups of absent tensors).
@@ -405,11 +422,59 @@ impl Synthetic {
     }
 }
 
+/// The first tensor in a safetensors file's header whose `data_offsets` span a different number
+/// of bytes than its shape and dtype need, described; `None` when none is found (the header is
+/// read leniently: this only explains an error the safetensors crate already reported).
+fn mismatched_tensor(bytes: &[u8]) -> Option<String> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = 8usize.checked_add(usize::try_from(n).ok()?)?;
+    let header: serde_json::Value = serde_json::from_slice(bytes.get(8..end)?).ok()?;
+    header.as_object()?.iter().find_map(|(name, info)| {
+        if name == "__metadata__" {
+            return None;
+        }
+        let dtype = info.get("dtype")?.as_str()?;
+        let size: usize = match dtype {
+            "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
+            "U16" | "I16" | "F16" | "BF16" => 2,
+            "U32" | "I32" | "F32" => 4,
+            "U64" | "I64" | "F64" => 8,
+            _ => return None,
+        };
+        let shape: Vec<usize> = info
+            .get("shape")?
+            .as_array()?
+            .iter()
+            .map(|d| d.as_u64().map(|d| d as usize))
+            .collect::<Option<_>>()?;
+        let offsets: Vec<u64> = info
+            .get("data_offsets")?
+            .as_array()?
+            .iter()
+            .map(|d| d.as_u64())
+            .collect::<Option<_>>()?;
+        let [start, stop] = offsets[..] else {
+            return None;
+        };
+        let need = shape
+            .iter()
+            .try_fold(size, |acc, &d| acc.checked_mul(d))
+            .map_or("more than 2^64".to_string(), |b| b.to_string());
+        let have = stop.checked_sub(start).map(|b| b.to_string());
+        (have.as_deref() != Some(need.as_str())).then(|| {
+            format!(
+                "tensor `{name}`: shape {shape:?} of dtype {dtype} needs {need} bytes but its data_offsets [{start}, {stop}] hold {}",
+                have.unwrap_or_else(|| "a negative number of".into())
+            )
+        })
+    })
+}
+
 /// Distinct shard file names of an index, in first-seen order.
 fn shard_files(index: &Path) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(index).map_err(|source| ModelError::Io {
         path: index.to_path_buf(),
-        source,
+        err: source,
     })?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
         path: index.to_path_buf(),
@@ -517,5 +582,48 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
         let e = WeightStore::open(d.path()).err().unwrap().to_string();
         assert!(e.contains("no weights found"), "{e}");
+    }
+
+    #[test]
+    fn errors_name_tensors_as_the_file_spells_them() {
+        let d = tempfile::tempdir().unwrap();
+        write_st(
+            &d.path().join("model.safetensors"),
+            &[("model.language_model.norm.weight", vec![2], vec![1.0, 2.0])],
+        );
+        let s = WeightStore::open(d.path()).unwrap();
+        let e = s.get("model.norm.weight", &[3]).unwrap_err().to_string();
+        assert!(e.contains("`model.language_model.norm.weight`"), "{e}");
+    }
+
+    #[test]
+    fn inconsistent_offsets_name_the_tensor() {
+        let d = tempfile::tempdir().unwrap();
+        let header = br#"{"ok":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"bad":{"dtype":"F32","shape":[2,2],"data_offsets":[4,8]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        bytes.extend_from_slice(&[0; 8]);
+        std::fs::write(d.path().join("model.safetensors"), &bytes).unwrap();
+        let e = WeightStore::open(d.path()).err().unwrap().to_string();
+        assert!(
+            e.contains("tensor `bad`") && e.contains("needs 16 bytes") && e.contains("hold 4"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_missing_shard_says_why_once() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(
+            d.path().join("model.safetensors.index.json"),
+            r#"{"weight_map": {"a": "model-00001.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = WeightStore::open(d.path()).err().unwrap();
+        // Printed with its chain of causes (as the CLI does), the reason appears once.
+        assert!(std::error::Error::source(&e).is_none());
+        let msg = e.to_string();
+        assert!(msg.contains("model-00001.safetensors"), "{msg}");
+        assert_eq!(msg.matches("No such file").count(), 1, "{msg}");
     }
 }

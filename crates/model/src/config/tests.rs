@@ -97,3 +97,62 @@ fn errors_name_the_key() {
         .to_string();
     assert!(e.contains("x/config.json") && e.contains("JSON"), "{e}");
 }
+
+/// A valid hub-style MoE config with `key` set to `v` (dotted keys reach into objects).
+fn with(key: &str, v: Value) -> Result<ModelConfig> {
+    let mut c = text_fields();
+    c.insert("model_type".into(), "qwen3_5_moe_text".into());
+    c.insert("rope_theta".into(), 1e7.into());
+    match key.split_once('.') {
+        Some((outer, inner)) => {
+            let mut o = serde_json::Map::new();
+            o.insert(inner.into(), v);
+            c.insert(outer.into(), Value::Object(o));
+        }
+        None => {
+            c.insert(key.into(), v);
+        }
+    }
+    parse(Value::Object(c))
+}
+
+#[test]
+fn out_of_range_values_name_the_key_and_range() {
+    let cases: [(&str, Value, &str); 12] = [
+        ("rope_theta", 0.into(), "above 0"),
+        ("rope_parameters.rope_theta", (-5.0).into(), "above 0"),
+        ("rms_norm_eps", (-1).into(), "(0, 1)"),
+        ("rms_norm_eps", 0.into(), "(0, 1)"),
+        ("partial_rotary_factor", 0.into(), "(0, 1]"),
+        ("partial_rotary_factor", 1.5.into(), "(0, 1]"),
+        ("vocab_size", 1_000_000_000_000u64.into(), "1..="),
+        ("max_position_embeddings", 0.into(), "1..="),
+        ("num_key_value_heads", 3.into(), "does not divide"),
+        ("linear_num_key_heads", 3.into(), "does not divide"),
+        ("num_experts_per_tok", 9.into(), "1..=num_experts"),
+        ("moe_intermediate_size", 0.into(), "1..="),
+    ];
+    for (key, v, range) in cases {
+        let e = with(key, v.clone()).unwrap_err().to_string();
+        let leaf = key.rsplit('.').next().unwrap_or(key);
+        let shown = if key.contains('.') { key } else { leaf };
+        assert!(
+            (e.contains(&format!("`{shown}`")) || e.contains(leaf)) && e.contains(range),
+            "{key} = {v}: {e}"
+        );
+    }
+    assert!(with("rms_norm_eps", 1e-5.into()).is_ok());
+}
+
+#[test]
+fn weight_params_match_the_built_in_checkpoint() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny");
+    let c = ModelConfig::from_dir(&dir).unwrap();
+    let store = crate::WeightStore::open(&dir).unwrap();
+    let stored: usize = store.summary().iter().map(|t| t.params).sum();
+    assert_eq!(c.weight_params(), stored as u64);
+    assert_eq!(
+        c.largest_tensor_params(),
+        (c.vocab_size * c.hidden_size) as u64
+    );
+}

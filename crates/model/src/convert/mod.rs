@@ -445,7 +445,7 @@ pub fn convert(
     Qwen3Hybrid::from_store(config.clone(), &store)?;
     let text = std::fs::read_to_string(&cfg_path).map_err(|source| ModelError::Io {
         path: cfg_path.clone(),
-        source,
+        err: source,
     })?;
     let mut root: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
         path: cfg_path.clone(),
@@ -499,7 +499,7 @@ pub fn convert(
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        err: source,
     }
 }
 

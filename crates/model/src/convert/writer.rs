@@ -48,7 +48,7 @@ fn job_parts(job: &Job) -> (&[Part], usize) {
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        err: source,
     }
 }
 

@@ -66,15 +66,10 @@ pub fn clean_copies(
     (room.saturating_sub(outside) / (layers * slot_bytes).max(1)).min(slots)
 }
 
-/// Bytes of host memory available to new allocations (Linux `MemAvailable`); none known
-/// elsewhere, which keeps no clean copies.
+/// Bytes of host memory available to new allocations; none known elsewhere than Linux, which
+/// keeps no clean copies.
 fn host_available() -> usize {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
-        .map_or(0, |kb| kb << 10)
+    crate::host_memory::available().unwrap_or(0)
 }
 
 /// What offload did, summed over steps.
