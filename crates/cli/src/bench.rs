@@ -217,6 +217,7 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     }
     let (model, name) = match synthetic_config(a)? {
         Some((cfg, name)) => {
+            check_host_memory(&cfg, &name)?;
             let t0 = Instant::now();
             let m = Qwen3Hybrid::from_store(cfg, &WeightStore::synthetic(DType::BF16, 1))?;
             eprintln!(
@@ -269,6 +270,29 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
         "prompt_len": prompt_len, "prefill_s": prefill_s, "prefill_tok_s": prefill_tps,
         "gen_len": a.gen_len, "decode_s": decode_s, "decode_tok_s": decode_tps,
     }))
+}
+
+/// Refuses, before anything is allocated, a synthetic CPU model whose random bf16 weights (plus
+/// the f32 scratch of the largest tensor while it is made) exceed the host's available memory:
+/// the kernel would otherwise kill the process mid-way with no message.
+fn check_host_memory(cfg: &ModelConfig, name: &str) -> Result<()> {
+    let Some(available) = deltamoe_model::host_memory::available() else {
+        return Ok(());
+    };
+    let needed = cfg
+        .weight_params()
+        .saturating_mul(2)
+        .saturating_add(cfg.largest_tensor_params().saturating_mul(4));
+    if needed > available as u64 {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        bail!(
+            "{name}: needs {:.1} GiB of memory for its weights but {:.1} GiB is available; \
+             use a smaller shape (--config FILE), --device cuda, or a machine with more memory",
+            gib(needed),
+            gib(available as u64)
+        );
+    }
+    Ok(())
 }
 
 /// Device milliseconds per step by part (summed over layers: "gdn" and "attention" mixers,

@@ -22,6 +22,7 @@ use crate::commands::{engine_for, load_model, sampling, SamplingArgs};
 use crate::ModelArgs;
 
 mod conversation;
+mod interrupt;
 
 pub use conversation::{prompt_ids, Conversation, TurnPlan, TurnStats};
 
@@ -116,6 +117,10 @@ impl Session<'_> {
         let mut reply = Vec::new();
         let t1 = Instant::now();
         while reply.len() < self.max_tokens {
+            if interrupt::requested() {
+                stats.interrupted = true;
+                break;
+            }
             let id = next;
             if self.eos.contains(&id) {
                 stats.hit_eos = true;
@@ -183,7 +188,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         rustyline::DefaultEditor::new().context("chat: cannot set up the terminal line editor")?;
     eprintln!(
         "{}",
-        dim("/reset forgets the conversation, /quit (or Ctrl-D) exits")
+        dim("/reset forgets the conversation, /quit (or Ctrl-D) exits, Ctrl-C ends a reply")
     );
     let mut stdout = std::io::stdout();
     loop {
@@ -206,7 +211,11 @@ pub fn run(a: ChatArgs) -> Result<()> {
             cmd if cmd.starts_with('/') => {
                 eprintln!("unknown command {cmd}: use /reset or /quit");
             }
-            text => match session.turn(text, &mut stdout) {
+            // Ctrl-C during the reply ends it and returns here (see interrupt.rs).
+            text => match {
+                let _ctrl_c = interrupt::ReplyGuard::install();
+                session.turn(text, &mut stdout)
+            } {
                 Ok(stats) => eprintln!("{}", dim(&stats.line())),
                 Err(e) => {
                     let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();

@@ -46,13 +46,15 @@ pub struct GenerateArgs {
     /// reserved up front). Default: 16.
     #[arg(long, requires = "prompts_file")]
     pub(crate) max_seqs: Option<usize>,
-    /// Wrap the prompt in the model's chat template as a user message.
-    #[arg(long)]
+    /// Wrap the prompt in the model's chat template as a user message (text prompts only).
+    #[arg(long, conflicts_with = "prompt_tokens")]
     pub(crate) chat: bool,
     /// System message for --chat.
     #[arg(long, requires = "chat")]
     pub(crate) system: Option<String>,
-    /// Most tokens to generate (per prompt).
+    /// Most tokens to generate (per prompt). When the prompt and this many tokens do not fit
+    /// the model's context, fewer are generated (with a note on stderr): generation stops at
+    /// the context, as llama.cpp's does.
     #[arg(long, default_value_t = 128)]
     pub(crate) max_tokens: usize,
     #[command(flatten)]
@@ -255,6 +257,23 @@ pub fn encode_prompt(
     Ok(tok.encode(&tpl.render(&msgs, true)?, false)?)
 }
 
+/// Tokens to generate at most for a prompt of `prompt` tokens in a context of `ctx`, checked
+/// before anything runs: a prompt longer than the context is an error; a `--max-tokens` that
+/// runs past the context is lowered to what fits, with a note, so generation ends at the
+/// context with exit 0 as llama.cpp's does. The last token generated is never fed, so a context
+/// of `ctx` yields `ctx + 1 - prompt` tokens.
+pub fn fit_context(prompt: usize, max_tokens: usize, ctx: usize) -> Result<usize> {
+    if prompt > ctx {
+        bail!("the prompt has {prompt} tokens but the model's context holds {ctx}; shorten the prompt");
+    }
+    let room = ctx + 1 - prompt;
+    if max_tokens > room {
+        eprintln!("note: the prompt ({prompt} tokens) and --max-tokens {max_tokens} exceed the context of {ctx} tokens; generating at most {room}");
+        return Ok(room);
+    }
+    Ok(max_tokens)
+}
+
 pub fn generate(a: GenerateArgs) -> Result<()> {
     if let Some(file) = &a.prompts_file {
         return crate::batch::run(&a, file);
@@ -264,14 +283,15 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let model = load_model(&a.model)?;
     let defaults = GenerationDefaults::from_dir(&dir, &model.config().eos_token_ids)?;
     let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
+    let sampling = sampling(&a.sampling, &defaults)?;
+    let mut engine = engine_for(model, &a.model, 1)?;
     let req = GenerateRequest {
         prompt: &prompt,
-        max_tokens: a.max_tokens,
-        sampling: sampling(&a.sampling, &defaults)?,
+        max_tokens: fit_context(prompt.len(), a.max_tokens, engine.max_context())?,
+        sampling,
         eos: &defaults.eos_token_ids,
         prefill_chunk: a.prefill_chunk,
     };
-    let mut engine = engine_for(model, &a.model, 1)?;
     let mut out = std::io::stdout().lock();
     // A plain text prompt is echoed so the continuation reads on from it, as llama.cpp does.
     if let (Some(p), false, Some(_)) = (&a.prompt, a.chat, &tok) {
@@ -303,7 +323,13 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         stats.generated,
         stats.decode_secs,
         stats.decode_tok_s(),
-        if stats.hit_eos { " | stopped at end-of-sequence" } else { "" }
+        if stats.hit_eos {
+            " | stopped at end-of-sequence".to_string()
+        } else if stats.hit_context {
+            format!(" | stopped at the context ({} tokens)", engine.max_context())
+        } else {
+            String::new()
+        }
     );
     if let Some(o) = engine.model().expert_stats() {
         eprintln!(

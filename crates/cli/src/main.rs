@@ -23,7 +23,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
     about = "Inference for hybrid linear-attention MoE LLMs (Qwen3.5/3.6 MoE, Qwen3-Next)"
 )]
 struct Cli {
-    /// Worker threads for the CPU backend (default: all cores).
+    /// Worker threads for the CPU backend (default: all cores; more than the machine's cores
+    /// are capped to them, with a warning).
     #[arg(long, global = true)]
     threads: Option<usize>,
     #[command(subcommand)]
@@ -111,9 +112,30 @@ impl ModelArgs {
     }
 }
 
+/// `--threads n` checked and capped at the machine's cores: more threads than cores only add
+/// contention, and a huge count spends minutes spawning threads before any output.
+fn capped_threads(n: usize) -> anyhow::Result<usize> {
+    if n == 0 {
+        anyhow::bail!("--threads 0: expected at least 1 (leave it out to use every core)");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if n > cores {
+        eprintln!("warning: --threads {n}: this machine has {cores} cores; using {cores}");
+        return Ok(cores);
+    }
+    Ok(n)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(n) = cli.threads {
+        let n = match capped_threads(n) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()

@@ -1,5 +1,7 @@
 //! Generation loop: prefill the prompt, then sample and decode one token at a time until
-//! `max_tokens` or an end-of-sequence id. Times prefill and decode separately.
+//! `max_tokens`, an end-of-sequence id, or the sequence's context is full (as llama.cpp stops
+//! there, rather than failing after text was already streamed). Times prefill and decode
+//! separately.
 
 use std::time::Instant;
 
@@ -29,6 +31,8 @@ pub struct GenerateStats {
     /// Seconds for the decode steps after the first token.
     pub decode_secs: f64,
     pub hit_eos: bool,
+    /// Generation stopped because the context was full (prompt plus tokens fed).
+    pub hit_context: bool,
 }
 
 impl GenerateStats {
@@ -88,9 +92,47 @@ fn run(
         if !on_token(next)? || out.len() == req.max_tokens {
             break;
         }
+        // The token just emitted must be fed to sample another; with the context full, stop.
+        let fed = engine.sequence(id).map_or(0, |s| s.tokens.len());
+        if fed >= engine.max_context() {
+            stats.hit_context = true;
+            break;
+        }
         next = engine.step(&[(id, next)])?[0];
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated = out.len();
     Ok((out, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use deltamoe_compute::DType;
+    use deltamoe_model::{ModelConfig, Qwen3Hybrid, WeightStore};
+
+    use super::*;
+
+    #[test]
+    fn generation_stops_at_a_full_context() {
+        // The built-in model's shape with random weights and an 8-token context.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny");
+        let mut cfg = ModelConfig::from_dir(&dir).unwrap();
+        cfg.max_position_embeddings = 8;
+        let model = Qwen3Hybrid::from_store(cfg, &WeightStore::synthetic(DType::F32, 1)).unwrap();
+        let mut engine = Engine::new(model);
+        let req = GenerateRequest {
+            prompt: &[1, 2, 3],
+            max_tokens: 100,
+            sampling: SamplingParams::default(),
+            eos: &[],
+            prefill_chunk: None,
+        };
+        let (out, stats) = generate(&mut engine, &req, |_| Ok(true)).unwrap();
+        // 3 prompt tokens and 5 generated ones fill the 8 positions; the 6th generated token is
+        // sampled from the last position and never fed.
+        assert_eq!(out.len(), 6);
+        assert!(stats.hit_context && !stats.hit_eos);
+    }
 }

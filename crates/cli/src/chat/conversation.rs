@@ -134,6 +134,8 @@ pub struct TurnStats {
     pub generated: usize,
     pub decode_secs: f64,
     pub hit_eos: bool,
+    /// Ctrl-C ended the reply.
+    pub interrupted: bool,
 }
 
 impl TurnStats {
@@ -152,7 +154,11 @@ impl TurnStats {
             self.generated,
             self.decode_secs,
             self.generated.saturating_sub(1) as f64 / self.decode_secs.max(1e-9),
-            if self.hit_eos { "" } else { " | stopped at --max-tokens or the context limit" }
+            match (self.hit_eos, self.interrupted) {
+                (true, _) => "",
+                (_, true) => " | interrupted (Ctrl-C)",
+                _ => " | stopped at --max-tokens or the context limit",
+            }
         )
     }
 }
