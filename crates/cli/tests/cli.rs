@@ -2,18 +2,7 @@
 //! no panic) for each kind of bad input.
 
 mod common;
-
-use std::path::Path;
-
-use common::{copy_fixture, expect_error, fixture, run};
-
-fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
-    let p = dir.join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    f(&mut v);
-    std::fs::write(&p, v.to_string()).unwrap();
-}
+use common::{copy_fixture, edit_config, expect_error, fixture, run};
 
 fn score_args<'a>(dir: &'a str, tokens: &'a str, out: &'a str) -> Vec<&'a str> {
     vec![

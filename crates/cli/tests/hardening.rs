@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{copy_fixture, expect_error, fixture, run};
+use common::{copy_fixture, edit_config, expect_error, fixture, run};
 
 /// Runs the binary with `XDG_CACHE_HOME` set to `cache`; returns (success, stdout, stderr).
 fn run_cached(cache: &Path, args: &[&str]) -> (bool, String, String) {
@@ -29,11 +29,7 @@ fn run_cached(cache: &Path, args: &[&str]) -> (bool, String, String) {
 #[test]
 fn generate_stops_at_the_context_and_checks_up_front() {
     let d = copy_fixture("qwen3_next");
-    let p = d.path().join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    v["max_position_embeddings"] = 8.into();
-    std::fs::write(&p, v.to_string()).unwrap();
+    edit_config(d.path(), |v| v["max_position_embeddings"] = 8.into());
     let dir = d.path().to_str().unwrap();
     let gen = |prompt: &'static str| {
         let args = [
@@ -241,4 +237,33 @@ fn a_damaged_built_in_model_is_repaired() {
     // Intact files are left alone.
     let (ok, _, err) = run_cached(cache.path(), &args);
     assert!(ok && !err.contains("rewriting"), "{err}");
+}
+
+#[test]
+fn info_and_generate_reject_the_same_bad_configs() {
+    let cases: [(&str, serde_json::Value, &str); 3] = [
+        ("rope_theta", 0.into(), "above 0"),
+        ("rms_norm_eps", (-1).into(), "(0, 1)"),
+        ("vocab_size", 1_000_000_000_000u64.into(), "1..="),
+    ];
+    for (key, value, range) in cases {
+        let d = copy_fixture("qwen3_next");
+        edit_config(d.path(), |v| v[key] = value);
+        let dir = d.path().to_str().unwrap();
+        let needles = [format!("`{key}`"), range.to_string()];
+        let needles: Vec<&str> = needles.iter().map(|s| s.as_str()).collect();
+        expect_error(&["info", "--model", dir], &needles);
+        expect_error(
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt-tokens",
+                "1",
+                "--device",
+                "cpu",
+            ],
+            &needles,
+        );
+    }
 }

@@ -23,6 +23,15 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     d
 }
 
+/// Rewrites `dir/config.json` through `f`.
+pub fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(&p, v.to_string()).unwrap();
+}
+
 /// Runs the binary with `stdin` piped in; returns (success, stdout, stderr).
 pub fn run_with_stdin(args: &[&str], stdin: &str) -> (bool, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_deltamoe"))
