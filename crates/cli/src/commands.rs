@@ -150,8 +150,13 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
     };
     if !use_cuda {
         eprintln!("backend: cpu, {} threads", rayon::current_num_threads());
-        if let ExpertCache::Bytes(bytes) = cache {
-            offload_cpu(&mut model, &args.dir()?, bytes)?;
+        match cache {
+            ExpertCache::Bytes(bytes) => offload_cpu(&mut model, &args.dir()?, bytes)?,
+            _ => {
+                if let Some(note) = weights_exceed_memory(&args.dir()?) {
+                    eprintln!("{note}");
+                }
+            }
         }
         return Ok(Engine::new(model));
     }
@@ -167,6 +172,30 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
         t0.elapsed().as_secs_f64()
     );
     Ok(engine)
+}
+
+/// A note when a CPU model's safetensors files are larger than the host's available memory.
+/// The CPU maps the weights rather than copying them, so the load succeeds, but pages are then
+/// read from disk again as they are used and decoding crawls; the note says so with the numbers.
+fn weights_exceed_memory(dir: &Path) -> Option<String> {
+    let weights: u64 = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let available = deltamoe_model::host_memory::available()? as u64;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    (weights > available).then(|| {
+        format!(
+            "note: the weights ({:.1} GiB) are larger than the available memory ({:.1} GiB); they \
+             stay memory-mapped and are re-read from disk as they are used, so decoding will be \
+             slow (--expert-cache GB bounds the routed experts held in memory)",
+            gib(weights),
+            gib(available)
+        )
+    })
 }
 
 /// Read the routed experts of a CPU model from its files in `dir` behind a cache of `bytes`
@@ -374,4 +403,34 @@ pub fn score(a: ScoreArgs) -> Result<()> {
         a.logits_out.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fit_context_clamps_to_the_room_left() {
+        assert_eq!(fit_context(3, 50, 8).unwrap(), 6);
+        assert_eq!(fit_context(3, 4, 8).unwrap(), 4);
+        assert_eq!(fit_context(8, 5, 8).unwrap(), 1);
+        assert!(fit_context(9, 1, 8).is_err());
+    }
+
+    #[test]
+    fn weights_larger_than_memory_get_a_note() {
+        let Some(available) = deltamoe_model::host_memory::available() else {
+            return;
+        };
+        let d = tempfile::tempdir().unwrap();
+        let f = std::fs::File::create(d.path().join("model.safetensors")).unwrap();
+        assert!(weights_exceed_memory(d.path()).is_none());
+        // A sparse file twice the available memory: its length counts, no disk is used.
+        f.set_len(2 * available as u64).unwrap();
+        let note = weights_exceed_memory(d.path()).unwrap();
+        assert!(
+            note.contains("GiB") && note.contains("available memory"),
+            "{note}"
+        );
+    }
 }

@@ -2,6 +2,7 @@
 //! no panic) for each kind of bad input.
 
 mod common;
+
 use common::{copy_fixture, edit_config, expect_error, fixture, run};
 
 fn score_args<'a>(dir: &'a str, tokens: &'a str, out: &'a str) -> Vec<&'a str> {

@@ -102,30 +102,15 @@ fn threads_are_capped_at_the_cores() {
     );
 }
 
-/// `MemAvailable` of this machine in bytes.
-fn mem_available() -> u64 {
-    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let kb = m
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse::<u64>()
-        .unwrap();
-    kb << 10
-}
-
 #[test]
 fn bench_refuses_a_synthetic_model_that_does_not_fit() {
-    if !Path::new("/proc/meminfo").exists() {
+    let Some(available) = deltamoe_model::host_memory::available() else {
         return;
-    }
+    };
     // qwen3.6-35b-a3b needs about 65 GiB of bf16 weights; qwen3.5-397b-a17b far more than any
     // host. A 4 GiB address-space limit makes sure a missed check cannot eat the machine.
     let mut shapes = vec!["qwen3.5-397b-a17b"];
-    if mem_available() < 60 << 30 {
+    if available < 60 << 30 {
         shapes.push("qwen3.6-35b-a3b");
     }
     for shape in shapes {
