@@ -211,20 +211,22 @@ pub fn run(a: ChatArgs) -> Result<()> {
             cmd if cmd.starts_with('/') => {
                 eprintln!("unknown command {cmd}: use /reset or /quit");
             }
-            // Ctrl-C during the reply ends it and returns here (see interrupt.rs).
-            text => match {
-                let _ctrl_c = interrupt::ReplyGuard::install();
-                session.turn(text, &mut stdout)
-            } {
-                Ok(stats) => eprintln!("{}", dim(&stats.line())),
-                Err(e) => {
-                    let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-                    eprintln!(
-                        "error: {}; the turn was dropped, /reset starts over",
-                        msg.join(": ")
-                    );
+            text => {
+                // Ctrl-C during the reply ends it and returns here (see interrupt.rs).
+                let ctrl_c = interrupt::ReplyGuard::install();
+                let result = session.turn(text, &mut stdout);
+                drop(ctrl_c);
+                match result {
+                    Ok(stats) => eprintln!("{}", dim(&stats.line())),
+                    Err(e) => {
+                        let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+                        eprintln!(
+                            "error: {}; the turn was dropped, /reset starts over",
+                            msg.join(": ")
+                        );
+                    }
                 }
-            },
+            }
         }
     }
     Ok(())
