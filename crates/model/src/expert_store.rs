@@ -300,7 +300,7 @@ impl Indexer<'_> {
     fn part(&mut self, name: &str, start: usize, n: usize) -> Result<ByteRange> {
         let Some(t) = self.store.bytes_of(name) else {
             return Err(ModelError::MissingTensor {
-                name: name.to_string(),
+                name: self.store.stored_name(name),
                 dir: self.store.dir().to_path_buf(),
             });
         };

@@ -213,7 +213,7 @@ pub(crate) fn load_affine(
     let Some((words, wshape)) = store.words(&wn) else {
         if !store.contains(&wn) {
             return Err(ModelError::MissingTensor {
-                name: wn,
+                name: store.stored_name(&wn),
                 dir: store.dir().to_path_buf(),
             });
         }

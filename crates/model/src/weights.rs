@@ -66,10 +66,16 @@ pub struct TensorBytes {
 pub struct WeightStore {
     dir: PathBuf,
     entries: HashMap<String, Entry>,
+    /// The multimodal prefix the file gives language-model tensors (`model.language_model.` or
+    /// `language_model.model.`), so an absent tensor is named as this checkpoint would spell it.
+    file_prefix: Option<&'static str>,
     synthetic: Option<Synthetic>,
     quant: Option<QuantConfig>,
     layout: Layout,
 }
+
+/// Prefixes of the text model's `model.*` tensors in multimodal checkpoints: HF's and mlx-lm's.
+const MULTIMODAL_PREFIXES: [&str; 2] = ["model.language_model.", "language_model.model."];
 
 /// Normalised name (of a tensor or, for quantization overrides, a module), or `None` for
 /// tensors this engine does not use.
@@ -86,8 +92,8 @@ pub(crate) fn normalise(name: &str) -> Option<String> {
         return None;
     }
     for (prefix, to) in [
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
+        (MULTIMODAL_PREFIXES[0], "model."),
+        (MULTIMODAL_PREFIXES[1], "model."),
         ("language_model.lm_head", "lm_head"),
     ] {
         if let Some(rest) = name.strip_prefix(prefix) {
@@ -113,6 +119,7 @@ impl WeightStore {
         let mut store = WeightStore {
             dir: dir.to_path_buf(),
             entries: HashMap::new(),
+            file_prefix: None,
             synthetic: None,
             quant: None,
             layout: Layout::Hf,
@@ -166,6 +173,9 @@ impl WeightStore {
             let Some(key) = normalise(&name) else {
                 continue;
             };
+            if let Some(p) = MULTIMODAL_PREFIXES.iter().find(|p| name.starts_with(*p)) {
+                self.file_prefix.get_or_insert(p);
+            }
             let shape = view.shape().to_vec();
             let off = view.data().as_ptr() as usize - base;
             let float = |dt| {
@@ -205,6 +215,7 @@ impl WeightStore {
         WeightStore {
             dir: PathBuf::from("<synthetic>"),
             entries: HashMap::new(),
+            file_prefix: None,
             synthetic: Some(Synthetic { dtype, seed }),
             quant: None,
             layout: Layout::Hf,
@@ -265,7 +276,7 @@ impl WeightStore {
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.get_opt(name, shape)?
             .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
+                name: self.stored_name(name),
                 dir: self.dir.clone(),
             })
     }
@@ -334,11 +345,16 @@ impl WeightStore {
         })
     }
 
-    /// The name of `name` as its file spells it (`name` itself when absent), for messages.
+    /// The name of `name` as its file spells it, for messages; an absent `model.*` tensor gets
+    /// the checkpoint's multimodal prefix, if it has one.
     pub fn stored_name(&self, name: &str) -> String {
-        self.entries
-            .get(name)
-            .map_or_else(|| name.to_string(), |e| e.stored.clone())
+        if let Some(e) = self.entries.get(name) {
+            return e.stored.clone();
+        }
+        match (self.file_prefix, name.strip_prefix("model.")) {
+            (Some(p), Some(rest)) => format!("{p}{rest}"),
+            _ => name.to_string(),
+        }
     }
 
     /// File holding `name` (the directory for lookups of absent tensors).
@@ -594,6 +610,13 @@ mod tests {
         let s = WeightStore::open(d.path()).unwrap();
         let e = s.get("model.norm.weight", &[3]).unwrap_err().to_string();
         assert!(e.contains("`model.language_model.norm.weight`"), "{e}");
+        // An absent tensor is named with the checkpoint's prefix too.
+        let e = s.get("model.embed_tokens.weight", &[3]).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("`model.language_model.embed_tokens.weight`") && e.contains("missing"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -364,7 +364,7 @@ pub(crate) fn plan(
                     let src = format!("{mlp}.experts.{x}.{proj}.weight");
                     if !store.contains(&src) {
                         return Err(ModelError::MissingTensor {
-                            name: src,
+                            name: store.stored_name(&src),
                             dir: store.dir().to_path_buf(),
                         });
                     }
