@@ -106,10 +106,11 @@ pub fn render_chat(
             "messages is empty; send at least one",
         ));
     }
-    let tools = match req.tool_choice.as_ref().and_then(Json::as_str) {
-        Some("none") => Vec::new(),
+    let tools = match req.tool_choice.as_ref() {
+        Some(Json::String(s)) if s == "none" => Vec::new(),
         _ => req.tools.clone().unwrap_or_default(),
     };
+    check_tool_choice(req.tool_choice.as_ref(), &tools, template)?;
     let mut vars = req.chat_template_kwargs.clone().unwrap_or_default();
     if !tools.is_empty() {
         vars.insert("tools".into(), Json::Array(tools.clone()));
@@ -119,6 +120,46 @@ pub fn render_chat(
         .render_json(Json::Object(vars), messages, true)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     Ok((text, tools))
+}
+
+/// `tool_choice`: "auto" and "none" always; "required" or a named function only with tools
+/// and a template that shows them (generation is not constrained to a call).
+fn check_tool_choice(
+    choice: Option<&Json>,
+    tools: &[Json],
+    template: &ChatTemplate,
+) -> Result<(), ApiError> {
+    let param = "tool_choice";
+    match choice {
+        None | Some(Json::Null) => Ok(()),
+        Some(Json::String(s)) if s == "auto" || s == "none" => Ok(()),
+        Some(Json::String(s)) if s == "required" => tools_usable(tools, template, param),
+        Some(Json::Object(o)) if o.get("type").and_then(Json::as_str) == Some("function") => {
+            tools_usable(tools, template, param)
+        }
+        Some(other) => Err(ApiError::invalid_param(
+            param,
+            format!(
+                "tool_choice {other} is not one of \"auto\", \"none\", \"required\" or a function"
+            ),
+        )),
+    }
+}
+
+fn tools_usable(tools: &[Json], template: &ChatTemplate, param: &str) -> Result<(), ApiError> {
+    if tools.is_empty() {
+        return Err(ApiError::invalid_param(
+            param,
+            "tool_choice asks for a tool call but the request has no tools",
+        ));
+    }
+    if !template.source().contains("tools") {
+        return Err(ApiError::invalid_param(
+            param,
+            "this model's chat template does not take tools, so a tool call cannot be required",
+        ));
+    }
+    Ok(())
 }
 
 /// A completions request: the prompt as text (tokenized with the tokenizer's special tokens)
@@ -191,6 +232,7 @@ fn prepare(
         info.max_context,
         prompt_param,
     )?;
+    s.check_supported()?;
     let stops = s.stop.clone().map(|st| st.into_vec()).unwrap_or_default();
     Ok(Prepared {
         prompt,
@@ -244,7 +286,12 @@ fn sampling(s: &Sampling, defaults: &SamplingParams) -> Result<SamplingParams, A
         p.top_p = v;
     }
     if let Some(k) = s.top_k {
-        // vLLM spells "off" as -1.
+        // vLLM spells "off" as -1 (0 too); other negatives are mistakes.
+        if k < -1 {
+            let msg =
+                format!("top_k {k} is invalid; use -1 or 0 for no limit, or a positive count");
+            return Err(ApiError::invalid_param("top_k", msg));
+        }
         p.top_k = k.max(0) as usize;
     }
     if let Some(v) = s.min_p {
@@ -253,9 +300,16 @@ fn sampling(s: &Sampling, defaults: &SamplingParams) -> Result<SamplingParams, A
     if let Some(v) = s.repetition_penalty {
         p.repetition_penalty = v;
     }
+    // -1 asks for a random seed, as llama.cpp's API spells it.
     p.seed = match s.seed {
-        Some(seed) => seed as u64,
-        None => fresh_seed(),
+        None | Some(-1) => fresh_seed(),
+        Some(seed) if seed >= 0 => seed as u64,
+        Some(seed) => {
+            let msg = format!(
+                "seed {seed} is invalid; use a non-negative integer, or -1 for a random one"
+            );
+            return Err(ApiError::invalid_param("seed", msg));
+        }
     };
     p.validate().map_err(|e| ApiError::invalid(e.to_string()))?;
     Ok(p)
@@ -269,17 +323,19 @@ fn fresh_seed() -> u64 {
     })
 }
 
+/// The roles a message may have (OpenAI's, `developer` being the newer `system`).
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 /// The messages as the template sees them: text content (parts joined), tool call
 /// arguments as objects (Qwen templates iterate them), every other field as sent.
 fn template_messages(messages: Vec<Map<String, Json>>) -> Result<Json, ApiError> {
     let mut out = Vec::with_capacity(messages.len());
     for (i, mut m) in messages.into_iter().enumerate() {
-        if !m.get("role").is_some_and(Json::is_string) {
+        let role = m.get("role").and_then(Json::as_str);
+        if !role.is_some_and(|r| ROLES.contains(&r)) {
             let param = format!("messages[{i}].role");
-            return Err(ApiError::invalid_param(
-                &param,
-                format!("{param} must be a string"),
-            ));
+            let msg = format!("{param} must be one of {}", ROLES.join(", "));
+            return Err(ApiError::invalid_param(&param, msg));
         }
         let content = text_content(m.get("content"), i)?;
         m.insert("content".into(), Json::String(content));

@@ -19,7 +19,7 @@ use futures_util::Stream;
 use serde_json::{json, Value as Json};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::api::{parse_body, usage, ApiError, ChatRequest, CompletionRequest};
+use crate::api::{parse_request, usage, ApiError, ChatRequest, CompletionRequest};
 use crate::metrics::Metrics;
 use crate::output::{Step, TextStream};
 use crate::parse::{ChatParser, Delta};
@@ -88,12 +88,18 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(app)
 }
 
 async fn not_found(uri: Uri) -> Response {
     ApiError::not_found(uri.path()).into_response()
+}
+
+/// 405 with the error body (axum's default has none).
+async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> Response {
+    ApiError::method_not_allowed(method.as_str(), uri.path()).into_response()
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -157,7 +163,7 @@ async fn chat_response(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(app, body)?;
-    let req: ChatRequest = parse_body(&bytes)?;
+    let req: ChatRequest = parse_request(&bytes)?;
     check_model(req.model.as_deref(), &app.info)?;
     let prep = prepare_chat(req, &app.info)?;
     let rx = app.submit(&prep)?;
@@ -172,7 +178,7 @@ async fn completion_response(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(app, body)?;
-    let req: CompletionRequest = parse_body(&bytes)?;
+    let req: CompletionRequest = parse_request(&bytes)?;
     check_model(req.model.as_deref(), &app.info)?;
     let prep = prepare_completion(req, &app.info)?;
     let rx = app.submit(&prep)?;
