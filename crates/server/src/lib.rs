@@ -7,6 +7,7 @@
 //! handlers talk to it through channels.
 
 pub mod api;
+pub mod listen;
 pub mod metrics;
 pub mod output;
 pub mod parse;
@@ -14,7 +15,6 @@ pub mod request;
 pub mod routes;
 pub mod worker;
 
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -27,6 +27,7 @@ use deltamoe_engine::scheduler::{Scheduler, SchedulerConfig};
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{Engine, EngineError};
 
+pub use crate::listen::{serve, ConnLimits};
 use crate::metrics::Metrics;
 use crate::request::{unix_now, ModelInfo};
 use crate::routes::App;
@@ -66,6 +67,8 @@ pub struct ServerOptions {
     pub prefill_chunk: usize,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// Connection cap and timeouts.
+    pub conn: ConnLimits,
 }
 
 impl Default for ServerOptions {
@@ -79,6 +82,7 @@ impl Default for ServerOptions {
             checkpoint_every: 1024,
             prefill_chunk: 256,
             max_body_bytes: 8 << 20,
+            conn: ConnLimits::default(),
         }
     }
 }
@@ -97,6 +101,7 @@ struct EngineFacts {
 pub struct Server {
     app: Arc<App>,
     facts: EngineFacts,
+    conn: ConnLimits,
     _engine_thread: JoinHandle<()>,
 }
 
@@ -140,6 +145,7 @@ impl Server {
         Ok(Server {
             app,
             facts,
+            conn: opts.conn.clone(),
             _engine_thread: thread,
         })
     }
@@ -147,6 +153,11 @@ impl Server {
     /// The HTTP routes.
     pub fn router(&self) -> axum::Router {
         routes::router(self.app.clone())
+    }
+
+    /// The connection cap and timeouts [`serve`] takes.
+    pub fn conn_limits(&self) -> ConnLimits {
+        self.conn.clone()
     }
 
     /// One line: backend, context, sequences and their state memory.
@@ -220,15 +231,4 @@ fn engine_facts(engine: &Engine, opts: &ServerOptions) -> EngineFacts {
         backend: engine.backend_name(),
         sequence_bytes: engine.sequence_bytes(),
     }
-}
-
-/// Serves `router` on `listener` until `shutdown` completes; requests in flight finish first.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: axum::Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
 }

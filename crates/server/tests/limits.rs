@@ -5,8 +5,13 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::*;
+use deltamoe_server::{ConnLimits, ServerOptions};
 use serde_json::json;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 
 /// Each request is answered 400 (405 for the wrong method) with `param` naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,4 +83,108 @@ async fn unsupported_and_mistyped_fields_name_the_param() {
     assert_eq!(resp.status().as_u16(), 405);
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(error_of(&body)["code"], "method_not_allowed");
+}
+
+/// Options with short connection timeouts and a connection cap.
+fn conn_options(header_ms: u64, idle_ms: u64, max_connections: usize) -> ServerOptions {
+    ServerOptions {
+        conn: ConnLimits {
+            header_timeout: Duration::from_millis(header_ms),
+            idle_timeout: Duration::from_millis(idle_ms),
+            max_connections,
+            ..ConnLimits::default()
+        },
+        ..options()
+    }
+}
+
+/// Opens a connection; with `head` it sends the start of a request and never finishes it.
+async fn hold(base: &str, head: bool) -> TcpStream {
+    let mut s = TcpStream::connect(base.trim_start_matches("http://")).unwrap();
+    if head {
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            .unwrap();
+    }
+    s
+}
+
+/// Reads (on a blocking thread) until the server closes the connection; what it sent, or
+/// None after `limit`.
+async fn until_closed(mut s: TcpStream, limit: Duration) -> Option<String> {
+    tokio::task::spawn_blocking(move || {
+        s.set_read_timeout(Some(limit)).unwrap();
+        let mut out = Vec::new();
+        match s.read_to_end(&mut out) {
+            Ok(_) => Some(String::from_utf8_lossy(&out).into_owned()),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Some(String::new()),
+            Err(_) => None,
+        }
+    })
+    .await
+    .unwrap()
+}
+
+/// GET /health on a fresh connection, within a second.
+async fn health_now(base: &str) -> u16 {
+    let client = reqwest::Client::new();
+    let resp = tokio::time::timeout(
+        Duration::from_secs(1),
+        client.get(format!("{base}/health")).send(),
+    )
+    .await
+    .expect("/health did not answer within 1 s")
+    .unwrap();
+    resp.status().as_u16()
+}
+
+/// 200 connections held open (half idle, half with a half-sent head) leave /health
+/// answering at once, and each is closed by its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_half_sent_connections_are_closed() {
+    let s = start(fixture("qwen3_5_moe"), conn_options(500, 1500, 512)).await;
+    let t0 = Instant::now();
+    let mut held = Vec::new();
+    for i in 0..200 {
+        held.push((i % 2 == 1, hold(&s.base, i % 2 == 1).await));
+    }
+    assert_eq!(health_now(&s.base).await, 200);
+    let closed = futures_util::future::join_all(held.into_iter().map(|(head, c)| async move {
+        let out = until_closed(c, Duration::from_secs(4)).await;
+        (head, out, t0.elapsed())
+    }))
+    .await;
+    for (head, out, when) in closed {
+        assert!(
+            out.is_some(),
+            "a connection (half-sent {head}) was left open"
+        );
+        // The half-sent ones go by the header timeout, the idle ones by the idle timeout.
+        let floor = if head { 0.4 } else { 1.4 };
+        assert!(
+            when.as_secs_f64() >= floor,
+            "closed after {when:?} (half-sent {head})"
+        );
+    }
+    assert_eq!(health_now(&s.base).await, 200);
+}
+
+/// Over the connection cap a new connection is answered 503 at once; when the held ones time
+/// out, /health answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_are_refused_promptly() {
+    let s = start(fixture("qwen3_5_moe"), conn_options(500, 800, 8)).await;
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(hold(&s.base, false).await);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let extra = hold(&s.base, false).await;
+    let answer = until_closed(extra, Duration::from_secs(1)).await;
+    let answer = answer.expect("the connection over the cap was not closed within 1 s");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("too_many_connections"), "{answer}");
+    for c in held {
+        assert!(until_closed(c, Duration::from_secs(3)).await.is_some());
+    }
+    assert_eq!(health_now(&s.base).await, 200);
 }

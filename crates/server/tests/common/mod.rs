@@ -56,7 +56,13 @@ pub async fn start_with(dir: PathBuf, factory: EngineFactory, opts: ServerOption
         .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve(listener, server.router(), std::future::pending()));
+    let limits = server.conn_limits();
+    tokio::spawn(serve(
+        listener,
+        server.router(),
+        limits,
+        std::future::pending(),
+    ));
     TestServer {
         base: format!("http://{addr}"),
         client: reqwest::Client::new(),
