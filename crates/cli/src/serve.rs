@@ -63,6 +63,10 @@ pub struct ServeArgs {
     /// (a second signal exits at once).
     #[arg(long, default_value_t = 30.0)]
     shutdown_timeout: f64,
+    /// Tokenize special-token strings (such as <|im_end|>) in chat message content as special
+    /// tokens, as older servers did; by default content is plain text and cannot end its turn.
+    #[arg(long)]
+    allow_special_in_content: bool,
     /// Model name clients use (default: the model directory's name).
     #[arg(long)]
     api_name: Option<String>,
@@ -139,6 +143,7 @@ fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
     };
     Ok(ServerOptions {
         conn,
+        allow_special_in_content: a.allow_special_in_content,
         api_name: name,
         // On CUDA without --max-seqs the engine reserves what fits and the server runs as
         // many sequences as it got.

@@ -11,6 +11,7 @@ pub mod listen;
 pub mod metrics;
 pub mod output;
 pub mod parse;
+pub mod prompt;
 pub mod request;
 pub mod routes;
 pub mod worker;
@@ -69,6 +70,9 @@ pub struct ServerOptions {
     pub max_body_bytes: usize,
     /// Connection cap and timeouts.
     pub conn: ConnLimits,
+    /// Tokenize special-token strings in chat message content as special tokens (the old,
+    /// unsafe behaviour); by default content is text.
+    pub allow_special_in_content: bool,
 }
 
 impl Default for ServerOptions {
@@ -83,6 +87,7 @@ impl Default for ServerOptions {
             prefill_chunk: 256,
             max_body_bytes: 8 << 20,
             conn: ConnLimits::default(),
+            allow_special_in_content: false,
         }
     }
 }
@@ -132,6 +137,7 @@ impl Server {
             max_context: facts.max_context,
             vocab_size: facts.vocab_size,
             created: unix_now(),
+            allow_special_in_content: opts.allow_special_in_content,
         };
         let app = Arc::new(App {
             info,
