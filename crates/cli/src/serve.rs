@@ -9,7 +9,7 @@ use clap::Args;
 use deltamoe_compute::cuda;
 use deltamoe_engine::{Engine, EngineError};
 use deltamoe_model::Qwen3Hybrid;
-use deltamoe_server::{ConnLimits, EngineFactory, Server, ServerOptions};
+use deltamoe_server::{ConnLimits, EngineFactory, LogFormat, Server, ServerOptions};
 
 use crate::{Device, ModelArgs};
 use deltamoe_model::gpu::ExpertCache;
@@ -67,9 +67,20 @@ pub struct ServeArgs {
     /// tokens, as older servers did; by default content is plain text and cannot end its turn.
     #[arg(long)]
     allow_special_in_content: bool,
+    /// The request log on stderr, one line per request: text, json (one object per line) or
+    /// off.
+    #[arg(long, value_enum, default_value_t = LogArg::Text)]
+    log_format: LogArg,
     /// Model name clients use (default: the model directory's name).
     #[arg(long)]
     api_name: Option<String>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogArg {
+    Text,
+    Json,
+    Off,
 }
 
 /// Tokens of KV cache each CUDA sequence gets unless --ctx says otherwise.
@@ -144,6 +155,11 @@ fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
     Ok(ServerOptions {
         conn,
         allow_special_in_content: a.allow_special_in_content,
+        log_format: match a.log_format {
+            LogArg::Text => LogFormat::Text,
+            LogArg::Json => LogFormat::Json,
+            LogArg::Off => LogFormat::Off,
+        },
         api_name: name,
         // On CUDA without --max-seqs the engine reserves what fits and the server runs as
         // many sequences as it got.

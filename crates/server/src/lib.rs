@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod listen;
+pub mod log;
 pub mod metrics;
 pub mod output;
 pub mod parse;
@@ -29,6 +30,7 @@ use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{Engine, EngineError};
 
 pub use crate::listen::{serve, ConnLimits};
+pub use crate::log::LogFormat;
 use crate::metrics::Metrics;
 use crate::request::{unix_now, ModelInfo};
 use crate::routes::App;
@@ -73,6 +75,8 @@ pub struct ServerOptions {
     /// Tokenize special-token strings in chat message content as special tokens (the old,
     /// unsafe behaviour); by default content is text.
     pub allow_special_in_content: bool,
+    /// The request log on stderr.
+    pub log_format: LogFormat,
 }
 
 impl Default for ServerOptions {
@@ -88,6 +92,7 @@ impl Default for ServerOptions {
             max_body_bytes: 8 << 20,
             conn: ConnLimits::default(),
             allow_special_in_content: false,
+            log_format: LogFormat::Text,
         }
     }
 }
@@ -147,6 +152,7 @@ impl Server {
             max_load: facts.max_seqs + opts.max_queue,
             max_body: opts.max_body_bytes,
             alive,
+            log_format: opts.log_format,
         });
         Ok(Server {
             app,
