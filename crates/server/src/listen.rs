@@ -17,7 +17,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::http::Request;
+use axum::http::{header, Request};
+use axum::response::Response;
+use futures_util::StreamExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -80,6 +82,8 @@ pub async fn serve(
                         continue;
                     }
                 };
+                // Tokens are streamed in small writes; don't hold them back (Nagle).
+                let _ = stream.set_nodelay(true);
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
                     let _ = stream.try_write(FULL);
                     continue;
@@ -166,6 +170,27 @@ impl Drop for Busy {
     }
 }
 
+/// A server-sent event stream keeps its connection busy (never idle) until the stream ends,
+/// however long the model takes between events; other replies are written at once.
+fn busy_while_streaming(resp: Response, busy: Busy) -> Response {
+    let streaming = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !streaming {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let mut data = body.into_data_stream();
+    let guarded = async_stream::stream! {
+        let _busy = busy;
+        while let Some(chunk) = data.next().await {
+            yield chunk;
+        }
+    };
+    Response::from_parts(parts, Body::from_stream(guarded))
+}
+
 /// Serves one connection until it ends, expires or is cut at shutdown.
 async fn connection(
     stream: TcpStream,
@@ -189,8 +214,7 @@ async fn connection(
         let busy = Busy::new(svc_act.clone());
         async move {
             let resp: Result<_, Infallible> = router.call(req.map(Body::new)).await;
-            drop(busy);
-            resp
+            resp.map(|r| busy_while_streaming(r, busy))
         }
     });
     let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, svc);
