@@ -232,29 +232,25 @@ fn long_stream(base: &str) -> TcpStream {
     s
 }
 
+/// A server with `--shutdown-timeout secs` and a long stream in flight.
+fn streaming(model: &Path, secs: &str) -> (Serve, TcpStream) {
+    let model = model.to_str().unwrap();
+    let s = serve(&["--model", model, "--shutdown-timeout", secs]);
+    let stream = long_stream(&s.base);
+    (s, stream)
+}
+
 /// Ctrl-C with a stream in flight: the server exits once --shutdown-timeout has passed,
 /// cutting the stream; a second Ctrl-C exits at once.
 #[test]
 fn shutdown_cuts_streams_after_the_deadline_and_a_second_signal_exits() {
     let model = common::fixture("qwen3_5_moe");
-    let mut s = serve(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--shutdown-timeout",
-        "1",
-    ]);
-    let _stream = long_stream(&s.base);
+    let (mut s, _stream) = streaming(&model, "1");
     s.signal("INT");
     let took = s.exit_within(4.0).expect("still running 4 s after Ctrl-C");
     assert!(took >= 0.8, "exited after {took} s, before the deadline");
 
-    let mut s = serve(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--shutdown-timeout",
-        "60",
-    ]);
-    let _stream = long_stream(&s.base);
+    let (mut s, _stream) = streaming(&model, "60");
     s.signal("TERM");
     std::thread::sleep(Duration::from_millis(300));
     assert!(

@@ -157,17 +157,20 @@ fn body_bytes(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, A
     })
 }
 
+/// The response (or the error's), counted by endpoint and status.
+fn answered(app: &App, endpoint: &'static str, result: Result<Response, ApiError>) -> Response {
+    let resp = result.unwrap_or_else(IntoResponse::into_response);
+    app.metrics.request(endpoint, resp.status().as_u16());
+    resp
+}
+
 async fn chat(
     State(app): State<Arc<App>>,
     log: Option<Extension<Arc<RequestLog>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let resp = match chat_response(&app, log.map(|Extension(l)| l), body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    };
-    app.metrics.request("chat", resp.status().as_u16());
-    resp
+    let result = chat_response(&app, log.map(|Extension(l)| l), body).await;
+    answered(&app, "chat", result)
 }
 
 async fn completions(
@@ -175,12 +178,8 @@ async fn completions(
     log: Option<Extension<Arc<RequestLog>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let resp = match completion_response(&app, log.map(|Extension(l)| l), body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    };
-    app.metrics.request("completions", resp.status().as_u16());
-    resp
+    let result = completion_response(&app, log.map(|Extension(l)| l), body).await;
+    answered(&app, "completions", result)
 }
 
 async fn chat_response(
