@@ -224,9 +224,12 @@ pub fn prepare_completion(req: CompletionRequest, info: &ModelInfo) -> Result<Pr
             "send one prompt per request (batches are not supported)",
         )
     };
-    if let Prompt::Text(s) = &req.prompt {
-        check_budget(&info.tokenizer, &[s], info.max_context, "prompt")?;
-    }
+    let texts: Vec<&str> = match &req.prompt {
+        Prompt::Text(s) => vec![s],
+        Prompt::Texts(v) => v.iter().map(String::as_str).collect(),
+        _ => Vec::new(),
+    };
+    check_budget(&info.tokenizer, &texts, info.max_context, "prompt")?;
     let prompt = match req.prompt {
         Prompt::Text(s) => encode(&info.tokenizer, &s, true)?,
         Prompt::Texts(v) if v.len() == 1 => encode(&info.tokenizer, &v[0], true)?,
