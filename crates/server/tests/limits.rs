@@ -217,22 +217,11 @@ async fn oversized_prompts_are_rejected_early() {
     drop(text);
     let before = rss();
     // The bodies are shared (not copied) by the requests, so the client adds little.
-    let send = |path: &'static str, body: axum::body::Bytes| {
-        let s = &s;
-        async move {
-            let t0 = Instant::now();
-            let resp = s
-                .client
-                .post(s.url(path))
-                .header("content-type", "application/json")
-                .body(body)
-                .send()
-                .await
-                .unwrap();
-            let status = resp.status().as_u16();
-            let reply: serde_json::Value = resp.json().await.unwrap();
-            (status, reply, t0.elapsed())
-        }
+    let server = &s;
+    let send = |path: &'static str, body: axum::body::Bytes| async move {
+        let t0 = Instant::now();
+        let (status, reply) = server.post_raw(path, body).await;
+        (status, reply, t0.elapsed())
     };
     let replies =
         futures_util::future::join_all((0..8).map(|_| send("/v1/chat/completions", chat.clone())))

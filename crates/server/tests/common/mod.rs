@@ -97,8 +97,9 @@ impl TestServer {
         (status, resp.json().await.unwrap())
     }
 
-    /// POSTs raw bytes as JSON content; returns the status and the JSON body.
-    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Json) {
+    /// POSTs raw bytes (a Vec, or shared Bytes) as JSON content; returns the status and the
+    /// JSON body.
+    pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Json) {
         let resp = self
             .client
             .post(self.url(path))
