@@ -2,13 +2,14 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use deltamoe_compute::cuda;
 use deltamoe_engine::{Engine, EngineError};
 use deltamoe_model::Qwen3Hybrid;
-use deltamoe_server::{EngineFactory, Server, ServerOptions};
+use deltamoe_server::{ConnLimits, EngineFactory, LogFormat, Server, ServerOptions};
 
 use crate::{Device, ModelArgs};
 use deltamoe_model::gpu::ExpertCache;
@@ -48,9 +49,38 @@ pub struct ServeArgs {
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 8)]
     max_body_mb: usize,
+    /// Seconds a client may take to send a request's head; slower (half-sent) connections are
+    /// closed.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds an open connection may sit with no request and no traffic before it is closed.
+    #[arg(long, default_value_t = 60.0)]
+    idle_timeout: f64,
+    /// Open connections at most; more are answered 503 and closed.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Seconds requests in flight get to finish after Ctrl-C or SIGTERM; then they are cut
+    /// (a second signal exits at once).
+    #[arg(long, default_value_t = 30.0)]
+    shutdown_timeout: f64,
+    /// Tokenize special-token strings (such as <|im_end|>) in chat message content as special
+    /// tokens, as older servers did; by default content is plain text and cannot end its turn.
+    #[arg(long)]
+    allow_special_in_content: bool,
+    /// The request log on stderr, one line per request: text, json (one object per line) or
+    /// off.
+    #[arg(long, value_enum, default_value_t = LogArg::Text)]
+    log_format: LogArg,
     /// Model name clients use (default: the model directory's name).
     #[arg(long)]
     api_name: Option<String>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogArg {
+    Text,
+    Json,
+    Off,
 }
 
 /// Tokens of KV cache each CUDA sequence gets unless --ctx says otherwise.
@@ -106,7 +136,30 @@ fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
     if a.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
+    let secs = |name: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            bail!("--{name} must be a positive number of seconds")
+        }
+    };
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    let conn = ConnLimits {
+        header_timeout: secs("header-timeout", a.header_timeout)?,
+        idle_timeout: secs("idle-timeout", a.idle_timeout)?,
+        max_connections: a.max_connections,
+        shutdown_timeout: secs("shutdown-timeout", a.shutdown_timeout)?,
+    };
     Ok(ServerOptions {
+        conn,
+        allow_special_in_content: a.allow_special_in_content,
+        log_format: match a.log_format {
+            LogArg::Text => LogFormat::Text,
+            LogArg::Json => LogFormat::Json,
+            LogArg::Off => LogFormat::Off,
+        },
         api_name: name,
         // On CUDA without --max-seqs the engine reserves what fits and the server runs as
         // many sequences as it got.
@@ -172,10 +225,30 @@ async fn listen(host: &str, port: u16, server: Server) -> Result<()> {
         })?;
     let addr: SocketAddr = listener.local_addr()?;
     eprintln!("listening on http://{addr} (OpenAI API at http://{addr}/v1); Ctrl-C stops");
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-        eprintln!("shutting down: finishing the requests in flight");
+    let limits = server.conn_limits();
+    let grace = limits.shutdown_timeout.as_secs_f64();
+    let shutdown = async move {
+        signal().await;
+        eprintln!("shutting down: requests in flight get {grace} s (a second Ctrl-C exits now)");
+        tokio::spawn(async {
+            signal().await;
+            eprintln!("second signal: exiting now");
+            std::process::exit(130);
+        });
     };
-    deltamoe_server::serve(listener, server.router(), shutdown).await?;
+    deltamoe_server::serve(listener, server.router(), limits, shutdown).await?;
     Ok(())
+}
+
+/// The next Ctrl-C (SIGINT) or SIGTERM.
+async fn signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }

@@ -8,11 +8,56 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// A running `deltamoe serve`, killed when dropped.
 struct Serve {
     child: Child,
     base: String,
+    /// Its stderr lines after the `listening on` line.
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Serve {
+    /// Waits (at most 5 s) for a log line containing every needle.
+    fn log_line(&self, needles: &[&str]) -> String {
+        let t0 = Instant::now();
+        loop {
+            let lines = self.log.lock().unwrap().clone();
+            if let Some(l) = lines.iter().find(|l| needles.iter().all(|n| l.contains(n))) {
+                return l.clone();
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "no line with {needles:?} in:\n{}",
+                lines.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends `signal` (e.g. "INT") to the server.
+    fn signal(&self, signal: &str) {
+        let pid = self.child.id().to_string();
+        let ok = Command::new("kill")
+            .args(["-s", signal, &pid])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    /// Waits for the server to exit; the seconds it took, or None after `limit` seconds.
+    fn exit_within(&mut self, limit: f64) -> Option<f64> {
+        let t0 = Instant::now();
+        while t0.elapsed().as_secs_f64() < limit {
+            if self.child.try_wait().unwrap().is_some() {
+                return Some(t0.elapsed().as_secs_f64());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
 }
 
 impl Drop for Serve {
@@ -54,8 +99,14 @@ fn serve(args: &[&str]) -> Serve {
         }
     };
     // Keep draining stderr so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Serve { child, base }
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    Serve { child, base, log }
 }
 
 /// A bare HTTP/1.1 GET; returns the whole response.
@@ -122,4 +173,91 @@ fn openai_python_client() {
     );
     assert!(out.status.success(), "openai client check failed:\n{text}");
     assert!(text.contains("openai client check passed"), "{text}");
+}
+
+/// One log line per request on stderr, as text by default and as JSON with --log-format json.
+#[test]
+fn serve_logs_each_request() {
+    let model = common::fixture("qwen3_5_moe");
+    let s = serve(&["--model", model.to_str().unwrap()]);
+    get(&s.base, "/health");
+    let line = s.log_line(&["GET /health 200", "prompt=-", "duration="]);
+    assert!(line.contains('Z'), "{line}");
+
+    let s = serve(&["--model", model.to_str().unwrap(), "--log-format", "json"]);
+    post(
+        &s.base,
+        "/v1/completions",
+        r#"{"prompt": "Once upon", "max_tokens": 3, "ignore_eos": true}"#,
+    );
+    let line = s.log_line(&["\"/v1/completions\""]);
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["status"], 200, "{line}");
+    assert_eq!(v["completion_tokens"], 3, "{line}");
+    assert!(
+        v["prompt_tokens"].as_u64().unwrap() > 0 && v["ttft_s"].is_number(),
+        "{line}"
+    );
+}
+
+/// A bare HTTP/1.1 POST of JSON; returns the whole response.
+fn post(base: &str, path: &str, body: &str) -> String {
+    let mut s = open_post(base, path, body);
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn open_post(base: &str, path: &str, body: &str) -> TcpStream {
+    let addr = base.trim_start_matches("http://");
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+/// A long stream in flight: the first bytes of its reply have arrived.
+fn long_stream(base: &str) -> TcpStream {
+    let body = r#"{"prompt": "Once", "max_tokens": 4000, "ignore_eos": true, "stream": true}"#;
+    let mut s = open_post(base, "/v1/completions", body);
+    let mut first = [0u8; 512];
+    let n = s.read(&mut first).unwrap();
+    let head = String::from_utf8_lossy(&first[..n]);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    s
+}
+
+/// A server with `--shutdown-timeout secs` and a long stream in flight.
+fn streaming(model: &Path, secs: &str) -> (Serve, TcpStream) {
+    let model = model.to_str().unwrap();
+    let s = serve(&["--model", model, "--shutdown-timeout", secs]);
+    let stream = long_stream(&s.base);
+    (s, stream)
+}
+
+/// Ctrl-C with a stream in flight: the server exits once --shutdown-timeout has passed,
+/// cutting the stream; a second Ctrl-C exits at once.
+#[test]
+fn shutdown_cuts_streams_after_the_deadline_and_a_second_signal_exits() {
+    let model = common::fixture("qwen3_5_moe");
+    let (mut s, _stream) = streaming(&model, "1");
+    s.signal("INT");
+    let took = s.exit_within(4.0).expect("still running 4 s after Ctrl-C");
+    assert!(took >= 0.8, "exited after {took} s, before the deadline");
+
+    let (mut s, _stream) = streaming(&model, "60");
+    s.signal("TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        s.child.try_wait().unwrap().is_none(),
+        "exited before its deadline"
+    );
+    s.signal("INT");
+    s.exit_within(2.0)
+        .expect("still running 2 s after the second signal");
 }

@@ -8,6 +8,9 @@ use crate::error::{EngineError, Result};
 /// A Hugging Face tokenizer loaded from `tokenizer.json`.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special-token strings in the input split as ordinary text
+    /// (for text that must not contain markup, e.g. a chat message's content).
+    plain: tokenizers::Tokenizer,
     path: PathBuf,
 }
 
@@ -37,8 +40,11 @@ impl TextTokenizer {
                 one_line(e)
             ),
         })?;
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Ok(TextTokenizer {
             inner,
+            plain,
             path: path.to_path_buf(),
         })
     }
@@ -63,8 +69,24 @@ impl TextTokenizer {
     }
 
     /// Encodes `text` into token ids, adding the post-processor's special tokens if asked.
+    /// Special-token strings in `text` become their special tokens.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| {
+        self.encode_with(&self.inner, text, add_special_tokens)
+    }
+
+    /// Encodes `text` as plain text: special-token strings in it (such as `<|im_end|>`) are
+    /// tokenized as ordinary characters, never as special tokens; nothing is added.
+    pub fn encode_as_text(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(&self.plain, text, false)
+    }
+
+    fn encode_with(
+        &self,
+        tok: &tokenizers::Tokenizer,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        let enc = tok.encode(text, add_special_tokens).map_err(|e| {
             EngineError::Tokenizer(format!(
                 "cannot encode {} bytes of text with {}: {}; check the input text",
                 text.len(),
@@ -222,6 +244,9 @@ mod tests {
         assert_eq!(*ids.last().unwrap(), 258);
         assert_eq!(tok.decode(&ids, false).unwrap(), text);
         assert_eq!(tok.decode(&ids, true).unwrap(), "hello wörld 世界");
+        let plain = tok.encode_as_text(text).unwrap();
+        assert!(!plain.contains(&258) && plain.len() > ids.len());
+        assert_eq!(tok.decode(&plain, false).unwrap(), text);
     }
 
     #[test]

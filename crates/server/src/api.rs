@@ -67,6 +67,14 @@ impl ApiError {
         e
     }
 
+    /// 405 for a known path asked with the wrong method.
+    pub fn method_not_allowed(method: &str, path: &str) -> ApiError {
+        let msg = format!("{method} is not allowed on {path}; see the API's methods");
+        let mut e = Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", msg);
+        e.code = Some("method_not_allowed");
+        e
+    }
+
     /// 429: every sequence slot and the waiting queue are full.
     pub fn overloaded(message: impl Into<String>) -> ApiError {
         let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message);
@@ -137,6 +145,33 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Api
     })
 }
 
+/// A request body with its [`Sampling`] fields: each parsed on its own so that a type error
+/// names its field.
+pub fn parse_request<T: serde::de::DeserializeOwned + WithSampling>(
+    bytes: &[u8],
+) -> Result<T, ApiError> {
+    let mut req: T = parse_body(bytes)?;
+    *req.sampling_mut() = parse_body(bytes)?;
+    Ok(req)
+}
+
+/// A request that carries [`Sampling`] fields.
+pub trait WithSampling {
+    fn sampling_mut(&mut self) -> &mut Sampling;
+}
+
+impl WithSampling for ChatRequest {
+    fn sampling_mut(&mut self) -> &mut Sampling {
+        &mut self.sampling
+    }
+}
+
+impl WithSampling for CompletionRequest {
+    fn sampling_mut(&mut self) -> &mut Sampling {
+        &mut self.sampling
+    }
+}
+
 /// `stop`: one string or a list of them.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
@@ -161,7 +196,8 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Sampling and length fields shared by both endpoints.
+/// Sampling and length fields shared by both endpoints, parsed from the same body as the
+/// request (not `#[serde(flatten)]`, which would lose the field name of a type error).
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct Sampling {
     pub temperature: Option<f32>,
@@ -178,6 +214,44 @@ pub struct Sampling {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Only `{"type": "text"}` is supported (no constrained decoding).
+    pub response_format: Option<Json>,
+    /// Not supported; accepted only when empty.
+    pub logit_bias: Option<Map<String, Json>>,
+    /// Not supported; accepted only when 0 (use `repetition_penalty`).
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+}
+
+impl Sampling {
+    /// 400 naming the first field that asks for something this server does not do, rather
+    /// than ignoring it silently.
+    pub fn check_supported(&self) -> Result<(), ApiError> {
+        if let Some(f) = &self.response_format {
+            let kind = f.get("type").and_then(Json::as_str);
+            if kind != Some("text") {
+                let msg = format!("response_format {f} is not supported (no constrained decoding); only {{\"type\": \"text\"}} is");
+                return Err(ApiError::invalid_param("response_format", msg));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(ApiError::invalid_param(
+                "logit_bias",
+                "logit_bias is not supported",
+            ));
+        }
+        let penalties = [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ];
+        for (name, v) in penalties {
+            if v.is_some_and(|v| v != 0.0) {
+                let msg = format!("{name} is not supported; use repetition_penalty");
+                return Err(ApiError::invalid_param(name, msg));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// POST /v1/chat/completions.
@@ -193,7 +267,8 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<Map<String, Json>>,
     #[serde(default)]
     pub logprobs: bool,
-    #[serde(flatten)]
+    /// Parsed separately by [`parse_request`].
+    #[serde(skip)]
     pub sampling: Sampling,
 }
 
@@ -216,7 +291,8 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     pub logprobs: Option<u32>,
-    #[serde(flatten)]
+    /// Parsed separately by [`parse_request`].
+    #[serde(skip)]
     pub sampling: Sampling,
 }
 

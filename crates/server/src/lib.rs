@@ -7,14 +7,16 @@
 //! handlers talk to it through channels.
 
 pub mod api;
+pub mod listen;
+pub mod log;
 pub mod metrics;
 pub mod output;
 pub mod parse;
+pub mod prompt;
 pub mod request;
 pub mod routes;
 pub mod worker;
 
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -27,6 +29,8 @@ use deltamoe_engine::scheduler::{Scheduler, SchedulerConfig};
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{Engine, EngineError};
 
+pub use crate::listen::{serve, ConnLimits};
+pub use crate::log::LogFormat;
 use crate::metrics::Metrics;
 use crate::request::{unix_now, ModelInfo};
 use crate::routes::App;
@@ -66,6 +70,13 @@ pub struct ServerOptions {
     pub prefill_chunk: usize,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// Connection cap and timeouts.
+    pub conn: ConnLimits,
+    /// Tokenize special-token strings in chat message content as special tokens (the old,
+    /// unsafe behaviour); by default content is text.
+    pub allow_special_in_content: bool,
+    /// The request log on stderr.
+    pub log_format: LogFormat,
 }
 
 impl Default for ServerOptions {
@@ -79,6 +90,9 @@ impl Default for ServerOptions {
             checkpoint_every: 1024,
             prefill_chunk: 256,
             max_body_bytes: 8 << 20,
+            conn: ConnLimits::default(),
+            allow_special_in_content: false,
+            log_format: LogFormat::Text,
         }
     }
 }
@@ -97,6 +111,7 @@ struct EngineFacts {
 pub struct Server {
     app: Arc<App>,
     facts: EngineFacts,
+    conn: ConnLimits,
     _engine_thread: JoinHandle<()>,
 }
 
@@ -127,6 +142,7 @@ impl Server {
             max_context: facts.max_context,
             vocab_size: facts.vocab_size,
             created: unix_now(),
+            allow_special_in_content: opts.allow_special_in_content,
         };
         let app = Arc::new(App {
             info,
@@ -136,10 +152,12 @@ impl Server {
             max_load: facts.max_seqs + opts.max_queue,
             max_body: opts.max_body_bytes,
             alive,
+            log_format: opts.log_format,
         });
         Ok(Server {
             app,
             facts,
+            conn: opts.conn.clone(),
             _engine_thread: thread,
         })
     }
@@ -147,6 +165,11 @@ impl Server {
     /// The HTTP routes.
     pub fn router(&self) -> axum::Router {
         routes::router(self.app.clone())
+    }
+
+    /// The connection cap and timeouts [`serve`] takes.
+    pub fn conn_limits(&self) -> ConnLimits {
+        self.conn.clone()
     }
 
     /// One line: backend, context, sequences and their state memory.
@@ -220,15 +243,4 @@ fn engine_facts(engine: &Engine, opts: &ServerOptions) -> EngineFacts {
         backend: engine.backend_name(),
         sequence_bytes: engine.sequence_bytes(),
     }
-}
-
-/// Serves `router` on `listener` until `shutdown` completes; requests in flight finish first.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: axum::Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
 }

@@ -3,6 +3,8 @@
 //! next token tells).
 
 use deltamoe_engine::tokenizer::{StreamDecoder, TextTokenizer};
+use std::time::Instant;
+
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::ApiError;
@@ -66,6 +68,8 @@ pub struct TextStream<'t> {
     pub tokens: usize,
     /// Prompt tokens served from the prompt cache.
     pub cached: usize,
+    /// When the first token came (for the request log's time to first token).
+    pub first: Option<Instant>,
 }
 
 impl<'t> TextStream<'t> {
@@ -75,6 +79,7 @@ impl<'t> TextStream<'t> {
             stops: StopStrings::new(stops),
             tokens: 0,
             cached: 0,
+            first: None,
         }
     }
 
@@ -102,6 +107,7 @@ impl<'t> TextStream<'t> {
             }
             Event::Token(id) => {
                 self.tokens += 1;
+                self.first.get_or_insert_with(Instant::now);
                 let text = self.decoder.push(id).map_err(decode_err)?;
                 let (out, stopped) = self.stops.push(&text.unwrap_or_default());
                 Ok(Some(if stopped {

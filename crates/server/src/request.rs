@@ -11,6 +11,7 @@ use deltamoe_engine::tokenizer::TextTokenizer;
 use serde_json::{Map, Value as Json};
 
 use crate::api::{ApiError, ChatRequest, CompletionRequest, Prompt, Sampling};
+use crate::prompt::{check_budget, encode_chat, marker};
 
 /// What the server knows about the model it serves.
 pub struct ModelInfo {
@@ -27,6 +28,8 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// Unix time the server started (the model's `created`).
     pub created: u64,
+    /// Chat message content may hold special tokens (else it is tokenized as text).
+    pub allow_special_in_content: bool,
 }
 
 /// A checked request, ready to submit.
@@ -85,8 +88,14 @@ pub fn prepare_chat(req: ChatRequest, info: &ModelInfo) -> Result<Prepared, ApiE
             "logprobs are not supported",
         ));
     }
-    let (text, tools) = render_chat(template, &req)?;
-    let prompt = encode(&info.tokenizer, &text, false)?;
+    let budget = Some((&info.tokenizer, info.max_context));
+    let r = render_chat(template, &req, budget)?;
+    let prompt = if info.allow_special_in_content {
+        encode(&info.tokenizer, &r.text, false)?
+    } else {
+        encode_chat(&info.tokenizer, &r.text, &r.skeleton, &r.contents)?
+    };
+    let (text, tools) = (r.text, r.tools);
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let mut p = prepare(prompt, &req.sampling, requested, None, info, "messages")?;
     p.starts_in_reasoning = text.trim_end().ends_with("<think>");
@@ -94,31 +103,107 @@ pub fn prepare_chat(req: ChatRequest, info: &ModelInfo) -> Result<Prepared, ApiE
     Ok(p)
 }
 
-/// The prompt text of a chat request (generation prompt appended) and the tools passed to
-/// the template (none when `tool_choice` is "none").
+/// A chat request rendered with the template.
+pub struct Rendered {
+    /// The prompt text, generation prompt appended.
+    pub text: String,
+    /// The same with each message's content replaced by [`marker`]`(i)`.
+    pub skeleton: String,
+    /// Each message's content as the template saw it.
+    pub contents: Vec<String>,
+    /// The tools passed to the template (none when `tool_choice` is "none").
+    pub tools: Vec<Json>,
+}
+
+/// Renders a chat request. With `budget` (tokenizer, context), long message contents are
+/// first counted against the context, so an oversized conversation is rejected before the
+/// rendering and tokenizing of all of it.
 pub fn render_chat(
     template: &ChatTemplate,
     req: &ChatRequest,
-) -> Result<(String, Vec<Json>), ApiError> {
+    budget: Option<(&TextTokenizer, usize)>,
+) -> Result<Rendered, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
             "messages is empty; send at least one",
         ));
     }
-    let tools = match req.tool_choice.as_ref().and_then(Json::as_str) {
-        Some("none") => Vec::new(),
+    let tools = match req.tool_choice.as_ref() {
+        Some(Json::String(s)) if s == "none" => Vec::new(),
         _ => req.tools.clone().unwrap_or_default(),
     };
+    check_tool_choice(req.tool_choice.as_ref(), &tools, template)?;
     let mut vars = req.chat_template_kwargs.clone().unwrap_or_default();
     if !tools.is_empty() {
         vars.insert("tools".into(), Json::Array(tools.clone()));
     }
-    let messages = template_messages(req.messages.clone())?;
-    let text = template
-        .render_json(Json::Object(vars), messages, true)
-        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-    Ok((text, tools))
+    let (messages, contents) = template_messages(req.messages.clone())?;
+    if let Some((tok, ctx)) = budget {
+        let texts: Vec<&str> = contents.iter().map(String::as_str).collect();
+        check_budget(tok, &texts, ctx, "messages")?;
+    }
+    let mut skeleton_messages = messages.clone();
+    if let Json::Array(list) = &mut skeleton_messages {
+        for (i, m) in list.iter_mut().enumerate() {
+            m["content"] = Json::String(marker(i));
+        }
+    }
+    let render = |messages: Json| {
+        template
+            .render_json(Json::Object(vars.clone()), messages, true)
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
+    };
+    let text = render(messages)?;
+    // A template that refuses the markers (e.g. it inspects the content) leaves no skeleton;
+    // the prompt is then tokenized as a whole.
+    let skeleton = render(skeleton_messages).unwrap_or_default();
+    Ok(Rendered {
+        text,
+        skeleton,
+        contents,
+        tools,
+    })
+}
+
+/// `tool_choice`: "auto" and "none" always; "required" or a named function only with tools
+/// and a template that shows them (generation is not constrained to a call).
+fn check_tool_choice(
+    choice: Option<&Json>,
+    tools: &[Json],
+    template: &ChatTemplate,
+) -> Result<(), ApiError> {
+    let param = "tool_choice";
+    match choice {
+        None | Some(Json::Null) => Ok(()),
+        Some(Json::String(s)) if s == "auto" || s == "none" => Ok(()),
+        Some(Json::String(s)) if s == "required" => tools_usable(tools, template, param),
+        Some(Json::Object(o)) if o.get("type").and_then(Json::as_str) == Some("function") => {
+            tools_usable(tools, template, param)
+        }
+        Some(other) => Err(ApiError::invalid_param(
+            param,
+            format!(
+                "tool_choice {other} is not one of \"auto\", \"none\", \"required\" or a function"
+            ),
+        )),
+    }
+}
+
+fn tools_usable(tools: &[Json], template: &ChatTemplate, param: &str) -> Result<(), ApiError> {
+    if tools.is_empty() {
+        return Err(ApiError::invalid_param(
+            param,
+            "tool_choice asks for a tool call but the request has no tools",
+        ));
+    }
+    if !template.source().contains("tools") {
+        return Err(ApiError::invalid_param(
+            param,
+            "this model's chat template does not take tools, so a tool call cannot be required",
+        ));
+    }
+    Ok(())
 }
 
 /// A completions request: the prompt as text (tokenized with the tokenizer's special tokens)
@@ -139,6 +224,12 @@ pub fn prepare_completion(req: CompletionRequest, info: &ModelInfo) -> Result<Pr
             "send one prompt per request (batches are not supported)",
         )
     };
+    let texts: Vec<&str> = match &req.prompt {
+        Prompt::Text(s) => vec![s],
+        Prompt::Texts(v) => v.iter().map(String::as_str).collect(),
+        _ => Vec::new(),
+    };
+    check_budget(&info.tokenizer, &texts, info.max_context, "prompt")?;
     let prompt = match req.prompt {
         Prompt::Text(s) => encode(&info.tokenizer, &s, true)?,
         Prompt::Texts(v) if v.len() == 1 => encode(&info.tokenizer, &v[0], true)?,
@@ -191,6 +282,7 @@ fn prepare(
         info.max_context,
         prompt_param,
     )?;
+    s.check_supported()?;
     let stops = s.stop.clone().map(|st| st.into_vec()).unwrap_or_default();
     Ok(Prepared {
         prompt,
@@ -244,7 +336,12 @@ fn sampling(s: &Sampling, defaults: &SamplingParams) -> Result<SamplingParams, A
         p.top_p = v;
     }
     if let Some(k) = s.top_k {
-        // vLLM spells "off" as -1.
+        // vLLM spells "off" as -1 (0 too); other negatives are mistakes.
+        if k < -1 {
+            let msg =
+                format!("top_k {k} is invalid; use -1 or 0 for no limit, or a positive count");
+            return Err(ApiError::invalid_param("top_k", msg));
+        }
         p.top_k = k.max(0) as usize;
     }
     if let Some(v) = s.min_p {
@@ -253,9 +350,16 @@ fn sampling(s: &Sampling, defaults: &SamplingParams) -> Result<SamplingParams, A
     if let Some(v) = s.repetition_penalty {
         p.repetition_penalty = v;
     }
+    // -1 asks for a random seed, as llama.cpp's API spells it.
     p.seed = match s.seed {
-        Some(seed) => seed as u64,
-        None => fresh_seed(),
+        None | Some(-1) => fresh_seed(),
+        Some(seed) if seed >= 0 => seed as u64,
+        Some(seed) => {
+            let msg = format!(
+                "seed {seed} is invalid; use a non-negative integer, or -1 for a random one"
+            );
+            return Err(ApiError::invalid_param("seed", msg));
+        }
     };
     p.validate().map_err(|e| ApiError::invalid(e.to_string()))?;
     Ok(p)
@@ -269,20 +373,25 @@ fn fresh_seed() -> u64 {
     })
 }
 
+/// The roles a message may have (OpenAI's, `developer` being the newer `system`).
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 /// The messages as the template sees them: text content (parts joined), tool call
-/// arguments as objects (Qwen templates iterate them), every other field as sent.
-fn template_messages(messages: Vec<Map<String, Json>>) -> Result<Json, ApiError> {
+/// arguments as objects (Qwen templates iterate them), every other field as sent; and each
+/// message's content.
+fn template_messages(messages: Vec<Map<String, Json>>) -> Result<(Json, Vec<String>), ApiError> {
     let mut out = Vec::with_capacity(messages.len());
+    let mut contents = Vec::with_capacity(messages.len());
     for (i, mut m) in messages.into_iter().enumerate() {
-        if !m.get("role").is_some_and(Json::is_string) {
+        let role = m.get("role").and_then(Json::as_str);
+        if !role.is_some_and(|r| ROLES.contains(&r)) {
             let param = format!("messages[{i}].role");
-            return Err(ApiError::invalid_param(
-                &param,
-                format!("{param} must be a string"),
-            ));
+            let msg = format!("{param} must be one of {}", ROLES.join(", "));
+            return Err(ApiError::invalid_param(&param, msg));
         }
         let content = text_content(m.get("content"), i)?;
-        m.insert("content".into(), Json::String(content));
+        m.insert("content".into(), Json::String(content.clone()));
+        contents.push(content);
         if let Some(Json::Array(calls)) = m.get_mut("tool_calls") {
             for call in calls.iter_mut() {
                 arguments_as_object(call);
@@ -290,7 +399,7 @@ fn template_messages(messages: Vec<Map<String, Json>>) -> Result<Json, ApiError>
         }
         out.push(Json::Object(m));
     }
-    Ok(Json::Array(out))
+    Ok((Json::Array(out), contents))
 }
 
 /// `content` as a string: a string, null, or a list of text parts.
@@ -380,7 +489,7 @@ mod tests {
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
             "tools": [tool]}))
         .unwrap();
-        let (text, tools) = render_chat(&tpl, &req).unwrap();
+        let Rendered { text, tools, .. } = render_chat(&tpl, &req, None).unwrap();
         assert_eq!(tools.len(), 1);
         assert!(
             text.contains(
@@ -396,7 +505,7 @@ mod tests {
         assert!(text.ends_with("<think>\n"));
         let mut none = req.clone();
         none.tool_choice = Some(json!("none"));
-        let (text, tools) = render_chat(&tpl, &none).unwrap();
+        let Rendered { text, tools, .. } = render_chat(&tpl, &none, None).unwrap();
         assert!(tools.is_empty() && !text.contains("<tools>"), "{text}");
     }
 
@@ -409,7 +518,8 @@ mod tests {
             {"role": "tool", "tool_call_id": "c1", "content": "42"}
         ]))
         .unwrap();
-        let out = template_messages(msgs).unwrap();
+        let (out, contents) = template_messages(msgs).unwrap();
+        assert_eq!(contents, ["ab", "", "42"]);
         assert_eq!(out[0]["content"], "ab");
         assert_eq!(out[1]["content"], "");
         assert_eq!(

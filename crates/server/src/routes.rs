@@ -14,12 +14,14 @@ use axum::http::{header, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::Extension;
 use axum::{Json as JsonBody, Router};
 use futures_util::Stream;
 use serde_json::{json, Value as Json};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::api::{parse_body, usage, ApiError, ChatRequest, CompletionRequest};
+use crate::api::{parse_request, usage, ApiError, ChatRequest, CompletionRequest};
+use crate::log::{log_request, LogFormat, RequestLog};
 use crate::metrics::Metrics;
 use crate::output::{Step, TextStream};
 use crate::parse::{ChatParser, Delta};
@@ -41,6 +43,7 @@ pub struct App {
     pub max_body: usize,
     /// False once the engine thread has stopped.
     pub alive: Arc<AtomicBool>,
+    pub log_format: LogFormat,
 }
 
 impl App {
@@ -80,20 +83,40 @@ impl App {
 
 /// The router with every endpoint, the body limit and OpenAI-shaped 404s.
 pub fn router(app: Arc<App>) -> Router {
-    let limit = app.max_body;
-    Router::new()
+    let (limit, format) = (app.max_body, app.log_format);
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(limit))
-        .with_state(app)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit));
+    let routes = match format {
+        LogFormat::Off => routes,
+        _ => routes.layer(axum::middleware::from_fn_with_state(format, log_request)),
+    };
+    routes.with_state(app)
+}
+
+/// A request's log entry, when the request log is on.
+type Log = Option<Arc<RequestLog>>;
+
+/// Notes the tokens generated so far on the request's log entry.
+fn note(log: &Log, text: &TextStream) {
+    if let Some(l) = log {
+        l.generated(text.tokens, text.first);
+    }
 }
 
 async fn not_found(uri: Uri) -> Response {
     ApiError::not_found(uri.path()).into_response()
+}
+
+/// 405 with the error body (axum's default has none).
+async fn method_not_allowed(method: axum::http::Method, uri: Uri) -> Response {
+    ApiError::method_not_allowed(method.as_str(), uri.path()).into_response()
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -134,52 +157,67 @@ fn body_bytes(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, A
     })
 }
 
-async fn chat(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let resp = match chat_response(&app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    };
-    app.metrics.request("chat", resp.status().as_u16());
+/// The response (or the error's), counted by endpoint and status.
+fn answered(app: &App, endpoint: &'static str, result: Result<Response, ApiError>) -> Response {
+    let resp = result.unwrap_or_else(IntoResponse::into_response);
+    app.metrics.request(endpoint, resp.status().as_u16());
     resp
 }
 
-async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let resp = match completion_response(&app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    };
-    app.metrics.request("completions", resp.status().as_u16());
-    resp
+async fn chat(
+    State(app): State<Arc<App>>,
+    log: Option<Extension<Arc<RequestLog>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = chat_response(&app, log.map(|Extension(l)| l), body).await;
+    answered(&app, "chat", result)
+}
+
+async fn completions(
+    State(app): State<Arc<App>>,
+    log: Option<Extension<Arc<RequestLog>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = completion_response(&app, log.map(|Extension(l)| l), body).await;
+    answered(&app, "completions", result)
 }
 
 async fn chat_response(
     app: &Arc<App>,
+    log: Log,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(app, body)?;
-    let req: ChatRequest = parse_body(&bytes)?;
+    let req: ChatRequest = parse_request(&bytes)?;
     check_model(req.model.as_deref(), &app.info)?;
     let prep = prepare_chat(req, &app.info)?;
+    if let Some(l) = &log {
+        l.prompt(prep.prompt.len());
+    }
     let rx = app.submit(&prep)?;
     if prep.stream {
-        return Ok(sse(chat_stream(app.clone(), prep, rx)));
+        return Ok(sse(chat_stream(app.clone(), prep, rx, log)));
     }
-    Ok(JsonBody(chat_reply(app, &prep, rx).await?).into_response())
+    Ok(JsonBody(chat_reply(app, &prep, rx, &log).await?).into_response())
 }
 
 async fn completion_response(
     app: &Arc<App>,
+    log: Log,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let bytes = body_bytes(app, body)?;
-    let req: CompletionRequest = parse_body(&bytes)?;
+    let req: CompletionRequest = parse_request(&bytes)?;
     check_model(req.model.as_deref(), &app.info)?;
     let prep = prepare_completion(req, &app.info)?;
+    if let Some(l) = &log {
+        l.prompt(prep.prompt.len());
+    }
     let rx = app.submit(&prep)?;
     if prep.stream {
-        return Ok(sse(completion_stream(app.clone(), prep, rx)));
+        return Ok(sse(completion_stream(app.clone(), prep, rx, log)));
     }
-    Ok(JsonBody(completion_reply(app, &prep, rx).await?).into_response())
+    Ok(JsonBody(completion_reply(app, &prep, rx, &log).await?).into_response())
 }
 
 fn sse(events: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static) -> Response {
@@ -234,6 +272,7 @@ async fn chat_reply(
     app: &App,
     prep: &Prepared,
     mut rx: UnboundedReceiver<Event>,
+    log: &Log,
 ) -> Result<Json, ApiError> {
     let mut text = TextStream::new(&app.info.tokenizer, prep.stops.clone());
     let mut parser = ChatParser::new(prep.starts_in_reasoning, prep.tools.clone());
@@ -250,6 +289,7 @@ async fn chat_reply(
     };
     // Ends generation now when a stop string ended the reply.
     rx.close();
+    note(log, &text);
     let content = if reply.content.trim().is_empty() && !reply.calls.is_empty() {
         Json::Null
     } else {
@@ -276,6 +316,7 @@ async fn completion_reply(
     app: &App,
     prep: &Prepared,
     mut rx: UnboundedReceiver<Event>,
+    log: &Log,
 ) -> Result<Json, ApiError> {
     let mut text = TextStream::new(&app.info.tokenizer, prep.stops.clone());
     let mut out = String::new();
@@ -289,6 +330,7 @@ async fn completion_reply(
         }
     };
     rx.close();
+    note(log, &text);
     Ok(json!({
         "id": new_id("cmpl"), "object": "text_completion", "created": unix_now(),
         "model": app.info.name,
@@ -326,6 +368,7 @@ fn chat_stream(
     app: Arc<App>,
     prep: Prepared,
     mut rx: UnboundedReceiver<Event>,
+    log: Log,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     async_stream::stream! {
         let (id, created, model) = (new_id("chatcmpl"), unix_now(), app.info.name.clone());
@@ -334,7 +377,9 @@ fn chat_stream(
         let mut calls = 0;
         yield data(&chat_chunk(&id, created, &model, json!({"role": "assistant", "content": ""}), None));
         loop {
-            let (piece, done) = match text.next(&mut rx).await {
+            let step = text.next(&mut rx).await;
+            note(&log, &text);
+            let (piece, done) = match step {
                 Ok(Step::Text(t)) => (t, None),
                 Ok(Step::Done(t, r)) => (t, Some(r)),
                 Err(e) => {
@@ -369,12 +414,15 @@ fn completion_stream(
     app: Arc<App>,
     prep: Prepared,
     mut rx: UnboundedReceiver<Event>,
+    log: Log,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     async_stream::stream! {
         let (id, created, model) = (new_id("cmpl"), unix_now(), app.info.name.clone());
         let mut text = TextStream::new(&app.info.tokenizer, prep.stops.clone());
         loop {
-            let (piece, done) = match text.next(&mut rx).await {
+            let step = text.next(&mut rx).await;
+            note(&log, &text);
+            let (piece, done) = match step {
                 Ok(Step::Text(t)) => (t, None),
                 Ok(Step::Done(t, r)) => (t, Some(r)),
                 Err(e) => {

@@ -56,7 +56,13 @@ pub async fn start_with(dir: PathBuf, factory: EngineFactory, opts: ServerOption
         .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve(listener, server.router(), std::future::pending()));
+    let limits = server.conn_limits();
+    tokio::spawn(serve(
+        listener,
+        server.router(),
+        limits,
+        std::future::pending(),
+    ));
     TestServer {
         base: format!("http://{addr}"),
         client: reqwest::Client::new(),
@@ -91,8 +97,9 @@ impl TestServer {
         (status, resp.json().await.unwrap())
     }
 
-    /// POSTs raw bytes as JSON content; returns the status and the JSON body.
-    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Json) {
+    /// POSTs raw bytes (a Vec, or shared Bytes) as JSON content; returns the status and the
+    /// JSON body.
+    pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Json) {
         let resp = self
             .client
             .post(self.url(path))
