@@ -24,6 +24,7 @@ fn info() -> ModelInfo {
         max_context: 4096,
         vocab_size: 4096,
         created: 0,
+        allow_special_in_content: false,
     }
 }
 
