@@ -89,11 +89,10 @@ pub fn prepare_chat(req: ChatRequest, info: &ModelInfo) -> Result<Prepared, ApiE
         ));
     }
     let budget = Some((&info.tokenizer, info.max_context));
-    let r = render_chat(template, &req, budget)?;
-    let prompt = if info.allow_special_in_content {
-        encode(&info.tokenizer, &r.text, false)?
-    } else {
-        encode_chat(&info.tokenizer, &r.text, &r.skeleton, &r.contents)?
+    let r = render_chat(template, &req, budget, !info.allow_special_in_content)?;
+    let prompt = match &r.skeleton {
+        Some(skeleton) => encode_chat(&info.tokenizer, &r.text, skeleton, &r.contents)?,
+        None => encode(&info.tokenizer, &r.text, false)?,
     };
     let (text, tools) = (r.text, r.tools);
     let requested = req.max_completion_tokens.or(req.max_tokens);
@@ -107,21 +106,24 @@ pub fn prepare_chat(req: ChatRequest, info: &ModelInfo) -> Result<Prepared, ApiE
 pub struct Rendered {
     /// The prompt text, generation prompt appended.
     pub text: String,
-    /// The same with each message's content replaced by [`marker`]`(i)`.
-    pub skeleton: String,
+    /// The same with each message's content replaced by [`marker`]`(i)`, when it was asked
+    /// for and the template renders the markers.
+    pub skeleton: Option<String>,
     /// Each message's content as the template saw it.
     pub contents: Vec<String>,
     /// The tools passed to the template (none when `tool_choice` is "none").
     pub tools: Vec<Json>,
 }
 
-/// Renders a chat request. With `budget` (tokenizer, context), long message contents are
-/// first counted against the context, so an oversized conversation is rejected before the
-/// rendering and tokenizing of all of it.
+/// Renders a chat request, and with `skeleton` the same with content markers (to tokenize the
+/// contents as text). With `budget` (tokenizer, context), long message contents are first
+/// counted against the context, so an oversized conversation is rejected before the rendering
+/// and tokenizing of all of it.
 pub fn render_chat(
     template: &ChatTemplate,
     req: &ChatRequest,
     budget: Option<(&TextTokenizer, usize)>,
+    skeleton: bool,
 ) -> Result<Rendered, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
@@ -143,27 +145,35 @@ pub fn render_chat(
         let texts: Vec<&str> = contents.iter().map(String::as_str).collect();
         check_budget(tok, &texts, ctx, "messages")?;
     }
-    let mut skeleton_messages = messages.clone();
-    if let Json::Array(list) = &mut skeleton_messages {
-        for (i, m) in list.iter_mut().enumerate() {
-            m["content"] = Json::String(marker(i));
-        }
-    }
     let render = |messages: Json| {
         template
             .render_json(Json::Object(vars.clone()), messages, true)
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
     };
-    let text = render(messages)?;
     // A template that refuses the markers (e.g. it inspects the content) leaves no skeleton;
     // the prompt is then tokenized as a whole.
-    let skeleton = render(skeleton_messages).unwrap_or_default();
+    let skeleton = match skeleton {
+        true => render(with_markers(&messages)).ok(),
+        false => None,
+    };
+    let text = render(messages)?;
     Ok(Rendered {
         text,
         skeleton,
         contents,
         tools,
     })
+}
+
+/// `messages` with each content replaced by [`marker`]`(i)`.
+fn with_markers(messages: &Json) -> Json {
+    let mut out = messages.clone();
+    if let Json::Array(list) = &mut out {
+        for (i, m) in list.iter_mut().enumerate() {
+            m["content"] = Json::String(marker(i));
+        }
+    }
+    out
 }
 
 /// `tool_choice`: "auto" and "none" always; "required" or a named function only with tools
@@ -489,7 +499,7 @@ mod tests {
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
             "tools": [tool]}))
         .unwrap();
-        let Rendered { text, tools, .. } = render_chat(&tpl, &req, None).unwrap();
+        let Rendered { text, tools, .. } = render_chat(&tpl, &req, None, false).unwrap();
         assert_eq!(tools.len(), 1);
         assert!(
             text.contains(
@@ -505,7 +515,7 @@ mod tests {
         assert!(text.ends_with("<think>\n"));
         let mut none = req.clone();
         none.tool_choice = Some(json!("none"));
-        let Rendered { text, tools, .. } = render_chat(&tpl, &none, None).unwrap();
+        let Rendered { text, tools, .. } = render_chat(&tpl, &none, None, false).unwrap();
         assert!(tools.is_empty() && !text.contains("<tools>"), "{text}");
     }
 
