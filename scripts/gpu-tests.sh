@@ -5,10 +5,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 status=0
-for t in cuda_parity cuda_matvec cuda_far cuda_twin cuda_gdn_chunk cuda_prefill golden_cuda chunked_cuda offload_cuda; do
+for t in cuda_parity cuda_matvec cuda_far cuda_twin cuda_gdn_chunk cuda_prefill cuda_gemm golden_cuda chunked_cuda offload_cuda; do
   echo "== $t"
   .gpu/$t --ignored --test-threads=1 --nocapture || status=1
 done
 echo "== generate on cuda"
 .gpu/deltamoe generate --model fixtures/qwen3_5_moe --prompt "Once upon a time" --chat --max-tokens 16 --temperature 0 --device cuda || status=1
+echo "== perplexity of the built-in model on cuda against the cpu's 40.3405 (within 0.5%)"
+ppl=$(.gpu/deltamoe perplexity --device cuda --text models/tiny/heldout-excerpt.txt | sed -n 's/.*ppl=\([0-9.]*\).*/\1/p')
+python3 -c "import sys; p = float('${ppl:-nan}'); print('cuda ppl', p, 'ratio', p / 40.3405); sys.exit(abs(p / 40.3405 - 1) > 0.005)" || status=1
+echo "== greedy continuation of the built-in model: cuda (bf16 prefill) equals cpu"
+prompt=$(head -c 600 models/tiny/heldout-excerpt.txt)
+a=$(.gpu/deltamoe generate --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda 2>/dev/null)
+b=$(.gpu/deltamoe generate --prompt "$prompt" --max-tokens 64 --temperature 0 --device cpu 2>/dev/null)
+if [ -n "$a" ] && [ "$a" == "$b" ]; then echo "identical"; else echo "differs: cuda [$a] cpu [$b]"; status=1; fi
 exit $status

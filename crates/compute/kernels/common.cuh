@@ -170,6 +170,32 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
+// ldmatrix of four 8×8 bf16 tiles (lanes 8i..8i+7 address tile i's rows), plain and transposed.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// f32 → bf16, round to nearest even.
+__device__ __forceinline__ bf16_t f32_to_bf16_rn(float x) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
+    return r;
+}
+
+// 4-bit codes q0, q1 < 16 as exact bf16x2: (q | 0x4300) is 128 + q, then subtract 128.
+__device__ __forceinline__ unsigned codes4_bf16(unsigned q0, unsigned q1) {
+    unsigned p = (q0 | 0x4300u) | ((q1 | 0x4300u) << 16), r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return r;
+}
+
 // mbarriers (sm_90 on; before, these are empty and no kernel that needs them is launched).
 // An mbarrier expecting one arrival, set up so that the cluster's CTAs may complete bytes on it
 // (bulk copies, asynchronous stores from other CTAs).

@@ -32,6 +32,10 @@
 //
 // Dynamic shared memory, 32-bit words: 2·BM·QS (Q hi, lo) + 2·FP_BN·QS (K hi, lo) + 2·DT·VS
 //   (Vᵀ hi, lo) with QS = DT/2 + 4, VS = FP_BN/2 + 4 (205 KiB for DT = 256, NW = 8).
+//
+// flash_prefill_<DT>_bf16: the same with q, k, v and P rounded to bf16 once (the hi parts only:
+//   one product where the split form takes three, as flash attention does; f32 accumulation and
+//   softmax), and half the shared memory (no lo parts).
 
 #define FP_BN 32
 #define FP_VS (FP_BN / 2 + 4)
@@ -42,7 +46,16 @@ __device__ __forceinline__ void fp_split(float x0, float x1, unsigned& hi, unsig
     lo = pack_bf16(x0 - bf16lo(hi), x1 - bf16hi(hi));
 }
 
-template <int DT>
+// Stores the hi word of (x0, x1) and, when SPLIT, the lo word.
+template <bool SPLIT>
+__device__ __forceinline__ void fp_put(float x0, float x1, unsigned* hi, unsigned* lo) {
+    unsigned h, l;
+    fp_split(x0, x1, h, l);
+    *hi = h;
+    if (SPLIT) *lo = l;
+}
+
+template <int DT, bool SPLIT>
 __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
                                                 const float* vc, const float* proj,
                                                 long long P, float* __restrict__ out, int T, int pos0, int Hq,
@@ -51,12 +64,14 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
     constexpr int HW = DT / 2;  // words per unpadded row
     extern __shared__ __align__(16) unsigned fp_smem[];
     const int nw = blockDim.x >> 5, BM = nw * 16;
+    // Without SPLIT the lo arrays alias the hi ones: written with the same values, never read.
+    constexpr int LO = SPLIT ? 1 : 0;
     unsigned* Qh = fp_smem;
-    unsigned* Ql = Qh + BM * QS;
+    unsigned* Ql = Qh + LO * BM * QS;
     unsigned* Kh = Ql + BM * QS;
-    unsigned* Kl = Kh + FP_BN * QS;
+    unsigned* Kl = Kh + LO * FP_BN * QS;
     unsigned* Vh = Kl + FP_BN * QS;
-    unsigned* Vl = Vh + DT * FP_VS;
+    unsigned* Vl = Vh + LO * DT * FP_VS;
     const int G = Hq / Hkv, kvh = blockIdx.y;
     const int nrows = T * G, r0 = (gridDim.x - 1 - blockIdx.x) * BM;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tq = lane & 3;
@@ -70,7 +85,7 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
             if (d < D) x0 = src[d];
             if (d + 1 < D) x1 = src[d + 1];
         }
-        fp_split(x0, x1, Qh[r * QS + w], Ql[r * QS + w]);
+        fp_put<SPLIT>(x0, x1, &Qh[r * QS + w], &Ql[r * QS + w]);
     }
     // Last visible position of this thread's rows gid, gid + 8 (−1: no row), of the warp's and
     // of the block's rows.
@@ -100,7 +115,7 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
                 if (d < D) x0 = src[d];
                 if (d + 1 < D) x1 = src[d + 1];
             }
-            fp_split(x0, x1, Kh[j * QS + w], Kl[j * QS + w]);
+            fp_put<SPLIT>(x0, x1, &Kh[j * QS + w], &Kl[j * QS + w]);
         }
 #pragma unroll 4
         for (int i = threadIdx.x; i < DT * (FP_BN / 2); i += blockDim.x) {
@@ -111,7 +126,7 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
                 if (p <= blim) x0 = src[0];
                 if (p + 1 <= blim) x1 = src[kv_row];
             }
-            fp_split(x0, x1, Vh[d * FP_VS + w], Vl[d * FP_VS + w]);
+            fp_put<SPLIT>(x0, x1, &Vh[d * FP_VS + w], &Vl[d * FP_VS + w]);
         }
         __syncthreads();
         if (p0 > wlim) continue;
@@ -131,8 +146,10 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
                 const unsigned* kh = Kh + (8 * j + gid) * QS + 8 * ks + tq;
                 const unsigned* kl = Kl + (8 * j + gid) * QS + 8 * ks + tq;
                 unsigned bh0 = kh[0], bh1 = kh[4];
-                mma_bf16(s[j], al, bh0, bh1);
-                mma_bf16(s[j], ah, kl[0], kl[4]);
+                if (SPLIT) {
+                    mma_bf16(s[j], al, bh0, bh1);
+                    mma_bf16(s[j], ah, kl[0], kl[4]);
+                }
                 mma_bf16(s[j], ah, bh0, bh1);
             }
         }
@@ -185,8 +202,10 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
                 const unsigned* vh = Vh + (8 * n + gid) * FP_VS + 8 * kk + tq;
                 const unsigned* vl = Vl + (8 * n + gid) * FP_VS + 8 * kk + tq;
                 unsigned bh0 = vh[0], bh1 = vh[4];
-                mma_bf16(o[n], pl, bh0, bh1);
-                mma_bf16(o[n], ph, vl[0], vl[4]);
+                if (SPLIT) {
+                    mma_bf16(o[n], pl, bh0, bh1);
+                    mma_bf16(o[n], ph, vl[0], vl[4]);
+                }
                 mma_bf16(o[n], ph, bh0, bh1);
             }
         }
@@ -211,14 +230,18 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
     }
 }
 
-#define FP_KERNEL(DT)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) flash_prefill_##DT(                              \
+#define FP_KERNEL(name, DT, SPLIT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) name(                                            \
         const float* q, const float* kc, const float* vc,                                              \
         const float* proj, long long P, float* __restrict__ out, int T, int pos0, int Hq,              \
-        int Hkv, int D, float scale_log2) { pdl_entry();                                                            \
-        flash_prefill_t<DT>(q, kc, vc, proj, P, out, T, pos0, Hq, Hkv, D, scale_log2);                 \
+        int Hkv, int D, float scale_log2) {                                                            \
+        pdl_entry();                                                                                   \
+        flash_prefill_t<DT, SPLIT>(q, kc, vc, proj, P, out, T, pos0, Hq, Hkv, D, scale_log2);          \
     }
 
-FP_KERNEL(64)
-FP_KERNEL(128)
-FP_KERNEL(256)
+FP_KERNEL(flash_prefill_64, 64, true)
+FP_KERNEL(flash_prefill_128, 128, true)
+FP_KERNEL(flash_prefill_256, 256, true)
+FP_KERNEL(flash_prefill_64_bf16, 64, false)
+FP_KERNEL(flash_prefill_128_bf16, 128, false)
+FP_KERNEL(flash_prefill_256_bf16, 256, false)

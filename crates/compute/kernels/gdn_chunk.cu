@@ -47,23 +47,6 @@
 
 extern __shared__ __align__(16) unsigned char gdn_smem[];
 
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
-}
-
-__device__ __forceinline__ bf16_t f32_to_bf16_rn(float x) {
-    unsigned short r;
-    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-    return r;
-}
-
 // Fragment loaders (ldmatrix). An accumulator c[4] of a 16×8 tile holds (row gid, cols 2·tig,
 // 2·tig+1) in c[0..2] and row gid+8 in c[2..4], gid = lane/4, tig = lane%4.
 // A 16×16 at (r0, k0) of a row-major tile.

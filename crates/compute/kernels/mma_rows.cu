@@ -33,13 +33,6 @@
 
 #define MMA_TILES 4
 
-// 4-bit codes q0, q1 < 16 as exact bf16x2: (q | 0x4300) is 128 + q, then subtract 128.
-__device__ __forceinline__ unsigned codes4_bf16(unsigned q0, unsigned q1) {
-    unsigned p = (q0 | 0x4300u) | ((q1 | 0x4300u) << 16), r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
-    return r;
-}
-
 // Codes q0, q1 < 256 as bf16x2 (exact: 8 significant bits).
 __device__ __forceinline__ unsigned codes_bf16(unsigned q0, unsigned q1, int bits) {
     return bits == 4 ? codes4_bf16(q0, q1) : pack_bf16((float)q0, (float)q1);

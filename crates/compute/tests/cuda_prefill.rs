@@ -12,6 +12,7 @@ use deltamoe_compute::cpu::act::{sigmoid, softplus};
 use deltamoe_compute::cpu::attention::{causal_attention, AttnShape};
 use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
+use deltamoe_compute::cpu::gemm_twin::round_bf16;
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::cpu::rope::Rope;
@@ -316,7 +317,12 @@ fn attention_prefill_rows_match_cpu() {
         )
         .unwrap();
         let (k1, v1) = (kc.at(per_slot), vc.at(per_slot));
-        pf::attn_prefill(&g, dq.ptr(), k1, v1, dproj.ptr(), p, dout.ptr(), a, t, pos0).unwrap();
+        let attn = |bf16: bool| {
+            let out = (dq.ptr(), dproj.ptr(), p, dout.ptr());
+            pf::attn_prefill(&g, out, (k1, v1), a, (t, pos0), bf16).unwrap();
+            g.read(&dout, t * hq * d).unwrap()
+        };
+        let got_split = attn(false);
 
         let (mut q, mut gate) = (Vec::new(), Vec::new());
         let (mut kall, mut vall) = (old_k.clone(), old_v.clone());
@@ -361,7 +367,17 @@ fn attention_prefill_rows_match_cpu() {
         // P·V): each product keeps ~16 significant bits (the dropped lo·lo term and the rounding
         // of the lo parts ≈ 2⁻¹⁶ relative), sums in f32. Measured on an H200: ≤ 9.3e-6·max|out|
         // over these cases (the f32 CUDA-core kernel it replaced: ≤ 1.1e-6); 1e-4 leaves 10×.
-        assert_close(&name, &g.read(&dout, t * hq * d).unwrap(), &o, 1e-4);
+        assert_close(&name, &got_split, &o, 1e-4);
+        // The bf16 form rounds q, k, v once (as the twin below does) and the probabilities P
+        // (2⁻⁹ relative each, not in the twin): 1e-2 of max|out| bounds what P's rounding does
+        // to a weighted mean of these values.
+        let r = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| round_bf16(x)).collect() };
+        let mut ob = vec![0.0; t * hq * d];
+        causal_attention(&r(&q), &r(&kall), &r(&vall), pos0, s, &mut ob);
+        ob.iter_mut()
+            .zip(&gate)
+            .for_each(|(v, gg)| *v *= sigmoid(*gg));
+        assert_close(&format!("{name} bf16"), &attn(true), &ob, 1e-2);
         let untouched = g.read(&kc, per_slot).unwrap();
         assert!(
             untouched.iter().all(|&v| v == 0.0),

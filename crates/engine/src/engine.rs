@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_model::gpu::{ExpertCache, GdnPrefill, OffloadStats};
+use deltamoe_model::gpu::{ExpertCache, GdnPrefill, OffloadStats, PrefillGemm};
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 use crate::backend::cpu::CpuBackend;
@@ -93,6 +93,11 @@ impl Engine {
     /// How later GPU prefills run the Gated DeltaNet delta rule (the CPU ignores it).
     pub fn set_gdn_prefill(&mut self, mode: GdnPrefill) {
         self.backend.set_gdn_prefill(mode);
+    }
+
+    /// How later GPU prefills run their matrix products (the CPU ignores it).
+    pub fn set_prefill_gemm(&mut self, mode: PrefillGemm) {
+        self.backend.set_prefill_gemm(mode);
     }
 
     /// With offloaded experts on the GPU: whether the CPU may compute some of the experts outside

@@ -2,8 +2,9 @@
 //! `scripts/gpu-tests.sh`). The CUDA path keeps f32 activations and the same bf16 (or MLX
 //! affine) weights as the CPU engine, so the foundation tolerance applies unchanged:
 //! 5e-3·max|ref| with ≥ 98% argmax agreement against transformers, identical greedy tokens.
-//! These tests run prefill's delta rule in f32 (`GdnPrefill::Recurrent`); the default chunked
-//! form for long passes, which rounds q, k, v to bf16, is checked in `chunked_cuda.rs`.
+//! These tests run prefill's products exactly (`PrefillGemm::Exact`) and its delta rule in f32
+//! (`GdnPrefill::Recurrent`); the defaults, bf16 products and the chunked rule for long passes,
+//! are checked in `chunked_cuda.rs`.
 //! (A quantized embedding is dequantized to bf16 on upload: one rounding of each embedding
 //! value, far inside that tolerance.)
 
@@ -14,12 +15,13 @@ use std::sync::Arc;
 use common::{check_logits, fixtures, greedy, prompts};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_engine::Engine;
-use deltamoe_model::gpu::GdnPrefill;
+use deltamoe_model::gpu::{GdnPrefill, PrefillGemm};
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 fn engine(dir: &std::path::Path, gpu: &Arc<Gpu>) -> Engine {
     let mut e = Engine::new_cuda(Qwen3Hybrid::load(dir).unwrap(), gpu.clone(), 4096, 8).unwrap();
     e.set_gdn_prefill(GdnPrefill::Recurrent);
+    e.set_prefill_gemm(PrefillGemm::Exact);
     e
 }
 
@@ -94,7 +96,9 @@ fn cuda_sampling_is_seeded_and_top_k_1_is_greedy() {
 
 /// The fixtures' shared experts differ in size from their routed experts; real models' do not,
 /// and then the shared expert runs stacked with the routed ones. Check that path against the CPU
-/// engine on the same (synthetic bf16) weights.
+/// engine on the same (synthetic bf16) weights: the exact products against the exact CPU, the
+/// bf16 products (the grouped bf16 kernel for the stacked experts) against the CPU with the same
+/// roundings (`Qwen3Hybrid::set_bf16_products`; only f32 summation order differs).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_with_stacked_shared_expert_matches_cpu() {
@@ -110,15 +114,25 @@ fn cuda_with_stacked_shared_expert_matches_cpu() {
     let load =
         || Qwen3Hybrid::from_store(config(), &WeightStore::synthetic(DType::BF16, 5)).unwrap();
     let tokens: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % 1000).collect();
-    let mut cpu = Engine::new(load());
-    let id = cpu.add_sequence().unwrap();
-    let want = cpu.prefill(id, &tokens, None, Logits::All).unwrap();
     let gpu = Arc::new(Gpu::new(0).unwrap());
-    let mut e = Engine::new_cuda(load(), gpu, 512, 1).unwrap();
-    e.set_gdn_prefill(GdnPrefill::Recurrent);
-    let id = e.add_sequence().unwrap();
-    let got = e.prefill(id, &tokens, None, Logits::All).unwrap();
-    check_logits("stacked shared expert", &got, &want, 1000);
+    for gemm in [PrefillGemm::Exact, PrefillGemm::Bf16] {
+        let mut model = load();
+        model.set_bf16_products(gemm == PrefillGemm::Bf16);
+        let mut cpu = Engine::new(model);
+        let id = cpu.add_sequence().unwrap();
+        let want = cpu.prefill(id, &tokens, None, Logits::All).unwrap();
+        let mut e = Engine::new_cuda(load(), gpu.clone(), 512, 1).unwrap();
+        e.set_gdn_prefill(GdnPrefill::Recurrent);
+        e.set_prefill_gemm(gemm);
+        let id = e.add_sequence().unwrap();
+        let got = e.prefill(id, &tokens, None, Logits::All).unwrap();
+        check_logits(
+            &format!("stacked shared expert, {gemm:?}"),
+            &got,
+            &want,
+            1000,
+        );
+    }
 }
 
 /// Greedy decoding of several sequences in one batched step (rows at different positions)
@@ -196,6 +210,7 @@ fn cuda_prefill_state_equals_decode_state() {
         let mut gm = GpuModel::upload(&model, gpu.clone()).unwrap();
         gm.reserve(2, 512).unwrap();
         gm.set_prefill_gdn(GdnPrefill::Recurrent);
+        gm.set_prefill_gemm(PrefillGemm::Exact);
         let p = &prompts(&dir)[0];
         let (a_toks, next) = (
             &p.tokens[..p.tokens.len() - 1],

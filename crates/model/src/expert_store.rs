@@ -336,6 +336,7 @@ mod tests {
 
     use super::*;
     use crate::checkpoint::moe::load_experts;
+    use crate::layers::Products;
 
     const E: usize = 3;
     const H: usize = 64;
@@ -532,7 +533,10 @@ mod tests {
                 };
                 assert_eq!((gate, up), (g0, u0), "{name} expert {e}");
                 let read = es.read(0, e).unwrap();
-                let (a, w) = (read.forward(&x, 2), mapped.forward(&x, 2));
+                let (a, w) = (
+                    read.forward(&x, 2, Products::Exact),
+                    mapped.forward(&x, 2, Products::Exact),
+                );
                 assert!(
                     a.iter().zip(&w).all(|(a, w)| a.to_bits() == w.to_bits()),
                     "{name} expert {e}: the read expert's output differs from the mapped one"

@@ -16,6 +16,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert_store::{ExpertStore, MoeLayer};
 use crate::layers::attention::KvCache;
+use crate::layers::Products;
 use crate::layers::{ExpertStats, OffloadedExperts};
 use crate::state::{LayerState, SequenceState};
 use crate::weights::WeightStore;
@@ -28,6 +29,9 @@ pub struct Qwen3Hybrid {
     /// Multi-token GDN passes with the GPU's chunked-rule roundings (see
     /// [`Self::set_gdn_gpu_roundings`]).
     gdn_gpu_roundings: bool,
+    /// Multi-token passes with the GPU prefill's bf16 products (see
+    /// [`Self::set_bf16_products`]).
+    bf16_products: bool,
     /// Per layer: where an MoE layer's routed experts are read from when offloaded (see
     /// [`Self::offload_experts`]).
     expert_offload: Vec<Option<Arc<OffloadedExperts>>>,
@@ -58,6 +62,7 @@ impl Qwen3Hybrid {
         Qwen3Hybrid {
             rope: Rope::new(c.rotary_dim, c.rope_theta),
             gdn_gpu_roundings: false,
+            bf16_products: false,
             expert_offload: vec![None; ckpt.layers.len()],
             ckpt,
         }
@@ -78,6 +83,14 @@ impl Qwen3Hybrid {
     /// GPU prefill is checked against.
     pub fn set_gdn_gpu_roundings(&mut self, on: bool) {
         self.gdn_gpu_roundings = on;
+    }
+
+    /// Run the multi-token passes' linear products with the roundings of the GPU prefill's bf16
+    /// products (`gpu::PrefillGemm::Bf16`, see [`crate::layers::Products`]; the lm_head stays
+    /// exact on both): with [`Self::set_gdn_gpu_roundings`], the CPU reference the default GPU
+    /// prefill is checked against.
+    pub fn set_bf16_products(&mut self, on: bool) {
+        self.bf16_products = on;
     }
 
     /// The MoE layers.
@@ -210,16 +223,21 @@ impl Qwen3Hybrid {
             w.embed.row_f32(id as usize, row);
         }
         let pos0 = state.pos;
+        // Multi-token passes take the GPU prefill's bf16 products when asked to.
+        let products = match self.bf16_products && t > 1 {
+            true => Products::Bf16,
+            false => Products::Exact,
+        };
         let layers = w.layers.iter().zip(&self.expert_offload);
         for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
             let mut n = x.clone();
             rms_norm(&mut n, &layer.input_norm, c.rms_norm_eps);
             let mixed = match (&layer.mixer, st) {
                 (Mixer::Linear(g), LayerState::Linear { conv, recurrent }) => {
-                    g.forward(&n, t, (conv, recurrent), self.gdn_gpu_roundings)
+                    g.forward(&n, t, (conv, recurrent), (self.gdn_gpu_roundings, products))
                 }
                 (Mixer::Full(a), LayerState::Full(cache)) => {
-                    a.forward(&n, t, pos0, &self.rope, cache)
+                    a.forward(&n, t, pos0, &self.rope, cache, products)
                 }
                 _ => {
                     return Err(ModelError::Input(
@@ -231,8 +249,8 @@ impl Qwen3Hybrid {
             let mut n = x.clone();
             rms_norm(&mut n, &layer.post_norm, c.rms_norm_eps);
             let f = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&n, t),
-                Ffn::Moe(m) => m.forward(&n, t, offload.as_deref())?,
+                Ffn::Dense(m) => m.forward(&n, t, products),
+                Ffn::Moe(m) => m.forward(&n, t, offload.as_deref(), products)?,
             };
             x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
         }

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod conv;
 pub mod gdn;
 pub mod gdn_bf16;
+pub mod gemm_twin;
 pub mod gpu_twin;
 #[cfg(test)]
 mod gpu_twin_tests;

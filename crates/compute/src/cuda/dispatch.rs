@@ -106,16 +106,23 @@ pub fn fused_decode(rows: usize, mut mats: impl Iterator<Item = Matvec>) -> bool
 }
 
 /// The tile of the grouped expert products of prefill (prefill.rs) for `[gate | up]` and down
-/// matrices whose inputs are `x_stride` and `inter` floats apart: tensor-core tiles when both
-/// take them, else CUDA-core tiles; None when the grouped kernels do not take them (the
-/// products then run per slot).
+/// matrices whose inputs are `x_stride` and `inter` floats apart: with `bf16` (bf16 products
+/// allowed) the bf16 grouped GEMM's tiles when it takes both matrices (`gemm.rs`); else the
+/// exact tensor-core tiles when both take them, else CUDA-core tiles; None when no grouped
+/// kernel takes them (the products then run per slot).
 pub fn grouped_tile(
     gate_up: &Matvec,
     down: &Matvec,
     x_stride: usize,
     inter: usize,
+    bf16: bool,
 ) -> Option<usize> {
+    use super::gemm::{self, TILE_GEMM};
     use super::prefill::{grouped_supported, TILE_CORES, TILE_MMA};
+    let rows16 = x_stride.is_multiple_of(8) && inter.is_multiple_of(8);
+    if bf16 && rows16 && gemm::supported(gate_up) && gemm::supported(down) {
+        return Some(TILE_GEMM);
+    }
     if !grouped_supported(gate_up, x_stride) || !grouped_supported(down, inter) {
         return None;
     }
@@ -346,11 +353,22 @@ mod tests {
         use super::grouped_tile;
         use crate::cuda::prefill::{TILE_CORES, TILE_MMA};
         let (gu, down) = (mat(1024, 2048, 4), mat(2048, 512, 4));
-        assert_eq!(grouped_tile(&gu, &down, 2048, 512), Some(TILE_MMA));
+        assert_eq!(grouped_tile(&gu, &down, 2048, 512, false), Some(TILE_MMA));
         let down2 = mat(2048, 512, 2);
-        assert_eq!(grouped_tile(&gu, &down2, 2048, 512), Some(TILE_CORES));
+        assert_eq!(
+            grouped_tile(&gu, &down2, 2048, 512, false),
+            Some(TILE_CORES)
+        );
         // bf16 inputs must be float4-aligned.
         let odd = mat(100, 42, 16);
-        assert_eq!(grouped_tile(&odd, &odd, 42, 42), None);
+        assert_eq!(grouped_tile(&odd, &odd, 42, 42, false), None);
+        // bf16 products: the grouped GEMM for 4/8-bit and bf16 stacks with 16-byte rows, the
+        // exact kernels for 2-bit and odd rows.
+        use crate::cuda::gemm::TILE_GEMM;
+        assert_eq!(grouped_tile(&gu, &down, 2048, 512, true), Some(TILE_GEMM));
+        let bf = (mat(1024, 2048, 16), mat(2048, 512, 16));
+        assert_eq!(grouped_tile(&bf.0, &bf.1, 2048, 512, true), Some(TILE_GEMM));
+        assert_eq!(grouped_tile(&gu, &down2, 2048, 512, true), Some(TILE_CORES));
+        assert_eq!(grouped_tile(&gu, &down, 2048, 516, true), Some(TILE_MMA));
     }
 }

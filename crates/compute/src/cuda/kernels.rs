@@ -112,9 +112,31 @@ const FILES: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "gemm.cu",
+        include_str!("../../kernels/gemm.cu"),
+        &[
+            "rows_to_bf16",
+            "dequant_affine_bf16",
+            "swiglu_rows",
+            "moe_gemm_bf16",
+            "moe_gemm_bf16_swiglu",
+            "moe_gemm_affine4",
+            "moe_gemm_affine4_swiglu",
+            "moe_gemm_affine8",
+            "moe_gemm_affine8_swiglu",
+        ],
+    ),
+    (
         "flash_prefill.cu",
         include_str!("../../kernels/flash_prefill.cu"),
-        &["flash_prefill_64", "flash_prefill_128", "flash_prefill_256"],
+        &[
+            "flash_prefill_64",
+            "flash_prefill_128",
+            "flash_prefill_256",
+            "flash_prefill_64_bf16",
+            "flash_prefill_128_bf16",
+            "flash_prefill_256_bf16",
+        ],
     ),
     (
         "qmatvec.cu",

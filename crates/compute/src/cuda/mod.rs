@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod dispatch;
 pub mod gdn_chunk;
+pub mod gemm;
 pub mod host;
 pub mod kernels;
 pub mod launch;
@@ -60,6 +61,8 @@ pub struct Gpu {
     multiprocessors: usize,
     /// Launch with programmatic dependent launch (see [`launch`]).
     pdl: std::sync::atomic::AtomicBool,
+    /// cuBLASLt, created on first use (or why it could not be).
+    blas: std::sync::OnceLock<std::result::Result<gemm::Blas, String>>,
 }
 
 /// A device allocation of `len` elements with its raw address cached for kernel arguments.
@@ -142,6 +145,7 @@ impl Gpu {
             compute_capability,
             multiprocessors,
             pdl: std::sync::atomic::AtomicBool::new(false),
+            blas: std::sync::OnceLock::new(),
         })
     }
 
@@ -175,6 +179,14 @@ impl Gpu {
                 bytes as i32,
             )
             .map_err(driver_err(name))
+    }
+
+    /// cuBLASLt on this device's stream, created on first use.
+    pub fn blas(&self) -> Result<&gemm::Blas> {
+        self.blas
+            .get_or_init(|| gemm::Blas::new(self).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| CudaError::Unavailable(e.clone()))
     }
 
     /// (free, total) device memory in bytes.

@@ -161,29 +161,26 @@ const FP_BN: usize = 32;
 /// Most warps (16 query rows each) per block of the flash kernels.
 const FP_WARPS: usize = 8;
 
-/// Dynamic shared memory of `flash_prefill_<dt>` with `warps` warps (the kernel header's sum).
-fn flash_smem(dt: usize, warps: usize) -> usize {
-    let (qs, vs) = (dt / 2 + 4, FP_BN / 2 + 4);
-    4 * (2 * 16 * warps * qs + 2 * FP_BN * qs + 2 * dt * vs)
+/// Dynamic shared memory of `flash_prefill_<dt>` with `warps` warps (the kernel header's sum;
+/// half without the lo parts of the split form).
+fn flash_smem(dt: usize, warps: usize, split: bool) -> usize {
+    let (qs, vs, parts) = (dt / 2 + 4, FP_BN / 2 + 4, 1 + split as usize);
+    4 * parts * (16 * warps * qs + FP_BN * qs + dt * vs)
 }
 
 /// Causal gated attention of `t` query rows (`q [t, hq, d]`, row i at position `pos0 + i`)
 /// against one slot's caches `[ctx, hkv, d]` (offset to the slot; rows `0..pos0 + t` written),
-/// gates from the projection rows; out `[t, hq·d]`. Tensor cores (`flash_prefill.cu`: bf16
-/// hi + lo splits of q, k, v and the probabilities, f32 accumulation and online softmax; about
-/// f32 accuracy); the q heads sharing a kv head share its K/V tiles.
-#[allow(clippy::too_many_arguments)]
+/// gates from the projection rows (`proj_stride` floats apart); out `[t, hq·d]`. Tensor cores
+/// (`flash_prefill.cu`, f32 accumulation and online softmax): q, k, v and the probabilities as
+/// bf16 hi + lo splits (about f32 accuracy), or with `bf16` rounded to bf16 once (a third of
+/// the products); the q heads sharing a kv head share its K/V tiles.
 pub fn attn_prefill(
     g: &Gpu,
-    q: u64,
-    k_cache: u64,
-    v_cache: u64,
-    proj: u64,
-    proj_stride: usize,
-    out: u64,
+    (q, proj, proj_stride, out): (u64, u64, usize, u64),
+    (k_cache, v_cache): (u64, u64),
     a: AttnDims,
-    t: usize,
-    pos0: usize,
+    (t, pos0): (usize, usize),
+    bf16: bool,
 ) -> Result<()> {
     if a.d > ATTN_DMAX || a.hkv == 0 || !a.hq.is_multiple_of(a.hkv) {
         return Err(CudaError::Unsupported(format!(
@@ -194,10 +191,13 @@ pub fn attn_prefill(
     if t == 0 {
         return Ok(());
     }
-    let (dt, name) = match a.d {
-        0..=64 => (64, "flash_prefill_64"),
-        65..=128 => (128, "flash_prefill_128"),
-        _ => (256, "flash_prefill_256"),
+    let (dt, name) = match (a.d, bf16) {
+        (0..=64, false) => (64, "flash_prefill_64"),
+        (65..=128, false) => (128, "flash_prefill_128"),
+        (_, false) => (256, "flash_prefill_256"),
+        (0..=64, true) => (64, "flash_prefill_64_bf16"),
+        (65..=128, true) => (128, "flash_prefill_128_bf16"),
+        (_, true) => (256, "flash_prefill_256_bf16"),
     };
     let max_smem = g
         .stream()
@@ -207,10 +207,10 @@ pub fn attn_prefill(
     // One warp per 16 (token, head) rows up to FP_WARPS, fewer where shared memory is short.
     let rows = t * (a.hq / a.hkv);
     let mut warps = rows.div_ceil(16).min(FP_WARPS);
-    while warps > 1 && flash_smem(dt, warps) > max_smem {
+    while warps > 1 && flash_smem(dt, warps, !bf16) > max_smem {
         warps -= 1;
     }
-    let smem = flash_smem(dt, warps);
+    let smem = flash_smem(dt, warps, !bf16);
     if smem > max_smem {
         return Err(CudaError::Unsupported(format!(
             "attn_prefill: head dim {} needs {smem} bytes of shared memory, the device has {max_smem}",

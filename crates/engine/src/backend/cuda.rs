@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use deltamoe_compute::cuda::ops::SampleParams;
 use deltamoe_compute::cuda::{CudaError, Gpu};
-use deltamoe_model::gpu::{ExpertCache, GdnPrefill, GpuModel, GpuSeq, GpuSnapshot, OffloadStats};
+use deltamoe_model::gpu::{
+    ExpertCache, GdnPrefill, GpuModel, GpuSeq, GpuSnapshot, OffloadStats, PrefillGemm,
+};
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 use super::{wrong_backend, Backend, SavedState, StepRow};
@@ -144,6 +146,10 @@ impl Backend for CudaBackend {
 
     fn set_gdn_prefill(&mut self, mode: GdnPrefill) {
         self.gpu.set_prefill_gdn(mode);
+    }
+
+    fn set_prefill_gemm(&mut self, mode: PrefillGemm) {
+        self.gpu.set_prefill_gemm(mode);
     }
 
     fn set_host_experts(&mut self, on: bool) -> Result<()> {

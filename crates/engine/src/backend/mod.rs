@@ -9,7 +9,7 @@ pub mod cuda;
 
 use std::any::Any;
 
-use deltamoe_model::gpu::{GdnPrefill, OffloadStats};
+use deltamoe_model::gpu::{GdnPrefill, OffloadStats, PrefillGemm};
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 use crate::error::{EngineError, Result};
@@ -79,6 +79,9 @@ pub trait Backend {
 
     /// How later prefills run the Gated DeltaNet delta rule (only CUDA has a choice).
     fn set_gdn_prefill(&mut self, _mode: GdnPrefill) {}
+
+    /// How later prefills run their matrix products (only CUDA has a choice).
+    fn set_prefill_gemm(&mut self, _mode: PrefillGemm) {}
 
     /// Whether the CPU may compute offloaded experts (only CUDA offloads to the host).
     fn set_host_experts(&mut self, _on: bool) -> Result<()> {

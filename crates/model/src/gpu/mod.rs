@@ -47,7 +47,7 @@ mod random;
 mod synthetic;
 mod upload;
 
-pub use layers::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS};
+pub use layers::{gdn_path, GdnPrefill, PrefillGemm, CHUNKED_MIN_ROWS};
 pub use offload::{
     clean_copies, slots_for_bytes, ExpertCache, OffloadStats, HOST_RESERVE, STATE_RESERVE,
 };
@@ -97,6 +97,7 @@ pub struct GpuModel {
     /// Activations of a prefill pass (allocated by the first prefill).
     prefill: Option<layers::PrefillScratch>,
     prefill_gdn: GdnPrefill,
+    prefill_gemm: PrefillGemm,
     /// Routed-id log, staging and statistics when experts are offloaded.
     offload: Option<offload::Offload>,
     /// A cap on the pinned host memory of offloaded experts (see
@@ -134,6 +135,7 @@ impl GpuModel {
             graphs: Vec::new(),
             prefill: None,
             prefill_gdn: GdnPrefill::default(),
+            prefill_gemm: PrefillGemm::default(),
             offload: None,
             host_memory: None,
             gpu,

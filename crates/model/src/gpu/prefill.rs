@@ -15,7 +15,7 @@
 
 use deltamoe_compute::cuda::DevBuf;
 
-use super::layers::{needs, Pass, PrefillScratch, Stager};
+use super::layers::{needs, Pass, PrefillGemm, PrefillScratch, Stager};
 use super::{unsupported, GpuModel, GpuSeq, Result};
 use crate::Logits;
 
@@ -97,6 +97,7 @@ impl GpuModel {
             pos: pool.pos.ptr(),
             ctx: pool.ctx,
             gdn: self.prefill_gdn,
+            gemm: self.prefill_gemm,
         };
         for (i, l) in self.layers.iter().enumerate() {
             let delta = if i == 0 { 0 } else { ps.delta.ptr() };
@@ -138,5 +139,15 @@ impl GpuModel {
     /// How later prefills run the GDN layers' delta rule.
     pub fn set_prefill_gdn(&mut self, mode: super::GdnPrefill) {
         self.prefill_gdn = mode;
+    }
+
+    /// How later prefills run their matrix products.
+    pub fn set_prefill_gemm(&mut self, mode: PrefillGemm) {
+        self.prefill_gemm = mode;
+    }
+
+    /// How prefills run their matrix products now.
+    pub fn prefill_gemm(&self) -> PrefillGemm {
+        self.prefill_gemm
     }
 }

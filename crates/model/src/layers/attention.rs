@@ -7,9 +7,11 @@
 
 use deltamoe_compute::cpu::act::sigmoid;
 use deltamoe_compute::cpu::attention::causal_attention;
+use deltamoe_compute::cpu::gemm_twin::round_bf16;
 use deltamoe_compute::cpu::norm::rms_norm;
 use deltamoe_compute::cpu::rope::Rope;
 
+use super::linear::Products;
 use crate::checkpoint::Attention;
 
 /// A sequence's keys and values for one attention layer: `[positions, H_kv, D]` each.
@@ -28,18 +30,19 @@ impl Attention {
         pos0: usize,
         rope: &Rope,
         cache: &mut KvCache,
+        p: Products,
     ) -> Vec<f32> {
         let s = self.shape;
         let d = s.head_dim;
-        let qg = self.q_proj.forward(x, t);
+        let qg = self.q_proj.forward(x, t, p);
         let mut q = Vec::with_capacity(t * s.n_heads * d);
         let mut gate = Vec::with_capacity(t * s.n_heads * d);
         for head in qg.chunks_exact(2 * d) {
             q.extend_from_slice(&head[..d]);
             gate.extend_from_slice(&head[d..]);
         }
-        let mut k = self.k_proj.forward(x, t);
-        let v = self.v_proj.forward(x, t);
+        let mut k = self.k_proj.forward(x, t, p);
+        let v = self.v_proj.forward(x, t, p);
         rms_norm(&mut q, &self.q_norm, self.eps);
         rms_norm(&mut k, &self.k_norm, self.eps);
         let (qw, kw) = (s.n_heads * d, s.n_kv_heads * d);
@@ -50,8 +53,15 @@ impl Attention {
         cache.k.extend_from_slice(&k);
         cache.v.extend_from_slice(&v);
         let mut o = vec![0.0; t * qw];
-        causal_attention(&q, &cache.k, &cache.v, pos0, s, &mut o);
+        match p {
+            Products::Exact => causal_attention(&q, &cache.k, &cache.v, pos0, s, &mut o),
+            Products::Bf16 => {
+                // The GPU's bf16 prefill attention reads q, k and v rounded to bf16.
+                let r = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| round_bf16(x)).collect() };
+                causal_attention(&r(&q), &r(&cache.k), &r(&cache.v), pos0, s, &mut o)
+            }
+        }
         o.iter_mut().zip(&gate).for_each(|(v, g)| *v *= sigmoid(*g));
-        self.o_proj.forward(&o, t)
+        self.o_proj.forward(&o, t, p)
     }
 }

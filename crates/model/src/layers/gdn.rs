@@ -19,6 +19,7 @@ use deltamoe_compute::cpu::gdn_bf16::gdn_chunked_bf16;
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 
+use super::linear::Products;
 use crate::checkpoint::gdn::InProj;
 use crate::checkpoint::GatedDeltaNet;
 
@@ -34,15 +35,17 @@ struct Projected {
 }
 
 impl GatedDeltaNet {
-    fn project(&self, x: &[f32], t: usize) -> Projected {
+    fn project(&self, x: &[f32], t: usize, p: Products) -> Projected {
         match &self.proj {
             InProj::Split { qkv, z, b, a } => Projected {
-                qkv: qkv.forward(x, t),
-                z: z.forward(x, t),
-                b: b.forward(x, t),
-                a: a.forward(x, t),
+                qkv: qkv.forward(x, t, p),
+                z: z.forward(x, t, p),
+                b: b.forward(x, t, p),
+                a: a.forward(x, t, p),
             },
-            InProj::Packed { qkvz, ba } => self.unpack(&qkvz.forward(x, t), &ba.forward(x, t), t),
+            InProj::Packed { qkvz, ba } => {
+                self.unpack(&qkvz.forward(x, t, p), &ba.forward(x, t, p), t)
+            }
         }
     }
 
@@ -97,10 +100,10 @@ impl GatedDeltaNet {
         x: &[f32],
         t: usize,
         (conv_state, state): (&mut [f32], &mut [f32]),
-        gpu_roundings: bool,
+        (gpu_roundings, products): (bool, Products),
     ) -> Vec<f32> {
         let s = self.shape;
-        let p = self.project(x, t);
+        let p = self.project(x, t, products);
         let cd = self.conv_w.len() / self.conv_kernel;
         let mut mixed = vec![0.0; t * cd];
         causal_conv1d_silu(
@@ -158,7 +161,7 @@ impl GatedDeltaNet {
             gdn_chunked(&inputs, s, CHUNK, state, &mut o);
         }
         gated_rms_norm(&mut o, &p.z, &self.norm_w, self.eps);
-        self.out_proj.forward(&o, t)
+        self.out_proj.forward(&o, t, products)
     }
 }
 

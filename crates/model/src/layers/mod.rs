@@ -12,4 +12,5 @@ pub mod offloaded;
 pub use crate::checkpoint::{
     Attention, DenseSource, GatedDeltaNet, Linear, LinearWeight, Mlp, Moe,
 };
+pub use linear::Products;
 pub use offloaded::{ExpertStats, OffloadedExperts};

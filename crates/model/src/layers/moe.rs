@@ -10,6 +10,7 @@
 
 use deltamoe_compute::cpu::act::{sigmoid, softmax};
 
+use super::linear::Products;
 use super::OffloadedExperts;
 use crate::checkpoint::{Mlp, Moe};
 use crate::error::Result;
@@ -48,9 +49,10 @@ impl Moe {
         x: &[f32],
         t: usize,
         offload: Option<&OffloadedExperts>,
+        p: Products,
     ) -> Result<Vec<f32>> {
         let h = x.len() / t;
-        let logits = self.router.forward(x, t);
+        let logits = self.router.forward(x, t, p);
         let e = self.experts.len();
         // Tokens (and weights) per expert, so each expert runs once over its tokens.
         let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
@@ -64,13 +66,13 @@ impl Moe {
         }
         let used: Vec<usize> = (0..e).filter(|&ex| !assigned[ex].is_empty()).collect();
         let mut y = vec![0.0f32; t * h];
-        let mut add = |ex: usize, mlp: &Mlp| add_expert(mlp, &assigned[ex], x, h, &mut y);
+        let mut add = |ex: usize, mlp: &Mlp| add_expert(mlp, &assigned[ex], (x, h, p), &mut y);
         match offload {
             None => used.iter().for_each(|&ex| add(ex, &self.experts[ex])),
             Some(o) => o.run(&used, &routed, add)?,
         }
-        let shared = self.shared.forward(x, t);
-        let gate = self.shared_gate.forward(x, t);
+        let shared = self.shared.forward(x, t, p);
+        let gate = self.shared_gate.forward(x, t, p);
         for tok in 0..t {
             let s = sigmoid(gate[tok]);
             y[tok * h..(tok + 1) * h]
@@ -83,12 +85,17 @@ impl Moe {
 }
 
 /// `y[tok] += w · mlp(x[tok])` for the `(tok, w)` routed to `mlp` (rows of `h`).
-fn add_expert(mlp: &Mlp, toks: &[(usize, f32)], x: &[f32], h: usize, y: &mut [f32]) {
+fn add_expert(
+    mlp: &Mlp,
+    toks: &[(usize, f32)],
+    (x, h, p): (&[f32], usize, Products),
+    y: &mut [f32],
+) {
     let xs: Vec<f32> = toks
         .iter()
         .flat_map(|&(tok, _)| x[tok * h..(tok + 1) * h].iter().copied())
         .collect();
-    let out = mlp.forward(&xs, toks.len());
+    let out = mlp.forward(&xs, toks.len(), p);
     for (row, &(tok, w)) in out.chunks_exact(h).zip(toks) {
         y[tok * h..(tok + 1) * h]
             .iter_mut()

@@ -9,7 +9,7 @@ use deltamoe_compute::cuda::vec::VecIo;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu, Result};
 
 use super::bufs::ATTN_SPLITS;
-use super::{rows_mv, slot_at, Mixer, Needs, Pass, State, StateSpec, Step};
+use super::{pass_mv, slot_at, Mixer, Needs, Pass, PrefillGemm, State, StateSpec, Step};
 use crate::checkpoint::Attention;
 use crate::config::ModelConfig;
 use crate::gpu::format::DevMat;
@@ -179,14 +179,7 @@ impl Mixer for AttnMixer {
     fn prefill(&self, p: &Pass, state: State) -> Result<()> {
         let (g, ps, t) = (p.g, p.ps, p.t);
         let proj = self.proj.mv();
-        rows_mv(
-            g,
-            proj,
-            (ps.normed.ptr(), ps.proj.ptr()),
-            t,
-            p.hidden,
-            false,
-        )?;
+        pass_mv(p, proj, (ps.normed.ptr(), ps.proj.ptr()), p.hidden, false)?;
         let bt = Batch {
             rows: t,
             slots: ps.slots.ptr(),
@@ -195,19 +188,11 @@ impl Mixer for AttnMixer {
         self.prep(g, bufs, (state, p.pos, p.ctx), bt, p.eps, true)?;
         let per_slot = p.ctx * self.row();
         let [kc, vc] = state;
-        pf::attn_prefill(
-            g,
-            ps.q.ptr(),
-            slot_at(kc, p.slot, per_slot),
-            slot_at(vc, p.slot, per_slot),
-            ps.proj.ptr(),
-            proj.n,
-            ps.mix_out.ptr(),
-            self.dims,
-            t,
-            p.pos0,
-        )?;
+        let io = (ps.q.ptr(), ps.proj.ptr(), proj.n, ps.mix_out.ptr());
+        let caches = (slot_at(kc, p.slot, per_slot), slot_at(vc, p.slot, per_slot));
+        let bf16 = p.gemm == PrefillGemm::Bf16;
+        pf::attn_prefill(g, io, caches, self.dims, (t, p.pos0), bf16)?;
         let out = self.out.mv();
-        rows_mv(g, out, (ps.mix_out.ptr(), ps.delta.ptr()), t, out.k, false)
+        pass_mv(p, out, (ps.mix_out.ptr(), ps.delta.ptr()), out.k, false)
     }
 }

@@ -2,6 +2,7 @@
 //! prefill pass's ([`PrefillScratch`], up to `rows` tokens), sized by what the layers need
 //! ([`Needs`]).
 
+use deltamoe_compute::cuda::ops::{Matvec, WeightFormat};
 use deltamoe_compute::cuda::prefill as pf;
 use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 
@@ -15,13 +16,18 @@ pub(crate) const LOGIT_ROWS: usize = 64;
 
 /// Scratch a layer needs beyond the residual: floats per row of its input projection's outputs
 /// (`proj`), the ffn's hidden activations (`inter`, all slots of a row) and a shared expert's
-/// run apart (`shared`); bytes of workspace for a prefill pass (`workspace`).
+/// run apart (`shared`); bytes of workspace for a prefill pass (`workspace`); for the bf16
+/// products of a prefill pass ([`super::pass_mv`]) the widest input (`gemm_k`), the most
+/// weights dequantized at once (`gemm_w`) and the widest SwiGLU product (`gemm_gu`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Needs {
     pub proj: usize,
     pub inter: usize,
     pub shared: usize,
     pub workspace: usize,
+    pub gemm_k: usize,
+    pub gemm_w: usize,
+    pub gemm_gu: usize,
 }
 
 impl Needs {
@@ -31,7 +37,23 @@ impl Needs {
             inter: self.inter.max(o.inter),
             shared: self.shared.max(o.shared),
             workspace: self.workspace.max(o.workspace),
+            gemm_k: self.gemm_k.max(o.gemm_k),
+            gemm_w: self.gemm_w.max(o.gemm_w),
+            gemm_gu: self.gemm_gu.max(o.gemm_gu),
         }
+    }
+
+    /// What a prefill pass's row products `ms` (each with whether it is a SwiGLU) need.
+    pub fn products(ms: &[(Matvec, bool)]) -> Needs {
+        ms.iter().fold(Needs::default(), |n, &(m, swiglu)| {
+            let affine = matches!(m.format, WeightFormat::Affine { .. });
+            n.max(Needs {
+                gemm_k: m.k,
+                gemm_w: if affine { m.n * m.k } else { 0 },
+                gemm_gu: if swiglu { m.n } else { 0 },
+                ..Needs::default()
+            })
+        })
     }
 }
 
@@ -127,6 +149,12 @@ pub(crate) struct PrefillScratch {
     pub(crate) gate: DevBuf<f32>,
     pub(crate) beta: DevBuf<f32>,
     pub(crate) ws: DevBuf<u8>,
+    /// bf16 products: input rows `[rows, gemm_k]`, dequantized weights `[gemm_w]`, SwiGLU
+    /// products `[rows, gemm_gu]` (f32), grouped experts' hidden rows `[rows, inter]`.
+    pub(crate) xb: DevBuf<u16>,
+    pub(crate) wb: DevBuf<u16>,
+    pub(crate) gu: DevBuf<f32>,
+    pub(crate) hb: DevBuf<u16>,
     pub(crate) ffn: FfnBufs,
     pub(crate) order: DevBuf<i32>,
     pub(crate) tiles: DevBuf<i32>,
@@ -170,6 +198,10 @@ impl PrefillScratch {
             gate: g.zeros(r * c.linear_v_heads)?,
             beta: g.zeros(r * c.linear_v_heads)?,
             ws: g.zeros(ws)?,
+            xb: g.zeros((r * needs.gemm_k.max(h)).max(1))?,
+            wb: g.zeros(needs.gemm_w.max(1))?,
+            gu: g.zeros((r * needs.gemm_gu).max(1))?,
+            hb: g.zeros((r * needs.inter).max(1))?,
             ffn: FfnBufs::new(g, c, needs, r)?,
             order: g.zeros(pairs)?,
             tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1, pf::TILE_CORES))?,

@@ -3,7 +3,7 @@
 use deltamoe_compute::cuda::ops::{self, Slots};
 use deltamoe_compute::cuda::{Gpu, Result};
 
-use super::{gate_up, rows_mv, Ffn, FfnIo, Needs, Pass, Stager, Step};
+use super::{gate_up, pass_mv, Ffn, FfnIo, Needs, Pass, Stager, Step};
 use crate::checkpoint::Mlp;
 use crate::gpu::format::DevMat;
 use crate::gpu::random::Filler;
@@ -36,7 +36,7 @@ impl Ffn for DenseFfn {
     fn needs(&self) -> Needs {
         Needs {
             inter: self.gate_up.n / 2,
-            ..Needs::default()
+            ..Needs::products(&[(self.gate_up.mv(), true), (self.down.mv(), false)])
         }
     }
 
@@ -71,10 +71,10 @@ impl Ffn for DenseFfn {
     }
 
     fn prefill(&self, p: &Pass, _stage: &Stager) -> Result<()> {
-        let (g, ps, t) = (p.g, p.ps, p.t);
+        let ps = p.ps;
         let gu = (ps.normed.ptr(), ps.ffn.h.ptr());
-        rows_mv(g, self.gate_up.mv(), gu, t, p.hidden, true)?;
+        pass_mv(p, self.gate_up.mv(), gu, p.hidden, true)?;
         let dm = self.down.mv();
-        rows_mv(g, dm, (ps.ffn.h.ptr(), ps.delta.ptr()), t, dm.k, false)
+        pass_mv(p, dm, (ps.ffn.h.ptr(), ps.delta.ptr()), dm.k, false)
     }
 }

@@ -8,7 +8,7 @@ use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked};
 use deltamoe_compute::cuda::vec::VecIo;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu, Result};
 
-use super::{gdn_path, rows_mv, slot_at, GdnPrefill, Mixer, Needs, Pass, State, StateSpec, Step};
+use super::{gdn_path, pass_mv, slot_at, GdnPrefill, Mixer, Needs, Pass, State, StateSpec, Step};
 use crate::checkpoint::gdn::InProj;
 use crate::checkpoint::{GatedDeltaNet, LinearWeight};
 use crate::config::ModelConfig;
@@ -206,11 +206,10 @@ impl Mixer for GdnMixer {
         let conv = slot_at(conv, p.slot, (self.kernel - 1) * self.conv_dim);
         let rec = slot_at(rec, p.slot, self.rec_floats());
         let n = self.proj.n;
-        rows_mv(
-            g,
+        pass_mv(
+            p,
             self.proj.mv(),
             (ps.normed.ptr(), ps.proj.ptr()),
-            t,
             p.hidden,
             false,
         )?;
@@ -276,7 +275,7 @@ impl Mixer for GdnMixer {
             t,
         )?;
         let out = self.out.mv();
-        rows_mv(g, out, (ps.mix_out.ptr(), ps.delta.ptr()), t, out.k, false)
+        pass_mv(p, out, (ps.mix_out.ptr(), ps.delta.ptr()), out.k, false)
     }
 }
 

@@ -18,6 +18,7 @@ pub(crate) mod moe;
 
 use std::any::Any;
 
+use deltamoe_compute::cuda::gemm;
 use deltamoe_compute::cuda::ops::{self, Batch, Matvec, Slots};
 use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
@@ -144,6 +145,19 @@ pub fn gdn_path(mode: GdnPrefill, rows: usize) -> GdnPrefill {
     }
 }
 
+/// How prefill runs its matrix products.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillGemm {
+    /// bf16 activations and weights (affine weights dequantized to bf16 once), f32
+    /// accumulation: dense projections through cuBLASLt (the exact kernels where it does not
+    /// load), routed experts through the grouped bf16 kernel. The default.
+    #[default]
+    Bf16,
+    /// The exact kernels of decode: weights as stored, inputs split into bf16 hi + lo (about f32
+    /// accuracy), for the f32 oracle tests.
+    Exact,
+}
+
 /// One prefill pass as the layers see it: `t` tokens of the sequence in pool slot `slot`, which
 /// has seen `pos0` tokens before them.
 pub(crate) struct Pass<'a> {
@@ -157,6 +171,7 @@ pub(crate) struct Pass<'a> {
     pub pos: u64,
     pub ctx: usize,
     pub gdn: GdnPrefill,
+    pub gemm: PrefillGemm,
 }
 
 /// `ops::matvec` (or SwiGLU when `swiglu`) over `t` input rows of `xs` floats.
@@ -174,6 +189,35 @@ pub(crate) fn rows_mv(
     } else {
         ops::matvec(g, m, x, y, sl)
     }
+}
+
+/// A prefill pass's product of `t` rows of `xs` floats (SwiGLU when `swiglu`): under
+/// [`PrefillGemm::Bf16`] the rows and weights in bf16 through cuBLASLt, f32 out; else, for a
+/// matrix the bf16 path does not take (bias, format, shape), or where cuBLASLt does not load,
+/// the exact kernels ([`rows_mv`]).
+pub(crate) fn pass_mv(
+    p: &Pass,
+    m: Matvec,
+    (x, y): (u64, u64),
+    xs: usize,
+    swiglu: bool,
+) -> Result<()> {
+    let (g, ps, t) = (p.g, p.ps, p.t);
+    let blas = match p.gemm {
+        PrefillGemm::Bf16 if m.bias == 0 && gemm::supported(&m) => g.blas().ok(),
+        _ => None,
+    };
+    let Some(blas) = blas else {
+        return rows_mv(g, m, (x, y), t, xs, swiglu);
+    };
+    gemm::rows_to_bf16(g, x, xs, ps.xb.ptr(), m.k, t)?;
+    let w = gemm::weights_bf16(g, &m, &ps.wb)?;
+    let out = if swiglu { ps.gu.ptr() } else { y };
+    blas.gemm(g, w, ps.xb.ptr(), out, (m.n, m.k, t))?;
+    if swiglu {
+        gemm::swiglu_rows(g, out, y, m.n / 2, t)?;
+    }
+    Ok(())
 }
 
 /// The base addresses of a layer's two state arrays in the pool.
@@ -252,7 +296,9 @@ pub(crate) struct GpuLayer {
 /// What every layer needs, together, for passes of `rows` rows.
 pub(crate) fn needs(layers: &[GpuLayer], rows: usize) -> Needs {
     layers.iter().fold(Needs::default(), |n, l| {
-        n.max(l.mixer.needs(rows)).max(l.ffn.needs())
+        let [inp, out] = l.mixer.projections();
+        let products = Needs::products(&[(inp, false), (out, false)]);
+        n.max(l.mixer.needs(rows)).max(l.ffn.needs()).max(products)
     })
 }
 

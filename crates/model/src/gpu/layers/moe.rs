@@ -8,12 +8,15 @@ use std::any::Any;
 use std::ops::Range;
 
 use deltamoe_compute::cuda::dispatch;
+use deltamoe_compute::cuda::gemm::{self, TILE_GEMM};
 use deltamoe_compute::cuda::ops::{self, Route, Slots};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::{CudaError, Gpu, Result};
 
-use super::{gate_up, rows_mv, Ffn, FfnBufs, FfnIo, FfnMade, Needs, Pass, Stager, Step};
+use super::{
+    gate_up, pass_mv, Ffn, FfnBufs, FfnIo, FfnMade, Needs, Pass, PrefillGemm, Stager, Step,
+};
 use crate::checkpoint::{LinearWeight, Moe};
 use crate::config::ModelConfig;
 use crate::gpu::format::{DevFormat, DevMat, Fmt};
@@ -263,6 +266,7 @@ impl Ffn for MoeFfn {
             inter: self.experts_gu.n / 2 * (self.top_k + 1),
             shared: self.shared.as_ref().map_or(0, |(gu, _)| gu.n / 2),
             workspace: 0,
+            ..Needs::products(&[(self.router.mv(), false)])
         }
     }
 
@@ -355,14 +359,15 @@ impl Ffn for MoeFfn {
         let fb = &ps.ffn;
         let (i_e, ks) = (self.experts_gu.n / 2, self.per_row());
         let (ids, pairs, router) = (fb.ids.ptr(), t * ks, self.router.mv());
-        rows_mv(g, router, (ps.normed.ptr(), fb.router.ptr()), t, h, false)?;
+        pass_mv(p, router, (ps.normed.ptr(), fb.router.ptr()), h, false)?;
         let (w, sg) = (fb.weights.ptr(), fb.sg.ptr());
         ops::router_topk(g, fb.router.ptr(), router.n, self.route(), ids, w, sg, t)?;
         let (gu, dn) = match self.offload {
             Some(_) => stage(&fb.ids, pairs)?,
             None => (self.experts_gu.mv(), self.experts_down.mv()),
         };
-        if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e) {
+        let bf16 = p.gemm == PrefillGemm::Bf16;
+        if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e, bf16) {
             let stacked = self.experts + self.shared.is_none() as usize;
             let (order, tiles, n_tiles) = (ps.order.ptr(), ps.tiles.ptr(), ps.n_tiles.ptr());
             pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
@@ -375,13 +380,19 @@ impl Ffn for MoeFfn {
                 x_stride: h,
                 x_div: ks,
             };
-            pf::grouped_swiglu(g, gu, ps.normed.ptr(), fb.h.ptr(), gr)?;
-            let gr = Grouped {
+            let down = Grouped {
                 x_stride: i_e,
                 x_div: 1,
                 ..gr
             };
-            pf::grouped_matvec(g, dn, fb.h.ptr(), fb.y.ptr(), gr)?;
+            if tile == TILE_GEMM {
+                gemm::rows_to_bf16(g, ps.normed.ptr(), h, ps.xb.ptr(), h, t)?;
+                gemm::grouped_gemm(g, gu, ps.xb.ptr(), ps.hb.ptr(), gr, true)?;
+                gemm::grouped_gemm(g, dn, ps.hb.ptr(), fb.y.ptr(), down, false)?;
+            } else {
+                pf::grouped_swiglu(g, gu, ps.normed.ptr(), fb.h.ptr(), gr)?;
+                pf::grouped_matvec(g, dn, fb.h.ptr(), fb.y.ptr(), down)?;
+            }
         } else {
             let gu_slots = Slots::experts(pairs, ids, h, ks);
             ops::matvec_swiglu(g, gu, ps.normed.ptr(), fb.h.ptr(), gu_slots)?;

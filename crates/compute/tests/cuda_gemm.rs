@@ -1,0 +1,230 @@
+//! The bf16 prefill products (`cuda::gemm`: operand conversion, cuBLASLt, the grouped expert
+//! kernel) against their CPU twins (`cpu::gemm_twin`) on random inputs with odd sizes. Needs a
+//! GPU: `#[ignore]`d here, run by `scripts/gpu-tests.sh`. The rounded operands must agree bit for
+//! bit; products of the same bf16 operands summed in f32 in another order agree to 1e-4 of the
+//! largest output; SwiGLU outputs rounded to bf16 may differ by one bf16 step (2^-8 relative).
+
+mod common;
+
+use common::{assert_close, gpu, rand_vec, rng};
+
+use deltamoe_compute::cpu::gemm_twin::{dequant_affine_bf16, gemm_bf16, round_bf16, swiglu_bf16};
+use deltamoe_compute::cpu::quant::quantize;
+use deltamoe_compute::cuda::gemm::{self, TILE_GEMM};
+use deltamoe_compute::cuda::ops::{Matvec, WeightFormat};
+use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
+use deltamoe_compute::cuda::{DevBuf, Gpu};
+use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
+use rand::Rng;
+
+fn bf(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|&x| f32_to_bf16(x)).collect()
+}
+
+/// A stack of `e` matrices `[n, k]` on the device in `quant`'s format (None: bf16) and the bf16
+/// operand the products use, as f32 `[e, n, k]`.
+struct Stack {
+    m: Matvec,
+    wf: Vec<f32>,
+    _keep: Vec<DevBuf<u32>>,
+    _keep16: Vec<DevBuf<u16>>,
+}
+
+fn stack(
+    g: &Gpu,
+    w: &[f32],
+    (e, n, k): (usize, usize, usize),
+    quant: Option<(u32, usize)>,
+) -> Stack {
+    match quant {
+        None => {
+            let bits = bf(w);
+            let dw = g.upload(&bits).unwrap();
+            let m = Matvec {
+                w: dw.ptr(),
+                n,
+                k,
+                bias: 0,
+                format: WeightFormat::Bf16,
+            };
+            let wf = bits.iter().map(|&b| bf16_to_f32(b)).collect();
+            Stack {
+                m,
+                wf,
+                _keep: vec![],
+                _keep16: vec![dw],
+            }
+        }
+        Some((bits, group)) => {
+            let q = quantize(w, k, group, bits).unwrap();
+            let (s, b) = (bf(&q.scales), bf(&q.biases));
+            let wf = dequant_affine_bf16(&q.words, &s, &b, (e * n, k), group, bits);
+            let (dw, ds, db) = (
+                g.upload(&q.words).unwrap(),
+                g.upload(&s).unwrap(),
+                g.upload(&b).unwrap(),
+            );
+            let format = WeightFormat::Affine {
+                bits,
+                group,
+                scales: ds.ptr(),
+                biases: db.ptr(),
+            };
+            let m = Matvec {
+                w: dw.ptr(),
+                n,
+                k,
+                bias: 0,
+                format,
+            };
+            Stack {
+                m,
+                wf,
+                _keep: vec![dw],
+                _keep16: vec![ds, db],
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn operands_and_library_gemm_match_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    for &(n, k, t, quant) in &[
+        (37usize, 72usize, 5usize, None),
+        (300, 256, 129, Some((4u32, 64usize))),
+        (65, 96, 33, Some((8, 32))),
+        (257, 128, 7, Some((8, 128))),
+    ] {
+        let xs = k + 3; // rows of the f32 input are strided
+        let x = rand_vec(&mut r, t * xs, -2.0, 2.0);
+        let w = rand_vec(&mut r, n * k, -1.0, 1.0);
+        let s = stack(&g, &w, (1, n, k), quant);
+        let dx = g.upload(&x).unwrap();
+        let (xb, wb, y) = (
+            g.zeros::<u16>(t * k).unwrap(),
+            g.zeros::<u16>(n * k).unwrap(),
+            g.zeros::<f32>(t * n).unwrap(),
+        );
+        gemm::rows_to_bf16(&g, dx.ptr(), xs, xb.ptr(), k, t).unwrap();
+        let packed: Vec<f32> = (0..t)
+            .flat_map(|i| x[i * xs..i * xs + k].to_vec())
+            .collect();
+        let got_xb: Vec<f32> = g
+            .read(&xb, t * k)
+            .unwrap()
+            .iter()
+            .map(|&b| bf16_to_f32(b))
+            .collect();
+        let want_xb: Vec<f32> = packed.iter().map(|&v| round_bf16(v)).collect();
+        assert_eq!(got_xb, want_xb, "rows_to_bf16 {n}x{k}");
+        let wptr = gemm::weights_bf16(&g, &s.m, &wb).unwrap();
+        let got_w: Vec<f32> = if wptr == wb.ptr() {
+            g.read(&wb, n * k)
+                .unwrap()
+                .iter()
+                .map(|&b| bf16_to_f32(b))
+                .collect()
+        } else {
+            s.wf.clone()
+        };
+        assert_eq!(got_w, s.wf, "dequant_affine_bf16 {n}x{k} {quant:?}");
+        g.blas()
+            .unwrap()
+            .gemm(&g, wptr, xb.ptr(), y.ptr(), (n, k, t))
+            .unwrap();
+        let want = gemm_bf16(&packed, &s.wf, (n, k, t));
+        assert_close(
+            &format!("gemm {n}x{k} t{t} {quant:?}"),
+            &g.read(&y, t * n).unwrap(),
+            &want,
+            1e-4,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_gemm_matches_cpu() {
+    let g = gpu();
+    let mut r = rng();
+    // n even: the SwiGLU form reads each expert as [2I, K] with I = n / 2.
+    for &(tokens, ks, experts, n, k, quant) in &[
+        (37usize, 3usize, 5usize, 24usize, 64usize, None),
+        (1, 2, 3, 18, 40, None),
+        (200, 9, 33, 300, 128, Some((4u32, 64usize))),
+        (70, 2, 4, 260, 96, Some((8, 32))),
+        (9, 8, 257, 40, 256, Some((4, 128))),
+    ] {
+        let pairs = tokens * ks;
+        let ids: Vec<i32> = (0..pairs)
+            .map(|_| r.random_range(0..experts as i32))
+            .collect();
+        let x = rand_vec(&mut r, tokens * k, -2.0, 2.0);
+        let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
+        let s = stack(&g, &w, (experts, n, k), quant);
+        let mt = pf::max_tiles(pairs, experts, TILE_GEMM);
+        let (di, order, tiles, nt) = (
+            g.upload(&ids).unwrap(),
+            g.zeros::<i32>(pairs).unwrap(),
+            g.zeros::<i32>(3 * mt).unwrap(),
+            g.zeros::<i32>(1).unwrap(),
+        );
+        pf::moe_group(
+            &g,
+            di.ptr(),
+            pairs,
+            experts,
+            TILE_GEMM,
+            order.ptr(),
+            tiles.ptr(),
+            nt.ptr(),
+        )
+        .unwrap();
+        let xb = g.upload(&bf(&x)).unwrap();
+        let gr = Grouped {
+            order: order.ptr(),
+            tiles: tiles.ptr(),
+            n_tiles: nt.ptr(),
+            tile: TILE_GEMM,
+            max_tiles: mt,
+            x_stride: k,
+            x_div: ks,
+        };
+        let (dy, dh) = (
+            g.zeros::<f32>(pairs * n).unwrap(),
+            g.zeros::<u16>(pairs * n / 2).unwrap(),
+        );
+        gemm::grouped_gemm(&g, s.m, xb.ptr(), dy.ptr(), gr, false).unwrap();
+        gemm::grouped_gemm(&g, s.m, xb.ptr(), dh.ptr(), gr, true).unwrap();
+        let mut want = Vec::with_capacity(pairs * n);
+        for (p, &e) in ids.iter().enumerate() {
+            let xr = &x[(p / ks) * k..(p / ks + 1) * k];
+            let we = &s.wf[e as usize * n * k..(e as usize + 1) * n * k];
+            want.extend(gemm_bf16(xr, we, (n, k, 1)));
+        }
+        let name = format!("grouped {tokens}x{ks} e{experts} {n}x{k} {quant:?}");
+        assert_close(&name, &g.read(&dy, pairs * n).unwrap(), &want, 1e-4);
+        let i = n / 2;
+        let got_h: Vec<f32> = g
+            .read(&dh, pairs * i)
+            .unwrap()
+            .iter()
+            .map(|&b| bf16_to_f32(b))
+            .collect();
+        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        for p in 0..pairs {
+            for j in 0..i {
+                let h = swiglu_bf16(want[p * n + j], want[p * n + i + j]);
+                let got = got_h[p * i + j];
+                let tol = h.abs() / 128.0 + 1e-4 * scale * scale;
+                assert!(
+                    (got - h).abs() <= tol,
+                    "{name} swiglu pair {p} out {j}: {got} vs {h}"
+                );
+            }
+        }
+    }
+}
