@@ -229,7 +229,7 @@ fn spawn_engine(
 }
 
 fn engine_facts(engine: &Engine, opts: &ServerOptions) -> EngineFacts {
-    let config = engine.model().config();
+    let config = engine.config();
     let ctx = engine.max_context();
     let max_seqs = match engine.free_sequences() {
         Some(free) => opts.max_seqs.min(free),
