@@ -20,23 +20,7 @@ use deltamoe_model::gpu::{ExpertCache, GpuModel, OffloadStats};
 use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid, WeightStore};
 use serde_json::{json, Value};
 
-use crate::{Device, ModelArgs};
-
-/// Real shapes built into the binary (text model only).
-const SHAPES: &[(&str, &str)] = &[
-    (
-        "qwen3.6-35b-a3b",
-        include_str!("../../../configs/qwen3.6-35b-a3b.json"),
-    ),
-    (
-        "qwen3-next-80b-a3b",
-        include_str!("../../../configs/qwen3-next-80b-a3b.json"),
-    ),
-    (
-        "qwen3.5-397b-a17b",
-        include_str!("../../../configs/qwen3.5-397b-a17b.json"),
-    ),
-];
+use crate::{synthetic, Device, ModelArgs};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -53,7 +37,7 @@ pub struct BenchArgs {
     #[arg(long)]
     bits: Option<u32>,
     /// Group size for --bits.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = synthetic::DEFAULT_GROUP)]
     group_size: usize,
     /// Prompt lengths for the prefill measurements (the CPU measures the first).
     #[arg(long, value_delimiter = ',', default_values_t = [512usize])]
@@ -138,23 +122,13 @@ fn cache_specs(a: &BenchArgs) -> Result<Vec<ExpertCache>> {
 }
 
 fn precision(a: &BenchArgs) -> String {
-    match a.bits {
-        Some(b) => format!("{b}-bit affine, group {}", a.group_size),
-        None => "bf16".into(),
-    }
+    synthetic::precision(a.bits.map(|b| (b, a.group_size)))
 }
 
 /// The config of a synthetic source and its display name.
 fn synthetic_config(a: &BenchArgs) -> Result<Option<(ModelConfig, String)>> {
     if let Some(name) = &a.synthetic {
-        let Some((_, text)) = SHAPES.iter().find(|(n, _)| n == name) else {
-            let names: Vec<&str> = SHAPES.iter().map(|(n, _)| *n).collect();
-            bail!(
-                "--synthetic {name}: unknown shape; known: {}",
-                names.join(", ")
-            );
-        };
-        let cfg = ModelConfig::from_json_str(text, std::path::Path::new(name))?;
+        let cfg = synthetic::shape(name)?;
         return Ok(Some((cfg, format!("{name} (synthetic {})", precision(a)))));
     }
     if let Some(path) = &a.config {
@@ -184,11 +158,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.model.is_none() && a.config.is_none() && a.synthetic.is_none() {
         bail!("bench needs one of --model DIR, --config FILE or --synthetic NAME");
     }
-    if let Some(b) = a.bits {
-        if ![2, 4, 8].contains(&b) || ![32, 64, 128].contains(&a.group_size) {
-            bail!("--bits {b} --group-size {}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128", a.group_size);
-        }
-    }
+    synthetic::quant(a.bits, a.group_size)?;
     let cuda_ok = cuda::unavailable_reason();
     let on_cuda = match (a.device, &cuda_ok) {
         (Device::Cpu, _) => false,
@@ -413,8 +383,8 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     let t0 = Instant::now();
     let (mut model, name, max_pos) = match synthetic_config(a)? {
         Some((cfg, name)) => {
-            let quant = a.bits.map(|b| (b, a.group_size));
-            let mut m = GpuModel::synthetic(&cfg, gpu.clone(), 1, quant, caches[0])?;
+            let quant = synthetic::quant(a.bits, a.group_size)?;
+            let mut m = synthetic::gpu_model(&cfg, gpu.clone(), quant, caches[0])?;
             if let Some(alpha) = a.zipf {
                 m.skew_routing(alpha, 7)?;
             }

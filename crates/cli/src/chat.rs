@@ -112,7 +112,7 @@ impl Session<'_> {
         let mut next = self.engine.step(&[(seq, last)])?[0];
         stats.prefill_secs = t0.elapsed().as_secs_f64();
         self.conv.apply(&plan);
-        let max_pos = self.engine.model().config().max_position_embeddings;
+        let max_pos = self.engine.config().max_position_embeddings;
         let mut stream = self.tok.stream();
         let mut reply = Vec::new();
         let t1 = Instant::now();

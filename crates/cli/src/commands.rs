@@ -360,7 +360,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             String::new()
         }
     );
-    if let Some(o) = engine.model().expert_stats() {
+    if let Some(o) = engine.expert_stats() {
         eprintln!(
             "experts: cache hit rate {:.3} over {} expert uses, {:.1} MB read from disk in {:.3} s, {} admitted",
             o.hit_rate(),

@@ -10,6 +10,7 @@ mod info;
 mod npy;
 mod perplexity;
 mod serve;
+mod synthetic;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

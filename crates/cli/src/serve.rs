@@ -1,4 +1,6 @@
-//! `serve`: the OpenAI-compatible HTTP server (crates/server) on a model directory.
+//! `serve`: the OpenAI-compatible HTTP server (crates/server) on a model directory, or on
+//! random weights of a named real shape (`--synthetic`, CUDA only) to load-test real sizes
+//! without downloading a checkpoint.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,13 +13,26 @@ use deltamoe_engine::{Engine, EngineError};
 use deltamoe_model::Qwen3Hybrid;
 use deltamoe_server::{ConnLimits, EngineFactory, LogFormat, Server, ServerOptions};
 
-use crate::{Device, ModelArgs};
+use crate::{synthetic, Device, ModelArgs};
 use deltamoe_model::gpu::ExpertCache;
 
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Serve random weights of a named real shape instead of a model directory (CUDA only;
+    /// made in device memory as `bench --synthetic` makes them): qwen3.6-35b-a3b,
+    /// qwen3-next-80b-a3b, qwen3.5-397b-a17b. Prompts are tokenized byte by byte (one token
+    /// per UTF-8 byte), chat messages joined as plain text; replies are random tokens.
+    #[arg(long, conflicts_with = "model", value_name = "NAME")]
+    synthetic: Option<String>,
+    /// With --synthetic: matrices MLX-affine quantized to this many bits (2, 4 or 8; default
+    /// bf16).
+    #[arg(long, requires = "synthetic", conflicts_with = "model")]
+    bits: Option<u32>,
+    /// With --synthetic --bits: the quantization group size (32, 64 or 128; default 64).
+    #[arg(long, requires = "bits")]
+    group_size: Option<usize>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -175,7 +190,65 @@ fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
     })
 }
 
+/// Builds a synthetic model (random weights of `cfg` on the GPU) on the engine thread.
+fn synthetic_factory(
+    cfg: deltamoe_model::ModelConfig,
+    quant: Option<(u32, usize)>,
+    ctx: Option<usize>,
+    max_seqs: usize,
+    cache: ExpertCache,
+    cpu_experts: bool,
+) -> EngineFactory {
+    Box::new(move || {
+        let cuda_err = |e: cuda::CudaError| EngineError::Input(format!("--synthetic: {e}"));
+        let gpu = Arc::new(cuda::Gpu::new(0).map_err(cuda_err)?);
+        let model = synthetic::gpu_model(&cfg, gpu, quant, cache).map_err(cuda_err)?;
+        let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
+        let mut engine = Engine::new_cuda_model(cfg, model, ctx, max_seqs)?;
+        if cpu_experts {
+            engine.set_host_experts(true)?;
+        }
+        Ok(engine)
+    })
+}
+
+/// `serve --synthetic NAME`: checks the flags (an unknown shape, bad --bits, or no usable
+/// GPU is a one-line error before anything is made), then serves the shape on CUDA.
+fn run_synthetic(a: &ServeArgs, shape: &str) -> Result<()> {
+    let cfg = synthetic::shape(shape)?;
+    let group = a.group_size.unwrap_or(synthetic::DEFAULT_GROUP);
+    let quant = synthetic::quant(a.bits, group)?;
+    match (a.model.device, cuda::unavailable_reason()) {
+        (Device::Cpu, _) => bail!(
+            "--synthetic {shape}: synthetic weights are made on the GPU only; use --device cuda"
+        ),
+        (_, Some(why)) => bail!("--synthetic {shape} needs a CUDA GPU: {why}"),
+        (_, None) => {}
+    }
+    let name = a.api_name.clone().unwrap_or_else(|| shape.to_string());
+    let opts = options(a, name, true)?;
+    let factory = synthetic_factory(
+        cfg,
+        quant,
+        a.ctx,
+        a.max_seqs.unwrap_or(0),
+        a.model.expert_cache()?,
+        a.model.cpu_experts(),
+    );
+    let server = Server::start_synthetic(factory, opts)
+        .with_context(|| format!("serving --synthetic {shape}"))?;
+    eprintln!(
+        "{} (synthetic {}, byte-level tokenizer)",
+        server.describe(),
+        synthetic::precision(quant)
+    );
+    run_server(a, server)
+}
+
 pub fn run(a: ServeArgs) -> Result<()> {
+    if let Some(shape) = &a.synthetic {
+        return run_synthetic(&a, shape);
+    }
     let dir = a.model.dir()?;
     if !dir.is_dir() {
         bail!(
@@ -209,6 +282,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     )
     .with_context(|| format!("serving {}", dir.display()))?;
     eprintln!("{}", server.describe());
+    run_server(&a, server)
+}
+
+/// Listens and serves until Ctrl-C or SIGTERM.
+fn run_server(a: &ServeArgs, server: Server) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

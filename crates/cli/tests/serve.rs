@@ -67,8 +67,13 @@ impl Drop for Serve {
     }
 }
 
-/// Starts the server on a free port and waits for its `listening on http://…` line.
+/// Starts the server on the CPU on a free port and waits for its `listening on http://…` line.
 fn serve(args: &[&str]) -> Serve {
+    serve_on("cpu", args)
+}
+
+/// As [`serve`], on `device`.
+fn serve_on(device: &str, args: &[&str]) -> Serve {
     let mut child = Command::new(env!("CARGO_BIN_EXE_deltamoe"))
         .args([
             "serve",
@@ -77,7 +82,7 @@ fn serve(args: &[&str]) -> Serve {
             "--port",
             "0",
             "--device",
-            "cpu",
+            device,
         ])
         .args(args)
         .stdin(Stdio::null())
@@ -139,6 +144,70 @@ fn serve_rejects_bad_flags_in_one_line() {
         &["serve", "--max-seqs", "0", "--device", "cpu"],
         &["--max-seqs"],
     );
+}
+
+#[test]
+fn serve_synthetic_rejects_bad_flags_in_one_line() {
+    let shape = "qwen3.6-35b-a3b";
+    common::expect_error(
+        &["serve", "--synthetic", "x"],
+        &["--synthetic x", "unknown shape", shape],
+    );
+    common::expect_error(
+        &["serve", "--synthetic", shape, "--device", "cpu"],
+        &["--synthetic", "GPU only", "--device cuda"],
+    );
+    common::expect_error(
+        &[
+            "serve",
+            "--synthetic",
+            shape,
+            "--bits",
+            "3",
+            "--device",
+            "cpu",
+        ],
+        &["--bits 3"],
+    );
+    common::expect_error(
+        &["serve", "--synthetic", shape, "--model", "models/tiny"],
+        &["--synthetic", "--model"],
+    );
+    // clap names the missing --synthetic on the line after its one error line.
+    common::expect_error(
+        &["serve", "--bits", "4", "--device", "cpu"],
+        &["required arguments"],
+    );
+}
+
+/// A synthetic shape served on the GPU: a text prompt of N bytes is N prompt tokens, random
+/// replies run to max_tokens, and chat works without a template of the model's own.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn serve_synthetic_on_cuda() {
+    let s = serve_on(
+        "cuda",
+        &[
+            "--synthetic",
+            "qwen3.6-35b-a3b",
+            "--bits",
+            "4",
+            "--max-seqs",
+            "2",
+            "--ctx",
+            "2048",
+        ],
+    );
+    let body = r#"{"prompt": "hello world", "max_tokens": 8, "ignore_eos": true}"#;
+    let reply = post(&s.base, "/v1/completions", body);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(reply.contains(r#""prompt_tokens":11"#), "{reply}");
+    assert!(reply.contains(r#""completion_tokens":8"#), "{reply}");
+    let body = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "ignore_eos": true}"#;
+    let reply = post(&s.base, "/v1/chat/completions", body);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(reply.contains(r#""completion_tokens":4"#), "{reply}");
 }
 
 /// The official `openai` package against the server. Skipped with a notice when the package

@@ -10,8 +10,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_model::gpu::{ExpertCache, GdnPrefill, OffloadStats, PrefillGemm};
-use deltamoe_model::{Logits, Qwen3Hybrid};
+use deltamoe_model::gpu::{ExpertCache, GdnPrefill, GpuModel, OffloadStats, PrefillGemm};
+use deltamoe_model::layers::ExpertStats;
+use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
@@ -39,7 +40,8 @@ impl Snapshot {
 }
 
 pub struct Engine {
-    model: Qwen3Hybrid,
+    /// The served model's config (the weights belong to the backend).
+    config: ModelConfig,
     backend: Box<dyn Backend>,
     /// Context per sequence (on CUDA the KV caches are allocated for it up front).
     max_ctx: usize,
@@ -51,7 +53,8 @@ impl Engine {
     /// An engine on the CPU.
     pub fn new(model: Qwen3Hybrid) -> Engine {
         let max_ctx = model.config().max_position_embeddings;
-        Engine::with_backend(model, Box::new(CpuBackend::default()), max_ctx)
+        let config = model.config().clone();
+        Engine::with_backend(config, Box::new(CpuBackend::new(model)), max_ctx)
     }
 
     /// An engine on a GPU: uploads the weights and reserves state for `max_seqs` sequences of
@@ -67,7 +70,8 @@ impl Engine {
     }
 
     /// As [`Engine::new_cuda`], with the routed experts offloaded to host memory behind a
-    /// device cache sized by `cache` (see [`ExpertCache`]).
+    /// device cache sized by `cache` (see [`ExpertCache`]). The host model is dropped once
+    /// its weights are on the GPU.
     pub fn new_cuda_with(
         model: Qwen3Hybrid,
         gpu: Arc<Gpu>,
@@ -77,12 +81,30 @@ impl Engine {
     ) -> Result<Engine> {
         let max_ctx = max_ctx.min(model.config().max_position_embeddings);
         let backend = CudaBackend::new(&model, gpu, max_ctx, max_seqs, cache)?;
-        Ok(Engine::with_backend(model, Box::new(backend), max_ctx))
+        Ok(Engine::with_backend(
+            model.config().clone(),
+            Box::new(backend),
+            max_ctx,
+        ))
     }
 
-    fn with_backend(model: Qwen3Hybrid, backend: Box<dyn Backend>, max_ctx: usize) -> Engine {
+    /// An engine on a model already on the GPU, e.g. random weights of a real shape
+    /// ([`GpuModel::synthetic`]) made without a host copy; `config` is the model's config.
+    /// Reserves state as [`Engine::new_cuda`] does.
+    pub fn new_cuda_model(
+        config: ModelConfig,
+        model: GpuModel,
+        max_ctx: usize,
+        max_seqs: usize,
+    ) -> Result<Engine> {
+        let max_ctx = max_ctx.min(config.max_position_embeddings);
+        let backend = CudaBackend::with_model(model, max_ctx, max_seqs)?;
+        Ok(Engine::with_backend(config, Box::new(backend), max_ctx))
+    }
+
+    fn with_backend(config: ModelConfig, backend: Box<dyn Backend>, max_ctx: usize) -> Engine {
         Engine {
-            model,
+            config,
             backend,
             max_ctx,
             sequences: BTreeMap::new(),
@@ -111,8 +133,14 @@ impl Engine {
         self.backend.offload_stats()
     }
 
-    pub fn model(&self) -> &Qwen3Hybrid {
-        &self.model
+    /// The served model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Statistics of the experts the CPU model reads from the files, when it offloads them.
+    pub fn expert_stats(&self) -> Option<ExpertStats> {
+        self.backend.expert_stats()
     }
 
     /// `"cpu"` or the GPU's name.
@@ -133,7 +161,7 @@ impl Engine {
 
     /// Bytes of state one sequence holds at full context.
     pub fn sequence_bytes(&self) -> usize {
-        self.backend.sequence_bytes(&self.model, self.max_ctx)
+        self.backend.sequence_bytes(self.max_ctx)
     }
 
     fn next_id(&mut self) -> SeqId {
@@ -159,7 +187,7 @@ impl Engine {
     /// reserved slot is taken.
     pub fn add_sequence(&mut self) -> Result<SeqId> {
         let id = self.next_id();
-        self.backend.add(&self.model, id)?;
+        self.backend.add(id)?;
         Ok(self.insert(id, Vec::new()))
     }
 
@@ -203,7 +231,7 @@ impl Engine {
             .sequences
             .get(&id)
             .ok_or_else(|| no_such_sequence(id))?;
-        let vocab = self.model.config().vocab_size;
+        let vocab = self.config.vocab_size;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::Input(format!(
                 "token id {bad} is out of range: the model's vocab_size is {vocab}"
@@ -236,9 +264,7 @@ impl Engine {
                 "--prefill-chunk must be at least 1".into(),
             ));
         }
-        let out = self
-            .backend
-            .prefill(&self.model, id, tokens, chunk, which)?;
+        let out = self.backend.prefill(id, tokens, chunk, which)?;
         let seq = self
             .sequences
             .get_mut(&id)
@@ -282,7 +308,7 @@ impl Engine {
             }
         }
         let mut rows = step_rows(&mut self.sequences, batch);
-        self.backend.step(&self.model, &mut rows)
+        self.backend.step(&mut rows)
     }
 }
 

@@ -1,18 +1,33 @@
-//! Text tokenizer: loads a Hugging Face `tokenizer.json`, encodes and decodes text, and
+//! Text tokenizer: loads a Hugging Face `tokenizer.json` (or, for models without one such as
+//! synthetic random-weight shapes, a byte-level stand-in), encodes and decodes text, and
 //! streams decoded text token by token without splitting multi-byte characters.
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{EngineError, Result};
 
-/// A Hugging Face tokenizer loaded from `tokenizer.json`.
+/// A text tokenizer: a Hugging Face `tokenizer.json`, or [`TextTokenizer::bytes`].
 pub struct TextTokenizer {
+    kind: Kind,
+}
+
+enum Kind {
+    /// A Hugging Face tokenizer loaded from `tokenizer.json` (boxed: it is large).
+    Hf(Box<Hf>),
+    /// Each UTF-8 byte of the text is one token, id = byte value (see [`TextTokenizer::bytes`]).
+    Bytes,
+}
+
+struct Hf {
     inner: tokenizers::Tokenizer,
     /// The same tokenizer with special-token strings in the input split as ordinary text
     /// (for text that must not contain markup, e.g. a chat message's content).
     plain: tokenizers::Tokenizer,
     path: PathBuf,
 }
+
+/// Ids below this are bytes in the byte-level tokenizer.
+const BYTE_IDS: usize = 256;
 
 /// Collapses a possibly multi-line message onto one line.
 fn one_line(msg: impl std::fmt::Display) -> String {
@@ -43,10 +58,21 @@ impl TextTokenizer {
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
         Ok(TextTokenizer {
-            inner,
-            plain,
-            path: path.to_path_buf(),
+            kind: Kind::Hf(Box::new(Hf {
+                inner,
+                plain,
+                path: path.to_path_buf(),
+            })),
         })
+    }
+
+    /// A byte-level tokenizer for models without a tokenizer (synthetic weights of a real
+    /// shape): each UTF-8 byte of the text is one token whose id is the byte's value, so a
+    /// text of N bytes is exactly N tokens. Decoding maps ids below 256 back to bytes (invalid
+    /// UTF-8 becomes U+FFFD) and any other id to the placeholder `<id>`. It has no special
+    /// tokens.
+    pub fn bytes() -> TextTokenizer {
+        TextTokenizer { kind: Kind::Bytes }
     }
 
     /// Loads `dir/tokenizer.json`, or returns `None` when the directory has none.
@@ -58,65 +84,71 @@ impl TextTokenizer {
         Self::from_file(&path).map(Some)
     }
 
-    /// The file this tokenizer was loaded from.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The file this tokenizer was loaded from (`None` for the byte-level tokenizer).
+    pub fn path(&self) -> Option<&Path> {
+        match &self.kind {
+            Kind::Hf(hf) => Some(&hf.path),
+            Kind::Bytes => None,
+        }
     }
 
-    /// The wrapped `tokenizers` tokenizer.
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+    /// The wrapped `tokenizers` tokenizer (`None` for the byte-level tokenizer).
+    pub fn inner(&self) -> Option<&tokenizers::Tokenizer> {
+        match &self.kind {
+            Kind::Hf(hf) => Some(&hf.inner),
+            Kind::Bytes => None,
+        }
     }
 
     /// Encodes `text` into token ids, adding the post-processor's special tokens if asked.
     /// Special-token strings in `text` become their special tokens.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        self.encode_with(&self.inner, text, add_special_tokens)
+        match &self.kind {
+            Kind::Hf(hf) => encode_with(&hf.inner, &hf.path, text, add_special_tokens),
+            Kind::Bytes => Ok(encode_bytes(text)),
+        }
     }
 
     /// Encodes `text` as plain text: special-token strings in it (such as `<|im_end|>`) are
     /// tokenized as ordinary characters, never as special tokens; nothing is added.
     pub fn encode_as_text(&self, text: &str) -> Result<Vec<u32>> {
-        self.encode_with(&self.plain, text, false)
-    }
-
-    fn encode_with(
-        &self,
-        tok: &tokenizers::Tokenizer,
-        text: &str,
-        add_special_tokens: bool,
-    ) -> Result<Vec<u32>> {
-        let enc = tok.encode(text, add_special_tokens).map_err(|e| {
-            EngineError::Tokenizer(format!(
-                "cannot encode {} bytes of text with {}: {}; check the input text",
-                text.len(),
-                self.path.display(),
-                one_line(e)
-            ))
-        })?;
-        Ok(enc.get_ids().to_vec())
+        match &self.kind {
+            Kind::Hf(hf) => encode_with(&hf.plain, &hf.path, text, false),
+            Kind::Bytes => Ok(encode_bytes(text)),
+        }
     }
 
     /// Decodes token ids into text, optionally skipping special tokens.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(|e| {
+        let hf = match &self.kind {
+            Kind::Hf(hf) => hf,
+            Kind::Bytes => return Ok(decode_bytes(ids)),
+        };
+        hf.inner.decode(ids, skip_special).map_err(|e| {
             EngineError::Tokenizer(format!(
                 "cannot decode {} token ids with {}: {}; check that the ids come from this model",
                 ids.len(),
-                self.path.display(),
+                hf.path.display(),
                 one_line(e)
             ))
         })
     }
 
-    /// The id of a token string (including added/special tokens), if it exists.
+    /// The id of a token string (including added/special tokens), if it exists; the
+    /// byte-level tokenizer names no tokens.
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.kind {
+            Kind::Hf(hf) => hf.inner.token_to_id(token),
+            Kind::Bytes => None,
+        }
     }
 
-    /// Vocabulary size including added tokens.
+    /// Vocabulary size including added tokens (256 for the byte-level tokenizer).
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.kind {
+            Kind::Hf(hf) => hf.inner.get_vocab_size(true),
+            Kind::Bytes => BYTE_IDS,
+        }
     }
 
     /// A streaming detokenizer that skips special tokens.
@@ -128,6 +160,47 @@ impl TextTokenizer {
             read_offset: 0,
         }
     }
+}
+
+fn encode_with(
+    tok: &tokenizers::Tokenizer,
+    path: &Path,
+    text: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>> {
+    let enc = tok.encode(text, add_special_tokens).map_err(|e| {
+        EngineError::Tokenizer(format!(
+            "cannot encode {} bytes of text with {}: {}; check the input text",
+            text.len(),
+            path.display(),
+            one_line(e)
+        ))
+    })?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// The byte-level tokenizer's encoding: one id per UTF-8 byte.
+fn encode_bytes(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// The byte-level tokenizer's decoding: runs of byte ids as (lossy) UTF-8, any other id as
+/// `<id>`.
+fn decode_bytes(ids: &[u32]) -> String {
+    let mut out = String::new();
+    let mut run = Vec::new();
+    for &id in ids {
+        match u8::try_from(id) {
+            Ok(b) => run.push(b),
+            Err(_) => {
+                out.push_str(&String::from_utf8_lossy(&run));
+                run.clear();
+                out.push_str(&format!("<{id}>"));
+            }
+        }
+    }
+    out.push_str(&String::from_utf8_lossy(&run));
+    out
 }
 
 /// Incremental detokenizer: feed ids one by one and get the text they complete.
@@ -303,5 +376,38 @@ mod tests {
         assert!(stream.push(ids[1]).unwrap().is_none());
         let tail = stream.flush().unwrap().unwrap();
         assert!(tail.contains('\u{FFFD}'), "{tail:?}");
+    }
+
+    #[test]
+    fn bytes_round_trip_one_token_per_byte() {
+        let tok = TextTokenizer::bytes();
+        let text = "hello wörld 世界 🙂 <|im_end|>";
+        let ids = tok.encode(text, true).unwrap();
+        assert_eq!(ids.len(), text.len());
+        assert!(ids.iter().all(|&id| id < 256));
+        assert_eq!(ids, tok.encode_as_text(text).unwrap());
+        assert_eq!(tok.decode(&ids, true).unwrap(), text);
+        assert_eq!(tok.vocab_size(), 256);
+        assert_eq!(tok.token_id("<|im_end|>"), None);
+        assert!(tok.path().is_none());
+    }
+
+    #[test]
+    fn bytes_decode_other_ids_as_placeholders() {
+        let tok = TextTokenizer::bytes();
+        assert_eq!(
+            tok.decode(&[104, 1000, 105, 256], false).unwrap(),
+            "h<1000>i<256>"
+        );
+        // An incomplete character before a placeholder stays visible as U+FFFD.
+        assert_eq!(tok.decode(&[0xE4, 300], false).unwrap(), "\u{FFFD}<300>");
+        let mut stream = tok.stream();
+        let ids = tok.encode("a世", false).unwrap();
+        assert_eq!(stream.push(ids[0]).unwrap().as_deref(), Some("a"));
+        assert!(stream.push(ids[1]).unwrap().is_none());
+        assert!(stream.push(ids[2]).unwrap().is_none());
+        assert_eq!(stream.push(ids[3]).unwrap().as_deref(), Some("世"));
+        assert_eq!(stream.push(70000).unwrap().as_deref(), Some("<70000>"));
+        assert!(stream.flush().unwrap().is_none());
     }
 }

@@ -31,7 +31,7 @@ fn cuda_logits_and_greedy_match_transformers() {
     let gpu = Arc::new(Gpu::new(0).unwrap());
     for dir in fixtures() {
         let mut e = engine(&dir, &gpu);
-        let vocab = e.model().config().vocab_size;
+        let vocab = e.config().vocab_size;
         for (i, p) in prompts(&dir).iter().enumerate() {
             let id = e.add_sequence().unwrap();
             let got = e.prefill(id, &p.tokens, None, Logits::All).unwrap();
@@ -170,7 +170,7 @@ fn cuda_chunked_prefill_matches_transformers() {
     let gpu = Arc::new(Gpu::new(0).unwrap());
     for dir in fixtures() {
         let mut e = engine(&dir, &gpu);
-        let vocab = e.model().config().vocab_size;
+        let vocab = e.config().vocab_size;
         for (i, p) in prompts(&dir).iter().enumerate() {
             let id = e.add_sequence().unwrap();
             let got = e.prefill(id, &p.tokens, Some(37), Logits::All).unwrap();

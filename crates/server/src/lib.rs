@@ -32,6 +32,7 @@ use deltamoe_engine::{Engine, EngineError};
 pub use crate::listen::{serve, ConnLimits};
 pub use crate::log::LogFormat;
 use crate::metrics::Metrics;
+use crate::prompt::PLAIN_CHAT_TEMPLATE;
 use crate::request::{unix_now, ModelInfo};
 use crate::routes::App;
 use crate::worker::{Job, Worker};
@@ -126,10 +127,40 @@ impl Server {
         let tokenizer = TextTokenizer::from_dir(model_dir)?
             .ok_or_else(|| ServerError::NoTokenizer(model_dir.to_path_buf()))?;
         let template = ChatTemplate::from_dir(model_dir)?;
+        Self::launch(tokenizer, template, Some(model_dir), factory, opts)
+    }
+
+    /// Starts a server for a model without files (synthetic random weights of a real shape):
+    /// prompts are tokenized byte by byte ([`TextTokenizer::bytes`]), a chat's message
+    /// contents are joined as plain text ([`PLAIN_CHAT_TEMPLATE`]), generation stops at the
+    /// config's EOS ids and sampling defaults to greedy.
+    pub fn start_synthetic(
+        factory: EngineFactory,
+        opts: ServerOptions,
+    ) -> Result<Server, ServerError> {
+        let template = ChatTemplate::from_str(PLAIN_CHAT_TEMPLATE)?;
+        Self::launch(TextTokenizer::bytes(), Some(template), None, factory, opts)
+    }
+
+    /// Builds the engine and the app; generation defaults come from `model_dir` when there
+    /// is one, else from the model config alone.
+    fn launch(
+        tokenizer: TextTokenizer,
+        template: Option<ChatTemplate>,
+        model_dir: Option<&Path>,
+        factory: EngineFactory,
+        opts: ServerOptions,
+    ) -> Result<Server, ServerError> {
         let metrics = Arc::new(Metrics::default());
         let alive = Arc::new(AtomicBool::new(true));
         let (jobs, facts, thread) = spawn_engine(factory, &opts, metrics.clone(), alive.clone())?;
-        let defaults = GenerationDefaults::from_dir(model_dir, &facts.eos)?;
+        let defaults = match model_dir {
+            Some(dir) => GenerationDefaults::from_dir(dir, &facts.eos)?,
+            None => GenerationDefaults {
+                eos_token_ids: facts.eos.clone(),
+                ..GenerationDefaults::default()
+            },
+        };
         let mut stop_ids = defaults.eos_token_ids.clone();
         let template_eos = template.as_ref().and_then(|t| t.eos_token());
         stop_ids.extend(template_eos.and_then(|t| tokenizer.token_id(t)));
@@ -229,7 +260,7 @@ fn spawn_engine(
 }
 
 fn engine_facts(engine: &Engine, opts: &ServerOptions) -> EngineFacts {
-    let config = engine.model().config();
+    let config = engine.config();
     let ctx = engine.max_context();
     let max_seqs = match engine.free_sequences() {
         Some(free) => opts.max_seqs.min(free),

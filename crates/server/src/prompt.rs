@@ -13,6 +13,11 @@ use deltamoe_engine::tokenizer::TextTokenizer;
 
 use crate::api::ApiError;
 
+/// The chat template of a model without one of its own (synthetic weights served with the
+/// byte-level tokenizer): the message contents joined by newlines, no roles, no markup.
+pub const PLAIN_CHAT_TEMPLATE: &str =
+    "{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m.content }}{% endfor %}";
+
 /// Texts longer than this (in all) are counted piece by piece against the context first.
 const LONG: usize = 64 << 10;
 

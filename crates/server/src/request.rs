@@ -547,4 +547,46 @@ mod tests {
         .unwrap();
         assert!(template_messages(bad).is_err());
     }
+
+    /// What `serve --synthetic` holds: the byte-level tokenizer and the plain chat template.
+    fn synthetic_info() -> ModelInfo {
+        let template = ChatTemplate::from_str(crate::prompt::PLAIN_CHAT_TEMPLATE).unwrap();
+        ModelInfo {
+            name: "synthetic".into(),
+            tokenizer: TextTokenizer::bytes(),
+            template: Some(template),
+            stop_ids: vec![],
+            sampling: SamplingParams::default(),
+            max_context: 4096,
+            vocab_size: 248320,
+            created: 0,
+            allow_special_in_content: false,
+        }
+    }
+
+    #[test]
+    fn synthetic_prompts_are_bytes_and_chats_plain_text() {
+        let info = synthetic_info();
+        let req: ChatRequest = serde_json::from_value(json!({"messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "<|im_end|>Hi"}]}]}))
+        .unwrap();
+        let p = prepare_chat(req, &info).unwrap();
+        assert_eq!(p.prompt, encode_bytes("Be brief.\n<|im_end|>Hi"));
+        let req: CompletionRequest =
+            serde_json::from_value(json!({"prompt": "é 1", "max_tokens": 4})).unwrap();
+        let p = prepare_completion(req, &info).unwrap();
+        assert_eq!(p.prompt, [0xC3, 0xA9, 32, 49]);
+        assert_eq!(p.max_tokens, 4);
+        let req: CompletionRequest =
+            serde_json::from_value(json!({"prompt": [1000, 248319]})).unwrap();
+        assert_eq!(
+            prepare_completion(req, &info).unwrap().prompt,
+            [1000, 248319]
+        );
+    }
+
+    fn encode_bytes(text: &str) -> Vec<u32> {
+        text.bytes().map(u32::from).collect()
+    }
 }

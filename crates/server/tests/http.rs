@@ -467,3 +467,34 @@ async fn open_think_in_the_prompt_gives_reasoning_content() {
     assert_eq!(streamed, reasoning);
     assert_eq!(chat_text(&events), "");
 }
+
+/// Without model files (`serve --synthetic`): a text prompt is one token per byte, a chat's
+/// contents are joined as plain text, replies decode ids past 255 as `<id>`, and a stream
+/// gives the same text as the JSON reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn byte_tokenizer_server() {
+    let s = common::start_synthetic(common::options()).await;
+    let body = json!({"model": "test-model", "prompt": "héllo", "max_tokens": 6,
+        "temperature": 0, "ignore_eos": true});
+    let (status, v) = s.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 6, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(!text.is_empty(), "{v}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = s.stream("/v1/completions", &streamed).await;
+    let joined: String = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0)?["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(joined, text);
+
+    let body = json!({"messages": [{"role": "system", "content": "a"},
+        {"role": "user", "content": "bc"}], "max_tokens": 3, "ignore_eos": true});
+    let (status, v) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 4, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+}

@@ -3,21 +3,25 @@
 
 use std::collections::BTreeMap;
 
+use deltamoe_model::layers::ExpertStats;
 use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
 
 use super::{wrong_backend, Backend, SavedState, StepRow};
 use crate::error::{no_such_sequence, Result};
 use crate::sequence::SeqId;
 
-/// The model states of the sequences on the CPU.
-#[derive(Default)]
+/// The host model and the model states of the sequences on the CPU.
 pub struct CpuBackend {
+    model: Qwen3Hybrid,
     states: BTreeMap<SeqId, SequenceState>,
 }
 
 impl CpuBackend {
-    fn state(&mut self, id: SeqId) -> Result<&mut SequenceState> {
-        self.states.get_mut(&id).ok_or_else(|| no_such_sequence(id))
+    pub fn new(model: Qwen3Hybrid) -> CpuBackend {
+        CpuBackend {
+            model,
+            states: BTreeMap::new(),
+        }
     }
 }
 
@@ -30,12 +34,12 @@ impl Backend for CpuBackend {
         None
     }
 
-    fn sequence_bytes(&self, model: &Qwen3Hybrid, ctx: usize) -> usize {
-        model.state_bytes(ctx)
+    fn sequence_bytes(&self, ctx: usize) -> usize {
+        self.model.state_bytes(ctx)
     }
 
-    fn add(&mut self, model: &Qwen3Hybrid, id: SeqId) -> Result<()> {
-        self.states.insert(id, model.new_state());
+    fn add(&mut self, id: SeqId) -> Result<()> {
+        self.states.insert(id, self.model.new_state());
         Ok(())
     }
 
@@ -60,16 +64,18 @@ impl Backend for CpuBackend {
 
     fn prefill(
         &mut self,
-        model: &Qwen3Hybrid,
         id: SeqId,
         tokens: &[u32],
         chunk: usize,
         which: Logits,
     ) -> Result<Vec<f32>> {
-        let st = self.state(id)?;
+        let st = self
+            .states
+            .get_mut(&id)
+            .ok_or_else(|| no_such_sequence(id))?;
         let mut out = Vec::new();
         for part in tokens.chunks(chunk) {
-            let logits = model.forward(part, st, which)?;
+            let logits = self.model.forward(part, st, which)?;
             match which {
                 Logits::All => out.extend_from_slice(&logits),
                 Logits::Last => out = logits,
@@ -78,12 +84,20 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn step(&mut self, model: &Qwen3Hybrid, rows: &mut [StepRow]) -> Result<Vec<u32>> {
+    fn step(&mut self, rows: &mut [StepRow]) -> Result<Vec<u32>> {
         rows.iter_mut()
             .map(|row| {
-                let logits = model.forward(&[row.token], self.state(row.id)?, Logits::Last)?;
+                let st = self
+                    .states
+                    .get_mut(&row.id)
+                    .ok_or_else(|| no_such_sequence(row.id))?;
+                let logits = self.model.forward(&[row.token], st, Logits::Last)?;
                 Ok(row.sampler.sample(&logits, row.history))
             })
             .collect()
+    }
+
+    fn expert_stats(&self) -> Option<ExpertStats> {
+        self.model.expert_stats()
     }
 }

@@ -34,7 +34,13 @@ impl CudaBackend {
         max_seqs: usize,
         cache: ExpertCache,
     ) -> Result<CudaBackend> {
-        let mut gm = GpuModel::upload_with(model, gpu, cache).map_err(cuda_err)?;
+        let gm = GpuModel::upload_with(model, gpu, cache).map_err(cuda_err)?;
+        CudaBackend::with_model(gm, max_ctx, max_seqs)
+    }
+
+    /// Serves a model already on the GPU (e.g. synthetic random weights), reserving state as
+    /// [`CudaBackend::new`] does.
+    pub fn with_model(mut gm: GpuModel, max_ctx: usize, max_seqs: usize) -> Result<CudaBackend> {
         gm.reserve(max_seqs, max_ctx).map_err(cuda_err)?;
         Ok(CudaBackend {
             gpu: gm,
@@ -56,11 +62,11 @@ impl Backend for CudaBackend {
         Some(self.gpu.free_slots())
     }
 
-    fn sequence_bytes(&self, _model: &Qwen3Hybrid, ctx: usize) -> usize {
+    fn sequence_bytes(&self, ctx: usize) -> usize {
         self.gpu.seq_bytes(ctx)
     }
 
-    fn add(&mut self, _model: &Qwen3Hybrid, id: SeqId) -> Result<()> {
+    fn add(&mut self, id: SeqId) -> Result<()> {
         let s = self.gpu.new_seq().map_err(capacity)?;
         self.seqs.insert(id, s);
         Ok(())
@@ -92,7 +98,6 @@ impl Backend for CudaBackend {
 
     fn prefill(
         &mut self,
-        _model: &Qwen3Hybrid,
         id: SeqId,
         tokens: &[u32],
         chunk: usize,
@@ -112,7 +117,7 @@ impl Backend for CudaBackend {
 
     /// Batches of at most `max_batch` rows; rows whose sequence has a repetition penalty take
     /// the logits to the host sampler.
-    fn step(&mut self, _model: &Qwen3Hybrid, rows: &mut [StepRow]) -> Result<Vec<u32>> {
+    fn step(&mut self, rows: &mut [StepRow]) -> Result<Vec<u32>> {
         let mut seqs: Vec<(&SeqId, &mut GpuSeq)> = self
             .seqs
             .iter_mut()

@@ -1,6 +1,7 @@
 //! Where the model runs. [`Backend`] is the one place the engine's backend choice lives: the
-//! CPU backend ([`cpu::CpuBackend`]) runs the host model itself, the CUDA backend
-//! ([`cuda::CudaBackend`]) a copy of its weights on a GPU. Each backend keeps the model state
+//! CPU backend ([`cpu::CpuBackend`]) owns and runs the host model, the CUDA backend
+//! ([`cuda::CudaBackend`]) a model on a GPU (uploaded from a checkpoint, or made there with
+//! random weights for synthetic shapes). Each backend keeps the model state
 //! of every sequence (keyed by [`SeqId`]); the engine keeps the tokens and samplers, so the
 //! engine never looks at a backend-specific type.
 
@@ -10,7 +11,8 @@ pub mod cuda;
 use std::any::Any;
 
 use deltamoe_model::gpu::{GdnPrefill, OffloadStats, PrefillGemm};
-use deltamoe_model::{Logits, Qwen3Hybrid};
+use deltamoe_model::layers::ExpertStats;
+use deltamoe_model::Logits;
 
 use crate::error::{EngineError, Result};
 use crate::sampler::{Sampler, SamplingParams};
@@ -34,7 +36,7 @@ pub struct SavedState {
     pub state: Box<dyn Any>,
 }
 
-/// What the engine needs from a backend. `model` is the host model the engine owns.
+/// What the engine needs from a backend.
 pub trait Backend {
     /// `"cpu"` or the GPU's name.
     fn name(&self) -> String;
@@ -43,10 +45,10 @@ pub trait Backend {
     fn free_sequences(&self) -> Option<usize>;
 
     /// Bytes of state one sequence holds at `ctx` tokens.
-    fn sequence_bytes(&self, model: &Qwen3Hybrid, ctx: usize) -> usize;
+    fn sequence_bytes(&self, ctx: usize) -> usize;
 
     /// Gives `id` a fresh state; [`EngineError::Capacity`] when none is free.
-    fn add(&mut self, model: &Qwen3Hybrid, id: SeqId) -> Result<()>;
+    fn add(&mut self, id: SeqId) -> Result<()>;
 
     /// Frees the state of `id` (nothing when it has none).
     fn remove(&mut self, id: SeqId);
@@ -61,7 +63,6 @@ pub trait Backend {
     /// asks for.
     fn prefill(
         &mut self,
-        model: &Qwen3Hybrid,
         id: SeqId,
         tokens: &[u32],
         chunk: usize,
@@ -75,7 +76,7 @@ pub trait Backend {
     }
 
     /// Feeds each row's token to its sequence and returns each row's next token.
-    fn step(&mut self, model: &Qwen3Hybrid, rows: &mut [StepRow]) -> Result<Vec<u32>>;
+    fn step(&mut self, rows: &mut [StepRow]) -> Result<Vec<u32>>;
 
     /// How later prefills run the Gated DeltaNet delta rule (only CUDA has a choice).
     fn set_gdn_prefill(&mut self, _mode: GdnPrefill) {}
@@ -90,6 +91,12 @@ pub trait Backend {
 
     /// Expert-offload statistics, when the backend offloads experts to the host.
     fn offload_stats(&self) -> Option<OffloadStats> {
+        None
+    }
+
+    /// Statistics of the host model's experts read from the files, when the CPU model
+    /// offloads them.
+    fn expert_stats(&self) -> Option<ExpertStats> {
         None
     }
 }

@@ -54,6 +54,22 @@ pub async fn start_with(dir: PathBuf, factory: EngineFactory, opts: ServerOption
         .await
         .unwrap()
         .unwrap();
+    listen(server).await
+}
+
+/// Starts a server as `serve --synthetic` runs one (byte-level tokenizer, plain chat, no
+/// model files), on the CPU with the built-in model's weights.
+pub async fn start_synthetic(opts: ServerOptions) -> TestServer {
+    let factory: EngineFactory = Box::new(|| Ok(Engine::new(Qwen3Hybrid::load(&tiny_model())?)));
+    let server = tokio::task::spawn_blocking(move || Server::start_synthetic(factory, opts))
+        .await
+        .unwrap()
+        .unwrap();
+    listen(server).await
+}
+
+/// Serves `server` on 127.0.0.1 (any free port) in the current runtime.
+async fn listen(server: Server) -> TestServer {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let limits = server.conn_limits();
