@@ -56,10 +56,11 @@ pub struct ServeArgs {
     prompt_cache_mb: usize,
     /// Also store a prompt cache snapshot every N prompt tokens (0: only after the prompt and
     /// at the end of each reply).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 2048)]
     checkpoint_every: usize,
-    /// Prompt tokens per prefill pass; decoding sequences step between passes.
-    #[arg(long, default_value_t = 256)]
+    /// Prompt tokens per prefill pass; decoding sequences step between passes (larger: more
+    /// prompt throughput, longer pauses of the decoding sequences while a prompt arrives).
+    #[arg(long, default_value_t = 2048)]
     prefill_chunk: usize,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 8)]

@@ -5,7 +5,8 @@
 // (fma.rn.bf16x2 on the exact codes), which the CPU twin (cpu::gemm_twin) reproduces bit for bit.
 //
 // rows_to_bf16: x f32 rows (row t at x + t·xs floats) → y bf16 [T, K] (round to nearest even).
-//   grid (ceil(K / 256), T), block 256.
+//   grid (ceil(K / 256), T), block 256. rows_to_bf16_v4: the same four values a thread (float4
+//   loads; xs, K multiples of 4), grid (ceil(K / 1024), T).
 // dequant_affine_bf16: words u32 [N, K·bits/32] (LSB first), scales and biases bf16 [N, K/G] →
 //   out bf16 [N, K]. grid ceil(N·K·bits/32 / 256), block 256: one thread a word.
 // swiglu_rows: gu f32 [T, 2I] ([gate | up] per row) → h f32 [T, I], h = silu(g)·u.
@@ -39,6 +40,14 @@ extern "C" __global__ void rows_to_bf16(const float* x, long long xs, bf16_t* __
     pdl_entry();
     const int k = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (k < K) y[(long long)t * K + k] = f32_to_bf16_rn(x[(long long)t * xs + k]);
+}
+
+extern "C" __global__ void rows_to_bf16_v4(const float* x, long long xs, bf16_t* __restrict__ y, int K) {
+    pdl_entry();
+    const int k = 4 * (blockIdx.x * blockDim.x + threadIdx.x), t = blockIdx.y;
+    if (k >= K) return;
+    const float4 v = *reinterpret_cast<const float4*>(x + (long long)t * xs + k);
+    *reinterpret_cast<uint2*>(y + (long long)t * K + k) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
 }
 
 __device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {

@@ -98,7 +98,9 @@ fn operands_and_library_gemm_match_cpu() {
         (65, 96, 33, Some((8, 32))),
         (257, 128, 7, Some((8, 128))),
     ] {
-        let xs = k + 3; // rows of the f32 input are strided
+        // Strided f32 input rows: odd strides take the scalar conversion, multiples of 4 the
+        // float4 one.
+        let xs = if quant.is_some() { k + 4 } else { k + 3 };
         let x = rand_vec(&mut r, t * xs, -2.0, 2.0);
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
         let s = stack(&g, &w, (1, n, k), quant);

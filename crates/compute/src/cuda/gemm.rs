@@ -218,12 +218,20 @@ pub fn rows_to_bf16(g: &Gpu, x: u64, xs: usize, y: u64, k: usize, t: usize) -> R
     if t == 0 || k == 0 {
         return Ok(());
     }
+    // Four values a thread where rows and addresses allow 16-byte loads.
+    let v4 =
+        xs.is_multiple_of(4) && k.is_multiple_of(4) && x.is_multiple_of(16) && y.is_multiple_of(8);
+    let (name, per) = if v4 {
+        ("rows_to_bf16_v4", 1024)
+    } else {
+        ("rows_to_bf16", 256)
+    };
     let (xs, k32) = (xs as i64, k as i32);
-    let mut b = g.launch_builder(g.kernels().get("rows_to_bf16"));
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&x).arg(&xs).arg(&y).arg(&k32);
-    // SAFETY: x holds t rows of xs ≥ k floats, y t·k bf16; threads past k idle.
-    unsafe { b.launch(cfg((k.div_ceil(256) as u32, t as u32), 256, 0)) }
-        .map_err(driver_err("rows_to_bf16"))
+    // SAFETY: x holds t rows of xs ≥ k floats, y t·k bf16; threads past k idle; the v4 form's
+    // loads and stores are aligned (checked above).
+    unsafe { b.launch(cfg((k.div_ceil(per) as u32, t as u32), 256, 0)) }.map_err(driver_err(name))
 }
 
 /// Whether [`dequant_affine`] and the grouped kernel take matrix `m` (bf16 with K % 8 == 0, or

@@ -116,6 +116,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
         include_str!("../../kernels/gemm.cu"),
         &[
             "rows_to_bf16",
+            "rows_to_bf16_v4",
             "dequant_affine_bf16",
             "swiglu_rows",
             "moe_gemm_bf16",
