@@ -334,13 +334,19 @@ fn decode_at(
             frac * 100.0
         );
     } else {
+        let step = model.bytes_per_step(b, ctx);
         println!(
-            "decode   context {ctx:>6}, batch {b:>3}: {tok_s:8.1} tok/s in all  {:7.3} ms/step",
-            secs * 1e3
+            "decode   context {ctx:>6}, batch {b:>3}: {tok_s:8.1} tok/s in all  {:7.3} ms/step  {:6.2} GB read/step  {:5.1}% of measured bandwidth",
+            secs * 1e3,
+            step as f64 / 1e9,
+            step as f64 / secs / bw * 100.0
         );
     }
+    let step_bytes = model.bytes_per_step(b, ctx);
     let mut row = json!({"context": ctx, "batch": b, "tok_s": tok_s, "ms_per_step": secs * 1e3,
-                         "bytes_per_token": bytes, "fraction_of_bandwidth": frac});
+                         "bytes_per_token": bytes, "fraction_of_bandwidth": frac,
+                         "bytes_per_step": step_bytes,
+                         "step_fraction_of_bandwidth": step_bytes as f64 / secs / bw});
     {
         let per_kind = layer_times(model, &mut seqs, &toks)?;
         let shown: Vec<String> = per_kind

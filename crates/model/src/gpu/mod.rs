@@ -281,6 +281,21 @@ impl GpuModel {
         self.head.bytes_per_token() + l
     }
 
+    /// Bytes a decode step of `rows` sequences at context `ctx` must read at least: each weight
+    /// once (the routed experts uniform routing touches on average), the states and KV caches
+    /// of every row.
+    pub fn bytes_per_step(&self, rows: usize, ctx: usize) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let w = l.mixer.weight_bytes();
+                w + rows * (l.mixer.bytes_per_token(ctx) - w) + l.ffn.bytes_per_step(rows)
+            })
+            .sum();
+        self.head.bytes_per_token() + l
+    }
+
     /// Weights one token multiplies (2 FLOPs each): projections, router, the top-k (and shared)
     /// experts and the lm_head; the embedding is a lookup and attention's own FLOPs are not
     /// weights.

@@ -147,6 +147,10 @@ impl Mixer for AttnMixer {
         self.proj.bytes() + self.out.bytes() + 2 * 4 * ctx * self.row()
     }
 
+    fn weight_bytes(&self) -> usize {
+        self.proj.bytes() + self.out.bytes()
+    }
+
     fn params(&self) -> usize {
         self.proj.params() + self.out.params()
     }

@@ -44,6 +44,10 @@ impl Ffn for DenseFfn {
         self.gate_up.bytes() + self.down.bytes()
     }
 
+    fn bytes_per_step(&self, _rows: usize) -> usize {
+        self.bytes_per_token()
+    }
+
     fn params(&self) -> usize {
         self.gate_up.params() + self.down.params()
     }

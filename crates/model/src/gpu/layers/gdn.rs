@@ -151,6 +151,10 @@ impl Mixer for GdnMixer {
         self.proj.bytes() + self.out.bytes() + 2 * 4 * self.rec_floats()
     }
 
+    fn weight_bytes(&self) -> usize {
+        self.proj.bytes() + self.out.bytes()
+    }
+
     fn params(&self) -> usize {
         self.proj.params() + self.out.params()
     }

@@ -240,6 +240,8 @@ pub(crate) trait Mixer {
     fn state(&self, ctx: usize) -> StateSpec;
     /// Bytes one decode step reads at context `ctx` (weights, state read and written).
     fn bytes_per_token(&self, ctx: usize) -> usize;
+    /// Bytes of its weights (read once per step, whatever the rows).
+    fn weight_bytes(&self) -> usize;
     /// Weights one token multiplies.
     fn params(&self) -> usize;
     /// Enqueue a decode step: from `normed` (or the residual, fused, with the input norm
@@ -255,6 +257,9 @@ pub(crate) trait Ffn: Any {
     fn needs(&self) -> Needs;
     /// Bytes one decode step reads.
     fn bytes_per_token(&self) -> usize;
+    /// Bytes a step of `rows` rows must read at least: each weight it touches once (routed
+    /// experts as many as uniform routing touches on average, [`expected_distinct`]).
+    fn bytes_per_step(&self, rows: usize) -> usize;
     /// Weights one token multiplies.
     fn params(&self) -> usize;
     /// Whether it joins its output to the residual and applies the next norm itself (the
@@ -293,6 +298,13 @@ pub(crate) struct GpuLayer {
     pub ffn: Box<dyn Ffn>,
 }
 
+/// Distinct experts `rows` rows touch on average when each picks `top_k` of `experts` uniformly:
+/// `E·(1 − (1 − k/E)^rows)`.
+pub(crate) fn expected_distinct(experts: usize, top_k: usize, rows: usize) -> f64 {
+    let e = experts.max(1) as f64;
+    e * (1.0 - (1.0 - top_k as f64 / e).powi(rows as i32))
+}
+
 /// What every layer needs, together, for passes of `rows` rows.
 pub(crate) fn needs(layers: &[GpuLayer], rows: usize) -> Needs {
     layers.iter().fold(Needs::default(), |n, l| {
@@ -313,6 +325,15 @@ pub(crate) type FfnMade<'a> = (Box<dyn Ffn>, Option<Pending<'a>>);
 #[cfg(test)]
 mod tests {
     use super::{gdn_path, GdnPrefill, CHUNKED_MIN_ROWS};
+
+    #[test]
+    fn one_row_touches_its_picks_and_many_rows_touch_every_expert() {
+        use super::expected_distinct;
+        assert!((expected_distinct(256, 8, 1) - 8.0).abs() < 1e-9);
+        let d32 = expected_distinct(256, 8, 32);
+        assert!((162.0..165.0).contains(&d32), "{d32}");
+        assert!(expected_distinct(256, 8, 1024) > 255.99);
+    }
 
     #[test]
     fn auto_takes_the_chunked_rule_from_one_full_chunk() {

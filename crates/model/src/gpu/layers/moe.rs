@@ -15,7 +15,8 @@ use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::{CudaError, Gpu, Result};
 
 use super::{
-    gate_up, pass_mv, Ffn, FfnBufs, FfnIo, FfnMade, Needs, Pass, PrefillGemm, Stager, Step,
+    expected_distinct, gate_up, pass_mv, Ffn, FfnBufs, FfnIo, FfnMade, Needs, Pass, PrefillGemm,
+    Stager, Step,
 };
 use crate::checkpoint::{LinearWeight, Moe};
 use crate::config::ModelConfig;
@@ -272,6 +273,17 @@ impl Ffn for MoeFfn {
 
     fn bytes_per_token(&self) -> usize {
         self.per_token(DevMat::bytes)
+    }
+
+    fn bytes_per_step(&self, rows: usize) -> usize {
+        let expert = self.experts_gu.bytes() + self.experts_down.bytes();
+        let stacked = self.shared.is_none() as usize;
+        let distinct = expected_distinct(self.experts, self.top_k, rows) + stacked as f64;
+        let shared = self
+            .shared
+            .as_ref()
+            .map_or(0, |(gu, d)| gu.bytes() + d.bytes());
+        self.router.bytes() + shared + (distinct * expert as f64) as usize
     }
 
     fn params(&self) -> usize {
