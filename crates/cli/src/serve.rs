@@ -69,6 +69,10 @@ pub struct ServeArgs {
     /// closed.
     #[arg(long, default_value_t = 10.0)]
     header_timeout: f64,
+    /// Seconds a client may take to send a request's body after its head; slower bodies are
+    /// answered 408.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
     /// Seconds an open connection may sit with no request and no traffic before it is closed.
     #[arg(long, default_value_t = 60.0)]
     idle_timeout: f64,
@@ -164,6 +168,7 @@ fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
     }
     let conn = ConnLimits {
         header_timeout: secs("header-timeout", a.header_timeout)?,
+        body_timeout: secs("body-timeout", a.body_timeout)?,
         idle_timeout: secs("idle-timeout", a.idle_timeout)?,
         max_connections: a.max_connections,
         shutdown_timeout: secs("shutdown-timeout", a.shutdown_timeout)?,

@@ -33,6 +33,8 @@ use tower_service::Service;
 pub struct ConnLimits {
     /// A request's head must arrive within this long of its first byte.
     pub header_timeout: Duration,
+    /// A request's body must arrive within this long of its head; a slower one is answered 408.
+    pub body_timeout: Duration,
     /// A connection with no request in flight and no traffic for this long is closed.
     pub idle_timeout: Duration,
     /// Open connections at most; more are answered 503 and closed at once.
@@ -45,6 +47,7 @@ impl Default for ConnLimits {
     fn default() -> Self {
         ConnLimits {
             header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             max_connections: 512,
             shutdown_timeout: Duration::from_secs(30),
@@ -191,6 +194,30 @@ fn busy_while_streaming(resp: Response, busy: Busy) -> Response {
     Response::from_parts(parts, Body::from_stream(guarded))
 }
 
+/// Why a request body stopped: it did not arrive within the body timeout (the body extractor's
+/// rejection carries it as its source; `routes` answers 408).
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within {0:?}")]
+pub struct BodyTimeout(pub Duration);
+
+/// `body` as it arrives, ending in a [`BodyTimeout`] error once `limit` has passed.
+fn with_deadline(body: Incoming, limit: Duration) -> Body {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut data = Body::new(body).into_data_stream();
+    Body::from_stream(async_stream::stream! {
+        loop {
+            match tokio::time::timeout_at(deadline, data.next()).await {
+                Ok(Some(chunk)) => yield chunk,
+                Ok(None) => break,
+                Err(_) => {
+                    yield Err(axum::Error::new(BodyTimeout(limit)));
+                    break;
+                }
+            }
+        }
+    })
+}
+
 /// Serves one connection until it ends, expires or is cut at shutdown.
 async fn connection(
     stream: TcpStream,
@@ -209,11 +236,13 @@ async fn connection(
         act: act.clone(),
     });
     let svc_act = act.clone();
+    let body_timeout = limits.body_timeout;
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let mut router = router.clone();
         let busy = Busy::new(svc_act.clone());
         async move {
-            let resp: Result<_, Infallible> = router.call(req.map(Body::new)).await;
+            let req = req.map(|b| with_deadline(b, body_timeout));
+            let resp: Result<_, Infallible> = router.call(req).await;
             resp.map(|r| busy_while_streaming(r, busy))
         }
     });

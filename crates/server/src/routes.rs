@@ -141,10 +141,18 @@ async fn models(State(app): State<Arc<App>>) -> Response {
     .into_response()
 }
 
-/// The body bytes, or the reason they could not be read (413 when over the limit).
+/// The body bytes, or the reason they could not be read (413 when over the limit, 408 when it
+/// did not arrive within the body timeout).
 fn body_bytes(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|r| {
         let status = r.status();
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&r);
+        while let Some(e) = cause {
+            if let Some(t) = e.downcast_ref::<crate::listen::BodyTimeout>() {
+                return ApiError::body(StatusCode::REQUEST_TIMEOUT, t.to_string());
+            }
+            cause = e.source();
+        }
         if status == StatusCode::PAYLOAD_TOO_LARGE {
             let msg = format!(
                 "the request body is larger than this server's limit of {} bytes",

@@ -168,6 +168,33 @@ async fn idle_and_half_sent_connections_are_closed() {
     assert_eq!(health_now(&s.base).await, 200);
 }
 
+/// A request whose head arrived but whose body trickles in slower than the body timeout is
+/// answered 408 and its connection closed, while /health keeps answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_bodies_are_answered_408() {
+    let mut o = conn_options(500, 1500, 512);
+    o.conn.body_timeout = Duration::from_millis(500);
+    let s = start(fixture("qwen3_5_moe"), o).await;
+    let t0 = Instant::now();
+    let mut c = TcpStream::connect(s.base.trim_start_matches("http://")).unwrap();
+    c.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n\
+content-length: 100\r\n\r\n{\"prompt\": ",
+    )
+    .unwrap();
+    assert_eq!(health_now(&s.base).await, 200);
+    let out = until_closed(c, Duration::from_secs(4))
+        .await
+        .expect("the slow body's connection was left open");
+    assert!(
+        out.starts_with("HTTP/1.1 408"),
+        "answered {out:?} after {:?}",
+        t0.elapsed()
+    );
+    assert!(out.contains("did not arrive within"), "{out}");
+    assert!(t0.elapsed() >= Duration::from_millis(400));
+}
+
 /// Over the connection cap a new connection is answered 503 at once; when the held ones time
 /// out, /health answers again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
