@@ -35,7 +35,9 @@
 //
 // flash_prefill_<DT>_bf16: the same with q, k, v and P rounded to bf16 once (the hi parts only:
 //   one product where the split form takes three, as flash attention does; f32 accumulation and
-//   softmax), and half the shared memory (no lo parts).
+//   softmax), and half the shared memory (no lo parts). k and v arrive as bf16 copies of the
+//   caches' rows ([pos0 + T, Hkv, D], the same layout; `rows_to_bf16`), read 16 bytes at a time
+//   when D % 8 == 0.
 
 #define FP_BN 32
 #define FP_VS (FP_BN / 2 + 4)
@@ -44,6 +46,12 @@
 __device__ __forceinline__ void fp_split(float x0, float x1, unsigned& hi, unsigned& lo) {
     hi = pack_bf16(x0, x1);
     lo = pack_bf16(x0 - bf16lo(hi), x1 - bf16hi(hi));
+}
+
+// Element i of a K/V array: f32 caches in the split form, bf16 copies in the bf16 form.
+template <bool SPLIT>
+__device__ __forceinline__ float kv_at(const float* base, long long i) {
+    return SPLIT ? base[i] : bf16f(reinterpret_cast<const bf16_t*>(base)[i]);
 }
 
 // Stores the hi word of (x0, x1) and, when SPLIT, the lo word.
@@ -106,27 +114,56 @@ __device__ __forceinline__ void flash_prefill_t(const float* q, const float* kc,
 
     for (int p0 = 0; p0 <= blim; p0 += FP_BN) {
         __syncthreads();
-#pragma unroll 4
-        for (int i = threadIdx.x; i < FP_BN * HW; i += blockDim.x) {
-            int j = i / HW, w = i % HW, d = 2 * w, p = p0 + j;
-            float x0 = 0.f, x1 = 0.f;
-            if (p <= blim) {
-                const float* src = kc + (long long)p * kv_row + kv_off;
-                if (d < D) x0 = src[d];
-                if (d + 1 < D) x1 = src[d + 1];
+        if (!SPLIT && (D & 7) == 0) {
+            // bf16 K/V rows: 16-byte chunks of 8 values straight into the tiles (V as pairs of
+            // positions per d, the two rows' halves interleaved by byte permutes).
+            const bf16_t* kb = reinterpret_cast<const bf16_t*>(kc);
+            const bf16_t* vb = reinterpret_cast<const bf16_t*>(vc);
+            constexpr int CH = DT / 8;
+            for (int i = threadIdx.x; i < FP_BN * CH; i += blockDim.x) {
+                const int j = i / CH, c = i % CH, p = p0 + j;
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (p <= blim && 8 * c < D) v = *reinterpret_cast<const uint4*>(kb + p * kv_row + kv_off + 8 * c);
+                *reinterpret_cast<uint4*>(&Kh[j * QS + 4 * c]) = v;
             }
-            fp_put<SPLIT>(x0, x1, &Kh[j * QS + w], &Kl[j * QS + w]);
-        }
-#pragma unroll 4
-        for (int i = threadIdx.x; i < DT * (FP_BN / 2); i += blockDim.x) {
-            int d = i % DT, w = i / DT, p = p0 + 2 * w;
-            float x0 = 0.f, x1 = 0.f;
-            if (d < D) {
-                const float* src = vc + (long long)p * kv_row + kv_off + d;
-                if (p <= blim) x0 = src[0];
-                if (p + 1 <= blim) x1 = src[kv_row];
+            for (int i = threadIdx.x; i < (FP_BN / 2) * CH; i += blockDim.x) {
+                const int w = i / CH, c = i % CH, p = p0 + 2 * w;
+                uint4 a = make_uint4(0, 0, 0, 0), b = a;
+                if (8 * c < D) {
+                    const bf16_t* src = vb + p * kv_row + kv_off + 8 * c;
+                    if (p <= blim) a = *reinterpret_cast<const uint4*>(src);
+                    if (p + 1 <= blim) b = *reinterpret_cast<const uint4*>(src + kv_row);
+                }
+                const unsigned aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    Vh[(8 * c + 2 * e) * FP_VS + w] = __byte_perm(aw[e], bw[e], 0x5410);
+                    Vh[(8 * c + 2 * e + 1) * FP_VS + w] = __byte_perm(aw[e], bw[e], 0x7632);
+                }
             }
-            fp_put<SPLIT>(x0, x1, &Vh[d * FP_VS + w], &Vl[d * FP_VS + w]);
+        } else {
+#pragma unroll 4
+            for (int i = threadIdx.x; i < FP_BN * HW; i += blockDim.x) {
+                int j = i / HW, w = i % HW, d = 2 * w, p = p0 + j;
+                float x0 = 0.f, x1 = 0.f;
+                if (p <= blim) {
+                    const long long at = (long long)p * kv_row + kv_off;
+                    if (d < D) x0 = kv_at<SPLIT>(kc, at + d);
+                    if (d + 1 < D) x1 = kv_at<SPLIT>(kc, at + d + 1);
+                }
+                fp_put<SPLIT>(x0, x1, &Kh[j * QS + w], &Kl[j * QS + w]);
+            }
+#pragma unroll 4
+            for (int i = threadIdx.x; i < DT * (FP_BN / 2); i += blockDim.x) {
+                int d = i % DT, w = i / DT, p = p0 + 2 * w;
+                float x0 = 0.f, x1 = 0.f;
+                if (d < D) {
+                    const long long at = (long long)p * kv_row + kv_off + d;
+                    if (p <= blim) x0 = kv_at<SPLIT>(vc, at);
+                    if (p + 1 <= blim) x1 = kv_at<SPLIT>(vc, at + kv_row);
+                }
+                fp_put<SPLIT>(x0, x1, &Vh[d * FP_VS + w], &Vl[d * FP_VS + w]);
+            }
         }
         __syncthreads();
         if (p0 > wlim) continue;

@@ -16,6 +16,7 @@ use deltamoe_compute::cpu::gemm_twin::round_bf16;
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::cpu::rope::Rope;
+use deltamoe_compute::cuda::gemm;
 use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Matvec, Slots, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked, Grouped};
 use deltamoe_compute::cuda::Gpu;
@@ -317,9 +318,22 @@ fn attention_prefill_rows_match_cpu() {
         )
         .unwrap();
         let (k1, v1) = (kc.at(per_slot), vc.at(per_slot));
+        // The bf16 form reads bf16 copies of the caches' written rows.
+        let rows = pos0 + t;
+        let (kb, vb) = (
+            g.zeros::<u16>(rows * hkv * d).unwrap(),
+            g.zeros::<u16>(rows * hkv * d).unwrap(),
+        );
         let attn = |bf16: bool| {
             let out = (dq.ptr(), dproj.ptr(), p, dout.ptr());
-            pf::attn_prefill(&g, out, (k1, v1), a, (t, pos0), bf16).unwrap();
+            let caches = if bf16 {
+                gemm::rows_to_bf16(&g, k1, hkv * d, kb.ptr(), hkv * d, rows).unwrap();
+                gemm::rows_to_bf16(&g, v1, hkv * d, vb.ptr(), hkv * d, rows).unwrap();
+                (kb.ptr(), vb.ptr())
+            } else {
+                (k1, v1)
+            };
+            pf::attn_prefill(&g, out, caches, a, (t, pos0), bf16).unwrap();
             g.read(&dout, t * hq * d).unwrap()
         };
         let got_split = attn(false);

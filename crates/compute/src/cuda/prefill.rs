@@ -173,7 +173,8 @@ fn flash_smem(dt: usize, warps: usize, split: bool) -> usize {
 /// gates from the projection rows (`proj_stride` floats apart); out `[t, hq·d]`. Tensor cores
 /// (`flash_prefill.cu`, f32 accumulation and online softmax): q, k, v and the probabilities as
 /// bf16 hi + lo splits (about f32 accuracy), or with `bf16` rounded to bf16 once (a third of
-/// the products); the q heads sharing a kv head share its K/V tiles.
+/// the products; the caches are then bf16 copies of the slot's rows `0..pos0 + t`, e.g. from
+/// `gemm::rows_to_bf16`); the q heads sharing a kv head share its K/V tiles.
 pub fn attn_prefill(
     g: &Gpu,
     (q, proj, proj_stride, out): (u64, u64, usize, u64),

@@ -80,6 +80,11 @@ impl GpuModel {
     ) -> Result<()> {
         let t = part.len();
         let g = self.gpu.clone();
+        // bf16 K and V rows of the sequence so far for the attention layers' flash attention.
+        let kv = 2 * (seq.pos + t) * self.cfg.num_kv_heads * self.cfg.head_dim;
+        if self.prefill_gemm == PrefillGemm::Bf16 && ps.kvb.len() < kv {
+            ps.kvb = g.zeros(kv.max(ps.kvb.len() * 3 / 2))?;
+        }
         let toks: Vec<i32> = part.iter().map(|&v| v as i32).collect();
         g.write(&mut ps.tok, &toks)?;
         g.write(&mut ps.slots, &vec![seq.slot as i32; t])?;

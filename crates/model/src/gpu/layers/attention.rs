@@ -3,6 +3,7 @@
 //! prefill) gated by the sigmoid of the gate rows, then the output projection. State per slot:
 //! the K and V caches `[ctx, Hkv, D]`.
 use deltamoe_compute::cpu::rope::Rope;
+use deltamoe_compute::cuda::gemm;
 use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, Matvec, ATTN_DMAX};
 use deltamoe_compute::cuda::prefill as pf;
 use deltamoe_compute::cuda::vec::VecIo;
@@ -193,8 +194,16 @@ impl Mixer for AttnMixer {
         let per_slot = p.ctx * self.row();
         let [kc, vc] = state;
         let io = (ps.q.ptr(), ps.proj.ptr(), proj.n, ps.mix_out.ptr());
-        let caches = (slot_at(kc, p.slot, per_slot), slot_at(vc, p.slot, per_slot));
+        let mut caches = (slot_at(kc, p.slot, per_slot), slot_at(vc, p.slot, per_slot));
         let bf16 = p.gemm == PrefillGemm::Bf16;
+        if bf16 {
+            // The bf16 form reads bf16 copies of the slot's rows (`ps.kvb`: K, then V).
+            let (row, rows) = (self.row(), p.pos0 + t);
+            let (kb, vb) = (ps.kvb.ptr(), ps.kvb.at(rows * row));
+            gemm::rows_to_bf16(g, caches.0, row, kb, row, rows)?;
+            gemm::rows_to_bf16(g, caches.1, row, vb, row, rows)?;
+            caches = (kb, vb);
+        }
         pf::attn_prefill(g, io, caches, self.dims, (t, p.pos0), bf16)?;
         let out = self.out.mv();
         pass_mv(p, out, (ps.mix_out.ptr(), ps.delta.ptr()), out.k, false)

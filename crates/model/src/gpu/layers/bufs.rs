@@ -155,6 +155,9 @@ pub(crate) struct PrefillScratch {
     pub(crate) wb: DevBuf<u16>,
     pub(crate) gu: DevBuf<f32>,
     pub(crate) hb: DevBuf<u16>,
+    /// bf16 copies of an attention layer's K and V rows for its flash attention, grown to the
+    /// sequence's length as passes need (`GpuModel::prefill`).
+    pub(crate) kvb: DevBuf<u16>,
     pub(crate) ffn: FfnBufs,
     pub(crate) order: DevBuf<i32>,
     pub(crate) tiles: DevBuf<i32>,
@@ -202,6 +205,7 @@ impl PrefillScratch {
             wb: g.zeros(needs.gemm_w.max(1))?,
             gu: g.zeros((r * needs.gemm_gu).max(1))?,
             hb: g.zeros((r * needs.inter).max(1))?,
+            kvb: g.zeros(1)?,
             ffn: FfnBufs::new(g, c, needs, r)?,
             order: g.zeros(pairs)?,
             tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1, pf::TILE_CORES))?,
