@@ -12,9 +12,8 @@ use std::sync::Mutex;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::LaunchConfig;
 
-use super::ops::{Matvec, WeightFormat};
+use super::ops::{blocks, cfg, Matvec, WeightFormat};
 use super::prefill::Grouped;
 use super::{driver_err, CudaError, DevBuf, Gpu, Result};
 
@@ -205,14 +204,6 @@ impl Blas {
     }
 }
 
-fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: shared,
-    }
-}
-
 /// `y [t, k] bf16 = bf16(x)` for `t` rows of `x` at `xs` floats apart.
 pub fn rows_to_bf16(g: &Gpu, x: u64, xs: usize, y: u64, k: usize, t: usize) -> Result<()> {
     if t == 0 || k == 0 {
@@ -231,7 +222,7 @@ pub fn rows_to_bf16(g: &Gpu, x: u64, xs: usize, y: u64, k: usize, t: usize) -> R
     b.arg(&x).arg(&xs).arg(&y).arg(&k32);
     // SAFETY: x holds t rows of xs ≥ k floats, y t·k bf16; threads past k idle; the v4 form's
     // loads and stores are aligned (checked above).
-    unsafe { b.launch(cfg((k.div_ceil(per) as u32, t as u32), 256, 0)) }.map_err(driver_err(name))
+    unsafe { b.launch(cfg((blocks(k, per), t as u32), 256, 0)) }.map_err(driver_err(name))
 }
 
 /// Whether [`dequant_affine`] and the grouped kernel take matrix `m` (bf16 with K % 8 == 0, or
@@ -279,7 +270,7 @@ pub fn weights_bf16(g: &Gpu, m: &Matvec, out: &DevBuf<u16>) -> Result<u64> {
         .arg(&b32);
     // SAFETY: the words, scales and biases are matrix 0 of an affine stack of this shape; out
     // holds n·k bf16 (checked); one thread a word, those past the matrix exit.
-    unsafe { b.launch(cfg((words.div_ceil(256) as u32, 1), 256, 0)) }
+    unsafe { b.launch(cfg((blocks(words, 256), 1), 256, 0)) }
         .map_err(driver_err("dequant_affine_bf16"))?;
     Ok(out.ptr())
 }
@@ -293,8 +284,7 @@ pub fn swiglu_rows(g: &Gpu, gu: u64, h: u64, i: usize, t: usize) -> Result<()> {
     let mut b = g.launch_builder(g.kernels().get("swiglu_rows"));
     b.arg(&gu).arg(&h).arg(&i32_);
     // SAFETY: gu holds t·2i floats, h t·i; threads past i exit.
-    unsafe { b.launch(cfg((i.div_ceil(256) as u32, t as u32), 256, 0)) }
-        .map_err(driver_err("swiglu_rows"))
+    unsafe { b.launch(cfg((blocks(i, 256), t as u32), 256, 0)) }.map_err(driver_err("swiglu_rows"))
 }
 
 /// The grouped expert product over a grouping of [`TILE_GEMM`] pairs a tile, inputs bf16 (pair p

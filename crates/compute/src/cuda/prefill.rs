@@ -9,20 +9,8 @@
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::LaunchConfig;
 
-use super::ops::{AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
+use super::ops::{blocks, cfg, AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
 use super::{driver_err, CudaError, Gpu, Result};
-
-fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: shared,
-    }
-}
-
-fn blocks(n: usize, per: usize) -> u32 {
-    n.div_ceil(per) as u32
-}
 
 /// Conv1d + SiLU over `t` rows (row i at `proj + i·proj_stride` floats, the first `c` used)
 /// from the carried state `[k−1, c]`, into `mixed [t, c]`; then the state takes the last k−1
