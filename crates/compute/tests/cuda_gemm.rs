@@ -6,10 +6,9 @@
 
 mod common;
 
-use common::{assert_close, gpu, rand_vec, rng};
+use common::{assert_close, gpu, rand_vec, rng, Affine};
 
 use deltamoe_compute::cpu::gemm_twin::{dequant_affine_bf16, gemm_bf16, round_bf16, swiglu_bf16};
-use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::cuda::gemm::{self, TILE_GEMM};
 use deltamoe_compute::cuda::ops::{Matvec, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
@@ -26,8 +25,8 @@ fn bf(v: &[f32]) -> Vec<u16> {
 struct Stack {
     m: Matvec,
     wf: Vec<f32>,
-    _keep: Vec<DevBuf<u32>>,
-    _keep16: Vec<DevBuf<u16>>,
+    _bf16: Option<DevBuf<u16>>,
+    _affine: Option<Affine>,
 }
 
 fn stack(
@@ -51,37 +50,18 @@ fn stack(
             Stack {
                 m,
                 wf,
-                _keep: vec![],
-                _keep16: vec![dw],
+                _bf16: Some(dw),
+                _affine: None,
             }
         }
         Some((bits, group)) => {
-            let q = quantize(w, k, group, bits).unwrap();
-            let (s, b) = (bf(&q.scales), bf(&q.biases));
-            let wf = dequant_affine_bf16(&q.words, &s, &b, (e * n, k), group, bits);
-            let (dw, ds, db) = (
-                g.upload(&q.words).unwrap(),
-                g.upload(&s).unwrap(),
-                g.upload(&b).unwrap(),
-            );
-            let format = WeightFormat::Affine {
-                bits,
-                group,
-                scales: ds.ptr(),
-                biases: db.ptr(),
-            };
-            let m = Matvec {
-                w: dw.ptr(),
-                n,
-                k,
-                bias: 0,
-                format,
-            };
+            let a = Affine::new(g, w, k, group, bits);
+            let wf = dequant_affine_bf16(&a.q.words, &a.scales, &a.biases, (e * n, k), group, bits);
             Stack {
-                m,
+                m: a.matvec(n, k),
                 wf,
-                _keep: vec![dw],
-                _keep16: vec![ds, db],
+                _bf16: None,
+                _affine: Some(a),
             }
         }
     }

@@ -4,66 +4,11 @@
 
 mod common;
 
-use common::{assert_close, gpu, rand_vec, rng};
+use common::{assert_close, gpu, rand_vec, rng, Affine};
 use deltamoe_compute::cpu::act::sigmoid;
-use deltamoe_compute::cpu::quant::{quantize, Quantized};
 use deltamoe_compute::cuda::ops::{self, Matvec, Slots, WeightFormat};
-use deltamoe_compute::cuda::{DevBuf, Gpu};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 use deltamoe_compute::{cpu, DType, Tensor};
-
-/// `w` (rows of `k`) quantized to `bits` in groups of `group`, with its scales and biases rounded
-/// to bf16 as the device holds them, and all three uploaded.
-struct Affine {
-    q: Quantized,
-    scales: Vec<u16>,
-    biases: Vec<u16>,
-    dw: DevBuf<u32>,
-    ds: DevBuf<u16>,
-    db: DevBuf<u16>,
-    bits: u32,
-    group: usize,
-}
-
-impl Affine {
-    fn new(g: &Gpu, w: &[f32], k: usize, group: usize, bits: u32) -> Affine {
-        let q = quantize(w, k, group, bits).unwrap();
-        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-        let (scales, biases) = (bf(&q.scales), bf(&q.biases));
-        let (dw, ds, db) = (
-            g.upload(&q.words).unwrap(),
-            g.upload(&scales).unwrap(),
-            g.upload(&biases).unwrap(),
-        );
-        Affine {
-            q,
-            scales,
-            biases,
-            dw,
-            ds,
-            db,
-            bits,
-            group,
-        }
-    }
-
-    /// The uploaded weights as matrices of `n` rows of `k` (a stack when there are more rows),
-    /// without a bias.
-    fn matvec(&self, n: usize, k: usize) -> Matvec {
-        Matvec {
-            w: self.dw.ptr(),
-            n,
-            k,
-            bias: 0,
-            format: WeightFormat::Affine {
-                bits: self.bits,
-                group: self.group,
-                scales: self.ds.ptr(),
-                biases: self.db.ptr(),
-            },
-        }
-    }
-}
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
