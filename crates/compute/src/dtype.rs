@@ -46,3 +46,9 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 pub fn f32_to_bf16(x: f32) -> u16 {
     half::bf16::from_f32(x).to_bits()
 }
+
+/// `x` rounded to bf16 (nearest even), as f32.
+#[inline(always)]
+pub fn round_bf16(x: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(x))
+}

@@ -8,12 +8,12 @@ mod common;
 
 use common::{assert_close, gpu, rand_vec, rng, Affine};
 
-use deltamoe_compute::cpu::gemm_twin::{dequant_affine_bf16, gemm_bf16, round_bf16, swiglu_bf16};
+use deltamoe_compute::cpu::gemm_twin::{dequant_affine_bf16, gemm_bf16, swiglu_bf16};
 use deltamoe_compute::cuda::gemm::{self, TILE_GEMM};
 use deltamoe_compute::cuda::ops::{Matvec, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
-use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
+use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16, round_bf16};
 use rand::Rng;
 
 fn bf(v: &[f32]) -> Vec<u16> {

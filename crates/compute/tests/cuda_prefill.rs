@@ -12,7 +12,6 @@ use deltamoe_compute::cpu::act::{sigmoid, softplus};
 use deltamoe_compute::cpu::attention::{causal_attention, AttnShape};
 use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
-use deltamoe_compute::cpu::gemm_twin::round_bf16;
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::cpu::rope::Rope;
@@ -20,7 +19,7 @@ use deltamoe_compute::cuda::gemm;
 use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Matvec, Slots, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked, Grouped};
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
+use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16, round_bf16};
 use rand::Rng;
 
 #[test]

@@ -13,14 +13,10 @@
 //!   S ← e^{G_last} S + Kᵀ bf16(diag(rk_j e^{G_last−G_j}) V').
 
 use super::gdn::{for_each_chunk, GdnInputs, GdnShape, HeadInputs};
-use crate::dtype::{bf16_to_f32, f32_to_bf16};
 
 const CHUNK: usize = 64;
 
-#[inline]
-fn rb(x: f32) -> f32 {
-    bf16_to_f32(f32_to_bf16(x))
-}
+use crate::dtype::round_bf16 as rb;
 
 /// The chunked delta rule with the GPU kernel's roundings, from and into `state`.
 pub fn gdn_chunked_bf16(x: &GdnInputs, s: GdnShape, state: &mut [f32], out: &mut [f32]) {

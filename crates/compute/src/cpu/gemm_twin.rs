@@ -6,13 +6,8 @@
 use rayon::prelude::*;
 
 use super::gpu_twin::silu_portable;
-use crate::dtype::{bf16_to_f32, f32_to_bf16};
+use crate::dtype::{bf16_to_f32, round_bf16};
 use crate::quant::unpack_row;
-
-/// `x` rounded to bf16 (nearest even), as f32.
-pub fn round_bf16(x: f32) -> f32 {
-    bf16_to_f32(f32_to_bf16(x))
-}
 
 /// `v` rounded once to bf16 (nearest even), as f32; `v` finite and within bf16's normal range.
 fn round_bf16_f64(v: f64) -> f32 {
@@ -72,6 +67,7 @@ pub fn swiglu_bf16(g: f32, u: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::f32_to_bf16;
 
     #[test]
     fn one_rounding_of_the_exact_value() {

@@ -150,9 +150,4 @@ impl GpuModel {
     pub fn set_prefill_gemm(&mut self, mode: PrefillGemm) {
         self.prefill_gemm = mode;
     }
-
-    /// How prefills run their matrix products now.
-    pub fn prefill_gemm(&self) -> PrefillGemm {
-        self.prefill_gemm
-    }
 }

@@ -7,9 +7,9 @@
 
 use deltamoe_compute::cpu::act::sigmoid;
 use deltamoe_compute::cpu::attention::causal_attention;
-use deltamoe_compute::cpu::gemm_twin::round_bf16;
 use deltamoe_compute::cpu::norm::rms_norm;
 use deltamoe_compute::cpu::rope::Rope;
+use deltamoe_compute::dtype::round_bf16;
 
 use super::linear::Products;
 use crate::checkpoint::Attention;

@@ -17,7 +17,7 @@ use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_chunked, gdn_recurrent, GdnInputs};
 use deltamoe_compute::cpu::gdn_bf16::gdn_chunked_bf16;
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize};
-use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
+use deltamoe_compute::dtype::round_bf16;
 
 use super::linear::Products;
 use crate::checkpoint::gdn::InProj;
@@ -163,8 +163,4 @@ impl GatedDeltaNet {
         gated_rms_norm(&mut o, &p.z, &self.norm_w, self.eps);
         self.out_proj.forward(&o, t, products)
     }
-}
-
-fn round_bf16(x: f32) -> f32 {
-    bf16_to_f32(f32_to_bf16(x))
 }

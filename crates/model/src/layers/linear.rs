@@ -45,7 +45,7 @@ impl LinearWeight {
             LinearWeight::Dense(t) => t
                 .to_f32_vec()
                 .into_iter()
-                .map(gemm_twin::round_bf16)
+                .map(deltamoe_compute::dtype::round_bf16)
                 .collect(),
             LinearWeight::Affine(a) => {
                 let bf = |t: &deltamoe_compute::tensor::Tensor| -> Vec<u16> {
