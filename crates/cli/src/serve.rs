@@ -40,7 +40,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// Sequences decoded together. On CUDA their state is reserved up front; the default there
-    /// is as many as the free device memory holds (measured after loading, at most 64); on the
+    /// is as many as the free device memory holds (measured after loading, at most 256); on the
     /// CPU the default is 4.
     #[arg(long)]
     max_seqs: Option<usize>,

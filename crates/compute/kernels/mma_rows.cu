@@ -12,7 +12,12 @@
 // K % 32 == 0. SwiGLU form: W = [gate (I rows) | up (I rows)], h[b, n] = silu(G_n·x_b)·U_n·x_b,
 // h: [B, I].
 //
-// GEMM form (many inputs: prefill, large batches; mma_gemm_*): grid (ceil(B / 32),
+// Forms, each described at its kernels: split-K (below; small decode batches), wide (decode
+// batches from 8 rows: 128 weight rows a block sharing staged inputs, K split over blocks),
+// GEMM (prefill's exact mode), grouped (prefill's experts by expert) and grouped split-K
+// (decode batches' experts by expert).
+//
+// GEMM form (many inputs: prefill's exact mode, from 512 rows; mma_gemm_*): grid (ceil(B / 32),
 // ceil(N / 128)), block 256: the block's 32 inputs are staged per 32-wide K chunk in shared
 // memory as bf16 hi/lo (converted once for all warps, with their per-chunk sums), and warp w
 // takes weight rows blockIdx.y·128 + 16w + 0..16 over the whole K.
@@ -23,8 +28,8 @@
 // x + (p / x_div)·x_stride, the weights are expert e's of a stack [E, N, K] ([E, 2I, K] for
 // SwiGLU), and output row p of y [pairs, N].
 //
-// grid (ceil(B / 32), ceil(N / 16)) (N = I for SwiGLU), block 256: a block takes weight rows
-// blockIdx.y·16 + 0..16 and input rows blockIdx.x·32 + 0..32 (four 8-row tiles); its 8 warps
+// Split-K form (mma_rows_*, mma_swiglu_*): grid (ceil(B / 32), ceil(N / 16)) (N = I for
+// SwiGLU), block 256: a block takes weight rows blockIdx.y·16 + 0..16 and input rows blockIdx.x·32 + 0..32 (four 8-row tiles); its 8 warps
 // split K (warp w takes the 32-wide chunks c ≡ w mod 8) and are summed in shared memory. Per
 // chunk, k = 32c + 8t + 0..7 (t = lane % 4): lane l holds the 8 values of weight rows l/4 and
 // l/4 + 8 and of input row l/4 of each tile; the mma's k slots 2t, 2t+1, 2t+8, 2t+9 of its two
@@ -38,20 +43,42 @@ __device__ __forceinline__ unsigned codes_bf16(unsigned q0, unsigned q1, int bit
     return bits == 4 ? codes4_bf16(q0, q1) : pack_bf16((float)q0, (float)q1);
 }
 
-// The 8 values (as 4 bf16x2 pairs) of weight row `row` at k = k0..k0+8, and for affine rows
-// the (scale, bias) of their group.
+// The raw data of 8 values of one weight row: bf16 values (four words), or affine words (one at
+// 4 bits, two at 8) with the bf16 scale and bias of their group.
 template <int BITS>
-__device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                                       const bf16_t* __restrict__ Bs, long long row, int K, int k0,
-                                       int gshift, unsigned p[4], float* sc, float* bi) {
-    if (BITS == 16) {
+struct WRaw {
+    unsigned v[BITS == 16 ? 4 : BITS / 4];
+    unsigned sb;
+};
+
+// Loads weight row `row` at k = k0..k0+8 (see WRaw).
+template <int BITS>
+__device__ __forceinline__ void fetch_w(const void* __restrict__ W, const bf16_t* __restrict__ S,
+                                        const bf16_t* __restrict__ Bs, long long row, int K, int k0,
+                                        int gshift, WRaw<BITS>& r) {
+    if constexpr (BITS == 16) {
         uint4 v = __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const bf16_t*>(W) + row * K + k0));
-        p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
+        r.v[0] = v.x; r.v[1] = v.y; r.v[2] = v.z; r.v[3] = v.w;
     } else {
         const unsigned* w = reinterpret_cast<const unsigned*>(W) + row * (K * BITS / 32) + k0 * BITS / 32;
+        r.v[0] = __ldcs(w);
+        if constexpr (BITS == 8) r.v[1] = __ldcs(w + 1);
+        long long g = row * (K >> gshift) + (k0 >> gshift);
+        r.sb = (unsigned)S[g] | ((unsigned)Bs[g] << 16);
+    }
+}
+
+// The 8 values of `r` as 4 bf16x2 pairs (affine: the integer codes), and for affine rows the
+// (scale, bias) of their group.
+template <int BITS>
+__device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], float* sc, float* bi) {
+    if constexpr (BITS == 16) {
+        p[0] = r.v[0]; p[1] = r.v[1]; p[2] = r.v[2]; p[3] = r.v[3];
+    } else {
         const unsigned mask = (1u << BITS) - 1u;
-        unsigned lo = __ldcs(w), hi = BITS == 8 ? __ldcs(w + 1) : lo >> 16;
-        if (BITS == 4) lo &= 0xffffu;
+        unsigned lo = r.v[0], hi = lo >> 16;
+        if constexpr (BITS == 8) hi = r.v[1];
+        if constexpr (BITS == 4) lo &= 0xffffu;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             unsigned part = i == 0 ? lo : hi;
@@ -59,19 +86,29 @@ __device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t*
             p[2 * i] = codes_bf16(part & mask, (part >> sh) & mask, BITS);
             p[2 * i + 1] = codes_bf16((part >> (2 * sh)) & mask, (part >> (3 * sh)) & mask, BITS);
         }
-        long long g = row * (K >> gshift) + (k0 >> gshift);
-        *sc = bf16f(S[g]);
-        *bi = bf16f(Bs[g]);
+        *sc = bf16f((bf16_t)(r.sb & 0xffffu));
+        *bi = bf16f((bf16_t)(r.sb >> 16));
     }
 }
 
+// The 8 values (as 4 bf16x2 pairs) of weight row `row` at k = k0..k0+8, and for affine rows
+// the (scale, bias) of their group.
+template <int BITS>
+__device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t* __restrict__ S,
+                                       const bf16_t* __restrict__ Bs, long long row, int K, int k0,
+                                       int gshift, unsigned p[4], float* sc, float* bi) {
+    WRaw<BITS> r;
+    fetch_w<BITS>(W, S, Bs, row, K, k0, gshift, r);
+    decode_w<BITS>(r, p, sc, bi);
+}
+
 // Zeroes a warp's accumulators and per-group partial sums.
-template <int SETS>
-__device__ __forceinline__ void zero_frags(float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+template <int SETS, int MT>
+__device__ __forceinline__ void zero_frags(float acc[SETS][MT][4], float part[SETS][MT][4]) {
 #pragma unroll
     for (int s = 0; s < SETS; ++s)
 #pragma unroll
-        for (int j = 0; j < MMA_TILES; ++j)
+        for (int j = 0; j < MT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
 }
@@ -93,9 +130,9 @@ __device__ __forceinline__ void load_sets(const void* __restrict__ W, const bf16
 // Input tile j (its bf16 hi and lo pairs) through both k16 steps of every set: into acc for bf16
 // weights, into the group partials for affine codes. Step 0 takes values 0..3, step 1 values
 // 4..7 (pairs a[..][2·st], a[..][2·st + 1]).
-template <int BITS, int SETS>
+template <int BITS, int SETS, int MT>
 __device__ __forceinline__ void mma_sets(const unsigned a[SETS][2][4], const unsigned hi[4], const unsigned lo[4],
-                                         int j, float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+                                         int j, float acc[SETS][MT][4], float part[SETS][MT][4]) {
 #pragma unroll
     for (int s = 0; s < SETS; ++s) {
         float* d = BITS == 16 ? acc[s][j] : part[s][j];
@@ -111,9 +148,9 @@ __device__ __forceinline__ void mma_sets(const unsigned a[SETS][2][4], const uns
 
 // The FMA dequant form for tile j: acc += scale·Σ q x + bias·Σ x for each (row, input) of the
 // fragment (x0, x1: the sums of its inputs 2t and 2t + 1), then the partials restart.
-template <int SETS>
+template <int SETS, int MT>
 __device__ __forceinline__ void flush_tile(const float sc[SETS][2], const float bi[SETS][2], float x0, float x1,
-                                           int j, float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+                                           int j, float acc[SETS][MT][4], float part[SETS][MT][4]) {
 #pragma unroll
     for (int s = 0; s < SETS; ++s) {
         float* A = acc[s][j];
@@ -126,37 +163,48 @@ __device__ __forceinline__ void flush_tile(const float sc[SETS][2], const float 
     }
 }
 
-// Accumulates, for one warp, rows n0..n0+16 (and, with `SW`, rows I + n0.. as the second
-// output set) against input rows b0..b0+32 into acc[set][tile][4] (mma C layout: rows l/4,
-// l/4 + 8, inputs 2(l%4), 2(l%4)+1 of the tile).
-// Input row b of the warp's 32 is at x + b·xs.
-template <int BITS, int SETS>
+// Accumulates, for one warp, rows base + n0..n0+16 (and, with `SETS` 2, rows base + N + n0.. as
+// the second output set) against input rows 0..8·MT into acc[set][tile][4] (mma C layout: rows
+// l/4, l/4 + 8, inputs 2(l%4), 2(l%4)+1 of the tile). Input b is at x + b·xs, or at
+// x + rows[b]·xs. The warp takes the 32-wide K chunks c ≡ kw (mod ks); the next chunk's weights
+// load while the current chunk's products run.
+template <int BITS, int SETS, int MT>
 __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                              const bf16_t* __restrict__ Bs, const float* x, long long xs,
-                              int nb, int N, int K, int G, long long set_off, int n0,
-                              float acc[SETS][MMA_TILES][4]) {
+                              const bf16_t* __restrict__ Bs, const float* x, long long xs, const int* rows,
+                              int nb, int N, int K, int G, long long base, int n0, int kw, int ks,
+                              float acc[SETS][MT][4]) {
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
     int gshift = __ffs(G) - 1;
-    long long r0 = min(n0 + gid, N - 1), r1 = min(n0 + gid + 8, N - 1);
-    float part[SETS][MMA_TILES][4];
+    long long r0 = base + min(n0 + gid, N - 1), r1 = base + min(n0 + gid + 8, N - 1);
+    float part[SETS][MT][4];
     zero_frags<SETS>(acc, part);
-    float xsum[MMA_TILES];
+    float xsum[MT];
 #pragma unroll
-    for (int j = 0; j < MMA_TILES; ++j) xsum[j] = 0.f;
-    for (int c = (threadIdx.x >> 5) * 32; c < K; c += 256) {
+    for (int j = 0; j < MT; ++j) xsum[j] = 0.f;
+    const float* xr[MT];
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+        int b = j * 8 + gid;
+        xr[j] = b < nb ? x + (rows ? rows[b] : b) * xs : nullptr;
+    }
+    const int step = 32 * ks;
+    int c = 32 * kw;
+    unsigned a[SETS][2][4];
+    float sc[SETS][2], bi[SETS][2];
+    if (c < K) load_sets<BITS, SETS>(W, S, Bs, r0, r1, N, K, c + 8 * t, gshift, a, sc, bi);
+    for (; c < K; c += step) {
         int k0 = c + 8 * t;
-        unsigned a[SETS][2][4];
-        float sc[SETS][2], bi[SETS][2];
-        load_sets<BITS, SETS>(W, S, Bs, r0, r1, set_off, K, k0, gshift, a, sc, bi);
+        unsigned an[SETS][2][4];
+        float scn[SETS][2], bin[SETS][2];
+        const bool more = c + step < K;
+        if (more) load_sets<BITS, SETS>(W, S, Bs, r0, r1, N, K, k0 + step, gshift, an, scn, bin);
 #pragma unroll
-        for (int j = 0; j < MMA_TILES; ++j) {
+        for (int j = 0; j < MT; ++j) {
             if (j * 8 >= nb) break;
-            int b = j * 8 + gid;
             float xv[8];
-            if (b < nb) {
-                const float* xr = x + b * xs + k0;
-                float4 f0 = *reinterpret_cast<const float4*>(xr);
-                float4 f1 = *reinterpret_cast<const float4*>(xr + 4);
+            if (xr[j]) {
+                float4 f0 = *reinterpret_cast<const float4*>(xr[j] + k0);
+                float4 f1 = *reinterpret_cast<const float4*>(xr[j] + k0 + 4);
                 xv[0] = f0.x; xv[1] = f0.y; xv[2] = f0.z; xv[3] = f0.w;
                 xv[4] = f1.x; xv[5] = f1.y; xv[6] = f1.z; xv[7] = f1.w;
             } else {
@@ -177,7 +225,7 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
         if (BITS != 16) {
             // Each lane summed its 8 inputs of row gid; the quad holds the row's chunk sum.
 #pragma unroll
-            for (int j = 0; j < MMA_TILES; ++j) {
+            for (int j = 0; j < MT; ++j) {
                 if (j * 8 >= nb) break;
                 float xt = xsum[j];
                 xt += __shfl_xor_sync(0xffffffffu, xt, 1);
@@ -188,40 +236,52 @@ __device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restri
                 xsum[j] = 0.f;
             }
         }
+        if (more) {
+#pragma unroll
+            for (int s2 = 0; s2 < SETS; ++s2)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    sc[s2][h] = scn[s2][h];
+                    bi[s2][h] = bin[s2][h];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[s2][h][i] = an[s2][h][i];
+                }
+        }
     }
 }
 
-// Sums the 8 warps' fragments into warp 0's (through shared memory).
-template <int SETS>
-__device__ void reduce_warps(float acc[SETS][MMA_TILES][4]) {
-    __shared__ float red[7][SETS * MMA_TILES * 4][32];
+// Sums the fragments of each run of `ks` warps (w / ks alike) into its first warp's (through
+// shared memory); ks divides 8.
+template <int SETS, int MT>
+__device__ void reduce_warps(float acc[SETS][MT][4], int ks) {
+    __shared__ float red[8][SETS * MT * 4][32];
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (w > 0)
+    if (w % ks != 0)
 #pragma unroll
         for (int s = 0; s < SETS; ++s)
 #pragma unroll
-            for (int j = 0; j < MMA_TILES; ++j)
+            for (int j = 0; j < MT; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) red[w - 1][(s * MMA_TILES + j) * 4 + e][lane] = acc[s][j][e];
+                for (int e = 0; e < 4; ++e) red[w][(s * MT + j) * 4 + e][lane] = acc[s][j][e];
     __syncthreads();
-    if (w == 0)
-        for (int o = 0; o < 7; ++o)
+    if (w % ks == 0)
+        for (int o = w + 1; o < w + ks; ++o)
 #pragma unroll
             for (int s = 0; s < SETS; ++s)
 #pragma unroll
-                for (int j = 0; j < MMA_TILES; ++j)
+                for (int j = 0; j < MT; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[s][j][e] += red[o][(s * MMA_TILES + j) * 4 + e][lane];
+                    for (int e = 0; e < 4; ++e) acc[s][j][e] += red[o][(s * MT + j) * 4 + e][lane];
 }
 
 // Writes a warp's fragments: output row n (< N) of input b (< nb) goes to y[out_row(b)·N + n];
 // with SETS 2 the value is silu(set 0)·set 1.
-template <int SETS>
-__device__ __forceinline__ void store_frags(float acc[SETS][MMA_TILES][4], float* y, int N, int r, int nb,
+template <int SETS, int MT>
+__device__ __forceinline__ void store_frags(float acc[SETS][MT][4], float* y, int N, int r, int nb,
                                             const int* out_rows, int b0, const float* bias) {
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int j = 0; j < MMA_TILES; ++j)
+    for (int j = 0; j < MT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int n = r + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
@@ -240,8 +300,9 @@ __device__ void mma_split_t(const void* W, const bf16_t* S, const bf16_t* Bs, co
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
     float acc[SETS][MMA_TILES][4];
-    mma_rows_core<BITS, SETS>(W, S, Bs, x + b0 * xs, xs, Bn - b0, N, K, G, N, n0, acc);
-    reduce_warps<SETS>(acc);
+    mma_rows_core<BITS, SETS, MMA_TILES>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, 0, n0,
+                                         threadIdx.x >> 5, 8, acc);
+    reduce_warps<SETS>(acc, 8);
     if (threadIdx.x >= 32) return;
     store_frags<SETS>(acc, y, N, n0, Bn - b0, nullptr, b0, bias);
 }
@@ -379,6 +440,187 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const u
     else mma_gemm_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
 }
 
+// Wide form (decode batches of rows through one matrix; mma_wide_*): grid (ceil(B / 32),
+// ceil(N / 128), ks), block 256, WIDE_SMEM bytes of dynamic shared memory. Block (x, y, z) takes inputs 32x + 0..32, weight rows (outputs
+// for SwiGLU, with their gate and up rows) 128y + 0..128 — warp w rows 16w + 0..16 — and the K
+// chunks [z·cpb, (z + 1)·cpb) of 32. The block stages its inputs once for all warps as bf16
+// hi/lo and chunk sums in shared memory, WIDE_SUB chunks at a time (two buffers, one barrier
+// per WIDE_SUB chunks; the next group's inputs load while this one's products run); each
+// thread's weights load WIDE_SUB chunks ahead in registers. With ks = 1 the outputs go to y
+// (SwiGLU: h = silu(gate)·up); else the partial sums (gate and up rows apart) go to part
+// [ks, B, SETS·N], which `wide_sum` adds in order of z.
+#define WIDE_SUB 4
+// Row stride of the staged inputs (bf16): 80 words, ≡ 16 mod 32 banks, so rows gid and gid + 1
+// of a quarter-warp's 16-byte reads fall in different halves of the banks.
+#define WIDE_LD (32 * WIDE_SUB + 32)
+#define WIDE_SMEM (4 * 32 * WIDE_LD * 2 + 2 * WIDE_SUB * 32 * 4)
+
+template <int BITS, int SETS>
+__device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+                           const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
+                           const float* __restrict__ bias, int cpb) {
+    // Dynamic shared memory (WIDE_SMEM bytes), so that an entry point's 4- and 8-bit instances
+    // share it: xh, xl [2][32·WIDE_LD] bf16, then xsum [2][WIDE_SUB][32] floats.
+    extern __shared__ __align__(16) unsigned char wide_smem[];
+    auto xh = reinterpret_cast<bf16_t(*)[32 * WIDE_LD]>(wide_smem);
+    auto xl = reinterpret_cast<bf16_t(*)[32 * WIDE_LD]>(wide_smem + 2 * 32 * WIDE_LD * 2);
+    auto xsum = reinterpret_cast<float(*)[WIDE_SUB][32]>(wide_smem + 4 * 32 * WIDE_LD * 2);
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    const int gshift = __ffs(G) - 1;
+    const int r = blockIdx.y * 128 + warp * 16;
+    const long long r0 = min(r + gid, N - 1), r1 = min(r + gid + 8, N - 1);
+    const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0);
+    const int q0 = blockIdx.z * cpb, q1 = min(q0 + cpb, K >> 5);
+    // Staging: thread i holds values 4·(i % 8) .. + 4 of input i / 8 of each chunk.
+    const int sb = threadIdx.x >> 3, sq = threadIdx.x & 7;
+    const float* sx = sb < nb ? x + (long long)(b0 + sb) * xs + 4 * sq : nullptr;
+    float acc[SETS][MMA_TILES][4], part[SETS][MMA_TILES][4];
+    zero_frags<SETS>(acc, part);
+    WRaw<BITS> wr[WIDE_SUB][SETS][2];
+    float4 xr[WIDE_SUB];
+    auto fetch_w_chunk = [&](int q, int u) {
+        const int k0 = 32 * q + 8 * t;
+#pragma unroll
+        for (int s2 = 0; s2 < SETS; ++s2) {
+            fetch_w<BITS>(W, S, Bs, r0 + s2 * N, K, k0, gshift, wr[u][s2][0]);
+            fetch_w<BITS>(W, S, Bs, r1 + s2 * N, K, k0, gshift, wr[u][s2][1]);
+        }
+    };
+    // The inputs of the WIDE_SUB chunks from q on (zeros past q1).
+    auto fetch_x = [&](int q) {
+#pragma unroll
+        for (int u = 0; u < WIDE_SUB; ++u)
+            xr[u] = sx && q + u < q1 ? *reinterpret_cast<const float4*>(sx + 32 * (q + u))
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    };
+    auto stage = [&](int buf) {
+#pragma unroll
+        for (int u = 0; u < WIDE_SUB; ++u) {
+            const float4 f = xr[u];
+            unsigned h0 = pack_bf16(f.x, f.y), h1 = pack_bf16(f.z, f.w);
+            unsigned l0 = pack_bf16(f.x - bf16lo(h0), f.y - bf16hi(h0));
+            unsigned l1 = pack_bf16(f.z - bf16lo(h1), f.w - bf16hi(h1));
+            *reinterpret_cast<uint2*>(&xh[buf][sb * WIDE_LD + 32 * u + 4 * sq]) = make_uint2(h0, h1);
+            *reinterpret_cast<uint2*>(&xl[buf][sb * WIDE_LD + 32 * u + 4 * sq]) = make_uint2(l0, l1);
+            if (BITS != 16) {
+                float su = (f.x + f.y) + (f.z + f.w);
+                su += __shfl_xor_sync(0xffffffffu, su, 1);
+                su += __shfl_xor_sync(0xffffffffu, su, 2);
+                su += __shfl_xor_sync(0xffffffffu, su, 4);
+                if (sq == 0) xsum[buf][u][sb] = su;
+            }
+        }
+    };
+#pragma unroll
+    for (int u = 0; u < WIDE_SUB; ++u)
+        if (q0 + u < q1) fetch_w_chunk(q0 + u, u);
+    fetch_x(q0);
+    stage(0);
+    for (int q = q0, buf = 0; q < q1; q += WIDE_SUB, buf ^= 1) {
+        // This group's inputs are staged in `buf`; everyone is past the group before, whose
+        // buffer takes the next group's inputs below.
+        __syncthreads();
+        const bool more = q + WIDE_SUB < q1;
+        if (more) fetch_x(q + WIDE_SUB);
+#pragma unroll
+        for (int u = 0; u < WIDE_SUB; ++u) {
+            const int qc = q + u;
+            if (qc >= q1) break;
+            unsigned a[SETS][2][4];
+            float sc[SETS][2], bi[SETS][2];
+#pragma unroll
+            for (int s2 = 0; s2 < SETS; ++s2) {
+                decode_w<BITS>(wr[u][s2][0], a[s2][0], &sc[s2][0], &bi[s2][0]);
+                decode_w<BITS>(wr[u][s2][1], a[s2][1], &sc[s2][1], &bi[s2][1]);
+            }
+            if (qc + WIDE_SUB < q1) fetch_w_chunk(qc + WIDE_SUB, u);
+#pragma unroll
+            for (int j = 0; j < MMA_TILES; ++j) {
+                if (j * 8 >= nb) break;
+                const int b = j * 8 + gid;
+                uint4 hv = *reinterpret_cast<const uint4*>(&xh[buf][b * WIDE_LD + 32 * u + 8 * t]);
+                uint4 lv = *reinterpret_cast<const uint4*>(&xl[buf][b * WIDE_LD + 32 * u + 8 * t]);
+                unsigned hi[4] = {hv.x, hv.y, hv.z, hv.w}, lo[4] = {lv.x, lv.y, lv.z, lv.w};
+                mma_sets<BITS, SETS>(a, hi, lo, j, acc, part);
+            }
+            if (BITS != 16) {
+#pragma unroll
+                for (int j = 0; j < MMA_TILES; ++j) {
+                    if (j * 8 >= nb) break;
+                    const float x0 = xsum[buf][u][j * 8 + 2 * t], x1 = xsum[buf][u][j * 8 + 2 * t + 1];
+                    flush_tile<SETS>(sc, bi, x0, x1, j, acc, part);
+                }
+            }
+        }
+        if (more) stage(buf ^ 1);
+    }
+    if (gridDim.z == 1) {
+        store_frags<SETS>(acc, y, N, r, nb, nullptr, b0, bias);
+        return;
+    }
+    float* out = part_out + (long long)blockIdx.z * Bn * SETS * N;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = r + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
+            if (n < N && b < nb)
+#pragma unroll
+                for (int s2 = 0; s2 < SETS; ++s2) out[(long long)(b0 + b) * SETS * N + s2 * N + n] = acc[s2][j][e];
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf16_t* __restrict__ W, const float* x,
+                                                                     float* y, float* part, int N, int K, int Bn,
+                                                                     long long xs, const float* __restrict__ bias,
+                                                                     int cpb) {
+    pdl_entry();
+    mma_wide_t<16, 1>(W, nullptr, nullptr, x, y, part, N, K, 32, Bn, xs, bias, cpb);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                       const bf16_t* __restrict__ B, const float* x, float* y,
+                                                                       float* part, int N, int K, int G, int bits, int Bn,
+                                                                       long long xs, const float* __restrict__ bias, int cpb) {
+    pdl_entry();
+    if (bits == 8) mma_wide_t<8, 1>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, cpb);
+    else mma_wide_t<4, 1>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, cpb);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
+                                                                       float* h, float* part, int I, int K, int Bn,
+                                                                       long long xs, int cpb) {
+    pdl_entry();
+    mma_wide_t<16, 2>(W, nullptr, nullptr, x, h, part, I, K, 32, Bn, xs, nullptr, cpb);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                         const bf16_t* __restrict__ B, const float* x, float* h,
+                                                                         float* part, int I, int K, int G, int bits, int Bn,
+                                                                         long long xs, int cpb) {
+    pdl_entry();
+    if (bits == 8) mma_wide_t<8, 2>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, cpb);
+    else mma_wide_t<4, 2>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, cpb);
+}
+
+// wide_sum: y[b, n] = Σ_z part[z, b, n] (+ bias[n]) over the ks partial sums of the wide form,
+// in order of z; SwiGLU (sets 2): h[b, n] = silu(Σ gate)·Σ up, gate at n, up at N + n of each
+// partial row. grid (ceil(N / 256), B), block 256.
+extern "C" __global__ void wide_sum(const float* part, float* y, int N, int Bn, int ks, int sets,
+                                    const float* __restrict__ bias) {
+    pdl_entry();
+    const int n = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+    if (n >= N) return;
+    const long long stride = (long long)Bn * sets * N;
+    const float* p = part + (long long)b * sets * N + n;
+    float g = 0.f, u = 0.f;
+    for (int z = 0; z < ks; ++z) {
+        g += p[z * stride];
+        if (sets == 2) u += p[z * stride + N];
+    }
+    y[(long long)b * N + n] = sets == 2 ? silu_f(g) * u : g + (bias ? bias[n] : 0.f);
+}
+
 // The grouped form's tile: its expert, pairs and input rows (pair / x_div); false past n_tiles.
 __device__ __forceinline__ bool mma_tile(const int* tiles, const int* n_tiles,
                                          const int* order, int x_div, int& e, int& nb,
@@ -457,3 +699,67 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
     if (bits == 8) mma_grouped_t<8, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
     else mma_grouped_t<4, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
 }
+
+// Grouped split-K form (MoE decode batches: few pairs per expert): tiles of `tiles` as in the
+// grouped form but with count ≤ 8·MT, block x taking tiles blockIdx.x, blockIdx.x + gridDim.x, …
+// (a grid sized for the tiles expected, not the most possible). Block y takes weight rows
+// blockIdx.y·16·(8/ks) + 0..16·(8/ks) (outputs of `[gate | up]` for SwiGLU) of the tile's
+// expert: warp w takes rows 16·(w / ks) + 0..16 and the K chunks c ≡ w mod ks (ks ∈ {1, 2, 4,
+// 8}), the ks warps of a row tile summed in shared memory. grid (≤ max_tiles,
+// ceil(N / (16·8/ks))), block 256.
+template <int BITS, int SETS, int MT>
+__device__ void mma_gsplit_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+                             int N, int K, int G, const int* tiles, const int* n_tiles, const int* order,
+                             long long xs, int x_div, int ks) {
+    __shared__ int pair[MT * 8], row[MT * 8];
+    const int w = threadIdx.x >> 5;
+    const int n0 = (blockIdx.y * (8 / ks) + w / ks) * 16;
+    const int count = n_tiles[0];
+    for (int ti = blockIdx.x; ti < count; ti += gridDim.x) {
+        const int e = tiles[3 * ti], f = tiles[3 * ti + 1], nb = tiles[3 * ti + 2];
+        __syncthreads();
+        if (threadIdx.x < MT * 8) {
+            const int p = threadIdx.x < nb ? order[f + threadIdx.x] : 0;
+            pair[threadIdx.x] = p;
+            row[threadIdx.x] = p / x_div;
+        }
+        __syncthreads();
+        float acc[SETS][MT][4];
+        mma_rows_core<BITS, SETS, MT>(W, S, Bs, x, xs, row, nb, N, K, G, (long long)e * SETS * N, n0, w % ks, ks,
+                                      acc);
+        reduce_warps<SETS>(acc, ks);
+        if (w % ks == 0) store_frags<SETS>(acc, y, N, n0, nb, pair, 0, nullptr);
+    }
+}
+
+#define MMA_GSPLIT(MT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_rows_bf16_##MT(                       \
+        const bf16_t* __restrict__ W, const float* x, float* __restrict__ y, int N, int K,             \
+        const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
+        pdl_entry();                                                                                   \
+        mma_gsplit_t<16, 1, MT>(W, nullptr, nullptr, x, y, N, K, 32, tiles, n_tiles, order, xs, x_div, ks); \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_swiglu_bf16_##MT(                     \
+        const bf16_t* __restrict__ W, const float* x, float* __restrict__ h, int I, int K,             \
+        const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
+        pdl_entry();                                                                                   \
+        mma_gsplit_t<16, 2, MT>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div, ks); \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_rows_affine_##MT(                     \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,    \
+        const float* x, float* __restrict__ y, int N, int K, int G, int bits,                          \
+        const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
+        pdl_entry();                                                                                   \
+        if (bits == 8) mma_gsplit_t<8, 1, MT>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, ks); \
+        else mma_gsplit_t<4, 1, MT>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, ks);      \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_swiglu_affine_##MT(                   \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,    \
+        const float* x, float* __restrict__ h, int I, int K, int G, int bits,                          \
+        const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
+        pdl_entry();                                                                                   \
+        if (bits == 8) mma_gsplit_t<8, 2, MT>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, ks); \
+        else mma_gsplit_t<4, 2, MT>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, ks);      \
+    }
+MMA_GSPLIT(1)
+MMA_GSPLIT(2)

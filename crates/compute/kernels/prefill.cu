@@ -27,7 +27,7 @@
 // moe_group: pairs i < n (token i / KS, slot i % KS) with expert ids[i] < E, sorted by expert
 //   (counting sort; order inside an expert unspecified): order[n] pair indices, tiles of at most
 //   `tile` pairs of one expert as int3 (expert, first index into order, count), their number in
-//   n_tiles[0]. One block of 1024 threads; E ≤ MG_EMAX.
+//   n_tiles[0]. One block of 1024 threads (a multiple of 32, at most 1024); E ≤ MG_EMAX.
 
 extern "C" __global__ void gdn_conv_rows(const float* proj, long long P,
                                          const float* state, const float* __restrict__ w,
@@ -196,15 +196,50 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* ids, int
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int a = 0, nt = 0;
-        for (int e = 0; e < E; ++e) {
-            off[e] = a;
-            toff[e] = nt;
-            a += cnt[e];
-            nt += (cnt[e] + tile - 1) / tile;
+    // Exclusive prefix sums of the counts and tile counts: thread t sums experts [per·t,
+    // per·t + per), then a scan over the block's threads (within warps, then over warp totals).
+    __shared__ int warp_a[32], warp_t[32];
+    const int per = (E + blockDim.x - 1) / blockDim.x, e0 = threadIdx.x * per, e1 = min(e0 + per, E);
+    int a = 0, nt = 0;
+    for (int e = e0; e < e1; ++e) {
+        a += cnt[e];
+        nt += (cnt[e] + tile - 1) / tile;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, own_a = a, own_t = nt;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int va = __shfl_up_sync(0xffffffffu, a, o), vt = __shfl_up_sync(0xffffffffu, nt, o);
+        if (lane >= o) {
+            a += va;
+            nt += vt;
         }
-        n_tiles[0] = nt;
+    }
+    if (lane == 31) {
+        warp_a[warp] = a;
+        warp_t[warp] = nt;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = blockDim.x >> 5;
+        int wa = lane < warps ? warp_a[lane] : 0, wt = lane < warps ? warp_t[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int va = __shfl_up_sync(0xffffffffu, wa, o), vt = __shfl_up_sync(0xffffffffu, wt, o);
+            if (lane >= o) {
+                wa += va;
+                wt += vt;
+            }
+        }
+        warp_a[lane] = wa;
+        warp_t[lane] = wt;
+        if (lane == warps - 1) n_tiles[0] = wt;
+    }
+    __syncthreads();
+    a += (warp ? warp_a[warp - 1] : 0) - own_a;
+    nt += (warp ? warp_t[warp - 1] : 0) - own_t;
+    for (int e = e0; e < e1; ++e) {
+        off[e] = a;
+        toff[e] = nt;
+        a += cnt[e];
+        nt += (cnt[e] + tile - 1) / tile;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {

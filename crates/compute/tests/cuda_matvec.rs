@@ -188,8 +188,9 @@ fn affine_matvec_matches_cpu() {
     }
 }
 
-/// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids; 37 and 100
-/// rows: more than one 32-row group, split-K and GEMM tensor-core forms) and the experts of
+/// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids; 5 to 530
+/// rows: more than one 32-row group, split-K, wide — with and without K split over blocks —
+/// and GEMM tensor-core forms) and the experts of
 /// several tokens (ids, groups of `x_div` slots per input row), for bf16 and 4/8-bit affine
 /// weights, plus the SwiGLU form of the row batch. The tensor-core row kernels carry each input as bf16 hi + lo (16
 /// significant bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation, hence 3e-5 of the
@@ -197,8 +198,8 @@ fn affine_matvec_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matvec_slot_forms_match_cpu() {
-    // 37 rows take the split-K tensor-core form, 100 the GEMM form.
-    for rows in [37, 100] {
+    // 5 rows take the split-K tensor-core form, 37 and 100 the wide form, 530 the GEMM form.
+    for rows in [5, 37, 100, 530] {
         slot_forms(rows);
     }
 }
@@ -206,7 +207,7 @@ fn matvec_slot_forms_match_cpu() {
 fn slot_forms(rows: usize) {
     let g = gpu();
     let mut r = rng();
-    let (n, k, experts, per_row) = (46usize, 256usize, 3usize, 2usize);
+    let (n, k, experts, per_row) = (46usize, 1024usize, 3usize, 2usize);
     let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
     let x = rand_vec(&mut r, rows * k, -1.0, 1.0);
     let ids: Vec<i32> = (0..rows * per_row)
@@ -249,31 +250,36 @@ fn slot_forms(rows: usize) {
     let dot = |wt: &[f32], e: usize, row: usize, xr: &[f32]| -> f32 {
         (0..k).map(|c| wt[(e * n + row) * k + c] * xr[c]).sum()
     };
+    // Room for the wide form's partial sums: K split over blocks.
+    let ws = g.zeros::<f32>(rows * 2 * n * k / 32).unwrap();
     for (name, wt, m) in &forms {
         let dy = g.zeros::<f32>(rows * per_row * n).unwrap();
-        ops::matvec(&g, *m, dx.ptr(), dy.ptr(), Slots::rows(rows, k)).unwrap();
-        let want: Vec<f32> = (0..rows * n)
-            .map(|i| dot(wt, 0, i % n, &x[i / n * k..(i / n + 1) * k]))
-            .collect();
-        assert_close(
-            &format!("{name} rows"),
-            &g.read(&dy, rows * n).unwrap(),
-            &want,
-            3e-5,
-        );
-        let i_half = n / 2;
-        let sw = Matvec { bias: 0, ..*m };
-        ops::matvec_swiglu(&g, sw, dx.ptr(), dy.ptr(), Slots::rows(rows, k)).unwrap();
-        let want: Vec<f32> = (0..rows * i_half)
-            .map(|i| {
-                let (b, j) = (i / i_half, i % i_half);
-                let xr = &x[b * k..(b + 1) * k];
-                let (gv, uv) = (dot(wt, 0, j, xr), dot(wt, 0, i_half + j, xr));
-                gv * sigmoid(gv) * uv
-            })
-            .collect();
-        let got = g.read(&dy, rows * i_half).unwrap();
-        assert_close(&format!("{name} swiglu rows"), &got, &want, 3e-5);
+        let split = Slots::rows(rows, k).with_ws(ws.ptr(), ws.len());
+        for (form, sl) in [("rows", Slots::rows(rows, k)), ("rows split-K", split)] {
+            ops::matvec(&g, *m, dx.ptr(), dy.ptr(), sl).unwrap();
+            let want: Vec<f32> = (0..rows * n)
+                .map(|i| dot(wt, 0, i % n, &x[i / n * k..(i / n + 1) * k]))
+                .collect();
+            assert_close(
+                &format!("{name} {form}"),
+                &g.read(&dy, rows * n).unwrap(),
+                &want,
+                3e-5,
+            );
+            let i_half = n / 2;
+            let sw = Matvec { bias: 0, ..*m };
+            ops::matvec_swiglu(&g, sw, dx.ptr(), dy.ptr(), sl).unwrap();
+            let want: Vec<f32> = (0..rows * i_half)
+                .map(|i| {
+                    let (b, j) = (i / i_half, i % i_half);
+                    let xr = &x[b * k..(b + 1) * k];
+                    let (gv, uv) = (dot(wt, 0, j, xr), dot(wt, 0, i_half + j, xr));
+                    gv * sigmoid(gv) * uv
+                })
+                .collect();
+            let got = g.read(&dy, rows * i_half).unwrap();
+            assert_close(&format!("{name} swiglu {form}"), &got, &want, 3e-5);
+        }
         let sl = Slots::experts(rows * per_row, di.ptr(), k, per_row);
         ops::matvec(&g, *m, dx.ptr(), dy.ptr(), sl).unwrap();
         let want: Vec<f32> = (0..rows * per_row * n)

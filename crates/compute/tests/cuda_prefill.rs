@@ -421,32 +421,42 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         let di = g.upload(&ids).unwrap();
         let x = rand_vec(&mut r, tokens * k, -1.0, 1.0);
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
-        for tile in [pf::TILE_CORES, pf::TILE_MMA] {
-            if tile == pf::TILE_MMA && k % 32 != 0 {
+        let forms = [
+            (pf::TILE_CORES, false),
+            (pf::TILE_MMA, false),
+            (pf::TILES_SPLIT[0], true),
+            (pf::TILES_SPLIT[1], true),
+        ];
+        for (tile, split) in forms {
+            if (tile == pf::TILE_MMA || split) && k % 32 != 0 {
                 continue;
             }
             grouping_case(
-                &g, &ids, &di, tokens, ks, experts, n, k, quant, tile, &x, &w,
+                &g,
+                &ids,
+                &di,
+                (tokens, ks, experts),
+                (n, k),
+                quant,
+                (tile, split),
+                (&x, &w),
             );
         }
     }
 }
 
-/// One grouping of `ids` in tiles of `tile` and the grouped products over it against the CPU.
+/// One grouping of `ids` in tiles of `tile` and the grouped products over it (on the split-K
+/// kernels with `split`) against the CPU.
 #[allow(clippy::too_many_arguments)]
 fn grouping_case(
     g: &Gpu,
     ids: &[i32],
     di: &deltamoe_compute::cuda::DevBuf<i32>,
-    tokens: usize,
-    ks: usize,
-    experts: usize,
-    n: usize,
-    k: usize,
+    (tokens, ks, experts): (usize, usize, usize),
+    (n, k): (usize, usize),
     quant: Option<(u32, usize)>,
-    tile: usize,
-    x: &[f32],
-    w: &[f32],
+    (tile, split): (usize, bool),
+    (x, w): (&[f32], &[f32]),
 ) {
     {
         let pairs = tokens * ks;
@@ -543,8 +553,15 @@ fn grouping_case(
             g.zeros::<f32>(pairs * n).unwrap(),
             g.zeros::<f32>(pairs * n / 2).unwrap(),
         );
-        pf::grouped_matvec(g, m, dx.ptr(), dy.ptr(), gr).unwrap();
-        pf::grouped_swiglu(g, m, dx.ptr(), dh.ptr(), gr).unwrap();
+        if split {
+            // Fewer blocks than tiles: each loops over several.
+            let blocks = (mt / 3).max(1);
+            pf::grouped_split(g, m, (dx.ptr(), dy.ptr()), gr, false, blocks).unwrap();
+            pf::grouped_split(g, m, (dx.ptr(), dh.ptr()), gr, true, blocks).unwrap();
+        } else {
+            pf::grouped_matvec(g, m, dx.ptr(), dy.ptr(), gr).unwrap();
+            pf::grouped_swiglu(g, m, dx.ptr(), dh.ptr(), gr).unwrap();
+        }
         let want: Vec<f32> = match quant {
             None => (0..pairs)
                 .flat_map(|pi| {
@@ -567,7 +584,9 @@ fn grouping_case(
                 g.read(&dref, pairs * n).unwrap()
             }
         };
-        let name = format!("grouped {quant:?} tile {tile} {tokens}x{ks} of {experts} [{n}x{k}]");
+        let name = format!(
+            "grouped {quant:?} tile {tile} split {split} {tokens}x{ks} of {experts} [{n}x{k}]"
+        );
         assert_close(&name, &g.read(&dy, pairs * n).unwrap(), &want, 1e-4);
         let i = n / 2;
         let hw: Vec<f32> = (0..pairs)

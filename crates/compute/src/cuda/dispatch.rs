@@ -39,8 +39,11 @@ pub enum Plan {
 pub enum RowsForm {
     /// Tensor cores, inputs staged once per block of 128 weight rows (mma_rows.cu).
     Gemm,
-    /// Tensor cores, split-K, 16 weight rows a block (mma_rows.cu; decode batches).
+    /// Tensor cores, split-K, 16 weight rows a block (mma_rows.cu; small decode batches).
     SplitK,
+    /// Tensor cores, 128 weight rows a block sharing their staged inputs, K split over blocks
+    /// (mma_rows.cu `mma_wide_*`; decode batches from [`WIDE_MIN_ROWS`] rows).
+    Wide,
     /// CUDA cores (matvec_rows.cu).
     Cores,
 }
@@ -53,8 +56,10 @@ pub(super) const MV_ROWS: usize = 4;
 pub(super) const MMA_ROWS_INPUTS: usize = 32;
 
 /// From this many input rows on, the GEMM form of mma_rows.cu (inputs staged once per block of
-/// 128 weight rows) beats the split-K form (16 weight rows per block, made for decode batches).
-pub const GEMM_MIN_ROWS: usize = 64;
+/// 128 weight rows) runs instead of the split-K form (16 weight rows per block, made for decode
+/// batches). Every decode batch (at most 256 rows) takes split-K: at 64 rows the GEMM form's few
+/// blocks (two for a router of 257 rows) made a 35B step 2.4× slower than at 32 rows.
+pub const GEMM_MIN_ROWS: usize = 512;
 
 /// The kernel a product of `m` over `sl` runs (`swiglu`: `[gate | up]` rows with the SwiGLU
 /// epilogue).
@@ -63,9 +68,10 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
         return Plan::OneRow;
     }
     if batched_rows(m, sl) {
-        let form = match (tensor_core_rows(m), sl.n >= GEMM_MIN_ROWS) {
-            (true, true) => RowsForm::Gemm,
-            (true, false) => RowsForm::SplitK,
+        let form = match (tensor_core_rows(m), sl.n) {
+            (true, n) if n >= GEMM_MIN_ROWS => RowsForm::Gemm,
+            (true, n) if n >= WIDE_MIN_ROWS => RowsForm::Wide,
+            (true, _) => RowsForm::SplitK,
             (false, _) => RowsForm::Cores,
         };
         return Plan::Rows {
@@ -132,6 +138,35 @@ pub fn grouped_tile(
     }
 }
 
+/// From this many rows on, a decode step's expert products run grouped by expert
+/// ([`grouped_decode_tile`]); below it per slot (35B 4-bit, H100: 2 rows 437 tok/s per slot
+/// against 388 grouped, 4 rows 742 against 756).
+pub const GROUPED_DECODE_MIN_ROWS: usize = 4;
+
+/// The tile of a decode batch's expert products grouped by expert on the split-K tensor-core
+/// kernels (`prefill::grouped_split`: each picked expert's weights read once for all the rows
+/// routed to it), for `rows` rows picking `top_k` of `experts` experts: 8 pairs while an
+/// expert expects at most 4 of them, else 16. None (the products run per slot) below
+/// [`GROUPED_DECODE_MIN_ROWS`] rows or for matrices the tensor-core kernels do not take; `x_stride`
+/// and `inter` are the inputs' strides as in [`grouped_tile`].
+pub fn grouped_decode_tile(
+    gate_up: &Matvec,
+    down: &Matvec,
+    (x_stride, inter): (usize, usize),
+    (rows, top_k, experts): (usize, usize, usize),
+) -> Option<usize> {
+    use super::prefill::TILES_SPLIT;
+    let takes = |m: &Matvec, stride: usize| tensor_core_rows(m) && stride.is_multiple_of(4);
+    if rows < GROUPED_DECODE_MIN_ROWS || !takes(gate_up, x_stride) || !takes(down, inter) {
+        return None;
+    }
+    let per_expert = (rows * top_k) as f64 / experts.max(1) as f64;
+    Some(match per_expert > 4.0 {
+        false => TILES_SPLIT[0],
+        true => TILES_SPLIT[1],
+    })
+}
+
 /// Whether the kernels read x as float4s (bf16 rows only when K is a multiple of 8).
 pub(super) fn vector_x(m: &Matvec) -> bool {
     matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8)
@@ -160,6 +195,29 @@ pub fn tensor_core_rows(m: &Matvec) -> bool {
         }
 }
 
+/// From this many input rows on, a batch takes the wide form: split-K's 16 weight rows a block
+/// read each block's inputs again from L2 (at 32 rows 8× the bytes of 4-bit weights).
+pub const WIDE_MIN_ROWS: usize = 8;
+
+/// Blocks along K of a wide-form product (`mma_wide_*`) of `n` outputs (`sets` rows each: 2
+/// for SwiGLU) over `k` inputs for `rows` rows on `sms` multiprocessors, with room for
+/// `ws_floats` floats of partial sums: enough blocks for two a multiprocessor, each with at
+/// least 8 chunks of 32 when K is split; 1 (no partial sums) without room.
+pub fn wide_splits(
+    n: usize,
+    k: usize,
+    rows: usize,
+    sets: usize,
+    sms: usize,
+    ws_floats: usize,
+) -> usize {
+    let blocks = rows.div_ceil(32) * n.div_ceil(128);
+    let want = (2 * sms).div_ceil(blocks.max(1));
+    let by_k = (k / 32 / 8).max(1);
+    let by_ws = ws_floats / (rows * sets * n).max(1);
+    want.min(by_k).min(by_ws).max(1)
+}
+
 /// The entry point of a batch-of-rows product in `form`.
 fn rows_kernel(format: WeightFormat, swiglu: bool, form: RowsForm) -> &'static str {
     let affine = matches!(format, WeightFormat::Affine { .. });
@@ -172,6 +230,10 @@ fn rows_kernel(format: WeightFormat, swiglu: bool, form: RowsForm) -> &'static s
         (RowsForm::SplitK, false, true) => "mma_swiglu_bf16",
         (RowsForm::SplitK, true, false) => "mma_rows_affine",
         (RowsForm::SplitK, true, true) => "mma_swiglu_affine",
+        (RowsForm::Wide, false, false) => "mma_wide_rows_bf16",
+        (RowsForm::Wide, false, true) => "mma_wide_swiglu_bf16",
+        (RowsForm::Wide, true, false) => "mma_wide_rows_affine",
+        (RowsForm::Wide, true, true) => "mma_wide_swiglu_affine",
         (RowsForm::Cores, false, false) => "matvec_rows_bf16",
         (RowsForm::Cores, false, true) => "swiglu_rows_bf16",
         (RowsForm::Cores, true, false) => "matvec_rows_affine",
@@ -278,11 +340,13 @@ mod tests {
     #[test]
     fn batches_of_rows_take_tensor_cores_then_the_gemm_form() {
         let m = mat(4096, 2048, 4);
-        let split = rows(plan(&m, &Slots::rows(8, 2048), false));
+        let split = rows(plan(&m, &Slots::rows(4, 2048), false));
         assert_eq!(split, Some(("mma_rows_affine", RowsForm::SplitK)));
-        let gemm = rows(plan(&m, &Slots::rows(64, 2048), true));
+        let wide = rows(plan(&m, &Slots::rows(32, 2048), false));
+        assert_eq!(wide, Some(("mma_wide_rows_affine", RowsForm::Wide)));
+        let gemm = rows(plan(&m, &Slots::rows(512, 2048), true));
         assert_eq!(gemm, Some(("mma_gemm_swiglu_affine", RowsForm::Gemm)));
-        let b = rows(plan(&mat(4096, 2048, 16), &Slots::rows(8, 2048), false));
+        let b = rows(plan(&mat(4096, 2048, 16), &Slots::rows(4, 2048), false));
         assert_eq!(b, Some(("mma_rows_bf16", RowsForm::SplitK)));
         // 2-bit and K not a multiple of 32 stay on CUDA cores.
         let c = rows(plan(&mat(4096, 2048, 2), &Slots::rows(8, 2048), false));
@@ -370,5 +434,45 @@ mod tests {
         assert_eq!(grouped_tile(&bf.0, &bf.1, 2048, 512, true), Some(TILE_GEMM));
         assert_eq!(grouped_tile(&gu, &down2, 2048, 512, true), Some(TILE_CORES));
         assert_eq!(grouped_tile(&gu, &down, 2048, 516, true), Some(TILE_MMA));
+    }
+
+    #[test]
+    fn wide_products_split_k_until_every_multiprocessor_has_two_blocks() {
+        use super::wide_splits;
+        let ws = 256 * 65_536;
+        // GDN input projection of the 35B shape, 32 rows: 97 blocks, split 3 ways.
+        assert_eq!(wide_splits(12_352, 2048, 32, 1, 132, ws), 3);
+        // Its output projection: 16 blocks; K 4096 is 128 chunks, 8 a block at least.
+        assert_eq!(wide_splits(2048, 4096, 32, 1, 132, ws), 16);
+        // An lm_head has blocks enough; no room for partial sums means no split.
+        assert_eq!(wide_splits(248_320, 2048, 32, 1, 132, ws), 1);
+        assert_eq!(wide_splits(2048, 4096, 32, 1, 132, 0), 1);
+        // Short K: at least 8 chunks a block.
+        assert_eq!(wide_splits(257, 256, 32, 1, 132, ws), 1);
+    }
+
+    #[test]
+    fn decode_batches_group_experts_in_tiles_their_pairs_fill() {
+        use super::grouped_decode_tile;
+        let (gu, down) = (mat(1024, 2048, 4), mat(2048, 512, 4));
+        let strides = (2048, 512);
+        // One row keeps its per-slot (fused) products, and so do batches below 4 rows.
+        assert_eq!(grouped_decode_tile(&gu, &down, strides, (1, 8, 256)), None);
+        assert_eq!(grouped_decode_tile(&gu, &down, strides, (3, 8, 256)), None);
+        // 32 rows of top-8 over 256 experts: one pair an expert on average.
+        assert_eq!(
+            grouped_decode_tile(&gu, &down, strides, (32, 8, 256)),
+            Some(8)
+        );
+        assert_eq!(
+            grouped_decode_tile(&gu, &down, strides, (256, 8, 256)),
+            Some(16)
+        );
+        // 2-bit weights have no tensor-core kernel.
+        let down2 = mat(2048, 512, 2);
+        assert_eq!(
+            grouped_decode_tile(&gu, &down2, strides, (32, 8, 256)),
+            None
+        );
     }
 }

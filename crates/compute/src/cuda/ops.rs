@@ -26,6 +26,15 @@ pub(crate) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
     }
 }
 
+/// A launch of a 3-D grid of `block`-thread blocks with `shared` bytes of dynamic shared memory.
+pub(crate) fn cfg3(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
 pub(crate) fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
@@ -66,6 +75,8 @@ pub struct Slots {
     pub x_div: usize,
     /// A second stack that ids from `far.split` on index into (as `id − split`).
     pub far: Option<Far>,
+    /// Room for a wide-form product's partial sums (device address, floats; 0: none).
+    pub ws: (u64, usize),
 }
 
 impl Slots {
@@ -82,6 +93,7 @@ impl Slots {
             x_stride,
             x_div: 1,
             far: None,
+            ws: (0, 0),
         }
     }
 
@@ -94,6 +106,15 @@ impl Slots {
             x_stride,
             x_div: x_div.max(1),
             far: None,
+            ws: (0, 0),
+        }
+    }
+
+    /// These slots with `floats` floats at `ptr` for the partial sums of the wide form.
+    pub fn with_ws(self, ptr: u64, floats: usize) -> Slots {
+        Slots {
+            ws: (ptr, floats),
+            ..self
         }
     }
 
@@ -134,7 +155,11 @@ fn matvec_rows(
     let (name, form) = plan;
     let out_rows = if swiglu { m.n / 2 } else { m.n };
     let (n32, k32, b32, xs) = (out_rows as i32, m.k as i32, sl.n as i32, sl.x_stride as i64);
+    if form == RowsForm::Wide {
+        return matvec_wide(g, m, (x, y), sl, name, swiglu);
+    }
     let grid = match form {
+        RowsForm::Wide => unreachable!("launched above"),
         RowsForm::Gemm => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 128)),
         RowsForm::SplitK => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 16)),
         RowsForm::Cores => {
@@ -172,6 +197,92 @@ fn matvec_rows(
     // x_stride ≥ K floats (16-byte aligned: x_stride % 4 == 0, checked), y holds n·N floats (n·I
     // for SwiGLU); rows and batch rows are bounds-checked in the kernel.
     unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
+    Ok(())
+}
+
+/// Chunks of 32 inputs the wide form stages at a time (`WIDE_SUB` in mma_rows.cu).
+const WIDE_SUB: usize = 4;
+/// The wide form's dynamic shared memory (`WIDE_SMEM` in mma_rows.cu): inputs as bf16 hi and
+/// lo, two buffers of 32 rows of `32·WIDE_SUB + 32`, and their chunk sums.
+const WIDE_SMEM: u32 = (4 * 32 * (32 * WIDE_SUB + 32) * 2 + 2 * WIDE_SUB * 32 * 4) as u32;
+
+/// A batch of rows on the wide form (`mma_wide_*` in mma_rows.cu), K split over blocks as
+/// `dispatch::wide_splits` says, the partial sums in `sl.ws` added by `wide_sum`.
+fn matvec_wide(
+    g: &Gpu,
+    m: Matvec,
+    (x, y): (u64, u64),
+    sl: Slots,
+    name: &str,
+    swiglu: bool,
+) -> Result<()> {
+    let (sets, out_rows) = if swiglu { (2, m.n / 2) } else { (1, m.n) };
+    let chunks = m.k / 32;
+    let (ws, ws_floats) = sl.ws;
+    let splits = dispatch::wide_splits(out_rows, m.k, sl.n, sets, g.multiprocessors(), ws_floats);
+    // Whole groups of WIDE_SUB chunks a block where K allows.
+    let cpb = chunks
+        .div_ceil(splits)
+        .next_multiple_of(WIDE_SUB)
+        .min(chunks);
+    let splits = chunks.div_ceil(cpb);
+    let part = if splits > 1 { ws } else { 0 };
+    let (n32, k32, b32, xs, cpb32) = (
+        out_rows as i32,
+        m.k as i32,
+        sl.n as i32,
+        sl.x_stride as i64,
+        cpb as i32,
+    );
+    let affine = match m.format {
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => Some((scales, biases, group as i32, bits as i32)),
+        WeightFormat::Bf16 => None,
+    };
+    let mut b = g.launch_builder(g.kernels().get(name));
+    b.arg(&m.w);
+    if let Some((scales, biases, g32, bits32)) = &affine {
+        b.arg(scales).arg(biases).arg(&x).arg(&y).arg(&part);
+        b.arg(&n32).arg(&k32).arg(g32).arg(bits32);
+    } else {
+        b.arg(&x).arg(&y).arg(&part).arg(&n32).arg(&k32);
+    }
+    b.arg(&b32).arg(&xs);
+    if !swiglu {
+        b.arg(&m.bias);
+    }
+    b.arg(&cpb32);
+    let grid = (
+        blocks(sl.n, MMA_ROWS_INPUTS),
+        blocks(out_rows, 128),
+        splits as u32,
+    );
+    // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU; K % 32 == 0 and the
+    // format is one the tensor-core kernels take: dispatch), x holds n rows of x_stride ≥ K
+    // floats (16-byte aligned, checked by the caller), y n·N floats (n·I); with splits > 1
+    // the partial sums take splits·n·sets·N ≤ ws_floats floats (wide_splits); the block has the
+    // kernel's 256 threads and WIDE_SMEM (< 48 KiB) bytes of shared memory.
+    unsafe { b.launch(cfg3(grid, 256, WIDE_SMEM)) }.map_err(driver_err(name))?;
+    if splits > 1 {
+        let (s32, sets32) = (splits as i32, sets as i32);
+        let bias = if swiglu { 0 } else { m.bias };
+        let mut b = g.launch_builder(g.kernels().get("wide_sum"));
+        b.arg(&ws)
+            .arg(&y)
+            .arg(&n32)
+            .arg(&b32)
+            .arg(&s32)
+            .arg(&sets32)
+            .arg(&bias);
+        // SAFETY: the partial sums above (splits·n·sets·N floats), y n·N floats; the grid
+        // covers N × n.
+        unsafe { b.launch(cfg((blocks(out_rows, 256), sl.n as u32), 256, 0)) }
+            .map_err(driver_err("wide_sum"))?;
+    }
     Ok(())
 }
 

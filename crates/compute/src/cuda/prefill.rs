@@ -239,11 +239,14 @@ pub const MOE_GROUP_EMAX: usize = 1040;
 pub const TILE_CORES: usize = 8;
 /// Pairs per grouped tile of the tensor-core grouped kernels (`8·MMA_TILES` in mma_rows.cu).
 pub const TILE_MMA: usize = 32;
+/// Pairs per grouped tile the split-K grouped kernels take (`8·MT` in mma_rows.cu,
+/// `mma_gsplit_*`): decode batches, a few pairs an expert.
+pub const TILES_SPLIT: [usize; 2] = [8, 16];
 
 /// Tiles a grouping of `pairs` pairs over `experts` experts in tiles of `tile` can take (the
 /// grid of the grouped products).
 pub fn max_tiles(pairs: usize, experts: usize, tile: usize) -> usize {
-    pairs.div_ceil(tile) + experts
+    pairs.min(pairs.div_ceil(tile) + experts)
 }
 
 /// Sort the `n` (token, slot) pairs of `ids [n]` by expert: `order [n]`, tiles int3
@@ -376,6 +379,99 @@ pub fn grouped_matvec(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped) -> Result
 /// `h[p] = silu(G_e x) ⊙ U_e x` for every pair p of the grouping (`m.n = 2I`).
 pub fn grouped_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, gr: Grouped) -> Result<()> {
     grouped(g, m, x, h, gr, true)
+}
+
+/// [`grouped_matvec`] (`swiglu` false) or [`grouped_swiglu`] on the split-K grouped kernels,
+/// whose tiles ([`TILES_SPLIT`]) hold few pairs, at the accuracy of the tensor-core row
+/// products: 16 weight rows a warp, K split over `split_warps(K)` warps, `blocks` blocks
+/// (at most `gr.max_tiles`) looping over the tiles — size it for the tiles expected.
+pub fn grouped_split(
+    g: &Gpu,
+    m: Matvec,
+    (x, y): (u64, u64),
+    gr: Grouped,
+    swiglu: bool,
+    blocks_x: usize,
+) -> Result<()> {
+    let two = match gr.tile {
+        8 => false,
+        16 => true,
+        t => {
+            return Err(CudaError::Unsupported(format!(
+                "grouped split-K product: tiles of {t} pairs (8 or 16)"
+            )))
+        }
+    };
+    if !super::ops::tensor_core_rows(&m) || !gr.x_stride.is_multiple_of(4) || gr.x_div == 0 {
+        return Err(CudaError::Unsupported(format!(
+            "grouped split-K product: K {} / stride {} not supported",
+            m.k, gr.x_stride
+        )));
+    }
+    let out_rows = if swiglu { m.n / 2 } else { m.n };
+    let ks = split_warps(m.k);
+    let (n32, k32, xs, xd, ks32) = (
+        out_rows as i32,
+        m.k as i32,
+        gr.x_stride as i64,
+        gr.x_div as i32,
+        ks as i32,
+    );
+    let affine = matches!(m.format, WeightFormat::Affine { .. });
+    let name = match (affine, swiglu, two) {
+        (false, false, false) => "mma_gsplit_rows_bf16_1",
+        (false, true, false) => "mma_gsplit_swiglu_bf16_1",
+        (true, false, false) => "mma_gsplit_rows_affine_1",
+        (true, true, false) => "mma_gsplit_swiglu_affine_1",
+        (false, false, true) => "mma_gsplit_rows_bf16_2",
+        (false, true, true) => "mma_gsplit_swiglu_bf16_2",
+        (true, false, true) => "mma_gsplit_rows_affine_2",
+        (true, true, true) => "mma_gsplit_swiglu_affine_2",
+    };
+    let mut b = g.launch_builder(g.kernels().get(name));
+    b.arg(&m.w);
+    let affine_args = match m.format {
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => Some((scales, biases, group as i32, bits as i32)),
+        WeightFormat::Bf16 => None,
+    };
+    if let Some((scales, biases, _, _)) = &affine_args {
+        b.arg(scales).arg(biases);
+    }
+    b.arg(&x).arg(&y).arg(&n32).arg(&k32);
+    if let Some((_, _, g32, bits32)) = &affine_args {
+        b.arg(g32).arg(bits32);
+    }
+    b.arg(&gr.tiles)
+        .arg(&gr.n_tiles)
+        .arg(&gr.order)
+        .arg(&xs)
+        .arg(&xd)
+        .arg(&ks32);
+    let grid = (
+        blocks_x.clamp(1, gr.max_tiles.max(1)) as u32,
+        blocks(out_rows, 16 * 8 / ks),
+    );
+    // SAFETY: as `grouped`: the tiles (counts ≤ gr.tile, the kernel's 8·MT) come from moe_group
+    // over the same pairs; x holds (max pair / x_div + 1) rows of x_stride ≥ K floats (16-byte
+    // aligned: checked), y pairs·N floats (pairs·I for SwiGLU); W the stacked experts of a
+    // format the tensor-core row kernels take (K % 32 == 0, checked); ks divides 8.
+    unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
+    Ok(())
+}
+
+/// Warps that split K in the grouped split-K kernels: the most (up to the block's 8, a power
+/// of two) that leave each at least 4 chunks of 32.
+pub fn split_warps(k: usize) -> usize {
+    let chunks = k / 32;
+    [8, 4, 2]
+        .into_iter()
+        .find(|&w| chunks >= 4 * w)
+        .unwrap_or(1)
 }
 
 /// The gated delta rule over `t` tokens in f32, token by token with the arithmetic of the decode

@@ -71,7 +71,7 @@ use pool::Pool;
 type Result<T> = std::result::Result<T, CudaError>;
 
 /// Most rows one batched step runs; the engine splits larger batches.
-pub const MAX_BATCH: usize = 32;
+pub const MAX_BATCH: usize = 256;
 
 /// The model on a GPU: its layers ([`layers`]) and what runs them — the step's scratch, the
 /// sequence pool, the captured graphs and the expert residency.

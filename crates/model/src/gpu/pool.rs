@@ -95,7 +95,7 @@ impl Pool {
 pub const RESERVE_HEADROOM: usize = 4 << 30;
 
 /// Most slots an automatic reservation takes.
-pub const AUTO_MAX_SLOTS: usize = 64;
+pub const AUTO_MAX_SLOTS: usize = 256;
 
 const GIB: f64 = (1u64 << 30) as f64;
 

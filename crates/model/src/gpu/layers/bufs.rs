@@ -8,6 +8,10 @@ use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 
 use crate::config::ModelConfig;
 
+/// Floats per row of room for the partial sums of a decode step's wide-form products (K split
+/// over blocks: `dispatch::wide_splits`).
+pub(crate) const WIDE_PART_PER_ROW: usize = 65_536;
+
 /// Split-K partitions of the attention decode (its partial outputs are sized for them).
 pub(crate) const ATTN_SPLITS: usize = 64;
 
@@ -60,8 +64,9 @@ impl Needs {
 /// An ffn's activations for `rows` rows (a decode step's, or a prefill pass's), `k` = top-k + 1
 /// slots a row for an MoE: router logits `[rows, E + 1]`, routed ids and weights `[rows, k]`,
 /// shared-expert gates `[rows]`, hidden activations `[rows, inter]` (all slots of a row), expert
-/// outputs `[rows, k, H]`, and the shared expert's hidden `[rows, shared]` and output `[rows, H]`
-/// when it runs apart.
+/// outputs `[rows, k, H]`, the shared expert's hidden `[rows, shared]` and output `[rows, H]`
+/// when it runs apart, and the (row, slot) pairs grouped by expert (`order`, `tiles`,
+/// `n_tiles`: see `prefill::moe_group`).
 pub(crate) struct FfnBufs {
     pub router: DevBuf<f32>,
     pub ids: DevBuf<i32>,
@@ -71,6 +76,9 @@ pub(crate) struct FfnBufs {
     pub y: DevBuf<f32>,
     pub hs: DevBuf<f32>,
     pub ys: DevBuf<f32>,
+    pub order: DevBuf<i32>,
+    pub tiles: DevBuf<i32>,
+    pub n_tiles: DevBuf<i32>,
 }
 
 impl FfnBufs {
@@ -86,6 +94,9 @@ impl FfnBufs {
             y: g.zeros(r * k * h)?,
             hs: g.zeros(r * needs.shared)?,
             ys: g.zeros(r * h)?,
+            order: g.zeros(r * k)?,
+            tiles: g.zeros(3 * pf::max_tiles(r * k, c.num_experts + 1, pf::TILE_CORES))?,
+            n_tiles: g.zeros(1)?,
         })
     }
 }
@@ -102,6 +113,8 @@ pub(crate) struct Scratch {
     pub(crate) part_o: DevBuf<f32>,
     pub(crate) part_ml: DevBuf<f32>,
     pub(crate) ffn: FfnBufs,
+    /// Partial sums of the wide-form products (`rows · WIDE_PART_PER_ROW` floats).
+    pub(crate) part: DevBuf<f32>,
     pub(crate) logits: DevBuf<f32>,
     /// A one-row lm_head's largest logit and its index per block (`VecIo::best`), at most one
     /// block per 16 rows.
@@ -124,6 +137,7 @@ impl Scratch {
             part_o: g.zeros(r * c.num_heads * ATTN_SPLITS * c.head_dim)?,
             part_ml: g.zeros(r * c.num_heads * ATTN_SPLITS * 2)?,
             ffn: FfnBufs::new(g, c, needs, r)?,
+            part: g.zeros(r * WIDE_PART_PER_ROW)?,
             logits: g.zeros(r * c.vocab_size)?,
             best: g.zeros(2 * c.vocab_size.div_ceil(16))?,
         })
@@ -159,9 +173,6 @@ pub(crate) struct PrefillScratch {
     /// sequence's length as passes need (`GpuModel::prefill`).
     pub(crate) kvb: DevBuf<u16>,
     pub(crate) ffn: FfnBufs,
-    pub(crate) order: DevBuf<i32>,
-    pub(crate) tiles: DevBuf<i32>,
-    pub(crate) n_tiles: DevBuf<i32>,
     pub(crate) logits: DevBuf<f32>,
 }
 
@@ -174,7 +185,6 @@ impl PrefillScratch {
     ) -> Result<PrefillScratch> {
         let r = rows;
         let h = c.hidden_size;
-        let ks = c.experts_per_token + 1;
         let proj = needs.proj;
         let ws = needs.workspace.max(1);
         let (qd, vd, kd) = (
@@ -182,7 +192,6 @@ impl PrefillScratch {
             c.linear_value_size(),
             c.linear_k_heads * c.linear_k_dim,
         );
-        let pairs = r * ks;
         Ok(PrefillScratch {
             rows,
             tok: g.zeros(r)?,
@@ -207,9 +216,6 @@ impl PrefillScratch {
             hb: g.zeros((r * needs.inter).max(1))?,
             kvb: g.zeros(1)?,
             ffn: FfnBufs::new(g, c, needs, r)?,
-            order: g.zeros(pairs)?,
-            tiles: g.zeros(3 * pf::max_tiles(pairs, c.num_experts + 1, pf::TILE_CORES))?,
-            n_tiles: g.zeros(1)?,
             logits: g.zeros(LOGIT_ROWS * c.vocab_size)?,
         })
     }

@@ -1,6 +1,6 @@
 //! The dense SwiGLU MLP on the GPU: `[gate | up]` as one matrix (SwiGLU in its epilogue), then
 //! down.
-use deltamoe_compute::cuda::ops::{self, Slots};
+use deltamoe_compute::cuda::ops;
 use deltamoe_compute::cuda::{Gpu, Result};
 
 use super::{gate_up, pass_mv, Ffn, FfnIo, Needs, Pass, Stager, Step};
@@ -61,11 +61,11 @@ impl Ffn for DenseFfn {
     }
 
     fn decode(&self, st: &Step, io: &FfnIo) -> Result<()> {
-        let (g, s, b) = (st.g, st.s, st.rows());
-        let x_rows = Slots::rows(b, st.hidden);
+        let (g, s) = (st.g, st.s);
+        let x_rows = st.row_slots(st.hidden);
         ops::matvec_swiglu(g, self.gate_up.mv(), s.normed.ptr(), s.ffn.h.ptr(), x_rows)?;
         let dm = self.down.mv();
-        ops::matvec(g, dm, s.ffn.h.ptr(), s.delta.ptr(), Slots::rows(b, dm.k))?;
+        ops::matvec(g, dm, s.ffn.h.ptr(), s.delta.ptr(), st.row_slots(dm.k))?;
         if st.fused {
             // The residual stays whole: the output joins it now (the norm written with it goes
             // unused; the next projection normalizes).

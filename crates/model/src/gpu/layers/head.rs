@@ -1,7 +1,7 @@
 //! The embedding and the head on the GPU: token rows looked up (bf16, or affine rows
 //! dequantized), and at the end the final RMSNorm, the lm_head and each row's next token picked
 //! on the device (greedy or sampled).
-use deltamoe_compute::cuda::ops::{self, Slots};
+use deltamoe_compute::cuda::ops;
 use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 
@@ -76,7 +76,7 @@ impl Head {
         } else if !normed {
             st.add_norm(s.delta.ptr(), self.final_norm.ptr())?;
         }
-        let (head, rows) = (self.lm_head.mv(), Slots::rows(b, st.hidden));
+        let (head, rows) = (self.lm_head.mv(), st.row_slots(st.hidden));
         // One row through the ring kernel: its blocks hand the sampler their largest logit and
         // its index, so a greedy pick need not scan the vocabulary.
         let ring = if b == 1 && vec::takes(&head, &rows) {

@@ -67,6 +67,13 @@ impl Step<'_> {
         self.bt.rows
     }
 
+    /// The step's rows of `x_stride` floats, each through one matrix, with the scratch's room
+    /// for the partial sums of the wide product form.
+    pub fn row_slots(&self, x_stride: usize) -> Slots {
+        let part = &self.s.part;
+        Slots::rows(self.rows(), x_stride).with_ws(part.ptr(), part.len())
+    }
+
     /// `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.
     pub fn add_norm(&self, delta: u64, scale: u64) -> Result<()> {
         let s = self.s;
@@ -94,7 +101,7 @@ impl Step<'_> {
             };
             vec::matvec(self.g, m, s.x.ptr(), s.proj.ptr(), io)
         } else {
-            let rows = Slots::rows(self.rows(), self.hidden);
+            let rows = self.row_slots(self.hidden);
             ops::matvec(self.g, m, s.normed.ptr(), s.proj.ptr(), rows)
         }
     }
@@ -110,7 +117,7 @@ impl Step<'_> {
             };
             vec::matvec(self.g, m, s.mix_out.ptr(), s.x.ptr(), io)
         } else {
-            let rows = Slots::rows(self.rows(), m.k);
+            let rows = self.row_slots(m.k);
             ops::matvec(self.g, m, s.mix_out.ptr(), s.delta.ptr(), rows)
         }
     }

@@ -170,6 +170,58 @@ impl MoeFfn {
         }
     }
 
+    /// The tile of a decode step of `rows` rows whose expert products run grouped by expert
+    /// (see `dispatch::grouped_decode_tile`); None with offloaded experts, which run per slot.
+    fn grouped_decode(&self, rows: usize) -> Option<usize> {
+        let (gu, down) = (self.experts_gu.mv(), self.experts_down.mv());
+        let strides = (self.router.k, self.experts_gu.n / 2);
+        let routing = (rows, self.top_k, self.experts);
+        self.offload
+            .is_none()
+            .then(|| dispatch::grouped_decode_tile(&gu, &down, strides, routing))?
+    }
+
+    /// The expert products of `rows` rows (routed `ids`, inputs `x`, `h` floats apart) grouped
+    /// by expert in tiles of `tile` pairs: hidden rows into `fb.h`, outputs into `fb.y`.
+    fn grouped_products(
+        &self,
+        g: &Gpu,
+        fb: &FfnBufs,
+        (ids, x, h): (u64, u64, usize),
+        rows: usize,
+        tile: usize,
+    ) -> Result<()> {
+        let (i_e, per_row) = (self.experts_gu.n / 2, self.per_row());
+        let (pairs, stacked) = (
+            rows * per_row,
+            self.experts + self.shared.is_none() as usize,
+        );
+        let (order, tiles, n_tiles) = (fb.order.ptr(), fb.tiles.ptr(), fb.n_tiles.ptr());
+        pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
+        let gr = Grouped {
+            order,
+            tiles,
+            n_tiles,
+            tile,
+            max_tiles: pf::max_tiles(pairs, stacked, tile),
+            x_stride: h,
+            x_div: per_row,
+        };
+        let down = Grouped {
+            x_stride: i_e,
+            x_div: 1,
+            ..gr
+        };
+        // Blocks for the tiles expected: the distinct experts picked (a tenth more), the shared
+        // expert's; a block takes any tiles beyond.
+        let distinct = expected_distinct(self.experts, self.top_k, rows) * 1.1;
+        let shared = (stacked > self.experts) as usize * rows.div_ceil(tile);
+        let blocks = distinct.ceil() as usize + shared + 1;
+        let (gu, dn) = (self.experts_gu.mv(), self.experts_down.mv());
+        pf::grouped_split(g, gu, (x, fb.h.ptr()), gr, true, blocks)?;
+        pf::grouped_split(g, dn, (fb.h.ptr(), fb.y.ptr()), down, false, blocks)
+    }
+
     /// The layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
     /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`; with `next`,
     /// that sum joins the residual `next.x` instead and `normed` gets the next norm of it.
@@ -325,36 +377,30 @@ impl Ffn for MoeFfn {
             };
             vec::matvec(g, router, s.x.ptr(), fb.router.ptr(), vio)?;
         } else {
-            ops::matvec(
-                g,
-                router,
-                s.normed.ptr(),
-                fb.router.ptr(),
-                Slots::rows(b, h),
-            )?;
+            let rows = st.row_slots(h);
+            ops::matvec(g, router, s.normed.ptr(), fb.router.ptr(), rows)?;
         }
         let (w, sg) = (fb.weights.ptr(), fb.sg.ptr());
         ops::router_topk(g, fb.router.ptr(), router.n, route, ids, w, sg, b)?;
         if let Some(m) = mailbox {
             ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
         }
-        let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
-        ops::matvec_swiglu(
-            g,
-            self.experts_gu.mv(),
-            s.normed.ptr(),
-            fb.h.ptr(),
-            gu_slots,
-        )?;
-        let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
         let down = self.experts_down.mv();
-        let direct = self.shared.is_none() && mailbox.is_none();
-        if st.fused && direct && ops::down_combine_takes(&down, per_row) {
-            // The down projections add their weighted sum into the residual themselves.
-            let (x, w) = (s.x.ptr(), fb.weights.ptr());
-            return ops::moe_down_combine(g, down, fb.h.ptr(), x, w, down_slots, per_row, b);
+        if let Some(tile) = self.grouped_decode(b) {
+            self.grouped_products(g, fb, (ids, s.normed.ptr(), h), b, tile)?;
+        } else {
+            let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
+            let gu = self.experts_gu.mv();
+            ops::matvec_swiglu(g, gu, s.normed.ptr(), fb.h.ptr(), gu_slots)?;
+            let down_slots = Slots::experts(n, ids, i_e, 1).with_far(far_down);
+            let direct = self.shared.is_none() && mailbox.is_none();
+            if st.fused && direct && ops::down_combine_takes(&down, per_row) {
+                // The down projections add their weighted sum into the residual themselves.
+                let (x, w) = (s.x.ptr(), fb.weights.ptr());
+                return ops::moe_down_combine(g, down, fb.h.ptr(), x, w, down_slots, per_row, b);
+            }
+            ops::matvec(g, down, fb.h.ptr(), fb.y.ptr(), down_slots)?;
         }
-        ops::matvec(g, down, fb.h.ptr(), fb.y.ptr(), down_slots)?;
         if let Some(m) = mailbox {
             ops::host_experts_wait(g, m, ids, fb.y.ptr(), h, n)?;
         }
@@ -381,7 +427,7 @@ impl Ffn for MoeFfn {
         let bf16 = p.gemm == PrefillGemm::Bf16;
         if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e, bf16) {
             let stacked = self.experts + self.shared.is_none() as usize;
-            let (order, tiles, n_tiles) = (ps.order.ptr(), ps.tiles.ptr(), ps.n_tiles.ptr());
+            let (order, tiles, n_tiles) = (fb.order.ptr(), fb.tiles.ptr(), fb.n_tiles.ptr());
             pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
             let gr = Grouped {
                 order,
