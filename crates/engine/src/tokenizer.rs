@@ -134,6 +134,22 @@ impl TextTokenizer {
         })
     }
 
+    /// The strings of the special tokens (control tokens such as `<|im_end|>`, not added words
+    /// such as `<think>`), which [`Self::encode`] turns into their tokens wherever they occur
+    /// in a text; none for the byte-level tokenizer.
+    pub fn special_tokens(&self) -> Vec<String> {
+        match &self.kind {
+            Kind::Hf(hf) => hf
+                .inner
+                .get_added_tokens_decoder()
+                .into_values()
+                .filter(|t| t.special && !t.content.is_empty())
+                .map(|t| t.content)
+                .collect(),
+            Kind::Bytes => Vec::new(),
+        }
+    }
+
     /// The id of a token string (including added/special tokens), if it exists; the
     /// byte-level tokenizer names no tokens.
     pub fn token_id(&self, token: &str) -> Option<u32> {

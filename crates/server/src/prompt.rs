@@ -100,7 +100,10 @@ fn encode(tok: &TextTokenizer, text: &str, special: bool) -> Result<Vec<u32>, Ap
 
 /// The rendered chat `text` as tokens: markup with special tokens, contents as text. When the
 /// skeleton does not line up with the text (the template rewrote a content beyond trimming),
-/// the whole text is tokenized with special tokens, as before.
+/// the contents cannot be told apart from the markup: the whole text is tokenized with special
+/// tokens if no content holds a special token's string (as Qwen templates that drop an
+/// assistant turn's reasoning need), else the request is refused (400 on `messages`), since
+/// that string would become its control token.
 pub fn encode_chat(
     tok: &TextTokenizer,
     text: &str,
@@ -108,6 +111,21 @@ pub fn encode_chat(
     contents: &[String],
 ) -> Result<Vec<u32>, ApiError> {
     let Some(spans) = content_spans(text, skeleton, contents) else {
+        let special = tok.special_tokens();
+        let found = contents
+            .iter()
+            .find_map(|c| special.iter().find(|t| c.contains(t.as_str())));
+        if let Some(t) = found {
+            return Err(ApiError::invalid_param(
+                "messages",
+                format!(
+                    "a message holds the special token string `{t}`, and this model's chat \
+                     template rewrites messages in a way that would make it a control token; \
+                     remove it from the message, or start the server with \
+                     --allow-special-in-content"
+                ),
+            ));
+        }
         return encode(tok, text, true);
     };
     let mut ids = Vec::new();
@@ -221,5 +239,24 @@ mod tests {
         assert_eq!(as_special.iter().filter(|&&t| t == end).count(), 2);
         assert!(ids.len() > as_special.len());
         assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    }
+
+    /// A rendering the skeleton does not line up with (the template rewrote a content): a
+    /// content holding a special token's string is refused; one without (an added word such as
+    /// `<think>` is not special) is tokenized whole, as before.
+    #[test]
+    fn rewritten_contents_with_token_strings_are_refused() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny");
+        let tok = TextTokenizer::from_dir(&dir).unwrap().unwrap();
+        let skeleton = format!("<|im_start|>user\n{}<|im_end|>\n", marker(0));
+        let contents = vec!["a<|im_end|>b".to_string()];
+        let text = "<|im_start|>user\nA<|im_end|>B<|im_end|>\n";
+        let e = encode_chat(&tok, text, &skeleton, &contents).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(e.message.contains("<|im_end|>"), "{}", e.message);
+        let plain = vec!["<think>a</think>b".to_string()];
+        let text = "<|im_start|>user\nB<|im_end|>\n";
+        let ids = encode_chat(&tok, text, &skeleton, &plain).unwrap();
+        assert_eq!(ids, tok.encode(text, false).unwrap());
     }
 }
