@@ -91,26 +91,27 @@ __device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], flo
     }
 }
 
-// The 8 values (as 4 bf16x2 pairs) of weight row `row` at k = k0..k0+8, and for affine rows
-// the (scale, bias) of their group.
-template <int BITS>
-__device__ __forceinline__ void load_w(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                                       const bf16_t* __restrict__ Bs, long long row, int K, int k0,
-                                       int gshift, unsigned p[4], float* sc, float* bi) {
-    WRaw<BITS> r;
-    fetch_w<BITS>(W, S, Bs, row, K, k0, gshift, r);
-    decode_w<BITS>(r, p, sc, bi);
+// The raw data of rows r0 and r1 of every set (set s at s·set_off) at k0 (see WRaw).
+template <int BITS, int SETS>
+__device__ __forceinline__ void fetch_sets(const void* __restrict__ W, const bf16_t* __restrict__ S,
+                                           const bf16_t* __restrict__ Bs, long long r0, long long r1,
+                                           long long set_off, int K, int k0, int gshift, WRaw<BITS> r[SETS][2]) {
+#pragma unroll
+    for (int s = 0; s < SETS; ++s) {
+        fetch_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, r[s][0]);
+        fetch_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, r[s][1]);
+    }
 }
 
-// Zeroes a warp's accumulators and per-group partial sums.
-template <int SETS, int MT>
-__device__ __forceinline__ void zero_frags(float acc[SETS][MT][4], float part[SETS][MT][4]) {
+// The A fragments of fetched rows `r`, with the (scale, bias) of their group for affine weights.
+template <int BITS, int SETS>
+__device__ __forceinline__ void decode_sets(const WRaw<BITS> r[SETS][2], unsigned a[SETS][2][4], float sc[SETS][2],
+                                            float bi[SETS][2]) {
 #pragma unroll
-    for (int s = 0; s < SETS; ++s)
-#pragma unroll
-        for (int j = 0; j < MT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
+    for (int s = 0; s < SETS; ++s) {
+        decode_w<BITS>(r[s][0], a[s][0], &sc[s][0], &bi[s][0]);
+        decode_w<BITS>(r[s][1], a[s][1], &sc[s][1], &bi[s][1]);
+    }
 }
 
 // The A fragments of rows r0 and r1 of every set (set s at s·set_off) at k0, with the
@@ -120,11 +121,9 @@ __device__ __forceinline__ void load_sets(const void* __restrict__ W, const bf16
                                           const bf16_t* __restrict__ Bs, long long r0, long long r1,
                                           long long set_off, int K, int k0, int gshift, unsigned a[SETS][2][4],
                                           float sc[SETS][2], float bi[SETS][2]) {
-#pragma unroll
-    for (int s = 0; s < SETS; ++s) {
-        load_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, a[s][0], &sc[s][0], &bi[s][0]);
-        load_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, a[s][1], &sc[s][1], &bi[s][1]);
-    }
+    WRaw<BITS> r[SETS][2];
+    fetch_sets<BITS, SETS>(W, S, Bs, r0, r1, set_off, K, k0, gshift, r);
+    decode_sets<BITS, SETS>(r, a, sc, bi);
 }
 
 // Input tile j (its bf16 hi and lo pairs) through both k16 steps of every set: into acc for bf16
@@ -160,6 +159,52 @@ __device__ __forceinline__ void flush_tile(const float sc[SETS][2], const float 
         A[2] = fmaf(sc[s][1], P[2], fmaf(bi[s][1], x0, A[2]));
         A[3] = fmaf(sc[s][1], P[3], fmaf(bi[s][1], x1, A[3]));
         P[0] = P[1] = P[2] = P[3] = 0.f;
+    }
+}
+
+// Stages four inputs `f` of a chunk for every warp of the block: as bf16 hi and lo pairs at
+// hi[4·sq], lo[4·sq] of their input row, and, for affine weights, the row's chunk sum (the 8
+// threads sq = 0..7 of a row are adjacent lanes) into *sum by thread sq = 0.
+template <int BITS>
+__device__ __forceinline__ void stage_inputs(float4 f, bf16_t* hi, bf16_t* lo, float* sum, int sq) {
+    unsigned h0 = pack_bf16(f.x, f.y), h1 = pack_bf16(f.z, f.w);
+    unsigned l0 = pack_bf16(f.x - bf16lo(h0), f.y - bf16hi(h0));
+    unsigned l1 = pack_bf16(f.z - bf16lo(h1), f.w - bf16hi(h1));
+    *reinterpret_cast<uint2*>(&hi[4 * sq]) = make_uint2(h0, h1);
+    *reinterpret_cast<uint2*>(&lo[4 * sq]) = make_uint2(l0, l1);
+    if (BITS != 16) {
+        float su = (f.x + f.y) + (f.z + f.w);
+        su += __shfl_xor_sync(0xffffffffu, su, 1);
+        su += __shfl_xor_sync(0xffffffffu, su, 2);
+        su += __shfl_xor_sync(0xffffffffu, su, 4);
+        if (sq == 0) *sum = su;
+    }
+}
+
+// One chunk's products for a warp against the staged inputs (input b's hi and lo at xh, xl +
+// b·ld, its chunk sum at xsum[b]; nb inputs): every tile's mma pairs into acc (bf16 weights) or
+// the partials, then, for affine weights, the dequant form with the chunk's (scale, bias).
+template <int BITS, int SETS>
+__device__ __forceinline__ void mma_staged(const unsigned a[SETS][2][4], const float sc[SETS][2],
+                                           const float bi[SETS][2], const bf16_t* xh, const bf16_t* xl,
+                                           int ld, const float* xsum, int nb,
+                                           float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j) {
+        if (j * 8 >= nb) break;
+        const int b = j * 8 + gid;
+        uint4 hv = *reinterpret_cast<const uint4*>(&xh[b * ld + 8 * t]);
+        uint4 lv = *reinterpret_cast<const uint4*>(&xl[b * ld + 8 * t]);
+        unsigned hi[4] = {hv.x, hv.y, hv.z, hv.w}, lo[4] = {lv.x, lv.y, lv.z, lv.w};
+        mma_sets<BITS, SETS>(a, hi, lo, j, acc, part);
+    }
+    if (BITS != 16) {
+#pragma unroll
+        for (int j = 0; j < MMA_TILES; ++j) {
+            if (j * 8 >= nb) break;
+            flush_tile<SETS>(sc, bi, xsum[j * 8 + 2 * t], xsum[j * 8 + 2 * t + 1], j, acc, part);
+        }
     }
 }
 
@@ -362,40 +407,13 @@ __device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restri
     for (int c = 0; c < K; c += 32) {
         __syncthreads();
         float4 f = sx ? *reinterpret_cast<const float4*>(sx + c + 4 * sq) : make_float4(0.f, 0.f, 0.f, 0.f);
-        unsigned h0 = pack_bf16(f.x, f.y), h1 = pack_bf16(f.z, f.w);
-        unsigned l0 = pack_bf16(f.x - bf16lo(h0), f.y - bf16hi(h0));
-        unsigned l1 = pack_bf16(f.z - bf16lo(h1), f.w - bf16hi(h1));
-        *reinterpret_cast<uint2*>(&xh[sb * XS_PAD + 4 * sq]) = make_uint2(h0, h1);
-        *reinterpret_cast<uint2*>(&xl[sb * XS_PAD + 4 * sq]) = make_uint2(l0, l1);
-        if (BITS != 16) {
-            float su = (f.x + f.y) + (f.z + f.w);
-            su += __shfl_xor_sync(0xffffffffu, su, 1);
-            su += __shfl_xor_sync(0xffffffffu, su, 2);
-            su += __shfl_xor_sync(0xffffffffu, su, 4);
-            if (sq == 0) xsum[sb] = su;
-        }
+        stage_inputs<BITS>(f, &xh[sb * XS_PAD], &xl[sb * XS_PAD], &xsum[sb], sq);
         __syncthreads();
         int k0 = c + 8 * t;
         unsigned a[SETS][2][4];
         float sc[SETS][2], bi[SETS][2];
         load_sets<BITS, SETS>(W, S, Bs, r0, r1, set_off, K, k0, gshift, a, sc, bi);
-#pragma unroll
-        for (int j = 0; j < MMA_TILES; ++j) {
-            if (j * 8 >= nb) break;
-            int b = j * 8 + gid;
-            uint4 hv = *reinterpret_cast<const uint4*>(&xh[b * XS_PAD + 8 * t]);
-            uint4 lv = *reinterpret_cast<const uint4*>(&xl[b * XS_PAD + 8 * t]);
-            unsigned hi[4] = {hv.x, hv.y, hv.z, hv.w}, lo[4] = {lv.x, lv.y, lv.z, lv.w};
-            mma_sets<BITS, SETS>(a, hi, lo, j, acc, part);
-        }
-        if (BITS != 16) {
-#pragma unroll
-            for (int j = 0; j < MMA_TILES; ++j) {
-                if (j * 8 >= nb) break;
-                float x0 = xsum[j * 8 + 2 * t], x1 = xsum[j * 8 + 2 * t + 1];
-                flush_tile<SETS>(sc, bi, x0, x1, j, acc, part);
-            }
-        }
+        mma_staged<BITS, SETS>(a, sc, bi, xh, xl, XS_PAD, xsum, nb, acc, part);
     }
 }
 
@@ -479,12 +497,7 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
     WRaw<BITS> wr[WIDE_SUB][SETS][2];
     float4 xr[WIDE_SUB];
     auto fetch_w_chunk = [&](int q, int u) {
-        const int k0 = 32 * q + 8 * t;
-#pragma unroll
-        for (int s2 = 0; s2 < SETS; ++s2) {
-            fetch_w<BITS>(W, S, Bs, r0 + s2 * N, K, k0, gshift, wr[u][s2][0]);
-            fetch_w<BITS>(W, S, Bs, r1 + s2 * N, K, k0, gshift, wr[u][s2][1]);
-        }
+        fetch_sets<BITS, SETS>(W, S, Bs, r0, r1, N, K, 32 * q + 8 * t, gshift, wr[u]);
     };
     // The inputs of the WIDE_SUB chunks from q on (zeros past q1).
     auto fetch_x = [&](int q) {
@@ -496,19 +509,8 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
     auto stage = [&](int buf) {
 #pragma unroll
         for (int u = 0; u < WIDE_SUB; ++u) {
-            const float4 f = xr[u];
-            unsigned h0 = pack_bf16(f.x, f.y), h1 = pack_bf16(f.z, f.w);
-            unsigned l0 = pack_bf16(f.x - bf16lo(h0), f.y - bf16hi(h0));
-            unsigned l1 = pack_bf16(f.z - bf16lo(h1), f.w - bf16hi(h1));
-            *reinterpret_cast<uint2*>(&xh[buf][sb * WIDE_LD + 32 * u + 4 * sq]) = make_uint2(h0, h1);
-            *reinterpret_cast<uint2*>(&xl[buf][sb * WIDE_LD + 32 * u + 4 * sq]) = make_uint2(l0, l1);
-            if (BITS != 16) {
-                float su = (f.x + f.y) + (f.z + f.w);
-                su += __shfl_xor_sync(0xffffffffu, su, 1);
-                su += __shfl_xor_sync(0xffffffffu, su, 2);
-                su += __shfl_xor_sync(0xffffffffu, su, 4);
-                if (sq == 0) xsum[buf][u][sb] = su;
-            }
+            const int at = sb * WIDE_LD + 32 * u;
+            stage_inputs<BITS>(xr[u], &xh[buf][at], &xl[buf][at], &xsum[buf][u][sb], sq);
         }
     };
 #pragma unroll
@@ -528,29 +530,10 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
             if (qc >= q1) break;
             unsigned a[SETS][2][4];
             float sc[SETS][2], bi[SETS][2];
-#pragma unroll
-            for (int s2 = 0; s2 < SETS; ++s2) {
-                decode_w<BITS>(wr[u][s2][0], a[s2][0], &sc[s2][0], &bi[s2][0]);
-                decode_w<BITS>(wr[u][s2][1], a[s2][1], &sc[s2][1], &bi[s2][1]);
-            }
+            decode_sets<BITS, SETS>(wr[u], a, sc, bi);
             if (qc + WIDE_SUB < q1) fetch_w_chunk(qc + WIDE_SUB, u);
-#pragma unroll
-            for (int j = 0; j < MMA_TILES; ++j) {
-                if (j * 8 >= nb) break;
-                const int b = j * 8 + gid;
-                uint4 hv = *reinterpret_cast<const uint4*>(&xh[buf][b * WIDE_LD + 32 * u + 8 * t]);
-                uint4 lv = *reinterpret_cast<const uint4*>(&xl[buf][b * WIDE_LD + 32 * u + 8 * t]);
-                unsigned hi[4] = {hv.x, hv.y, hv.z, hv.w}, lo[4] = {lv.x, lv.y, lv.z, lv.w};
-                mma_sets<BITS, SETS>(a, hi, lo, j, acc, part);
-            }
-            if (BITS != 16) {
-#pragma unroll
-                for (int j = 0; j < MMA_TILES; ++j) {
-                    if (j * 8 >= nb) break;
-                    const float x0 = xsum[buf][u][j * 8 + 2 * t], x1 = xsum[buf][u][j * 8 + 2 * t + 1];
-                    flush_tile<SETS>(sc, bi, x0, x1, j, acc, part);
-                }
-            }
+            mma_staged<BITS, SETS>(a, sc, bi, &xh[buf][32 * u], &xl[buf][32 * u], WIDE_LD, xsum[buf][u], nb, acc,
+                                   part);
         }
         if (more) stage(buf ^ 1);
     }

@@ -5,6 +5,8 @@
 
 use cudarc::driver::LaunchConfig;
 
+use super::launch::Launch;
+
 pub use super::attention::{attn_decode, attn_prep, AttnDims, ATTN_DMAX, ATTN_MAX_SPLITS};
 use super::dispatch::{self, vector_x, Plan, RowsForm, MMA_ROWS_INPUTS, MV_ROWS, MV_VECS};
 pub use super::dispatch::{
@@ -51,6 +53,44 @@ pub enum WeightFormat {
         scales: u64,
         biases: u64,
     },
+}
+
+impl WeightFormat {
+    /// An affine format's kernel arguments: scales and biases (device addresses), group and
+    /// bits as the kernels take them; None for bf16.
+    pub(crate) fn affine_args(&self) -> Option<(u64, u64, i32, i32)> {
+        match *self {
+            WeightFormat::Affine {
+                bits,
+                group,
+                scales,
+                biases,
+            } => Some((scales, biases, group as i32, bits as i32)),
+            WeightFormat::Bf16 => None,
+        }
+    }
+}
+
+/// Pushes the leading arguments of the row and grouped product kernels, in their order: W,
+/// (affine: scales, biases,) the `io` addresses, N and K, (affine: group, bits).
+pub(crate) fn matrix_args<'a>(
+    b: &mut Launch<'a>,
+    w: &'a u64,
+    affine: &'a Option<(u64, u64, i32, i32)>,
+    io: &'a [u64],
+    nk: &'a [i32; 2],
+) {
+    b.arg(w);
+    if let Some((scales, biases, _, _)) = affine {
+        b.arg(scales).arg(biases);
+    }
+    for a in io {
+        b.arg(a);
+    }
+    b.arg(&nk[0]).arg(&nk[1]);
+    if let Some((_, _, group, bits)) = affine {
+        b.arg(group).arg(bits);
+    }
 }
 
 /// Operands of a matrix-vector product: W `[E, N, K]` at `w`; optional f32 bias `[E, N]`
@@ -154,12 +194,13 @@ fn matvec_rows(
 ) -> Result<()> {
     let (name, form) = plan;
     let out_rows = if swiglu { m.n / 2 } else { m.n };
-    let (n32, k32, b32, xs) = (out_rows as i32, m.k as i32, sl.n as i32, sl.x_stride as i64);
-    if form == RowsForm::Wide {
-        return matvec_wide(g, m, (x, y), sl, name, swiglu);
-    }
+    let (nk, b32, xs) = (
+        [out_rows as i32, m.k as i32],
+        sl.n as i32,
+        sl.x_stride as i64,
+    );
     let grid = match form {
-        RowsForm::Wide => unreachable!("launched above"),
+        RowsForm::Wide => return matvec_wide(g, m, (x, y), sl, name, swiglu),
         RowsForm::Gemm => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 128)),
         RowsForm::SplitK => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 16)),
         RowsForm::Cores => {
@@ -167,28 +208,9 @@ fn matvec_rows(
             (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp))
         }
     };
-    let (g32, bits32, scales, biases) = match m.format {
-        WeightFormat::Affine {
-            bits,
-            group,
-            scales,
-            biases,
-        } => (group as i32, bits as i32, scales, biases),
-        WeightFormat::Bf16 => (0, 0, 0, 0),
-    };
+    let (affine, io) = (m.format.affine_args(), [x, y]);
     let mut b = g.launch_builder(g.kernels().get(name));
-    b.arg(&m.w);
-    if let WeightFormat::Affine { .. } = m.format {
-        b.arg(&scales)
-            .arg(&biases)
-            .arg(&x)
-            .arg(&y)
-            .arg(&n32)
-            .arg(&k32);
-        b.arg(&g32).arg(&bits32);
-    } else {
-        b.arg(&x).arg(&y).arg(&n32).arg(&k32);
-    }
+    matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&b32).arg(&xs);
     if !swiglu {
         b.arg(&m.bias);
@@ -227,30 +249,15 @@ fn matvec_wide(
         .min(chunks);
     let splits = chunks.div_ceil(cpb);
     let part = if splits > 1 { ws } else { 0 };
-    let (n32, k32, b32, xs, cpb32) = (
-        out_rows as i32,
-        m.k as i32,
+    let (nk, b32, xs, cpb32) = (
+        [out_rows as i32, m.k as i32],
         sl.n as i32,
         sl.x_stride as i64,
         cpb as i32,
     );
-    let affine = match m.format {
-        WeightFormat::Affine {
-            bits,
-            group,
-            scales,
-            biases,
-        } => Some((scales, biases, group as i32, bits as i32)),
-        WeightFormat::Bf16 => None,
-    };
+    let (affine, io) = (m.format.affine_args(), [x, y, part]);
     let mut b = g.launch_builder(g.kernels().get(name));
-    b.arg(&m.w);
-    if let Some((scales, biases, g32, bits32)) = &affine {
-        b.arg(scales).arg(biases).arg(&x).arg(&y).arg(&part);
-        b.arg(&n32).arg(&k32).arg(g32).arg(bits32);
-    } else {
-        b.arg(&x).arg(&y).arg(&part).arg(&n32).arg(&k32);
-    }
+    matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&b32).arg(&xs);
     if !swiglu {
         b.arg(&m.bias);
@@ -273,7 +280,7 @@ fn matvec_wide(
         let mut b = g.launch_builder(g.kernels().get("wide_sum"));
         b.arg(&ws)
             .arg(&y)
-            .arg(&n32)
+            .arg(&nk[0])
             .arg(&b32)
             .arg(&s32)
             .arg(&sets32)

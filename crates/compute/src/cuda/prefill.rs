@@ -9,7 +9,7 @@
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::LaunchConfig;
 
-use super::ops::{blocks, cfg, AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
+use super::ops::{blocks, cfg, matrix_args, AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
 use super::{driver_err, CudaError, Gpu, Result};
 
 /// Conv1d + SiLU over `t` rows (row i at `proj + i·proj_stride` floats, the first `c` used)
@@ -334,28 +334,9 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         (WeightFormat::Affine { .. }, false, true) => "mma_grouped_rows_affine",
         (WeightFormat::Affine { .. }, true, true) => "mma_grouped_swiglu_affine",
     };
+    let (affine, io, nk) = (m.format.affine_args(), [x, y], [n32, k32]);
     let mut b = g.launch_builder(g.kernels().get(name));
-    b.arg(&m.w);
-    let (g32, bits32, scales, biases) = match m.format {
-        WeightFormat::Affine {
-            bits,
-            group,
-            scales,
-            biases,
-        } => (group as i32, bits as i32, scales, biases),
-        WeightFormat::Bf16 => (0, 0, 0, 0),
-    };
-    if let WeightFormat::Affine { .. } = m.format {
-        b.arg(&scales)
-            .arg(&biases)
-            .arg(&x)
-            .arg(&y)
-            .arg(&n32)
-            .arg(&k32);
-        b.arg(&g32).arg(&bits32);
-    } else {
-        b.arg(&x).arg(&y).arg(&n32).arg(&k32);
-    }
+    matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&gr.tiles)
         .arg(&gr.n_tiles)
         .arg(&gr.order)
@@ -428,24 +409,9 @@ pub fn grouped_split(
         (true, false, true) => "mma_gsplit_rows_affine_2",
         (true, true, true) => "mma_gsplit_swiglu_affine_2",
     };
+    let (affine, io, nk) = (m.format.affine_args(), [x, y], [n32, k32]);
     let mut b = g.launch_builder(g.kernels().get(name));
-    b.arg(&m.w);
-    let affine_args = match m.format {
-        WeightFormat::Affine {
-            bits,
-            group,
-            scales,
-            biases,
-        } => Some((scales, biases, group as i32, bits as i32)),
-        WeightFormat::Bf16 => None,
-    };
-    if let Some((scales, biases, _, _)) = &affine_args {
-        b.arg(scales).arg(biases);
-    }
-    b.arg(&x).arg(&y).arg(&n32).arg(&k32);
-    if let Some((_, _, g32, bits32)) = &affine_args {
-        b.arg(g32).arg(bits32);
-    }
+    matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&gr.tiles)
         .arg(&gr.n_tiles)
         .arg(&gr.order)

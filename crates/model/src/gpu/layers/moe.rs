@@ -191,14 +191,35 @@ impl MoeFfn {
         rows: usize,
         tile: usize,
     ) -> Result<()> {
-        let (i_e, per_row) = (self.experts_gu.n / 2, self.per_row());
+        let (gr, down) = self.group(g, fb, (ids, rows), (tile, h))?;
+        // Blocks for the tiles expected: the distinct experts picked (a tenth more), the shared
+        // expert's; a block takes any tiles beyond.
+        let distinct = expected_distinct(self.experts, self.top_k, rows) * 1.1;
+        let shared = self.shared.is_none() as usize * rows.div_ceil(tile);
+        let blocks = distinct.ceil() as usize + shared + 1;
+        let (gu, dn) = (self.experts_gu.mv(), self.experts_down.mv());
+        pf::grouped_split(g, gu, (x, fb.h.ptr()), gr, true, blocks)?;
+        pf::grouped_split(g, dn, (fb.h.ptr(), fb.y.ptr()), down, false, blocks)
+    }
+
+    /// The (row, slot) pairs of `rows` rows (routed `ids`) sorted by expert in tiles of `tile`
+    /// (`fb.order`, `fb.tiles`, `fb.n_tiles`), and how the `[gate | up]` products (inputs `h`
+    /// floats apart, one a row) and the down products (the hidden rows, one a pair) read them.
+    fn group(
+        &self,
+        g: &Gpu,
+        fb: &FfnBufs,
+        (ids, rows): (u64, usize),
+        (tile, h): (usize, usize),
+    ) -> Result<(Grouped, Grouped)> {
+        let per_row = self.per_row();
         let (pairs, stacked) = (
             rows * per_row,
             self.experts + self.shared.is_none() as usize,
         );
         let (order, tiles, n_tiles) = (fb.order.ptr(), fb.tiles.ptr(), fb.n_tiles.ptr());
         pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
-        let gr = Grouped {
+        let gate_up = Grouped {
             order,
             tiles,
             n_tiles,
@@ -208,18 +229,11 @@ impl MoeFfn {
             x_div: per_row,
         };
         let down = Grouped {
-            x_stride: i_e,
+            x_stride: self.experts_gu.n / 2,
             x_div: 1,
-            ..gr
+            ..gate_up
         };
-        // Blocks for the tiles expected: the distinct experts picked (a tenth more), the shared
-        // expert's; a block takes any tiles beyond.
-        let distinct = expected_distinct(self.experts, self.top_k, rows) * 1.1;
-        let shared = (stacked > self.experts) as usize * rows.div_ceil(tile);
-        let blocks = distinct.ceil() as usize + shared + 1;
-        let (gu, dn) = (self.experts_gu.mv(), self.experts_down.mv());
-        pf::grouped_split(g, gu, (x, fb.h.ptr()), gr, true, blocks)?;
-        pf::grouped_split(g, dn, (fb.h.ptr(), fb.y.ptr()), down, false, blocks)
+        Ok((gate_up, down))
     }
 
     /// The layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
@@ -426,23 +440,7 @@ impl Ffn for MoeFfn {
         };
         let bf16 = p.gemm == PrefillGemm::Bf16;
         if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e, bf16) {
-            let stacked = self.experts + self.shared.is_none() as usize;
-            let (order, tiles, n_tiles) = (fb.order.ptr(), fb.tiles.ptr(), fb.n_tiles.ptr());
-            pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
-            let gr = Grouped {
-                order,
-                tiles,
-                n_tiles,
-                tile,
-                max_tiles: pf::max_tiles(pairs, stacked, tile),
-                x_stride: h,
-                x_div: ks,
-            };
-            let down = Grouped {
-                x_stride: i_e,
-                x_div: 1,
-                ..gr
-            };
+            let (gr, down) = self.group(g, fb, (ids, t), (tile, h))?;
             if tile == TILE_GEMM {
                 gemm::rows_to_bf16(g, ps.normed.ptr(), h, ps.xb.ptr(), h, t)?;
                 gemm::grouped_gemm(g, gu, ps.xb.ptr(), ps.hb.ptr(), gr, true)?;
