@@ -91,6 +91,17 @@ __device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], flo
     }
 }
 
+// Zeroes a warp's fragments and group partials.
+template <int SETS, int MT>
+__device__ __forceinline__ void zero_frags(float acc[SETS][MT][4], float part[SETS][MT][4]) {
+#pragma unroll
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[s][j][e] = part[s][j][e] = 0.f;
+}
+
 // The raw data of rows r0 and r1 of every set (set s at s·set_off) at k0 (see WRaw).
 template <int BITS, int SETS>
 __device__ __forceinline__ void fetch_sets(const void* __restrict__ W, const bf16_t* __restrict__ S,
