@@ -207,7 +207,8 @@ fn matvec_slot_forms_match_cpu() {
 fn slot_forms(rows: usize) {
     let g = gpu();
     let mut r = rng();
-    let (n, k, experts, per_row) = (46usize, 1024usize, 3usize, 2usize);
+    // 150 outputs: two of the wide form's 128-row blocks, the second partial.
+    let (n, k, experts, per_row) = (150usize, 1024usize, 3usize, 2usize);
     let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
     let x = rand_vec(&mut r, rows * k, -1.0, 1.0);
     let ids: Vec<i32> = (0..rows * per_row)
@@ -230,7 +231,8 @@ fn slot_forms(rows: usize) {
         },
     )];
     let mut keep = Vec::new();
-    for (bits, group) in [(4u32, 64usize), (8, 128)] {
+    // Groups within a stage of the wide form (4-bit: 128 inputs) and across stages (8-bit: 64).
+    for (bits, group) in [(4u32, 64usize), (8, 128), (4, 32), (4, 128), (8, 32)] {
         let a = Affine::new(&g, &w, k, group, bits);
         let q = &a.q;
         let per = 32 / bits as usize;

@@ -41,8 +41,9 @@ pub enum RowsForm {
     Gemm,
     /// Tensor cores, split-K, 16 weight rows a block (mma_rows.cu; small decode batches).
     SplitK,
-    /// Tensor cores, 128 weight rows a block sharing their staged inputs, K split over blocks
-    /// (mma_rows.cu `mma_wide_*`; decode batches from [`WIDE_MIN_ROWS`] rows).
+    /// Tensor cores, 128 weight rows a block sharing their staged inputs, weights streamed
+    /// through shared memory, K split over blocks (mma_wide.cu; decode batches from
+    /// [`WIDE_MIN_ROWS`] rows, K a multiple of [`WIDE_K_MULTIPLE`]).
     Wide,
     /// CUDA cores (matvec_rows.cu).
     Cores,
@@ -70,7 +71,9 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
     if batched_rows(m, sl) {
         let form = match (tensor_core_rows(m), sl.n) {
             (true, n) if n >= GEMM_MIN_ROWS => RowsForm::Gemm,
-            (true, n) if n >= WIDE_MIN_ROWS => RowsForm::Wide,
+            (true, n) if n >= WIDE_MIN_ROWS && m.k.is_multiple_of(WIDE_K_MULTIPLE) => {
+                RowsForm::Wide
+            }
             (true, _) => RowsForm::SplitK,
             (false, _) => RowsForm::Cores,
         };
@@ -198,6 +201,10 @@ pub fn tensor_core_rows(m: &Matvec) -> bool {
 /// From this many input rows on, a batch takes the wide form: split-K's 16 weight rows a block
 /// read each block's inputs again from L2 (at 32 rows 8× the bytes of 4-bit weights).
 pub const WIDE_MIN_ROWS: usize = 8;
+
+/// The wide form takes K in whole stages with its scale slices starting on even offsets
+/// (mma_wide.cu); other matrices stay on split-K.
+pub const WIDE_K_MULTIPLE: usize = 256;
 
 /// Blocks along K of a wide-form product (`mma_wide_*`) of `n` outputs (`sets` rows each: 2
 /// for SwiGLU) over `k` inputs for `rows` rows on `sms` multiprocessors, with room for
@@ -344,6 +351,9 @@ mod tests {
         assert_eq!(split, Some(("mma_rows_affine", RowsForm::SplitK)));
         let wide = rows(plan(&m, &Slots::rows(32, 2048), false));
         assert_eq!(wide, Some(("mma_wide_rows_affine", RowsForm::Wide)));
+        // The wide form takes K in stages of 256 inputs; K = 2080 stays on split-K.
+        let k_odd = rows(plan(&mat(4096, 2080, 4), &Slots::rows(32, 2080), false));
+        assert_eq!(k_odd, Some(("mma_rows_affine", RowsForm::SplitK)));
         let gemm = rows(plan(&m, &Slots::rows(512, 2048), true));
         assert_eq!(gemm, Some(("mma_gemm_swiglu_affine", RowsForm::Gemm)));
         let b = rows(plan(&mat(4096, 2048, 16), &Slots::rows(4, 2048), false));

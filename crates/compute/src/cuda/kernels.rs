@@ -37,7 +37,10 @@ const FILES: &[(&str, &str, &[&str])] = &[
     ),
     (
         "mma_rows.cu",
-        include_str!("../../kernels/mma_rows.cu"),
+        concat!(
+            include_str!("../../kernels/mma_frag.cuh"),
+            include_str!("../../kernels/mma_rows.cu")
+        ),
         &[
             "mma_rows_bf16",
             "mma_rows_affine",
@@ -51,11 +54,6 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "mma_gemm_rows_affine",
             "mma_gemm_swiglu_bf16",
             "mma_gemm_swiglu_affine",
-            "mma_wide_rows_bf16",
-            "mma_wide_rows_affine",
-            "mma_wide_swiglu_bf16",
-            "mma_wide_swiglu_affine",
-            "wide_sum",
             "mma_gsplit_rows_bf16_1",
             "mma_gsplit_swiglu_bf16_1",
             "mma_gsplit_rows_affine_1",
@@ -64,6 +62,20 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "mma_gsplit_swiglu_bf16_2",
             "mma_gsplit_rows_affine_2",
             "mma_gsplit_swiglu_affine_2",
+        ],
+    ),
+    (
+        "mma_wide.cu",
+        concat!(
+            include_str!("../../kernels/mma_frag.cuh"),
+            include_str!("../../kernels/mma_wide.cu")
+        ),
+        &[
+            "mma_wide_rows_bf16",
+            "mma_wide_rows_affine",
+            "mma_wide_swiglu_bf16",
+            "mma_wide_swiglu_affine",
+            "wide_sum",
         ],
     ),
     (

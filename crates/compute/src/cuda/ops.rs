@@ -222,13 +222,30 @@ fn matvec_rows(
     Ok(())
 }
 
-/// Chunks of 32 inputs the wide form stages at a time (`WIDE_SUB` in mma_rows.cu).
-const WIDE_SUB: usize = 4;
-/// The wide form's dynamic shared memory (`WIDE_SMEM` in mma_rows.cu): inputs as bf16 hi and
-/// lo, two buffers of 32 rows of `32·WIDE_SUB + 32`, and their chunk sums.
-const WIDE_SMEM: u32 = (4 * 32 * (32 * WIDE_SUB + 32) * 2 + 2 * WIDE_SUB * 32 * 4) as u32;
+/// The wide form's stage (mma_wide.cu): `WIDE_ROWB` bytes of each weight row, in
+/// `WIDE_STAGES / sets` buffers of 128 rows `WIDE_WLD` bytes apart a set, with `WIDE_SBB` bytes
+/// of each row's scales and of its biases.
+const WIDE_STAGES: usize = 4;
+const WIDE_ROWB: usize = 64;
+const WIDE_WLD: usize = 80;
+const WIDE_SBB: usize = 16;
 
-/// A batch of rows on the wide form (`mma_wide_*` in mma_rows.cu), K split over blocks as
+/// Inputs one stage of the wide form covers for `bits`-bit weights (16: bf16).
+fn wide_stage_inputs(bits: usize) -> usize {
+    8 * WIDE_ROWB / bits
+}
+
+/// The wide form's dynamic shared memory (`Wide<BITS>` in mma_wide.cu), the same for one set or
+/// two: the weight buffers and, for affine weights, their scales and biases; the inputs as bf16
+/// hi and lo, two buffers of 32 rows of `32·chunks + 4` words; their group sums.
+fn wide_smem(bits: usize) -> usize {
+    let chunks = wide_stage_inputs(bits) / 32;
+    let weights = 128 * WIDE_WLD;
+    let scales = if bits == 16 { 0 } else { 2 * 128 * WIDE_SBB };
+    WIDE_STAGES * (weights + scales) + 2 * 32 * (32 * chunks + 4) * 4 + 2 * chunks * 32 * 4
+}
+
+/// A batch of rows on the wide form (`mma_wide_*` in mma_wide.cu), K split over blocks as
 /// `dispatch::wide_splits` says, the partial sums in `sl.ws` added by `wide_sum`.
 fn matvec_wide(
     g: &Gpu,
@@ -239,21 +256,30 @@ fn matvec_wide(
     swiglu: bool,
 ) -> Result<()> {
     let (sets, out_rows) = if swiglu { (2, m.n / 2) } else { (1, m.n) };
-    let chunks = m.k / 32;
+    let bits = match m.format {
+        WeightFormat::Affine { bits, .. } => bits as usize,
+        WeightFormat::Bf16 => 16,
+    };
+    let kst = wide_stage_inputs(bits);
+    let stages = m.k / kst;
     let (ws, ws_floats) = sl.ws;
     let splits = dispatch::wide_splits(out_rows, m.k, sl.n, sets, g.multiprocessors(), ws_floats);
-    // Whole groups of WIDE_SUB chunks a block where K allows.
-    let cpb = chunks
+    // A block's stages hold whole groups (a group spans stages for 8-bit weights in groups of 128).
+    let group_stages = match m.format {
+        WeightFormat::Affine { group, .. } => group.div_ceil(kst),
+        WeightFormat::Bf16 => 1,
+    };
+    let spb = stages
         .div_ceil(splits)
-        .next_multiple_of(WIDE_SUB)
-        .min(chunks);
-    let splits = chunks.div_ceil(cpb);
+        .next_multiple_of(group_stages)
+        .min(stages);
+    let splits = stages.div_ceil(spb);
     let part = if splits > 1 { ws } else { 0 };
-    let (nk, b32, xs, cpb32) = (
+    let (nk, b32, xs, spb32) = (
         [out_rows as i32, m.k as i32],
         sl.n as i32,
         sl.x_stride as i64,
-        cpb as i32,
+        spb as i32,
     );
     let (affine, io) = (m.format.affine_args(), [x, y, part]);
     let mut b = g.launch_builder(g.kernels().get(name));
@@ -262,18 +288,26 @@ fn matvec_wide(
     if !swiglu {
         b.arg(&m.bias);
     }
-    b.arg(&cpb32);
+    b.arg(&spb32);
     let grid = (
         blocks(sl.n, MMA_ROWS_INPUTS),
         blocks(out_rows, 128),
         splits as u32,
     );
-    // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU; K % 32 == 0 and the
+    // The entry point's allowance covers both affine widths, so that a graph holding launches
+    // of either stays valid.
+    let smem = wide_smem(bits);
+    let allow = match bits {
+        16 => smem,
+        _ => wide_smem(4).max(wide_smem(8)),
+    };
+    g.raise_smem(name, allow)?;
+    // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU; K % 256 == 0 and the
     // format is one the tensor-core kernels take: dispatch), x holds n rows of x_stride ≥ K
     // floats (16-byte aligned, checked by the caller), y n·N floats (n·I); with splits > 1
     // the partial sums take splits·n·sets·N ≤ ws_floats floats (wide_splits); the block has the
-    // kernel's 256 threads and WIDE_SMEM (< 48 KiB) bytes of shared memory.
-    unsafe { b.launch(cfg3(grid, 256, WIDE_SMEM)) }.map_err(driver_err(name))?;
+    // kernel's 256 threads and `wide_smem` bytes of shared memory, allowed just above.
+    unsafe { b.launch(cfg3(grid, 256, smem as u32)) }.map_err(driver_err(name))?;
     if splits > 1 {
         let (s32, sets32) = (splits as i32, sets as i32);
         let bias = if swiglu { 0 } else { m.bias };

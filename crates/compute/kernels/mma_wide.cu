@@ -1,0 +1,335 @@
+// Wide form of the batched products (mma_wide_*; decode batches from 8 rows through one
+// matrix), at the accuracy and in the fragment layout of mma_frag.cuh (prefixed to this file):
+// y[b, n] = Σ_k W[n, k] x[b, k] (+ bias[n]), or h[b, n] = silu(G_n·x_b)·U_n·x_b for SwiGLU.
+//
+// grid (ceil(B / 32), ceil(N / 128), ks), block 256, dynamic shared memory as `Wide<BITS>`
+// and `WIDE_*` below lay it out (the host computes the same size). Block (x, y, z) takes inputs
+// 32x + 0..32, weight rows (outputs; for SwiGLU each with its gate and up row) 128y + 0..128 —
+// warp w rows 16w + 0..16 — and the K stages [z·spb, (z + 1)·spb).
+//
+// A stage is WIDE_ROWB bytes of each of the block's weight rows: KST = 8·WIDE_ROWB / BITS
+// inputs (128 at 4 bits, 64 at 8, 32 for bf16). Its weights, and the scales and biases of its
+// groups, are copied by cp.async into one of P = WIDE_STAGES / SETS shared buffers P − 1 stages
+// ahead of its products (the first ones before the wait on the kernel before: weights only);
+// the next stage's inputs load into registers during a stage's products and are staged after
+// them, as bf16 hi/lo with the sums of the groups they end, into the other of two input
+// buffers. Products run per k16 step over every 8-row tile, so that back-to-back mmas go to
+// independent accumulators. One barrier a stage. The dequant form is applied once a group; a
+// block's stages hold whole groups. Needs K % 256 == 0 (whole stages, and rows of scales
+// starting at even offsets).
+//
+// With ks = 1 the outputs go to y (SwiGLU: h); else the partial sums (gate and up rows apart) go
+// to part [ks, B, SETS·N], which `wide_sum` adds in order of z.
+
+#define WIDE_STAGES 4
+#define WIDE_ROWB 64
+// Row stride of a staged weight row: 80 bytes (20 words), so the 8 rows of a warp's 32-bit
+// fragment reads fall in distinct banks.
+#define WIDE_WLD 80
+// Bytes staged per row for each of scales and biases: up to 3 words (4 groups, from an offset
+// of one bf16 when the slice does not start on a word).
+#define WIDE_SBB 16
+
+// Inputs a stage, and the row stride of the staged inputs in words: a chunk is 32 words (per
+// lane group t = 0..3 and k16 step st = 0..1 the bf16 hi pair then the lo pair, at 8t + 4st),
+// plus 4 words so that rows gid and gid + 1 of a quarter-warp's 16-byte reads take other banks.
+template <int BITS>
+struct Wide {
+    static constexpr int KST = 8 * WIDE_ROWB / BITS;
+    static constexpr int SUB = KST / 32;
+    static constexpr int XW = SUB * 32 + 4;
+    static constexpr int W_BYTES = 128 * WIDE_WLD;          // per set and buffer
+    static constexpr int S_BYTES = 2 * 128 * WIDE_SBB;      // per set and buffer, affine only
+};
+
+// Affine codes enter in pairs (k_i, k_{i+4}) of each lane's 8 values, i = 0..3: for 4 bits one
+// shift and mask of the word and an exact bf16 fma make a pair. The staged inputs take the same
+// order (bf16 weights keep the natural one).
+template <int BITS>
+__device__ __forceinline__ void wide_frag(const unsigned char* at, unsigned p[4]) {
+    if constexpr (BITS == 4) {
+        const unsigned v = *reinterpret_cast<const unsigned*>(at);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // (128 + k_i, 128 + k_{i+4}) as bf16x2, then minus 128: exact.
+            unsigned q = ((v >> (4 * i)) & 0x000f000fu) | 0x43004300u;
+            asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p[i]) : "r"(q), "r"(0x3F803F80u), "r"(0xC300C300u));
+        }
+    } else if constexpr (BITS == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(at);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // 2^23 + k as f32 bits, minus 2^23: exact.
+            const unsigned sel = 0x7440u | i;
+            float lo = __uint_as_float(__byte_perm(v.x, 0x4B000000u, sel)) - 8388608.f;
+            float hi = __uint_as_float(__byte_perm(v.y, 0x4B000000u, sel)) - 8388608.f;
+            p[i] = pack_bf16(lo, hi);
+        }
+    } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(at);
+        p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
+    }
+}
+
+// Copies stage s of the block's weight rows into weight buffer `wb` (thread i: bytes 16·(i % 4)
+// of rows i / 4 and 64 + i / 4, from `w0`, `w1`: those rows' stage 0, zeros past N) and, for
+// affine weights, the `words` words holding its slice of scales or biases (threads 0..127 scales
+// of row i, 128..255 biases of row i − 128, from `sg`: that row's first; the slice from g_lo on)
+// into `sb`.
+template <int BITS>
+__device__ __forceinline__ void wide_issue(const unsigned char* w0, const unsigned char* w1, bool v0, bool v1,
+                                           const bf16_t* sg, bool vs, int s, int g_lo, int words,
+                                           unsigned char* wb, unsigned char* sb) {
+    const int tid = threadIdx.x, col = (tid & 3) * 16;
+    cp_async16(wb + (tid >> 2) * WIDE_WLD + col, w0 + (long long)s * WIDE_ROWB, v0);
+    cp_async16(wb + (64 + (tid >> 2)) * WIDE_WLD + col, w1 + (long long)s * WIDE_ROWB, v1);
+    if constexpr (BITS != 16) {
+        if (vs) {
+            const unsigned* src = reinterpret_cast<const unsigned*>(reinterpret_cast<size_t>(sg + g_lo) & ~size_t(3));
+            unsigned char* dst = sb + tid * WIDE_SBB;
+            for (int w = 0; w < words; ++w) cp_async4(dst + 4 * w, src + w);
+        }
+    }
+}
+
+// Stages one chunk's inputs for every warp: thread i (row i / 8, q = i % 8, lane group t = q / 2,
+// k16 step q % 2) holds `f` = the chunk's values 8t + 2(q % 2) + {0, 1} and (affine)
+// 8t + 4 + 2(q % 2) + {0, 1}, (bf16) 4q + 0..3: the two pairs of its step, in the order
+// wide_frag reads the weights, which it writes as bf16 hi and lo pairs at `at` (4 words).
+// Returns the row's chunk sum (every thread of the row).
+template <int BITS>
+__device__ __forceinline__ float wide_stage(float4 f, unsigned* at) {
+    float a0 = f.x, a1 = f.y, a2 = f.z, a3 = f.w;
+    if constexpr (BITS != 16) {
+        a1 = f.z;
+        a2 = f.y;
+    }
+    unsigned h0 = pack_bf16(a0, a1), h1 = pack_bf16(a2, a3);
+    unsigned l0 = pack_bf16(a0 - bf16lo(h0), a1 - bf16hi(h0));
+    unsigned l1 = pack_bf16(a2 - bf16lo(h1), a3 - bf16hi(h1));
+    *reinterpret_cast<uint4*>(at) = make_uint4(h0, h1, l0, l1);
+    float su = (f.x + f.y) + (f.z + f.w);
+    su += __shfl_xor_sync(0xffffffffu, su, 1);
+    su += __shfl_xor_sync(0xffffffffu, su, 2);
+    su += __shfl_xor_sync(0xffffffffu, su, 4);
+    return su;
+}
+
+template <int BITS, int SETS>
+__device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+                           const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
+                           const float* __restrict__ bias, int spb) {
+    using WS = Wide<BITS>;
+    constexpr int KST = WS::KST, SUB = WS::SUB, XW = WS::XW, P = WIDE_STAGES / SETS;
+    extern __shared__ __align__(16) unsigned char wide_smem[];
+    unsigned char* wsm = wide_smem;                                   // [SETS][P][128][WIDE_WLD]
+    unsigned char* ssm = wsm + SETS * P * WS::W_BYTES;                // [SETS][P][2][128][WIDE_SBB]
+    unsigned* xst = reinterpret_cast<unsigned*>(ssm + (BITS == 16 ? 0 : SETS * P * WS::S_BYTES));  // [2][32][XW]
+    float* xsum = reinterpret_cast<float*>(xst + 2 * 32 * XW);        // [2][SUB][32]
+    const int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, t = lane & 3, warp = tid >> 5;
+    const int rblk = blockIdx.y * 128, r = rblk + warp * 16;
+    const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0);
+    const int s0 = blockIdx.z * spb, s1 = min(s0 + spb, K / KST);
+    // Groups: G = 2^gshift inputs, 2^cshift chunks; a stage holds `per` groups' scales from
+    // g_lo = s·KST / G on (one when a group spans stages).
+    const int gshift = __ffs(G) - 1, cshift = gshift - 5;
+    const int per = KST >= G ? KST >> gshift : 1;
+    const int KG = K >> gshift;
+    // This thread's copies: weight rows tid / 4 and 64 + tid / 4, scales or biases of row tid % 128.
+    const long long row_bytes = (long long)K * BITS / 8;
+    const unsigned char* wsrc[SETS][2];
+    const bf16_t* ssrc[SETS];
+    const int ra = tid >> 2, rs = tid & 127;
+#pragma unroll
+    for (int set = 0; set < SETS; ++set) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            wsrc[set][h] = reinterpret_cast<const unsigned char*>(W) +
+                           ((long long)set * N + min(rblk + ra + 64 * h, N - 1)) * row_bytes + (tid & 3) * 16;
+        ssrc[set] = (tid < 128 ? S : Bs) + ((long long)set * N + min(rblk + rs, N - 1)) * KG;
+    }
+    const bool wv0 = rblk + ra < N, wv1 = rblk + ra + 64 < N, sv = rblk + rs < N;
+    // A slice starts on a word but for one bf16 when its first index is odd: row·KG is even
+    // (K % 256 == 0), so that is the array's own offset plus g_lo.
+    const int ps = reinterpret_cast<size_t>(S) >> 1 & 1, pb = reinterpret_cast<size_t>(Bs) >> 1 & 1;
+    const int pw = tid < 128 ? ps : pb;
+    auto issue = [&](int s) {
+        if (s < s1) {
+            const int g_lo = (s * KST) >> gshift, buf = s & (P - 1);
+            const int words = (((pw + g_lo) & 1) + per + 1) >> 1;
+#pragma unroll
+            for (int set = 0; set < SETS; ++set)
+                wide_issue<BITS>(wsrc[set][0], wsrc[set][1], wv0, wv1, ssrc[set], sv, s, g_lo,
+                                 words, wsm + (set * P + buf) * WS::W_BYTES, ssm + (set * P + buf) * WS::S_BYTES);
+        }
+        cp_async_commit();
+    };
+    for (int i = 0; i < P - 1; ++i) issue(s0 + i);
+    pdl_entry();
+
+    // Staging: thread i stages values of input i / 8 (see wide_stage); the row's running group
+    // sum goes to xsum at the chunk that ends each group.
+    const int sb_row = tid >> 3, sq = tid & 7;
+    const int xoff = BITS == 16 ? 4 * sq : 8 * (sq >> 1) + 2 * (sq & 1);
+    const float* sx = sb_row < nb ? x + (long long)(b0 + sb_row) * xs + xoff : nullptr;
+    float4 xr[SUB];
+    float run = 0.f;
+    auto fetch_x = [&](int s) {
+#pragma unroll
+        for (int u = 0; u < SUB; ++u) {
+            const float* p = sx + s * KST + 32 * u;
+            if (!sx) xr[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+            else if (BITS == 16) xr[u] = *reinterpret_cast<const float4*>(p);
+            else {
+                const float2 a = *reinterpret_cast<const float2*>(p), c = *reinterpret_cast<const float2*>(p + 4);
+                xr[u] = make_float4(a.x, a.y, c.x, c.y);
+            }
+        }
+    };
+    auto stage_x = [&](int s, int xb) {
+#pragma unroll
+        for (int u = 0; u < SUB; ++u) {
+            const float su = wide_stage<BITS>(xr[u], &xst[(xb * 32 + sb_row) * XW + 32 * u + 4 * sq]);
+            if (BITS != 16) {
+                run += su;
+                if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0) {
+                    if (sq == 0) xsum[(xb * SUB + u) * 32 + sb_row] = run;
+                    run = 0.f;
+                }
+            }
+        }
+    };
+    float acc[SETS][MMA_TILES][4], part[SETS][MMA_TILES][4];
+    zero_frags<SETS>(acc, part);
+    const int nt = (nb + 7) >> 3;
+    fetch_x(s0);
+    stage_x(s0, 0);
+    for (int s = s0, xb = 0; s < s1; ++s, xb ^= 1) {
+        // Stage s's copies (this thread's) are done; after the barrier everyone's are, and
+        // everyone is past stage s − 1, whose buffers take stage s + P − 1 and the next inputs.
+        cp_async_wait_group<P - 2>();
+        __syncthreads();
+        issue(s + P - 1);
+        const bool more = s + 1 < s1;
+        if (more) fetch_x(s + 1);
+        const int buf = s & (P - 1), g_lo = (s * KST) >> gshift;
+        const unsigned char* wrow = wsm + buf * WS::W_BYTES + (warp * 16 + gid) * WIDE_WLD + t * BITS;
+        const unsigned char* srow = ssm + buf * WS::S_BYTES + (warp * 16 + gid) * WIDE_SBB;
+        const unsigned* xb_row = &xst[(xb * 32 + gid) * XW + 8 * t];
+#pragma unroll
+        for (int u = 0; u < SUB; ++u) {
+            unsigned a[SETS][2][4];
+#pragma unroll
+            for (int set = 0; set < SETS; ++set)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    wide_frag<BITS>(wrow + set * P * WS::W_BYTES + 8 * h * WIDE_WLD + u * 4 * BITS, a[set][h]);
+            // Per k16 step, every tile's hi products, then its lo products: independent
+            // accumulators back to back.
+#pragma unroll
+            for (int st = 0; st < 2; ++st) {
+                uint4 v[MMA_TILES];
+#pragma unroll
+                for (int j = 0; j < MMA_TILES; ++j)
+                    if (j < nt) v[j] = *reinterpret_cast<const uint4*>(&xb_row[j * 8 * XW + 32 * u + 4 * st]);
+#pragma unroll
+                for (int lo = 0; lo < 2; ++lo)
+#pragma unroll
+                    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+                        for (int set = 0; set < SETS; ++set)
+                            if (j < nt)
+                                mma_bf16(BITS == 16 ? acc[set][j] : part[set][j], a[set][0][2 * st],
+                                         a[set][1][2 * st], a[set][0][2 * st + 1], a[set][1][2 * st + 1],
+                                         lo ? v[j].z : v[j].x, lo ? v[j].w : v[j].y);
+            }
+            if constexpr (BITS != 16) {
+                if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0) {
+                    // The group ends with this chunk: its scales sit at (slice offset + its index
+                    // in the stage's slice) bf16s into each row's staged slice.
+                    const int gi = KST >= G ? u >> cshift : 0;
+                    const int os = (ps + g_lo) & 1, ob = (pb + g_lo) & 1;
+                    float sc[SETS][2], bi[SETS][2];
+#pragma unroll
+                    for (int set = 0; set < SETS; ++set)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const bf16_t* row = reinterpret_cast<const bf16_t*>(
+                                srow + set * P * WS::S_BYTES + 8 * h * WIDE_SBB);
+                            sc[set][h] = bf16f(row[os + gi]);
+                            bi[set][h] = bf16f(row[128 * WIDE_SBB / 2 + ob + gi]);
+                        }
+                    const float* su = &xsum[(xb * SUB + u) * 32 + 2 * t];
+#pragma unroll
+                    for (int j = 0; j < MMA_TILES; ++j) {
+                        if (j >= nt) continue;
+                        const float2 gs = *reinterpret_cast<const float2*>(&su[j * 8]);
+                        flush_tile<SETS>(sc, bi, gs.x, gs.y, j, acc, part);
+                    }
+                }
+            }
+        }
+        if (more) stage_x(s + 1, xb ^ 1);
+    }
+    if (gridDim.z == 1) {
+        store_frags<SETS>(acc, y, N, r, nb, nullptr, b0, bias);
+        return;
+    }
+    float* out = part_out + (long long)blockIdx.z * Bn * SETS * N;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = r + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
+            if (n < N && b < nb)
+#pragma unroll
+                for (int s2 = 0; s2 < SETS; ++s2) out[(long long)(b0 + b) * SETS * N + s2 * N + n] = acc[s2][j][e];
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf16_t* __restrict__ W, const float* x,
+                                                                     float* y, float* part, int N, int K, int Bn,
+                                                                     long long xs, const float* __restrict__ bias,
+                                                                     int spb) {
+    mma_wide_t<16, 1>(W, nullptr, nullptr, x, y, part, N, K, 32, Bn, xs, bias, spb);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                       const bf16_t* __restrict__ B, const float* x, float* y,
+                                                                       float* part, int N, int K, int G, int bits, int Bn,
+                                                                       long long xs, const float* __restrict__ bias, int spb) {
+    if (bits == 8) mma_wide_t<8, 1>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb);
+    else mma_wide_t<4, 1>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) mma_wide_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
+                                                                       float* h, float* part, int I, int K, int Bn,
+                                                                       long long xs, int spb) {
+    mma_wide_t<16, 2>(W, nullptr, nullptr, x, h, part, I, K, 32, Bn, xs, nullptr, spb);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+                                                                         const bf16_t* __restrict__ B, const float* x, float* h,
+                                                                         float* part, int I, int K, int G, int bits, int Bn,
+                                                                         long long xs, int spb) {
+    if (bits == 8) mma_wide_t<8, 2>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb);
+    else mma_wide_t<4, 2>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb);
+}
+
+// wide_sum: y[b, n] = Σ_z part[z, b, n] (+ bias[n]) over the ks partial sums of the wide form,
+// in order of z; SwiGLU (sets 2): h[b, n] = silu(Σ gate)·Σ up, gate at n, up at N + n of each
+// partial row. grid (ceil(N / 256), B), block 256.
+extern "C" __global__ void wide_sum(const float* part, float* y, int N, int Bn, int ks, int sets,
+                                    const float* __restrict__ bias) {
+    pdl_entry();
+    const int n = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+    if (n >= N) return;
+    const long long stride = (long long)Bn * sets * N;
+    const float* p = part + (long long)b * sets * N + n;
+    float g = 0.f, u = 0.f;
+    for (int z = 0; z < ks; ++z) {
+        g += p[z * stride];
+        if (sets == 2) u += p[z * stride + N];
+    }
+    y[(long long)b * N + n] = sets == 2 ? silu_f(g) * u : g + (bias ? bias[n] : 0.f);
+}
