@@ -293,6 +293,13 @@ fn layer_times(
     Ok(sums)
 }
 
+/// First tokens for `b` sequences that differ from each other (within a vocabulary of `vocab`):
+/// sequences fed the same token from the same state route every row to the same experts, which
+/// no server's batch does.
+fn distinct_tokens(b: usize, vocab: usize) -> Vec<u32> {
+    (0..b).map(|i| ((1 + i * 7919) % vocab.max(1)) as u32).collect()
+}
+
 /// Decode `b` sequences together at context `ctx`: tok/s over all of them, bytes per step
 /// and fraction of the copy bandwidth; with one sequence also the eager time per layer kind.
 fn decode_at(
@@ -308,7 +315,7 @@ fn decode_at(
     for s in &mut seqs {
         model.set_position(s, ctx.saturating_sub(1))?;
     }
-    let mut toks = vec![1u32; b];
+    let mut toks = distinct_tokens(b, model.vocab_size());
     let step =
         |model: &mut GpuModel, seqs: &mut [deltamoe_model::gpu::GpuSeq], toks: &mut Vec<u32>| {
             let mut rows: Vec<_> = seqs.iter_mut().zip(toks.iter().copied()).collect();
@@ -693,4 +700,20 @@ fn run_matvec() -> Result<Value> {
         }
     }
     Ok(json!({"device": g.name(), "copy_bandwidth_bytes_s": bw, "matvec": rows}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::distinct_tokens;
+
+    #[test]
+    fn batched_decode_starts_every_sequence_on_its_own_token() {
+        for vocab in [256, 151_936, 248_320] {
+            let mut t = distinct_tokens(256, vocab);
+            assert!(t.iter().all(|&x| (x as usize) < vocab));
+            t.sort_unstable();
+            t.dedup();
+            assert_eq!(t.len(), 256);
+        }
+    }
 }
