@@ -297,7 +297,9 @@ fn layer_times(
 /// sequences fed the same token from the same state route every row to the same experts, which
 /// no server's batch does.
 fn distinct_tokens(b: usize, vocab: usize) -> Vec<u32> {
-    (0..b).map(|i| ((1 + i * 7919) % vocab.max(1)) as u32).collect()
+    (0..b)
+        .map(|i| ((1 + i * 7919) % vocab.max(1)) as u32)
+        .collect()
 }
 
 /// Decode `b` sequences together at context `ctx`: tok/s over all of them, bytes per step

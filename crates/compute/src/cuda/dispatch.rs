@@ -7,7 +7,8 @@
 //! - one input row on the single-row tensor-core kernel (mma_vec.cu, 4/8-bit affine; plain
 //!   products only): the decode step's dense projections;
 //! - a batch of rows through one matrix, each weight load serving several rows: tensor cores
-//!   (mma_rows.cu; a GEMM form from [`GEMM_MIN_ROWS`] rows on) or CUDA cores (matvec_rows.cu);
+//!   (mma_rows.cu, mma_wide.cu; a GEMM form from [`GEMM_MIN_ROWS`] rows on) or CUDA cores
+//!   (matvec_rows.cu);
 //! - slots that pick their matrices by id (experts, far stacks over PCIe), CUDA cores
 //!   (matvec.cu for bf16, qmatvec.cu for affine).
 //!
@@ -53,7 +54,7 @@ pub enum RowsForm {
 pub(super) const MV_VECS: usize = 8;
 /// Weight rows a warp of the `*_rows` kernels computes (`MV_ROWS` in matvec_rows.cu).
 pub(super) const MV_ROWS: usize = 4;
-/// Input rows one warp of the `mma_*` kernels takes (`8·MMA_TILES` in mma_rows.cu).
+/// Input rows one warp of the `mma_*` kernels takes (`8·MMA_TILES` in mma_frag.cuh).
 pub(super) const MMA_ROWS_INPUTS: usize = 32;
 
 /// From this many input rows on, the GEMM form of mma_rows.cu (inputs staged once per block of
@@ -186,7 +187,7 @@ fn batched_rows(m: &Matvec, sl: &Slots) -> bool {
         && vector_x(m)
 }
 
-/// Whether the tensor-core kernels of mma_rows.cu take this matrix: K a multiple of 32 and
+/// Whether the tensor-core kernels of mma_rows.cu and mma_wide.cu take this matrix: K a multiple of 32 and
 /// bf16 or 4/8-bit affine weights with groups of 32, 64 or 128.
 pub fn tensor_core_rows(m: &Matvec) -> bool {
     m.k.is_multiple_of(32)
