@@ -1,25 +1,28 @@
-// Wide form of the batched products (mma_wide_*; decode batches from 8 rows through one
-// matrix), at the accuracy and in the fragment layout of mma_frag.cuh (prefixed to this file):
-// y[b, n] = Σ_k W[n, k] x[b, k] (+ bias[n]), or h[b, n] = silu(G_n·x_b)·U_n·x_b for SwiGLU.
+// Wide form of the batched products (decode batches from 8 rows), at the accuracy and in the
+// fragment layout of mma_frag.cuh (prefixed to this file): y[b, n] = Σ_k W[n, k] x[b, k]
+// (+ bias[n]), or h[b, n] = silu(G_n·x_b)·U_n·x_b for SwiGLU (W = [gate (I rows) | up (I rows)]).
 //
-// grid (ceil(B / 32), ceil(N / 128), ks), block 256, dynamic shared memory as `Wide<BITS>`
-// and `WIDE_*` below lay it out (the host computes the same size). Block (x, y, z) takes inputs
-// 32x + 0..32, weight rows (outputs; for SwiGLU each with its gate and up row) 128y + 0..128 —
-// warp w rows 16w + 0..16 — and the K stages [z·spb, (z + 1)·spb).
+// Dense (mma_wide_*): grid (ceil(B / 32), ceil(outputs / 128) (SwiGLU: / 64), ks), block 256;
+// block (x, y, z) takes inputs 32x + 0..32 and the K stages [z·spb, (z + 1)·spb). Grouped
+// (mma_gwide_*, a decode batch's expert pairs by expert): grid (tiles, same y), see
+// mma_gwide_t. Dynamic shared memory as `Wide<BITS>` and `WIDE_*` below lay it out (the host
+// computes the same size).
 //
-// A stage is WIDE_ROWB bytes of each of the block's weight rows: KST = 8·WIDE_ROWB / BITS
-// inputs (128 at 4 bits, 64 at 8, 32 for bf16). Its weights, and the scales and biases of its
-// groups, are copied by cp.async into one of P = WIDE_STAGES / SETS shared buffers P − 1 stages
-// ahead of its products (the first ones before the wait on the kernel before: weights only);
-// the next stage's inputs load into registers during a stage's products and are staged after
-// them, as bf16 hi/lo with the sums of the groups they end, into the other of two input
-// buffers. Products run per k16 step over every 8-row tile, so that back-to-back mmas go to
-// independent accumulators. One barrier a stage. The dequant form is applied once a group; a
-// block's stages hold whole groups. Needs K % 256 == 0 (whole stages, and rows of scales
-// starting at even offsets).
+// A block holds 128 weight rows in shared memory, warp w rows 16w + 0..16: 128 outputs, or for
+// SwiGLU 64 outputs' gate rows (warps 0..3) and up rows (4..7), whose sums meet in shared memory
+// at the end. A stage is WIDE_ROWB bytes of each row: KST = 8·WIDE_ROWB / BITS inputs (128 at 4
+// bits, 64 at 8, 32 for bf16). Its weights, and the scales and biases of its groups, are copied
+// by cp.async into one of WIDE_STAGES shared buffers WIDE_STAGES − 1 stages ahead of its
+// products (dense: the first ones before the wait on the kernel before, weights only); the next
+// stage's inputs load into registers during a stage's products and are staged after them, as
+// bf16 hi/lo with the sums of the groups they end, into the other of two input buffers. Products
+// run per k16 step over every 8-row tile, so that back-to-back mmas go to independent
+// accumulators. One barrier a stage. The dequant form is applied once a group; a block's stages
+// hold whole groups. Needs K % 256 == 0 (whole stages, and rows of scales starting at even
+// offsets).
 //
-// With ks = 1 the outputs go to y (SwiGLU: h); else the partial sums (gate and up rows apart) go
-// to part [ks, B, SETS·N], which `wide_sum` adds in order of z.
+// Dense with ks = 1 writes y (SwiGLU: h); else the partial sums (gate and up rows apart) go to
+// part [ks, B, sets·N], which `wide_sum` adds in order of z.
 
 #define WIDE_STAGES 4
 #define WIDE_ROWB 64
@@ -38,8 +41,8 @@ struct Wide {
     static constexpr int KST = 8 * WIDE_ROWB / BITS;
     static constexpr int SUB = KST / 32;
     static constexpr int XW = SUB * 32 + 4;
-    static constexpr int W_BYTES = 128 * WIDE_WLD;          // per set and buffer
-    static constexpr int S_BYTES = 2 * 128 * WIDE_SBB;      // per set and buffer, affine only
+    static constexpr int W_BYTES = 128 * WIDE_WLD;          // a buffer's weights
+    static constexpr int S_BYTES = 2 * 128 * WIDE_SBB;      // its scales and biases (affine)
 };
 
 // Affine codes enter in pairs (k_i, k_{i+4}) of each lane's 8 values, i = 0..3: for 4 bits one
@@ -115,40 +118,42 @@ __device__ __forceinline__ float wide_stage(float4 f, unsigned* at) {
     return su;
 }
 
-template <int BITS, int SETS>
-__device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
-                           const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
-                           const float* __restrict__ bias, int spb) {
+// The weight rows of a block: shared-memory rows 0..63 are matrix rows base0 + 0..63 and rows
+// 64..127 are base1 + 0..63, of which the first lim0 and lim1 exist.
+struct WideRows {
+    long long base0, base1;
+    int lim0, lim1;
+};
+
+// One block's products: its 128 weight rows (`rw`; W, S, Bs at the matrix) over stages
+// [s0, s1) against nb ≤ 32 inputs, this thread's staging row at `xrow` (null: zeros), into acc
+// (mma C layout: warp w has shared rows 16w + gid, 16w + gid + 8). With `wait`, the PDL wait
+// comes after the first stages' weight copies.
+template <int BITS>
+__device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+                          const float* xrow, WideRows rw, int K, int G, int nb, int s0, int s1, bool wait,
+                          float acc[1][MMA_TILES][4]) {
     using WS = Wide<BITS>;
-    constexpr int KST = WS::KST, SUB = WS::SUB, XW = WS::XW, P = WIDE_STAGES / SETS;
+    constexpr int KST = WS::KST, SUB = WS::SUB, XW = WS::XW, P = WIDE_STAGES;
     extern __shared__ __align__(16) unsigned char wide_smem[];
-    unsigned char* wsm = wide_smem;                                   // [SETS][P][128][WIDE_WLD]
-    unsigned char* ssm = wsm + SETS * P * WS::W_BYTES;                // [SETS][P][2][128][WIDE_SBB]
-    unsigned* xst = reinterpret_cast<unsigned*>(ssm + (BITS == 16 ? 0 : SETS * P * WS::S_BYTES));  // [2][32][XW]
+    unsigned char* wsm = wide_smem;                                   // [P][128][WIDE_WLD]
+    unsigned char* ssm = wsm + P * WS::W_BYTES;                       // [P][2][128][WIDE_SBB]
+    unsigned* xst = reinterpret_cast<unsigned*>(ssm + (BITS == 16 ? 0 : P * WS::S_BYTES));  // [2][32][XW]
     float* xsum = reinterpret_cast<float*>(xst + 2 * 32 * XW);        // [2][SUB][32]
     const int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, t = lane & 3, warp = tid >> 5;
-    const int rblk = blockIdx.y * 128, r = rblk + warp * 16;
-    const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0);
-    const int s0 = blockIdx.z * spb, s1 = min(s0 + spb, K / KST);
     // Groups: G = 2^gshift inputs, 2^cshift chunks; a stage holds `per` groups' scales from
     // g_lo = s·KST / G on (one when a group spans stages).
     const int gshift = __ffs(G) - 1, cshift = gshift - 5;
     const int per = KST >= G ? KST >> gshift : 1;
     const int KG = K >> gshift;
-    // This thread's copies: weight rows tid / 4 and 64 + tid / 4, scales or biases of row tid % 128.
+    // This thread's copies: weight rows tid / 4 of each run, scales or biases of shared row
+    // tid % 128.
     const long long row_bytes = (long long)K * BITS / 8;
-    const unsigned char* wsrc[SETS][2];
-    const bf16_t* ssrc[SETS];
-    const int ra = tid >> 2, rs = tid & 127;
-#pragma unroll
-    for (int set = 0; set < SETS; ++set) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            wsrc[set][h] = reinterpret_cast<const unsigned char*>(W) +
-                           ((long long)set * N + min(rblk + ra + 64 * h, N - 1)) * row_bytes + (tid & 3) * 16;
-        ssrc[set] = (tid < 128 ? S : Bs) + ((long long)set * N + min(rblk + rs, N - 1)) * KG;
-    }
-    const bool wv0 = rblk + ra < N, wv1 = rblk + ra + 64 < N, sv = rblk + rs < N;
+    const int ra = tid >> 2, rs = tid & 127, rh = rs >> 6, ri = rs & 63;
+    const unsigned char* w0 = reinterpret_cast<const unsigned char*>(W) + (rw.base0 + ra) * row_bytes + (tid & 3) * 16;
+    const unsigned char* w1 = reinterpret_cast<const unsigned char*>(W) + (rw.base1 + ra) * row_bytes + (tid & 3) * 16;
+    const bf16_t* ssrc = (tid < 128 ? S : Bs) + ((rh ? rw.base1 : rw.base0) + ri) * KG;
+    const bool wv0 = ra < rw.lim0, wv1 = ra < rw.lim1, sv = ri < (rh ? rw.lim1 : rw.lim0);
     // A slice starts on a word but for one bf16 when its first index is odd: row·KG is even
     // (K % 256 == 0), so that is the array's own offset plus g_lo.
     const int ps = reinterpret_cast<size_t>(S) >> 1 & 1, pb = reinterpret_cast<size_t>(Bs) >> 1 & 1;
@@ -157,21 +162,18 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
         if (s < s1) {
             const int g_lo = (s * KST) >> gshift, buf = s & (P - 1);
             const int words = (((pw + g_lo) & 1) + per + 1) >> 1;
-#pragma unroll
-            for (int set = 0; set < SETS; ++set)
-                wide_issue<BITS>(wsrc[set][0], wsrc[set][1], wv0, wv1, ssrc[set], sv, s, g_lo,
-                                 words, wsm + (set * P + buf) * WS::W_BYTES, ssm + (set * P + buf) * WS::S_BYTES);
+            wide_issue<BITS>(w0, w1, wv0, wv1, ssrc, sv, s, g_lo, words,
+                             wsm + buf * WS::W_BYTES, ssm + buf * WS::S_BYTES);
         }
         cp_async_commit();
     };
     for (int i = 0; i < P - 1; ++i) issue(s0 + i);
-    pdl_entry();
+    if (wait) pdl_entry();
 
     // Staging: thread i stages values of input i / 8 (see wide_stage); the row's running group
     // sum goes to xsum at the chunk that ends each group.
     const int sb_row = tid >> 3, sq = tid & 7;
-    const int xoff = BITS == 16 ? 4 * sq : 8 * (sq >> 1) + 2 * (sq & 1);
-    const float* sx = sb_row < nb ? x + (long long)(b0 + sb_row) * xs + xoff : nullptr;
+    const float* sx = xrow ? xrow + (BITS == 16 ? 4 * sq : 8 * (sq >> 1) + 2 * (sq & 1)) : nullptr;
     float4 xr[SUB];
     float run = 0.f;
     auto fetch_x = [&](int s) {
@@ -199,8 +201,8 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
             }
         }
     };
-    float acc[SETS][MMA_TILES][4], part[SETS][MMA_TILES][4];
-    zero_frags<SETS>(acc, part);
+    float part[1][MMA_TILES][4];
+    zero_frags<1>(acc, part);
     const int nt = (nb + 7) >> 3;
     fetch_x(s0);
     stage_x(s0, 0);
@@ -218,12 +220,9 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
         const unsigned* xb_row = &xst[(xb * 32 + gid) * XW + 8 * t];
 #pragma unroll
         for (int u = 0; u < SUB; ++u) {
-            unsigned a[SETS][2][4];
+            unsigned a[2][4];
 #pragma unroll
-            for (int set = 0; set < SETS; ++set)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    wide_frag<BITS>(wrow + set * P * WS::W_BYTES + 8 * h * WIDE_WLD + u * 4 * BITS, a[set][h]);
+            for (int h = 0; h < 2; ++h) wide_frag<BITS>(wrow + 8 * h * WIDE_WLD + u * 4 * BITS, a[h]);
             // Per k16 step, every tile's hi products, then its lo products: independent
             // accumulators back to back.
 #pragma unroll
@@ -236,12 +235,10 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
                 for (int lo = 0; lo < 2; ++lo)
 #pragma unroll
                     for (int j = 0; j < MMA_TILES; ++j)
-#pragma unroll
-                        for (int set = 0; set < SETS; ++set)
-                            if (j < nt)
-                                mma_bf16(BITS == 16 ? acc[set][j] : part[set][j], a[set][0][2 * st],
-                                         a[set][1][2 * st], a[set][0][2 * st + 1], a[set][1][2 * st + 1],
-                                         lo ? v[j].z : v[j].x, lo ? v[j].w : v[j].y);
+                        if (j < nt)
+                            mma_bf16(BITS == 16 ? acc[0][j] : part[0][j], a[0][2 * st], a[1][2 * st],
+                                     a[0][2 * st + 1], a[1][2 * st + 1], lo ? v[j].z : v[j].x,
+                                     lo ? v[j].w : v[j].y);
             }
             if constexpr (BITS != 16) {
                 if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0) {
@@ -249,71 +246,178 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
                     // in the stage's slice) bf16s into each row's staged slice.
                     const int gi = KST >= G ? u >> cshift : 0;
                     const int os = (ps + g_lo) & 1, ob = (pb + g_lo) & 1;
-                    float sc[SETS][2], bi[SETS][2];
+                    float sc[1][2], bi[1][2];
 #pragma unroll
-                    for (int set = 0; set < SETS; ++set)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const bf16_t* row = reinterpret_cast<const bf16_t*>(
-                                srow + set * P * WS::S_BYTES + 8 * h * WIDE_SBB);
-                            sc[set][h] = bf16f(row[os + gi]);
-                            bi[set][h] = bf16f(row[128 * WIDE_SBB / 2 + ob + gi]);
-                        }
+                    for (int h = 0; h < 2; ++h) {
+                        const bf16_t* row = reinterpret_cast<const bf16_t*>(srow + 8 * h * WIDE_SBB);
+                        sc[0][h] = bf16f(row[os + gi]);
+                        bi[0][h] = bf16f(row[128 * WIDE_SBB / 2 + ob + gi]);
+                    }
                     const float* su = &xsum[(xb * SUB + u) * 32 + 2 * t];
 #pragma unroll
                     for (int j = 0; j < MMA_TILES; ++j) {
                         if (j >= nt) continue;
                         const float2 gs = *reinterpret_cast<const float2*>(&su[j * 8]);
-                        flush_tile<SETS>(sc, bi, gs.x, gs.y, j, acc, part);
+                        flush_tile<1>(sc, bi, gs.x, gs.y, j, acc, part);
                     }
                 }
             }
         }
         if (more) stage_x(s + 1, xb ^ 1);
     }
-    if (gridDim.z == 1) {
-        store_frags<SETS>(acc, y, N, r, nb, nullptr, b0, bias);
+}
+
+// The block's weight rows: 128 outputs from rblk, or for SwiGLU 64 outputs from rblk64 as their
+// 64 gate rows then their 64 up rows (`[gate | up]`, N outputs each), at matrix row offset `off`.
+__device__ __forceinline__ WideRows wide_rows(bool swiglu, long long off, int N) {
+    if (swiglu) {
+        const int r = blockIdx.y * 64, lim = max(0, min(64, N - r));
+        return {off + r, off + N + r, lim, lim};
+    }
+    const int r = blockIdx.y * 128;
+    return {off + r, off + r + 64, max(0, min(64, N - r)), max(0, min(64, N - r - 64))};
+}
+
+// Writes the block's outputs: y[out_row(b)·N + n] (out_rows null: b0 + b) for the block's
+// outputs n and inputs b < nb, or for SwiGLU h = silu(gate)·up, the up rows' sums (warps 4..7)
+// passed to the gate rows' warps (0..3) through shared memory.
+__device__ __forceinline__ void wide_store(float acc[1][MMA_TILES][4], bool swiglu, float* y, int N, int nb,
+                                           const int* out_rows, int b0, const float* bias) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (!swiglu) {
+        store_frags<1>(acc, y, N, blockIdx.y * 128 + warp * 16, nb, out_rows, b0, bias);
         return;
     }
-    float* out = part_out + (long long)blockIdx.z * Bn * SETS * N;
+    extern __shared__ __align__(16) unsigned char wide_smem[];
+    float* xch = reinterpret_cast<float*>(wide_smem);  // [4 warps][MMA_TILES·4][32]
+    __syncthreads();
+    if (warp >= 4)
+#pragma unroll
+        for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xch[((warp - 4) * MMA_TILES * 4 + j * 4 + e) * 32 + lane] = acc[0][j][e];
+    __syncthreads();
+    if (warp >= 4) return;
+    float gu[2][MMA_TILES][4];
 #pragma unroll
     for (int j = 0; j < MMA_TILES; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int n = r + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
-            if (n < N && b < nb)
-#pragma unroll
-                for (int s2 = 0; s2 < SETS; ++s2) out[(long long)(b0 + b) * SETS * N + s2 * N + n] = acc[s2][j][e];
+            gu[0][j][e] = acc[0][j][e];
+            gu[1][j][e] = xch[(warp * MMA_TILES * 4 + j * 4 + e) * 32 + lane];
         }
+    store_frags<2>(gu, y, N, blockIdx.y * 64 + warp * 16, nb, out_rows, b0, nullptr);
+}
+
+// Dense form: block (x, y, z) takes inputs 32x + 0..32 and stages [z·spb, (z + 1)·spb); with
+// ks > 1 the partial sums go to part [ks, B, sets·N] (gate at n, up at N + n).
+template <int BITS>
+__device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+                           const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
+                           const float* __restrict__ bias, int spb, bool swiglu) {
+    const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0), sb_row = threadIdx.x >> 3;
+    const int s0 = blockIdx.z * spb, s1 = min(s0 + spb, K / Wide<BITS>::KST);
+    const float* xrow = sb_row < nb ? x + (long long)(b0 + sb_row) * xs : nullptr;
+    const WideRows rw = wide_rows(swiglu, 0, N);
+    float acc[1][MMA_TILES][4];
+    wide_core<BITS>(W, S, Bs, xrow, rw, K, G, nb, s0, s1, true, acc);
+    if (gridDim.z == 1) {
+        wide_store(acc, swiglu, y, N, nb, nullptr, b0, bias);
+        return;
+    }
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    const int sets = swiglu ? 2 : 1, run = warp >> 2, i0 = (warp & 3) * 16;
+    float* out = part_out + (long long)blockIdx.z * Bn * sets * N;
+#pragma unroll
+    for (int j = 0; j < MMA_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = i0 + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
+            const long long n = run ? rw.base1 + i : rw.base0 + i;
+            if (i < (run ? rw.lim1 : rw.lim0) && b < nb) out[(long long)(b0 + b) * sets * N + n] = acc[0][j][e];
+        }
+}
+
+// Grouped form (MoE decode batches, pairs sorted by expert by `moe_group`): block x takes tiles
+// blockIdx.x, blockIdx.x + gridDim.x, … of `tiles` (int3: expert e, first index f into `order`,
+// count ≤ 32), each over the whole K: its inputs are pairs p = order[f + i] at x + (p / x_div)·xs,
+// the weights expert e's of a stack [E, N, K] ([E, 2I, K] for SwiGLU), output row p of y.
+template <int BITS>
+__device__ void mma_gwide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+                            const float* x, float* y, int N, int K, int G, const int* tiles, const int* n_tiles,
+                            const int* order, long long xs, int x_div, bool swiglu) {
+    __shared__ int pair[32];
+    pdl_entry();
+    const int count = n_tiles[0], sb_row = threadIdx.x >> 3;
+    for (int ti = blockIdx.x; ti < count; ti += gridDim.x) {
+        const int e = tiles[3 * ti], f = tiles[3 * ti + 1], nb = tiles[3 * ti + 2];
+        // The tile before is done with shared memory.
+        __syncthreads();
+        if (threadIdx.x < 32) pair[threadIdx.x] = threadIdx.x < nb ? order[f + threadIdx.x] : 0;
+        __syncthreads();
+        const float* xrow = sb_row < nb ? x + (long long)(pair[sb_row] / x_div) * xs : nullptr;
+        const WideRows rw = wide_rows(swiglu, (long long)e * (swiglu ? 2 : 1) * N, N);
+        float acc[1][MMA_TILES][4];
+        wide_core<BITS>(W, S, Bs, xrow, rw, K, G, nb, 0, K / Wide<BITS>::KST, false, acc);
+        wide_store(acc, swiglu, y, N, nb, pair, 0, nullptr);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                      float* y, float* part, int N, int K, int Bn,
                                                                      long long xs, const float* __restrict__ bias,
                                                                      int spb) {
-    mma_wide_t<16, 1>(W, nullptr, nullptr, x, y, part, N, K, 32, Bn, xs, bias, spb);
+    mma_wide_t<16>(W, nullptr, nullptr, x, y, part, N, K, 32, Bn, xs, bias, spb, false);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                        const bf16_t* __restrict__ B, const float* x, float* y,
                                                                        float* part, int N, int K, int G, int bits, int Bn,
                                                                        long long xs, const float* __restrict__ bias, int spb) {
-    if (bits == 8) mma_wide_t<8, 1>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb);
-    else mma_wide_t<4, 1>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb);
+    if (bits == 8) mma_wide_t<8>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb, false);
+    else mma_wide_t<4>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb, false);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) mma_wide_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                        float* h, float* part, int I, int K, int Bn,
                                                                        long long xs, int spb) {
-    mma_wide_t<16, 2>(W, nullptr, nullptr, x, h, part, I, K, 32, Bn, xs, nullptr, spb);
+    mma_wide_t<16>(W, nullptr, nullptr, x, h, part, I, K, 32, Bn, xs, nullptr, spb, true);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                                          const bf16_t* __restrict__ B, const float* x, float* h,
                                                                          float* part, int I, int K, int G, int bits, int Bn,
                                                                          long long xs, int spb) {
-    if (bits == 8) mma_wide_t<8, 2>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb);
-    else mma_wide_t<4, 2>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb);
+    if (bits == 8) mma_wide_t<8>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb, true);
+    else mma_wide_t<4>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb, true);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_rows_bf16(
+    const bf16_t* __restrict__ W, const float* x, float* y, int N, int K, const int* tiles, const int* n_tiles,
+    const int* order, long long xs, int x_div) {
+    mma_gwide_t<16>(W, nullptr, nullptr, x, y, N, K, 32, tiles, n_tiles, order, xs, x_div, false);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_swiglu_bf16(
+    const bf16_t* __restrict__ W, const float* x, float* h, int I, int K, const int* tiles, const int* n_tiles,
+    const int* order, long long xs, int x_div) {
+    mma_gwide_t<16>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div, true);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_rows_affine(
+    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x,
+    float* y, int N, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order, long long xs,
+    int x_div) {
+    if (bits == 8) mma_gwide_t<8>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, false);
+    else mma_gwide_t<4>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, false);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_swiglu_affine(
+    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x,
+    float* h, int I, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order, long long xs,
+    int x_div) {
+    if (bits == 8) mma_gwide_t<8>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, true);
+    else mma_gwide_t<4>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, true);
 }
 
 // wide_sum: y[b, n] = Σ_z part[z, b, n] (+ bias[n]) over the ks partial sums of the wide form,

@@ -18,6 +18,7 @@ use deltamoe_compute::cpu::rope::Rope;
 use deltamoe_compute::cuda::gemm;
 use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Matvec, Slots, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked, Grouped};
+use deltamoe_compute::cuda::wide;
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16, round_bf16};
 use rand::Rng;
@@ -413,6 +414,11 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         (1, 2, 3, 18, 40, None),
         (200, 9, 33, 40, 128, Some((4u32, 64usize))),
         (13, 2, 4, 10, 96, Some((8, 32))),
+        // K in whole stages of the wide kernels, outputs over several of their row blocks.
+        (29, 8, 6, 300, 512, Some((4, 64))),
+        (11, 4, 3, 130, 256, Some((8, 128))),
+        (9, 8, 5, 200, 256, Some((4, 32))),
+        (17, 3, 4, 66, 256, None),
     ] {
         let pairs = tokens * ks;
         let ids: Vec<i32> = (0..pairs)
@@ -422,13 +428,16 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         let x = rand_vec(&mut r, tokens * k, -1.0, 1.0);
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
         let forms = [
-            (pf::TILE_CORES, false),
-            (pf::TILE_MMA, false),
-            (pf::TILES_SPLIT[0], true),
-            (pf::TILES_SPLIT[1], true),
+            (pf::TILE_CORES, Form::Plain),
+            (pf::TILE_MMA, Form::Plain),
+            (pf::TILES_SPLIT[0], Form::Split),
+            (pf::TILES_SPLIT[1], Form::Split),
+            (pf::TILES_SPLIT[0], Form::Wide),
+            (pf::TILES_SPLIT[1], Form::Wide),
         ];
-        for (tile, split) in forms {
-            if (tile == pf::TILE_MMA || split) && k % 32 != 0 {
+        for (tile, form) in forms {
+            let mma = tile == pf::TILE_MMA || form != Form::Plain;
+            if (mma && k % 32 != 0) || (form == Form::Wide && k % 256 != 0) {
                 continue;
             }
             grouping_case(
@@ -438,15 +447,24 @@ fn moe_grouping_and_grouped_products_match_cpu() {
                 (tokens, ks, experts),
                 (n, k),
                 quant,
-                (tile, split),
+                (tile, form),
                 (&x, &w),
             );
         }
     }
 }
 
-/// One grouping of `ids` in tiles of `tile` and the grouped products over it (on the split-K
-/// kernels with `split`) against the CPU.
+/// The grouped kernels a case runs: prefill's (`pf::grouped_*`), decode's split-K
+/// (`pf::grouped_split`) or decode's wide (`wide::grouped`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Form {
+    Plain,
+    Split,
+    Wide,
+}
+
+/// One grouping of `ids` in tiles of `tile` and the grouped products over it on the kernels of
+/// `form` against the CPU.
 #[allow(clippy::too_many_arguments)]
 fn grouping_case(
     g: &Gpu,
@@ -455,7 +473,7 @@ fn grouping_case(
     (tokens, ks, experts): (usize, usize, usize),
     (n, k): (usize, usize),
     quant: Option<(u32, usize)>,
-    (tile, split): (usize, bool),
+    (tile, form): (usize, Form),
     (x, w): (&[f32], &[f32]),
 ) {
     {
@@ -553,14 +571,21 @@ fn grouping_case(
             g.zeros::<f32>(pairs * n).unwrap(),
             g.zeros::<f32>(pairs * n / 2).unwrap(),
         );
-        if split {
-            // Fewer blocks than tiles: each loops over several.
-            let blocks = (mt / 3).max(1);
-            pf::grouped_split(g, m, (dx.ptr(), dy.ptr()), gr, false, blocks).unwrap();
-            pf::grouped_split(g, m, (dx.ptr(), dh.ptr()), gr, true, blocks).unwrap();
-        } else {
-            pf::grouped_matvec(g, m, dx.ptr(), dy.ptr(), gr).unwrap();
-            pf::grouped_swiglu(g, m, dx.ptr(), dh.ptr(), gr).unwrap();
+        // Fewer blocks than tiles for the decode forms: each loops over several.
+        let blocks = (mt / 3).max(1);
+        match form {
+            Form::Plain => {
+                pf::grouped_matvec(g, m, dx.ptr(), dy.ptr(), gr).unwrap();
+                pf::grouped_swiglu(g, m, dx.ptr(), dh.ptr(), gr).unwrap();
+            }
+            Form::Split => {
+                pf::grouped_split(g, m, (dx.ptr(), dy.ptr()), gr, false, blocks).unwrap();
+                pf::grouped_split(g, m, (dx.ptr(), dh.ptr()), gr, true, blocks).unwrap();
+            }
+            Form::Wide => {
+                wide::grouped(g, m, (dx.ptr(), dy.ptr()), gr, false, blocks).unwrap();
+                wide::grouped(g, m, (dx.ptr(), dh.ptr()), gr, true, blocks).unwrap();
+            }
         }
         let want: Vec<f32> = match quant {
             None => (0..pairs)
@@ -584,9 +609,8 @@ fn grouping_case(
                 g.read(&dref, pairs * n).unwrap()
             }
         };
-        let name = format!(
-            "grouped {quant:?} tile {tile} split {split} {tokens}x{ks} of {experts} [{n}x{k}]"
-        );
+        let name =
+            format!("grouped {quant:?} tile {tile} {form:?} {tokens}x{ks} of {experts} [{n}x{k}]");
         assert_close(&name, &g.read(&dy, pairs * n).unwrap(), &want, 1e-4);
         let i = n / 2;
         let hw: Vec<f32> = (0..pairs)

@@ -72,9 +72,7 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
     if batched_rows(m, sl) {
         let form = match (tensor_core_rows(m), sl.n) {
             (true, n) if n >= GEMM_MIN_ROWS => RowsForm::Gemm,
-            (true, n) if n >= WIDE_MIN_ROWS && m.k.is_multiple_of(WIDE_K_MULTIPLE) => {
-                RowsForm::Wide
-            }
+            (true, n) if n >= WIDE_MIN_ROWS && wide_takes(m) => RowsForm::Wide,
             (true, _) => RowsForm::SplitK,
             (false, _) => RowsForm::Cores,
         };
@@ -147,9 +145,9 @@ pub fn grouped_tile(
 /// against 388 grouped, 4 rows 742 against 756).
 pub const GROUPED_DECODE_MIN_ROWS: usize = 4;
 
-/// The tile of a decode batch's expert products grouped by expert on the split-K tensor-core
-/// kernels (`prefill::grouped_split`: each picked expert's weights read once for all the rows
-/// routed to it), for `rows` rows picking `top_k` of `experts` experts: 8 pairs while an
+/// The tile of a decode batch's expert products grouped by expert on the tensor-core kernels
+/// (`wide::grouped` where [`wide_takes`] the matrix, else `prefill::grouped_split`: each picked
+/// expert's weights read once for all the rows routed to it), for `rows` rows picking `top_k` of `experts` experts: 8 pairs while an
 /// expert expects at most 4 of them, else 16. None (the products run per slot) below
 /// [`GROUPED_DECODE_MIN_ROWS`] rows or for matrices the tensor-core kernels do not take; `x_stride`
 /// and `inter` are the inputs' strides as in [`grouped_tile`].
@@ -207,6 +205,11 @@ pub const WIDE_MIN_ROWS: usize = 8;
 /// (mma_wide.cu); other matrices stay on split-K.
 pub const WIDE_K_MULTIPLE: usize = 256;
 
+/// Whether the wide kernels (`mma_wide.cu`, dense and grouped) take matrix `m`.
+pub fn wide_takes(m: &Matvec) -> bool {
+    tensor_core_rows(m) && m.k.is_multiple_of(WIDE_K_MULTIPLE)
+}
+
 /// Blocks along K of a wide-form product (`mma_wide_*`) of `n` outputs (`sets` rows each: 2
 /// for SwiGLU) over `k` inputs for `rows` rows on `sms` multiprocessors, with room for
 /// `ws_floats` floats of partial sums: enough blocks for two a multiprocessor, each with at
@@ -219,7 +222,7 @@ pub fn wide_splits(
     sms: usize,
     ws_floats: usize,
 ) -> usize {
-    let blocks = rows.div_ceil(32) * n.div_ceil(128);
+    let blocks = rows.div_ceil(32) * (n * sets).div_ceil(128);
     let want = (2 * sms).div_ceil(blocks.max(1));
     let by_k = (k / 32 / 8).max(1);
     let by_ws = ws_floats / (rows * sets * n).max(1);

@@ -75,6 +75,10 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "mma_wide_rows_affine",
             "mma_wide_swiglu_bf16",
             "mma_wide_swiglu_affine",
+            "mma_gwide_rows_bf16",
+            "mma_gwide_swiglu_bf16",
+            "mma_gwide_rows_affine",
+            "mma_gwide_swiglu_affine",
             "wide_sum",
         ],
     ),
@@ -325,6 +329,7 @@ mod tests {
         let (gdn, qmv, attn) = (file("gdn.cu"), file("qmatvec.cu"), file("attention.cu"));
         let sample = file("sample.cu");
         use super::super::attention as at;
+        use super::super::wide;
         for (src, name, value) in [
             (super::COMMON, "CONV_KMAX", GDN_CONV_KMAX as u32),
             (
@@ -351,6 +356,10 @@ mod tests {
                 "SAMPLE_WORDS",
                 super::super::ops::SampleParams::WORDS as u32,
             ),
+            (file("mma_wide.cu"), "WIDE_STAGES", wide::WIDE_STAGES as u32),
+            (file("mma_wide.cu"), "WIDE_ROWB", wide::WIDE_ROWB as u32),
+            (file("mma_wide.cu"), "WIDE_WLD", wide::WIDE_WLD as u32),
+            (file("mma_wide.cu"), "WIDE_SBB", wide::WIDE_SBB as u32),
         ] {
             let line = format!("#define {name} {value}\n");
             assert!(
@@ -396,6 +405,35 @@ mod tests {
                         assert!(registered.contains(&name), "{name}");
                     }
                 }
+            }
+        }
+    }
+
+    /// Every entry point a file defines is in its list (entry points whose names a macro builds
+    /// are left to the launchers' test below).
+    #[test]
+    fn every_entry_point_of_a_file_is_registered() {
+        const MARK: &str = "extern \"C\" __global__ void";
+        for (file, src, names) in super::FILES {
+            // Lines of a macro (ending in a backslash) build their names from its parameters.
+            let lines: Vec<&str> = src.lines().collect();
+            for (i, line) in lines.iter().enumerate() {
+                let Some(at) = line.find(MARK).filter(|_| !line.ends_with('\\')) else {
+                    continue;
+                };
+                let text = format!(
+                    "{} {}",
+                    &line[at + MARK.len()..],
+                    lines.get(i + 1).unwrap_or(&"")
+                );
+                let mut rest = text.trim_start();
+                for attr in ["__launch_bounds__(", "__maxnreg__("] {
+                    if let Some(after) = rest.strip_prefix(attr) {
+                        rest = after[after.find(')').unwrap() + 1..].trim_start();
+                    }
+                }
+                let name = rest[..rest.find('(').unwrap()].trim();
+                assert!(names.contains(&name), "{file}: {name} is not registered");
             }
         }
     }

@@ -17,6 +17,7 @@ pub mod moe;
 pub mod ops;
 pub mod prefill;
 pub mod vec;
+pub mod wide;
 
 use std::sync::Arc;
 

@@ -200,7 +200,7 @@ fn matvec_rows(
         sl.x_stride as i64,
     );
     let grid = match form {
-        RowsForm::Wide => return matvec_wide(g, m, (x, y), sl, name, swiglu),
+        RowsForm::Wide => return super::wide::matvec(g, m, (x, y), sl, name, swiglu),
         RowsForm::Gemm => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 128)),
         RowsForm::SplitK => (blocks(sl.n, MMA_ROWS_INPUTS), blocks(out_rows, 16)),
         RowsForm::Cores => {
@@ -219,111 +219,6 @@ fn matvec_rows(
     // x_stride ≥ K floats (16-byte aligned: x_stride % 4 == 0, checked), y holds n·N floats (n·I
     // for SwiGLU); rows and batch rows are bounds-checked in the kernel.
     unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
-    Ok(())
-}
-
-/// The wide form's stage (mma_wide.cu): `WIDE_ROWB` bytes of each weight row, in
-/// `WIDE_STAGES / sets` buffers of 128 rows `WIDE_WLD` bytes apart a set, with `WIDE_SBB` bytes
-/// of each row's scales and of its biases.
-const WIDE_STAGES: usize = 4;
-const WIDE_ROWB: usize = 64;
-const WIDE_WLD: usize = 80;
-const WIDE_SBB: usize = 16;
-
-/// Inputs one stage of the wide form covers for `bits`-bit weights (16: bf16).
-fn wide_stage_inputs(bits: usize) -> usize {
-    8 * WIDE_ROWB / bits
-}
-
-/// The wide form's dynamic shared memory (`Wide<BITS>` in mma_wide.cu), the same for one set or
-/// two: the weight buffers and, for affine weights, their scales and biases; the inputs as bf16
-/// hi and lo, two buffers of 32 rows of `32·chunks + 4` words; their group sums.
-fn wide_smem(bits: usize) -> usize {
-    let chunks = wide_stage_inputs(bits) / 32;
-    let weights = 128 * WIDE_WLD;
-    let scales = if bits == 16 { 0 } else { 2 * 128 * WIDE_SBB };
-    WIDE_STAGES * (weights + scales) + 2 * 32 * (32 * chunks + 4) * 4 + 2 * chunks * 32 * 4
-}
-
-/// A batch of rows on the wide form (`mma_wide_*` in mma_wide.cu), K split over blocks as
-/// `dispatch::wide_splits` says, the partial sums in `sl.ws` added by `wide_sum`.
-fn matvec_wide(
-    g: &Gpu,
-    m: Matvec,
-    (x, y): (u64, u64),
-    sl: Slots,
-    name: &str,
-    swiglu: bool,
-) -> Result<()> {
-    let (sets, out_rows) = if swiglu { (2, m.n / 2) } else { (1, m.n) };
-    let bits = match m.format {
-        WeightFormat::Affine { bits, .. } => bits as usize,
-        WeightFormat::Bf16 => 16,
-    };
-    let kst = wide_stage_inputs(bits);
-    let stages = m.k / kst;
-    let (ws, ws_floats) = sl.ws;
-    let splits = dispatch::wide_splits(out_rows, m.k, sl.n, sets, g.multiprocessors(), ws_floats);
-    // A block's stages hold whole groups (a group spans stages for 8-bit weights in groups of 128).
-    let group_stages = match m.format {
-        WeightFormat::Affine { group, .. } => group.div_ceil(kst),
-        WeightFormat::Bf16 => 1,
-    };
-    let spb = stages
-        .div_ceil(splits)
-        .next_multiple_of(group_stages)
-        .min(stages);
-    let splits = stages.div_ceil(spb);
-    let part = if splits > 1 { ws } else { 0 };
-    let (nk, b32, xs, spb32) = (
-        [out_rows as i32, m.k as i32],
-        sl.n as i32,
-        sl.x_stride as i64,
-        spb as i32,
-    );
-    let (affine, io) = (m.format.affine_args(), [x, y, part]);
-    let mut b = g.launch_builder(g.kernels().get(name));
-    matrix_args(&mut b, &m.w, &affine, &io, &nk);
-    b.arg(&b32).arg(&xs);
-    if !swiglu {
-        b.arg(&m.bias);
-    }
-    b.arg(&spb32);
-    let grid = (
-        blocks(sl.n, MMA_ROWS_INPUTS),
-        blocks(out_rows, 128),
-        splits as u32,
-    );
-    // The entry point's allowance covers both affine widths, so that a graph holding launches
-    // of either stays valid.
-    let smem = wide_smem(bits);
-    let allow = match bits {
-        16 => smem,
-        _ => wide_smem(4).max(wide_smem(8)),
-    };
-    g.raise_smem(name, allow)?;
-    // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU; K % 256 == 0 and the
-    // format is one the tensor-core kernels take: dispatch), x holds n rows of x_stride ≥ K
-    // floats (16-byte aligned, checked by the caller), y n·N floats (n·I); with splits > 1
-    // the partial sums take splits·n·sets·N ≤ ws_floats floats (wide_splits); the block has the
-    // kernel's 256 threads and `wide_smem` bytes of shared memory, allowed just above.
-    unsafe { b.launch(cfg3(grid, 256, smem as u32)) }.map_err(driver_err(name))?;
-    if splits > 1 {
-        let (s32, sets32) = (splits as i32, sets as i32);
-        let bias = if swiglu { 0 } else { m.bias };
-        let mut b = g.launch_builder(g.kernels().get("wide_sum"));
-        b.arg(&ws)
-            .arg(&y)
-            .arg(&nk[0])
-            .arg(&b32)
-            .arg(&s32)
-            .arg(&sets32)
-            .arg(&bias);
-        // SAFETY: the partial sums above (splits·n·sets·N floats), y n·N floats; the grid
-        // covers N × n.
-        unsafe { b.launch(cfg((blocks(out_rows, 256), sl.n as u32), 256, 0)) }
-            .map_err(driver_err("wide_sum"))?;
-    }
     Ok(())
 }
 

@@ -12,6 +12,7 @@ use deltamoe_compute::cuda::gemm::{self, TILE_GEMM};
 use deltamoe_compute::cuda::ops::{self, Route, Slots};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::vec::{self, VecIo};
+use deltamoe_compute::cuda::wide;
 use deltamoe_compute::cuda::{CudaError, Gpu, Result};
 
 use super::{
@@ -198,8 +199,14 @@ impl MoeFfn {
         let shared = self.shared.is_none() as usize * rows.div_ceil(tile);
         let blocks = distinct.ceil() as usize + shared + 1;
         let (gu, dn) = (self.experts_gu.mv(), self.experts_down.mv());
-        pf::grouped_split(g, gu, (x, fb.h.ptr()), gr, true, blocks)?;
-        pf::grouped_split(g, dn, (fb.h.ptr(), fb.y.ptr()), down, false, blocks)
+        // The wide kernels stream each expert's weights through shared memory; split-K takes
+        // the matrices they do not.
+        let run = |m, io, gr, swiglu| match dispatch::wide_takes(&m) {
+            true => wide::grouped(g, m, io, gr, swiglu, blocks),
+            false => pf::grouped_split(g, m, io, gr, swiglu, blocks),
+        };
+        run(gu, (x, fb.h.ptr()), gr, true)?;
+        run(dn, (fb.h.ptr(), fb.y.ptr()), down, false)
     }
 
     /// The (row, slot) pairs of `rows` rows (routed `ids`) sorted by expert in tiles of `tile`
