@@ -126,13 +126,14 @@ struct WideRows {
 };
 
 // One block's products: its 128 weight rows (`rw`; W, S, Bs at the matrix) over stages
-// [s0, s1) against nb ≤ 32 inputs, this thread's staging row at `xrow` (null: zeros), into acc
-// (mma C layout: warp w has shared rows 16w + gid, 16w + gid + 8). With `wait`, the PDL wait
+// [s0, s1) against the block's inputs, MT tiles of 8 (rows past its nb ≤ 8·MT inputs staged as
+// zeros; no work for tiles past MT), this thread's staging row at `xrow` (null: zeros), into
+// acc (mma C layout: warp w has shared rows 16w + gid, 16w + gid + 8). With `wait`, the PDL wait
 // comes after the first stages' weight copies.
-template <int BITS>
+template <int BITS, int MT>
 __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
-                          const float* xrow, WideRows rw, int K, int G, int nb, int s0, int s1, bool wait,
-                          float acc[1][MMA_TILES][4]) {
+                          const float* xrow, WideRows rw, int K, int G, int s0, int s1, bool wait,
+                          float acc[1][MT][4]) {
     using WS = Wide<BITS>;
     constexpr int KST = WS::KST, SUB = WS::SUB, XW = WS::XW, P = WIDE_STAGES;
     extern __shared__ __align__(16) unsigned char wide_smem[];
@@ -170,13 +171,16 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
     for (int i = 0; i < P - 1; ++i) issue(s0 + i);
     if (wait) pdl_entry();
 
-    // Staging: thread i stages values of input i / 8 (see wide_stage); the row's running group
-    // sum goes to xsum at the chunk that ends each group.
+    // Staging: thread i stages values of input i / 8 (see wide_stage; whole warps past the
+    // tiles' rows stage nothing); the row's running group sum goes to xsum at the chunk that
+    // ends each group.
     const int sb_row = tid >> 3, sq = tid & 7;
+    const bool stager = sb_row < 8 * MT;
     const float* sx = xrow ? xrow + (BITS == 16 ? 4 * sq : 8 * (sq >> 1) + 2 * (sq & 1)) : nullptr;
     float4 xr[SUB];
     float run = 0.f;
     auto fetch_x = [&](int s) {
+        if (!stager) return;
 #pragma unroll
         for (int u = 0; u < SUB; ++u) {
             const float* p = sx + s * KST + 32 * u;
@@ -189,6 +193,7 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
         }
     };
     auto stage_x = [&](int s, int xb) {
+        if (!stager) return;
 #pragma unroll
         for (int u = 0; u < SUB; ++u) {
             const float su = wide_stage<BITS>(xr[u], &xst[(xb * 32 + sb_row) * XW + 32 * u + 4 * sq]);
@@ -201,9 +206,8 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
             }
         }
     };
-    float part[1][MMA_TILES][4];
+    float part[1][MT][4];
     zero_frags<1>(acc, part);
-    const int nt = (nb + 7) >> 3;
     fetch_x(s0);
     stage_x(s0, 0);
     for (int s = s0, xb = 0; s < s1; ++s, xb ^= 1) {
@@ -227,15 +231,14 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
             // accumulators back to back.
 #pragma unroll
             for (int st = 0; st < 2; ++st) {
-                uint4 v[MMA_TILES];
+                uint4 v[MT];
 #pragma unroll
-                for (int j = 0; j < MMA_TILES; ++j)
-                    if (j < nt) v[j] = *reinterpret_cast<const uint4*>(&xb_row[j * 8 * XW + 32 * u + 4 * st]);
+                for (int j = 0; j < MT; ++j)
+                    v[j] = *reinterpret_cast<const uint4*>(&xb_row[j * 8 * XW + 32 * u + 4 * st]);
 #pragma unroll
                 for (int lo = 0; lo < 2; ++lo)
 #pragma unroll
-                    for (int j = 0; j < MMA_TILES; ++j)
-                        if (j < nt)
+                    for (int j = 0; j < MT; ++j)
                             mma_bf16(BITS == 16 ? acc[0][j] : part[0][j], a[0][2 * st], a[1][2 * st],
                                      a[0][2 * st + 1], a[1][2 * st + 1], lo ? v[j].z : v[j].x,
                                      lo ? v[j].w : v[j].y);
@@ -255,8 +258,7 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
                     }
                     const float* su = &xsum[(xb * SUB + u) * 32 + 2 * t];
 #pragma unroll
-                    for (int j = 0; j < MMA_TILES; ++j) {
-                        if (j >= nt) continue;
+                    for (int j = 0; j < MT; ++j) {
                         const float2 gs = *reinterpret_cast<const float2*>(&su[j * 8]);
                         flush_tile<1>(sc, bi, gs.x, gs.y, j, acc, part);
                     }
@@ -281,7 +283,8 @@ __device__ __forceinline__ WideRows wide_rows(bool swiglu, long long off, int N)
 // Writes the block's outputs: y[out_row(b)·N + n] (out_rows null: b0 + b) for the block's
 // outputs n and inputs b < nb, or for SwiGLU h = silu(gate)·up, the up rows' sums (warps 4..7)
 // passed to the gate rows' warps (0..3) through shared memory.
-__device__ __forceinline__ void wide_store(float acc[1][MMA_TILES][4], bool swiglu, float* y, int N, int nb,
+template <int MT>
+__device__ __forceinline__ void wide_store(float acc[1][MT][4], bool swiglu, float* y, int N, int nb,
                                            const int* out_rows, int b0, const float* bias) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (!swiglu) {
@@ -289,53 +292,77 @@ __device__ __forceinline__ void wide_store(float acc[1][MMA_TILES][4], bool swig
         return;
     }
     extern __shared__ __align__(16) unsigned char wide_smem[];
-    float* xch = reinterpret_cast<float*>(wide_smem);  // [4 warps][MMA_TILES·4][32]
+    float* xch = reinterpret_cast<float*>(wide_smem);  // [4 warps][MT·4][32]
     __syncthreads();
     if (warp >= 4)
 #pragma unroll
-        for (int j = 0; j < MMA_TILES; ++j)
+        for (int j = 0; j < MT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) xch[((warp - 4) * MMA_TILES * 4 + j * 4 + e) * 32 + lane] = acc[0][j][e];
+            for (int e = 0; e < 4; ++e) xch[((warp - 4) * MT * 4 + j * 4 + e) * 32 + lane] = acc[0][j][e];
     __syncthreads();
     if (warp >= 4) return;
-    float gu[2][MMA_TILES][4];
+    float gu[2][MT][4];
 #pragma unroll
-    for (int j = 0; j < MMA_TILES; ++j)
+    for (int j = 0; j < MT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             gu[0][j][e] = acc[0][j][e];
-            gu[1][j][e] = xch[(warp * MMA_TILES * 4 + j * 4 + e) * 32 + lane];
+            gu[1][j][e] = xch[(warp * MT * 4 + j * 4 + e) * 32 + lane];
         }
     store_frags<2>(gu, y, N, blockIdx.y * 64 + warp * 16, nb, out_rows, b0, nullptr);
 }
 
 // Dense form: block (x, y, z) takes inputs 32x + 0..32 and stages [z·spb, (z + 1)·spb); with
 // ks > 1 the partial sums go to part [ks, B, sets·N] (gate at n, up at N + n).
-template <int BITS>
-__device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+template <int BITS, int MT>
+__device__ void wide_dense(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
                            const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
                            const float* __restrict__ bias, int spb, bool swiglu) {
     const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0), sb_row = threadIdx.x >> 3;
     const int s0 = blockIdx.z * spb, s1 = min(s0 + spb, K / Wide<BITS>::KST);
     const float* xrow = sb_row < nb ? x + (long long)(b0 + sb_row) * xs : nullptr;
     const WideRows rw = wide_rows(swiglu, 0, N);
-    float acc[1][MMA_TILES][4];
-    wide_core<BITS>(W, S, Bs, xrow, rw, K, G, nb, s0, s1, true, acc);
+    float acc[1][MT][4];
+    wide_core<BITS, MT>(W, S, Bs, xrow, rw, K, G, s0, s1, true, acc);
     if (gridDim.z == 1) {
-        wide_store(acc, swiglu, y, N, nb, nullptr, b0, bias);
+        wide_store<MT>(acc, swiglu, y, N, nb, nullptr, b0, bias);
         return;
     }
     const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
     const int sets = swiglu ? 2 : 1, run = warp >> 2, i0 = (warp & 3) * 16;
     float* out = part_out + (long long)blockIdx.z * Bn * sets * N;
 #pragma unroll
-    for (int j = 0; j < MMA_TILES; ++j)
+    for (int j = 0; j < MT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int i = i0 + gid + (e >= 2 ? 8 : 0), b = j * 8 + 2 * t + (e & 1);
             const long long n = run ? rw.base1 + i : rw.base0 + i;
             if (i < (run ? rw.lim1 : rw.lim0) && b < nb) out[(long long)(b0 + b) * sets * N + n] = acc[0][j][e];
         }
+}
+
+// The dense form compiled for each count of 8-row tiles, so that small batches issue no
+// instructions for absent rows.
+template <int BITS>
+__device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+                           const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
+                           const float* __restrict__ bias, int spb, bool swiglu) {
+    switch ((min(32, Bn - (int)blockIdx.x * 32) + 7) >> 3) {
+    case 1: wide_dense<BITS, 1>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
+    case 2: wide_dense<BITS, 2>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
+    case 3: wide_dense<BITS, 3>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
+    default: wide_dense<BITS, 4>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
+    }
+}
+
+// One tile of the grouped form, compiled for each count of 8-row tiles.
+template <int BITS, int MT>
+__device__ void gwide_tile(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+                           const float* xrow, WideRows rw, int K, int G, float* y, int N, int nb, const int* pair,
+                           bool swiglu) {
+    float acc[1][MT][4];
+    wide_core<BITS, MT>(W, S, Bs, xrow, rw, K, G, 0, K / Wide<BITS>::KST, false, acc);
+    wide_store<MT>(acc, swiglu, y, N, nb, pair, 0, nullptr);
 }
 
 // Grouped form (MoE decode batches, pairs sorted by expert by `moe_group`): block x takes tiles
@@ -357,9 +384,12 @@ __device__ void mma_gwide_t(const void* __restrict__ W, const bf16_t* __restrict
         __syncthreads();
         const float* xrow = sb_row < nb ? x + (long long)(pair[sb_row] / x_div) * xs : nullptr;
         const WideRows rw = wide_rows(swiglu, (long long)e * (swiglu ? 2 : 1) * N, N);
-        float acc[1][MMA_TILES][4];
-        wide_core<BITS>(W, S, Bs, xrow, rw, K, G, nb, 0, K / Wide<BITS>::KST, false, acc);
-        wide_store(acc, swiglu, y, N, nb, pair, 0, nullptr);
+        switch ((nb + 7) >> 3) {
+        case 1: gwide_tile<BITS, 1>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
+        case 2: gwide_tile<BITS, 2>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
+        case 3: gwide_tile<BITS, 3>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
+        default: gwide_tile<BITS, 4>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
+        }
     }
 }
 

@@ -198,8 +198,9 @@ fn affine_matvec_matches_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matvec_slot_forms_match_cpu() {
-    // 5 rows take the split-K tensor-core form, 37 and 100 the wide form, 530 the GEMM form.
-    for rows in [5, 37, 100, 530] {
+    // 5 rows take the split-K tensor-core form, 12 to 100 the wide form (blocks of 1 to 4 tiles
+    // of 8 rows), 530 the GEMM form.
+    for rows in [5, 12, 19, 37, 100, 530] {
         slot_forms(rows);
     }
 }
