@@ -127,8 +127,27 @@ fn capped_threads(n: usize) -> anyhow::Result<usize> {
     Ok(n)
 }
 
+/// One-shot commands end quietly when their reader goes away (`deltamoe info | head -1`), as
+/// other command-line tools do: SIGPIPE goes back to its default action. Rust starts with it
+/// ignored, which makes a write to a closed pipe an error that `println!` turns into a panic.
+/// `serve` keeps it ignored: a client closing its socket must not end the server.
+#[cfg(unix)]
+fn end_on_closed_pipe() {
+    // SAFETY: sets SIGPIPE's disposition to the default action, a plain libc call with constant
+    // arguments; no handler runs Rust code.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(not(unix))]
+fn end_on_closed_pipe() {}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        end_on_closed_pipe();
+    }
     if let Some(n) = cli.threads {
         let n = match capped_threads(n) {
             Ok(n) => n,

@@ -1,6 +1,7 @@
 //! Limits the CLI enforces up front and the state it keeps healthy: the context limit of
 //! `generate`, conflicting flags, `--threads` beyond the cores, `bench` memory estimates, Ctrl-C
-//! during a chat reply, and the repair of a damaged built-in model in the cache.
+//! during a chat reply, the repair of a damaged built-in model in the cache, and a reader that
+//! closes the pipe early.
 
 mod common;
 
@@ -251,4 +252,29 @@ fn info_and_generate_reject_the_same_bad_configs() {
             &needles,
         );
     }
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_a_command_quietly() {
+    // `deltamoe info | head -1`: the pipe closes before the output is written.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_deltamoe"))
+        .arg("info")
+        .arg("--model")
+        .arg(fixture("qwen3_5_moe"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(status.code(), Some(101), "{err}");
 }
