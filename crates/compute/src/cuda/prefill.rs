@@ -9,6 +9,7 @@
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::LaunchConfig;
 
+use super::launch::Launch;
 use super::ops::{blocks, cfg, matrix_args, AttnDims, GdnDims, Matvec, WeightFormat, ATTN_DMAX};
 use super::{driver_err, CudaError, Gpu, Result};
 
@@ -303,6 +304,41 @@ pub fn grouped_supported(m: &Matvec, x_stride: usize) -> bool {
     k_ok && x_stride.is_multiple_of(4)
 }
 
+/// The arguments every grouped product kernel takes first, in their order: the matrix's (see
+/// `ops::matrix_args`; N the outputs), then the grouping's tiles, tile count, order, input
+/// stride and divisor. Held here so that the launch builder may borrow them.
+pub(crate) struct GroupedArgs {
+    w: u64,
+    affine: Option<(u64, u64, i32, i32)>,
+    io: [u64; 2],
+    nk: [i32; 2],
+    tiles: [u64; 3],
+    xs: i64,
+    xd: i32,
+}
+
+impl GroupedArgs {
+    pub(crate) fn new(m: &Matvec, io: [u64; 2], out_rows: usize, gr: &Grouped) -> GroupedArgs {
+        GroupedArgs {
+            w: m.w,
+            affine: m.format.affine_args(),
+            io,
+            nk: [out_rows as i32, m.k as i32],
+            tiles: [gr.tiles, gr.n_tiles, gr.order],
+            xs: gr.x_stride as i64,
+            xd: gr.x_div as i32,
+        }
+    }
+
+    pub(crate) fn push<'a>(&'a self, b: &mut Launch<'a>) {
+        matrix_args(b, &self.w, &self.affine, &self.io, &self.nk);
+        for t in &self.tiles {
+            b.arg(t);
+        }
+        b.arg(&self.xs).arg(&self.xd);
+    }
+}
+
 fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Result<()> {
     if !grouped_supported(&m, gr.x_stride) || gr.x_div == 0 {
         return Err(CudaError::Unsupported(format!(
@@ -311,12 +347,6 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         )));
     }
     let out_rows = if swiglu { m.n / 2 } else { m.n };
-    let (n32, k32, xs, xd) = (
-        out_rows as i32,
-        m.k as i32,
-        gr.x_stride as i64,
-        gr.x_div as i32,
-    );
     let mma = gr.tile == TILE_MMA;
     if mma && !super::ops::tensor_core_rows(&m) {
         return Err(CudaError::Unsupported(
@@ -334,14 +364,9 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         (WeightFormat::Affine { .. }, false, true) => "mma_grouped_rows_affine",
         (WeightFormat::Affine { .. }, true, true) => "mma_grouped_swiglu_affine",
     };
-    let (affine, io, nk) = (m.format.affine_args(), [x, y], [n32, k32]);
+    let args = GroupedArgs::new(&m, [x, y], out_rows, &gr);
     let mut b = g.launch_builder(g.kernels().get(name));
-    matrix_args(&mut b, &m.w, &affine, &io, &nk);
-    b.arg(&gr.tiles)
-        .arg(&gr.n_tiles)
-        .arg(&gr.order)
-        .arg(&xs)
-        .arg(&xd);
+    args.push(&mut b);
     let rows_per_block = if mma { 128 } else { 8 };
     let grid = (gr.max_tiles.max(1) as u32, blocks(out_rows, rows_per_block));
     // SAFETY: the tiles come from moe_group over the same pairs (experts < the stack's count,
@@ -391,13 +416,7 @@ pub fn grouped_split(
     }
     let out_rows = if swiglu { m.n / 2 } else { m.n };
     let ks = split_warps(m.k);
-    let (n32, k32, xs, xd, ks32) = (
-        out_rows as i32,
-        m.k as i32,
-        gr.x_stride as i64,
-        gr.x_div as i32,
-        ks as i32,
-    );
+    let ks32 = ks as i32;
     let affine = matches!(m.format, WeightFormat::Affine { .. });
     let name = match (affine, swiglu, two) {
         (false, false, false) => "mma_gsplit_rows_bf16_1",
@@ -409,15 +428,10 @@ pub fn grouped_split(
         (true, false, true) => "mma_gsplit_rows_affine_2",
         (true, true, true) => "mma_gsplit_swiglu_affine_2",
     };
-    let (affine, io, nk) = (m.format.affine_args(), [x, y], [n32, k32]);
+    let args = GroupedArgs::new(&m, [x, y], out_rows, &gr);
     let mut b = g.launch_builder(g.kernels().get(name));
-    matrix_args(&mut b, &m.w, &affine, &io, &nk);
-    b.arg(&gr.tiles)
-        .arg(&gr.n_tiles)
-        .arg(&gr.order)
-        .arg(&xs)
-        .arg(&xd)
-        .arg(&ks32);
+    args.push(&mut b);
+    b.arg(&ks32);
     let grid = (
         blocks_x.clamp(1, gr.max_tiles.max(1)) as u32,
         blocks(out_rows, 16 * 8 / ks),

@@ -5,7 +5,7 @@
 
 use super::dispatch::{self, MMA_ROWS_INPUTS};
 use super::ops::{blocks, cfg, cfg3, matrix_args, Matvec, Slots, WeightFormat};
-use super::prefill::Grouped;
+use super::prefill::{Grouped, GroupedArgs};
 use super::{driver_err, CudaError, Gpu, Result};
 
 /// The wide form's stage (mma_wide.cu): `WIDE_ROWB` bytes of each weight row, in `WIDE_STAGES`
@@ -151,20 +151,9 @@ pub fn grouped(
         (true, true) => "mma_gwide_swiglu_affine",
     };
     let smem = allow_smem(g, name, bits(&m))?;
-    let (n32, k32, xs, xd) = (
-        out_rows as i32,
-        m.k as i32,
-        gr.x_stride as i64,
-        gr.x_div as i32,
-    );
-    let (affine, io, nk) = (m.format.affine_args(), [x, y], [n32, k32]);
+    let args = GroupedArgs::new(&m, [x, y], out_rows, &gr);
     let mut b = g.launch_builder(g.kernels().get(name));
-    matrix_args(&mut b, &m.w, &affine, &io, &nk);
-    b.arg(&gr.tiles)
-        .arg(&gr.n_tiles)
-        .arg(&gr.order)
-        .arg(&xs)
-        .arg(&xd);
+    args.push(&mut b);
     let grid = (
         blocks_x.clamp(1, gr.max_tiles.max(1)) as u32,
         blocks(out_rows * sets, 128),
