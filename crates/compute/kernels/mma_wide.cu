@@ -2,24 +2,24 @@
 // fragment layout of mma_frag.cuh (prefixed to this file): y[b, n] = Σ_k W[n, k] x[b, k]
 // (+ bias[n]), or h[b, n] = silu(G_n·x_b)·U_n·x_b for SwiGLU (W = [gate (I rows) | up (I rows)]).
 //
-// Dense (mma_wide_*): grid (ceil(B / 32), ceil(outputs / 128) (SwiGLU: / 64), ks), block 256;
-// block (x, y, z) takes inputs 32x + 0..32 and the K stages [z·spb, (z + 1)·spb). Grouped
-// (mma_gwide_*, a decode batch's expert pairs by expert): grid (tiles, same y), see
-// mma_gwide_t. Dynamic shared memory as `Wide<BITS>` and `WIDE_*` below lay it out (the host
-// computes the same size).
+// The inputs are staged first, once per product, by wide_stage_rows: each row as the bf16 hi/lo
+// pairs of the mma B fragments in the order the blocks read them, and (affine weights) the sums
+// of its groups. Dense (mma_wide_*): grid (ceil(B / 32), ceil(outputs / 128) (SwiGLU: / 64),
+// ks), block 256; block (x, y, z) takes inputs 32x + 0..32 and the K stages [z·spb, (z + 1)·spb).
+// Grouped (mma_gwide_*, a decode batch's expert pairs by expert): grid (tiles, same y), see
+// mma_gwide_t. Dynamic shared memory as `Wide<BITS, MT>` lays it out, for the largest tile count
+// of the launch (the host computes the same size).
 //
 // A block holds 128 weight rows in shared memory, warp w rows 16w + 0..16: 128 outputs, or for
 // SwiGLU 64 outputs' gate rows (warps 0..3) and up rows (4..7), whose sums meet in shared memory
 // at the end. A stage is WIDE_ROWB bytes of each row: KST = 8·WIDE_ROWB / BITS inputs (128 at 4
-// bits, 64 at 8, 32 for bf16). Its weights, and the scales and biases of its groups, are copied
-// by cp.async into one of WIDE_STAGES shared buffers WIDE_STAGES − 1 stages ahead of its
-// products (dense: the first ones before the wait on the kernel before, weights only); the next
-// stage's inputs load into registers during a stage's products and are staged after them, as
-// bf16 hi/lo with the sums of the groups they end, into the other of two input buffers. Products
-// run per k16 step over every 8-row tile, so that back-to-back mmas go to independent
-// accumulators. One barrier a stage. The dequant form is applied once a group; a block's stages
-// hold whole groups. Needs K % 256 == 0 (whole stages, and rows of scales starting at even
-// offsets).
+// bits, 64 at 8, 32 for bf16). Its weights, the scales and biases of its groups, the staged
+// inputs of the block's rows and their group sums are copied by cp.async into one of P shared
+// buffers P − 1 stages ahead of its products (the weights of the first stages before the wait on
+// the kernel before, the rest after it). Products run per k16 step over every 8-row tile, so
+// that back-to-back mmas go to independent accumulators. One barrier a stage. The dequant form
+// is applied once a group; a block's stages hold whole groups. Needs K % 256 == 0 (whole stages,
+// and rows of scales starting at even offsets).
 //
 // Dense with ks = 1 writes y (SwiGLU: h); else the partial sums (gate and up rows apart) go to
 // part [ks, B, sets·N], which `wide_sum` adds in order of z.
@@ -33,31 +33,73 @@
 // of one bf16 when the slice does not start on a word).
 #define WIDE_SBB 16
 
-// Inputs a stage, and the row stride of the staged inputs in words: a chunk is 32 words (per
-// lane group t = 0..3 and k16 step st = 0..1 the bf16 hi pair then the lo pair, at 8t + 4st),
-// plus 4 words so that rows gid and gid + 1 of a quarter-warp's 16-byte reads take other banks.
-template <int BITS>
+// One stage's shared buffers for `BITS`-bit weights and MT tiles of 8 input rows: weights,
+// scales and biases (affine), inputs (row stride XW words: SUB chunks of 32 words, plus 4 so
+// that rows gid and gid + 1 of a quarter-warp's 16-byte reads take other banks), group sums (4
+// floats a row). P buffers (3 for 4 tiles, so that two blocks fit a multiprocessor).
+template <int BITS, int MT>
 struct Wide {
     static constexpr int KST = 8 * WIDE_ROWB / BITS;
     static constexpr int SUB = KST / 32;
     static constexpr int XW = SUB * 32 + 4;
-    static constexpr int W_BYTES = 128 * WIDE_WLD;          // a buffer's weights
-    static constexpr int S_BYTES = 2 * 128 * WIDE_SBB;      // its scales and biases (affine)
+    static constexpr int P = MT == 4 ? WIDE_STAGES - 1 : WIDE_STAGES;
+    static constexpr int W_BYTES = 128 * WIDE_WLD;
+    static constexpr int S_BYTES = BITS == 16 ? 0 : 2 * 128 * WIDE_SBB;
+    static constexpr int X_BYTES = 8 * MT * XW * 4;
+    static constexpr int U_BYTES = BITS == 16 ? 0 : 8 * MT * 16;
+    static constexpr int STAGE = W_BYTES + S_BYTES + X_BYTES + U_BYTES;
 };
 
-// Affine codes enter in pairs (k_i, k_{i+4}) of each lane's 8 values, i = 0..3: for 4 bits one
-// shift and mask of the word and an exact bf16 fma make a pair. The staged inputs take the same
-// order (bf16 weights keep the natural one).
+// wide_stage_rows: row r of x (at x + r·xs, K floats) as K/32 chunks of 32 words at
+// out + (r·K/32 + c)·32: per lane group t = 0..3 and k16 step st = 0..1, at word 8t + 4st, the
+// bf16 hi pair then the lo pair (x_hi = bf16(x), x_lo = bf16(x − x_hi)) of values
+// 32c + 8t + 2st + {0, 1} and (affine: the pairs (k_i, k_{i+4}) wide_frag makes) 32c + 8t + 4 +
+// 2st + {0, 1}, or (bf16 weights) 32c + 4q + 0..3 for word 4q. Affine: the sum over each group
+// of G inputs of x_hi + x_lo goes to sums[(r·K/kst + s)·4 + i], s the stage of kst inputs where
+// the group ends, i its index among the stage's groups (0 when a group spans stages).
+// grid (ceil(K / 1024), rows), block 256; K % 256 == 0, so that whole warps fall past K.
+extern "C" __global__ void wide_stage_rows(const float* x, long long xs, unsigned* out, float* sums, int K,
+                                           int kst, int G, int affine) {
+    pdl_entry();
+    const int r = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x, c = i >> 3, q = i & 7;
+    if (4 * i >= K) return;
+    const float* p = x + (long long)r * xs + 32 * c;
+    float v[4];
+    if (affine) {
+        const int o = 8 * (q >> 1) + 2 * (q & 1);
+        const float2 a = *reinterpret_cast<const float2*>(p + o), b = *reinterpret_cast<const float2*>(p + o + 4);
+        v[0] = a.x; v[1] = b.x; v[2] = a.y; v[3] = b.y;
+    } else {
+        const float4 a = *reinterpret_cast<const float4*>(p + 4 * q);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    }
+    const unsigned h0 = pack_bf16(v[0], v[1]), h1 = pack_bf16(v[2], v[3]);
+    const unsigned l0 = pack_bf16(v[0] - bf16lo(h0), v[1] - bf16hi(h0));
+    const unsigned l1 = pack_bf16(v[2] - bf16lo(h1), v[3] - bf16hi(h1));
+    *reinterpret_cast<uint4*>(out + ((long long)r * (K >> 5) + c) * 32 + 4 * q) = make_uint4(h0, h1, l0, l1);
+    if (!affine) return;
+    float su = ((bf16lo(h0) + bf16lo(l0)) + (bf16hi(h0) + bf16hi(l0))) +
+               ((bf16lo(h1) + bf16lo(l1)) + (bf16hi(h1) + bf16hi(l1)));
+    for (int o = 1; o < G / 4; o <<= 1) su += __shfl_xor_sync(0xffffffffu, su, o);
+    if ((i & (G / 4 - 1)) == 0) {
+        const int g = 4 * i / G, s = ((g + 1) * G - 1) / kst, slot = G <= kst ? (g * G % kst) / G : 0;
+        sums[((long long)r * (K / kst) + s) * 4 + slot] = su;
+    }
+}
+
+// Affine codes enter in pairs (k_i, k_{i+4}) of each lane's 8 values, i = 0..3. 4 bits: one
+// shift and one lop3 make (128 + k_i, 128 + k_{i+4}) as bf16x2, exact; the 128s come off with
+// the group's bias (wide_core). 8 bits: the codes themselves, exact.
 template <int BITS>
 __device__ __forceinline__ void wide_frag(const unsigned char* at, unsigned p[4]) {
     if constexpr (BITS == 4) {
         const unsigned v = *reinterpret_cast<const unsigned*>(at);
+        // The magic in a register, so that mask and magic make one lop3 ((a & b) | c).
+        unsigned magic;
+        asm("mov.b32 %0, 0x43004300;" : "=r"(magic));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            // (128 + k_i, 128 + k_{i+4}) as bf16x2, then minus 128: exact.
-            unsigned q = ((v >> (4 * i)) & 0x000f000fu) | 0x43004300u;
-            asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p[i]) : "r"(q), "r"(0x3F803F80u), "r"(0xC300C300u));
-        }
+        for (int i = 0; i < 4; ++i)
+            asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xEA;" : "=r"(p[i]) : "r"(v >> (4 * i)), "r"(magic));
     } else if constexpr (BITS == 8) {
         const uint2 v = *reinterpret_cast<const uint2*>(at);
 #pragma unroll
@@ -72,6 +114,12 @@ __device__ __forceinline__ void wide_frag(const unsigned char* at, unsigned p[4]
         const uint4 v = *reinterpret_cast<const uint4*>(at);
         p[0] = v.x; p[1] = v.y; p[2] = v.z; p[3] = v.w;
     }
+}
+
+// The offset wide_frag leaves on each code.
+template <int BITS>
+__device__ __forceinline__ constexpr float wide_code_offset() {
+    return BITS == 4 ? 128.f : 0.f;
 }
 
 // Copies stage s of the block's weight rows into weight buffer `wb` (thread i: bytes 16·(i % 4)
@@ -90,32 +138,11 @@ __device__ __forceinline__ void wide_issue(const unsigned char* w0, const unsign
         if (vs) {
             const unsigned* src = reinterpret_cast<const unsigned*>(reinterpret_cast<size_t>(sg + g_lo) & ~size_t(3));
             unsigned char* dst = sb + tid * WIDE_SBB;
-            for (int w = 0; w < words; ++w) cp_async4(dst + 4 * w, src + w);
+#pragma unroll
+            for (int w = 0; w < 3; ++w)
+                if (w < words) cp_async4(dst + 4 * w, src + w);
         }
     }
-}
-
-// Stages one chunk's inputs for every warp: thread i (row i / 8, q = i % 8, lane group t = q / 2,
-// k16 step q % 2) holds `f` = the chunk's values 8t + 2(q % 2) + {0, 1} and (affine)
-// 8t + 4 + 2(q % 2) + {0, 1}, (bf16) 4q + 0..3: the two pairs of its step, in the order
-// wide_frag reads the weights, which it writes as bf16 hi and lo pairs at `at` (4 words).
-// Returns the row's chunk sum (every thread of the row).
-template <int BITS>
-__device__ __forceinline__ float wide_stage(float4 f, unsigned* at) {
-    float a0 = f.x, a1 = f.y, a2 = f.z, a3 = f.w;
-    if constexpr (BITS != 16) {
-        a1 = f.z;
-        a2 = f.y;
-    }
-    unsigned h0 = pack_bf16(a0, a1), h1 = pack_bf16(a2, a3);
-    unsigned l0 = pack_bf16(a0 - bf16lo(h0), a1 - bf16hi(h0));
-    unsigned l1 = pack_bf16(a2 - bf16lo(h1), a3 - bf16hi(h1));
-    *reinterpret_cast<uint4*>(at) = make_uint4(h0, h1, l0, l1);
-    float su = (f.x + f.y) + (f.z + f.w);
-    su += __shfl_xor_sync(0xffffffffu, su, 1);
-    su += __shfl_xor_sync(0xffffffffu, su, 2);
-    su += __shfl_xor_sync(0xffffffffu, su, 4);
-    return su;
 }
 
 // The weight rows of a block: shared-memory rows 0..63 are matrix rows base0 + 0..63 and rows
@@ -126,28 +153,24 @@ struct WideRows {
 };
 
 // One block's products: its 128 weight rows (`rw`; W, S, Bs at the matrix) over stages
-// [s0, s1) against the block's inputs, MT tiles of 8 (rows past its nb ≤ 8·MT inputs staged as
-// zeros; no work for tiles past MT), this thread's staging row at `xrow` (null: zeros), into
-// acc (mma C layout: warp w has shared rows 16w + gid, 16w + gid + 8). With `wait`, the PDL wait
-// comes after the first stages' weight copies.
+// [s0, s1) against the staged inputs (`stg`, `sums`: wide_stage_rows's) of rows src[i] for its
+// input i < 8·MT (−1: absent, zeros), MT tiles of 8 (no work for tiles past MT), into acc (mma C
+// layout: warp w has shared rows 16w + gid, 16w + gid + 8). With `wait`, the PDL wait comes
+// after the first stages' weight copies.
 template <int BITS, int MT>
 __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
-                          const float* xrow, WideRows rw, int K, int G, int s0, int s1, bool wait,
-                          float acc[1][MT][4]) {
-    using WS = Wide<BITS>;
-    constexpr int KST = WS::KST, SUB = WS::SUB, XW = WS::XW, P = WIDE_STAGES;
+                          const unsigned* stg, const float* sums, const int* src, WideRows rw, int K, int G,
+                          int s0, int s1, bool wait, float acc[1][MT][4]) {
+    using WS = Wide<BITS, MT>;
+    constexpr int KST = WS::KST, SUB = WS::SUB, XW = WS::XW, P = WS::P;
     extern __shared__ __align__(16) unsigned char wide_smem[];
-    unsigned char* wsm = wide_smem;                                   // [P][128][WIDE_WLD]
-    unsigned char* ssm = wsm + P * WS::W_BYTES;                       // [P][2][128][WIDE_SBB]
-    unsigned* xst = reinterpret_cast<unsigned*>(ssm + (BITS == 16 ? 0 : P * WS::S_BYTES));  // [2][32][XW]
-    float* xsum = reinterpret_cast<float*>(xst + 2 * 32 * XW);        // [2][SUB][32]
     const int tid = threadIdx.x, lane = tid & 31, gid = lane >> 2, t = lane & 3, warp = tid >> 5;
     // Groups: G = 2^gshift inputs, 2^cshift chunks; a stage holds `per` groups' scales from
     // g_lo = s·KST / G on (one when a group spans stages).
     const int gshift = __ffs(G) - 1, cshift = gshift - 5;
     const int per = KST >= G ? KST >> gshift : 1;
-    const int KG = K >> gshift;
-    // This thread's copies: weight rows tid / 4 of each run, scales or biases of shared row
+    const int KG = K >> gshift, KC = K >> 5, KS = K / KST;
+    // This thread's weight copies: rows tid / 4 of each run, scales or biases of shared row
     // tid % 128.
     const long long row_bytes = (long long)K * BITS / 8;
     const int ra = tid >> 2, rs = tid & 127, rh = rs >> 6, ri = rs & 63;
@@ -159,69 +182,72 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
     // (K % 256 == 0), so that is the array's own offset plus g_lo.
     const int ps = reinterpret_cast<size_t>(S) >> 1 & 1, pb = reinterpret_cast<size_t>(Bs) >> 1 & 1;
     const int pw = tid < 128 ? ps : pb;
-    auto issue = [&](int s) {
+    // This thread's input copies: 16-byte pieces idx = tid + 256m of the stage's 8·MT rows ×
+    // SUB chunks (row idx / 8·SUB, chunk idx / 8 % SUB, quarter-chunk idx % 8), as word offsets
+    // into stg at stage 0 (−1: zero fill) and into a buffer's inputs; threads i < 8·MT copy
+    // input i's group sums.
+    constexpr int PIECES = 8 * MT * SUB * 8, PER = (PIECES + 255) / 256;
+    const unsigned* xp[PER];
+    int xd[PER];
+    bool xv[PER];
+#pragma unroll
+    for (int m = 0; m < PER; ++m) {
+        const int idx = tid + 256 * m, i = idx / (8 * SUB), u = idx / 8 % SUB, qc = idx & 7;
+        const int r = idx < PIECES ? src[i] : -1;
+        xv[m] = r >= 0;
+        xp[m] = stg + (r < 0 ? 0 : (long long)r * KC * 32 + 32 * u + 4 * qc);
+        xd[m] = idx < PIECES ? i * XW + 32 * u + 4 * qc : -1;
+    }
+    const int urow = tid < 8 * MT ? src[tid] : -1;
+    const float* up = sums + (urow < 0 ? 0 : (long long)urow * KS * 4);
+    auto buffer = [&](int b) { return wide_smem + b * WS::STAGE; };
+    auto issue_w = [&](int s, int b) {
         if (s < s1) {
-            const int g_lo = (s * KST) >> gshift, buf = s & (P - 1);
+            const int g_lo = (s * KST) >> gshift;
             const int words = (((pw + g_lo) & 1) + per + 1) >> 1;
-            wide_issue<BITS>(w0, w1, wv0, wv1, ssrc, sv, s, g_lo, words,
-                             wsm + buf * WS::W_BYTES, ssm + buf * WS::S_BYTES);
+            wide_issue<BITS>(w0, w1, wv0, wv1, ssrc, sv, s, g_lo, words, buffer(b), buffer(b) + WS::W_BYTES);
         }
+    };
+    auto issue_x = [&](int s, int b) {
+        if (s >= s1) return;
+        unsigned* xb = reinterpret_cast<unsigned*>(buffer(b) + WS::W_BYTES + WS::S_BYTES);
+#pragma unroll
+        for (int m = 0; m < PER; ++m)
+            if (xd[m] >= 0) cp_async16(xb + xd[m], xp[m] + (xv[m] ? s * SUB * 32 : 0), xv[m]);
+        if (BITS != 16 && tid < 8 * MT) {
+            float* ub = reinterpret_cast<float*>(buffer(b) + WS::W_BYTES + WS::S_BYTES + WS::X_BYTES);
+            cp_async16(ub + 4 * tid, up + (urow < 0 ? 0 : 4 * s), urow >= 0);
+        }
+    };
+    for (int i = 0; i < P - 1; ++i) {
+        issue_w(s0 + i, i);
         cp_async_commit();
-    };
-    for (int i = 0; i < P - 1; ++i) issue(s0 + i);
+    }
     if (wait) pdl_entry();
+    for (int i = 0; i < P - 1; ++i) issue_x(s0 + i, i);
+    cp_async_commit();
 
-    // Staging: thread i stages values of input i / 8 (see wide_stage; whole warps past the
-    // tiles' rows stage nothing); the row's running group sum goes to xsum at the chunk that
-    // ends each group.
-    const int sb_row = tid >> 3, sq = tid & 7;
-    const bool stager = sb_row < 8 * MT;
-    const float* sx = xrow ? xrow + (BITS == 16 ? 4 * sq : 8 * (sq >> 1) + 2 * (sq & 1)) : nullptr;
-    float4 xr[SUB];
-    float run = 0.f;
-    auto fetch_x = [&](int s) {
-        if (!stager) return;
-#pragma unroll
-        for (int u = 0; u < SUB; ++u) {
-            const float* p = sx + s * KST + 32 * u;
-            if (!sx) xr[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            else if (BITS == 16) xr[u] = *reinterpret_cast<const float4*>(p);
-            else {
-                const float2 a = *reinterpret_cast<const float2*>(p), c = *reinterpret_cast<const float2*>(p + 4);
-                xr[u] = make_float4(a.x, a.y, c.x, c.y);
-            }
-        }
-    };
-    auto stage_x = [&](int s, int xb) {
-        if (!stager) return;
-#pragma unroll
-        for (int u = 0; u < SUB; ++u) {
-            const float su = wide_stage<BITS>(xr[u], &xst[(xb * 32 + sb_row) * XW + 32 * u + 4 * sq]);
-            if (BITS != 16) {
-                run += su;
-                if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0) {
-                    if (sq == 0) xsum[(xb * SUB + u) * 32 + sb_row] = run;
-                    run = 0.f;
-                }
-            }
-        }
-    };
     float part[1][MT][4];
     zero_frags<1>(acc, part);
-    fetch_x(s0);
-    stage_x(s0, 0);
-    for (int s = s0, xb = 0; s < s1; ++s, xb ^= 1) {
+    for (int s = s0, buf = 0; s < s1; ++s, buf = buf == P - 1 ? 0 : buf + 1) {
         // Stage s's copies (this thread's) are done; after the barrier everyone's are, and
-        // everyone is past stage s − 1, whose buffers take stage s + P − 1 and the next inputs.
-        cp_async_wait_group<P - 2>();
+        // everyone is past stage s − 1, whose buffers take stage s + P − 1. The first stage
+        // waits for every copy so far (its inputs came after the later stages' weights).
+        if (s == s0) cp_async_wait_group<0>();
+        else cp_async_wait_group<P - 2>();
         __syncthreads();
-        issue(s + P - 1);
-        const bool more = s + 1 < s1;
-        if (more) fetch_x(s + 1);
-        const int buf = s & (P - 1), g_lo = (s * KST) >> gshift;
-        const unsigned char* wrow = wsm + buf * WS::W_BYTES + (warp * 16 + gid) * WIDE_WLD + t * BITS;
-        const unsigned char* srow = ssm + buf * WS::S_BYTES + (warp * 16 + gid) * WIDE_SBB;
-        const unsigned* xb_row = &xst[(xb * 32 + gid) * XW + 8 * t];
+        {
+            const int nb = buf == 0 ? P - 1 : buf - 1;
+            issue_w(s + P - 1, nb);
+            issue_x(s + P - 1, nb);
+            cp_async_commit();
+        }
+        const int g_lo = (s * KST) >> gshift;
+        unsigned char* base = buffer(buf);
+        const unsigned char* wrow = base + (warp * 16 + gid) * WIDE_WLD + t * BITS;
+        const unsigned char* srow = base + WS::W_BYTES + (warp * 16 + gid) * WIDE_SBB;
+        const unsigned* xrow = reinterpret_cast<const unsigned*>(base + WS::W_BYTES + WS::S_BYTES) + gid * XW + 8 * t;
+        const float* urows = reinterpret_cast<const float*>(base + WS::W_BYTES + WS::S_BYTES + WS::X_BYTES);
 #pragma unroll
         for (int u = 0; u < SUB; ++u) {
             unsigned a[2][4];
@@ -234,19 +260,20 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
                 uint4 v[MT];
 #pragma unroll
                 for (int j = 0; j < MT; ++j)
-                    v[j] = *reinterpret_cast<const uint4*>(&xb_row[j * 8 * XW + 32 * u + 4 * st]);
+                    v[j] = *reinterpret_cast<const uint4*>(&xrow[j * 8 * XW + 32 * u + 4 * st]);
 #pragma unroll
                 for (int lo = 0; lo < 2; ++lo)
 #pragma unroll
                     for (int j = 0; j < MT; ++j)
-                            mma_bf16(BITS == 16 ? acc[0][j] : part[0][j], a[0][2 * st], a[1][2 * st],
-                                     a[0][2 * st + 1], a[1][2 * st + 1], lo ? v[j].z : v[j].x,
-                                     lo ? v[j].w : v[j].y);
+                        mma_bf16(BITS == 16 ? acc[0][j] : part[0][j], a[0][2 * st], a[1][2 * st],
+                                 a[0][2 * st + 1], a[1][2 * st + 1], lo ? v[j].z : v[j].x,
+                                 lo ? v[j].w : v[j].y);
             }
             if constexpr (BITS != 16) {
                 if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0) {
                     // The group ends with this chunk: its scales sit at (slice offset + its index
-                    // in the stage's slice) bf16s into each row's staged slice.
+                    // in the stage's slice) bf16s into each row's staged slice, its inputs' sums
+                    // at that index of their 4.
                     const int gi = KST >= G ? u >> cshift : 0;
                     const int os = (ps + g_lo) & 1, ob = (pb + g_lo) & 1;
                     float sc[1][2], bi[1][2];
@@ -254,18 +281,16 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
                     for (int h = 0; h < 2; ++h) {
                         const bf16_t* row = reinterpret_cast<const bf16_t*>(srow + 8 * h * WIDE_SBB);
                         sc[0][h] = bf16f(row[os + gi]);
-                        bi[0][h] = bf16f(row[128 * WIDE_SBB / 2 + ob + gi]);
+                        bi[0][h] = bf16f(row[128 * WIDE_SBB / 2 + ob + gi]) - wide_code_offset<BITS>() * sc[0][h];
                     }
-                    const float* su = &xsum[(xb * SUB + u) * 32 + 2 * t];
 #pragma unroll
                     for (int j = 0; j < MT; ++j) {
-                        const float2 gs = *reinterpret_cast<const float2*>(&su[j * 8]);
-                        flush_tile<1>(sc, bi, gs.x, gs.y, j, acc, part);
+                        const float* su = &urows[(j * 8 + 2 * t) * 4 + gi];
+                        flush_tile<1>(sc, bi, su[0], su[4], j, acc, part);
                     }
                 }
             }
         }
-        if (more) stage_x(s + 1, xb ^ 1);
     }
 }
 
@@ -316,14 +341,13 @@ __device__ __forceinline__ void wide_store(float acc[1][MT][4], bool swiglu, flo
 // ks > 1 the partial sums go to part [ks, B, sets·N] (gate at n, up at N + n).
 template <int BITS, int MT>
 __device__ void wide_dense(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
-                           const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
-                           const float* __restrict__ bias, int spb, bool swiglu) {
-    const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0), sb_row = threadIdx.x >> 3;
-    const int s0 = blockIdx.z * spb, s1 = min(s0 + spb, K / Wide<BITS>::KST);
-    const float* xrow = sb_row < nb ? x + (long long)(b0 + sb_row) * xs : nullptr;
+                           const unsigned* stg, const float* sums, const int* src, float* y, float* part_out, int N,
+                           int K, int G, int Bn, const float* __restrict__ bias, int spb, bool swiglu) {
+    const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0);
+    const int s0 = blockIdx.z * spb, s1 = min(s0 + spb, K / Wide<BITS, MT>::KST);
     const WideRows rw = wide_rows(swiglu, 0, N);
     float acc[1][MT][4];
-    wide_core<BITS, MT>(W, S, Bs, xrow, rw, K, G, s0, s1, true, acc);
+    wide_core<BITS, MT>(W, S, Bs, stg, sums, src, rw, K, G, s0, s1, true, acc);
     if (gridDim.z == 1) {
         wide_store<MT>(acc, swiglu, y, N, nb, nullptr, b0, bias);
         return;
@@ -345,109 +369,116 @@ __device__ void wide_dense(const void* __restrict__ W, const bf16_t* __restrict_
 // instructions for absent rows.
 template <int BITS>
 __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
-                           const float* x, float* y, float* part_out, int N, int K, int G, int Bn, long long xs,
-                           const float* __restrict__ bias, int spb, bool swiglu) {
-    switch ((min(32, Bn - (int)blockIdx.x * 32) + 7) >> 3) {
-    case 1: wide_dense<BITS, 1>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
-    case 2: wide_dense<BITS, 2>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
-    case 3: wide_dense<BITS, 3>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
-    default: wide_dense<BITS, 4>(W, S, Bs, x, y, part_out, N, K, G, Bn, xs, bias, spb, swiglu); break;
+                           const unsigned* stg, const float* sums, float* y, float* part_out, int N, int K, int G,
+                           int Bn, const float* __restrict__ bias, int spb, bool swiglu) {
+    __shared__ int src[32];
+    const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0);
+    if (threadIdx.x < 32) src[threadIdx.x] = (int)threadIdx.x < nb ? b0 + threadIdx.x : -1;
+    __syncthreads();
+    switch ((nb + 7) >> 3) {
+    case 1: wide_dense<BITS, 1>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
+    case 2: wide_dense<BITS, 2>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
+    case 3: wide_dense<BITS, 3>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
+    default: wide_dense<BITS, 4>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
     }
 }
 
 // One tile of the grouped form, compiled for each count of 8-row tiles.
 template <int BITS, int MT>
 __device__ void gwide_tile(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
-                           const float* xrow, WideRows rw, int K, int G, float* y, int N, int nb, const int* pair,
-                           bool swiglu) {
+                           const unsigned* stg, const float* sums, const int* src, WideRows rw, int K, int G,
+                           float* y, int N, int nb, const int* pair, bool swiglu) {
     float acc[1][MT][4];
-    wide_core<BITS, MT>(W, S, Bs, xrow, rw, K, G, 0, K / Wide<BITS>::KST, false, acc);
+    wide_core<BITS, MT>(W, S, Bs, stg, sums, src, rw, K, G, 0, K / Wide<BITS, MT>::KST, false, acc);
     wide_store<MT>(acc, swiglu, y, N, nb, pair, 0, nullptr);
 }
 
 // Grouped form (MoE decode batches, pairs sorted by expert by `moe_group`): block x takes tiles
 // blockIdx.x, blockIdx.x + gridDim.x, … of `tiles` (int3: expert e, first index f into `order`,
-// count ≤ 32), each over the whole K: its inputs are pairs p = order[f + i] at x + (p / x_div)·xs,
-// the weights expert e's of a stack [E, N, K] ([E, 2I, K] for SwiGLU), output row p of y.
+// count ≤ 32), each over the whole K: its inputs are pairs p = order[f + i], staged input row
+// p / x_div, the weights expert e's of a stack [E, N, K] ([E, 2I, K] for SwiGLU), output row p
+// of y.
 template <int BITS>
 __device__ void mma_gwide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
-                            const float* x, float* y, int N, int K, int G, const int* tiles, const int* n_tiles,
-                            const int* order, long long xs, int x_div, bool swiglu) {
-    __shared__ int pair[32];
+                            const unsigned* stg, const float* sums, float* y, int N, int K, int G, const int* tiles,
+                            const int* n_tiles, const int* order, int x_div, bool swiglu) {
+    __shared__ int pair[32], src[32];
     pdl_entry();
-    const int count = n_tiles[0], sb_row = threadIdx.x >> 3;
+    const int count = n_tiles[0];
     for (int ti = blockIdx.x; ti < count; ti += gridDim.x) {
         const int e = tiles[3 * ti], f = tiles[3 * ti + 1], nb = tiles[3 * ti + 2];
         // The tile before is done with shared memory.
         __syncthreads();
-        if (threadIdx.x < 32) pair[threadIdx.x] = threadIdx.x < nb ? order[f + threadIdx.x] : 0;
+        if (threadIdx.x < 32) {
+            const int p = threadIdx.x < nb ? order[f + threadIdx.x] : 0;
+            pair[threadIdx.x] = p;
+            src[threadIdx.x] = threadIdx.x < nb ? p / x_div : -1;
+        }
         __syncthreads();
-        const float* xrow = sb_row < nb ? x + (long long)(pair[sb_row] / x_div) * xs : nullptr;
         const WideRows rw = wide_rows(swiglu, (long long)e * (swiglu ? 2 : 1) * N, N);
         switch ((nb + 7) >> 3) {
-        case 1: gwide_tile<BITS, 1>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
-        case 2: gwide_tile<BITS, 2>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
-        case 3: gwide_tile<BITS, 3>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
-        default: gwide_tile<BITS, 4>(W, S, Bs, xrow, rw, K, G, y, N, nb, pair, swiglu); break;
+        case 1: gwide_tile<BITS, 1>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+        case 2: gwide_tile<BITS, 2>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+        case 3: gwide_tile<BITS, 3>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+        default: gwide_tile<BITS, 4>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf16_t* __restrict__ W, const float* x,
-                                                                     float* y, float* part, int N, int K, int Bn,
-                                                                     long long xs, const float* __restrict__ bias,
-                                                                     int spb) {
-    mma_wide_t<16>(W, nullptr, nullptr, x, y, part, N, K, 32, Bn, xs, bias, spb, false);
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf16_t* __restrict__ W, const unsigned* stg,
+                                                                     const float* sums, float* y, float* part, int N, int K, int Bn,
+                                                                     const float* __restrict__ bias, int spb) {
+    mma_wide_t<16>(W, nullptr, nullptr, stg, sums, y, part, N, K, 32, Bn, bias, spb, false);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                       const bf16_t* __restrict__ B, const float* x, float* y,
-                                                                       float* part, int N, int K, int G, int bits, int Bn,
-                                                                       long long xs, const float* __restrict__ bias, int spb) {
-    if (bits == 8) mma_wide_t<8>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb, false);
-    else mma_wide_t<4>(W, S, B, x, y, part, N, K, G, Bn, xs, bias, spb, false);
+                                                                       const bf16_t* __restrict__ B, const unsigned* stg,
+                                                                       const float* sums, float* y, float* part, int N, int K,
+                                                                       int G, int bits, int Bn, const float* __restrict__ bias,
+                                                                       int spb) {
+    if (bits == 8) mma_wide_t<8>(W, S, B, stg, sums, y, part, N, K, G, Bn, bias, spb, false);
+    else mma_wide_t<4>(W, S, B, stg, sums, y, part, N, K, G, Bn, bias, spb, false);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
-                                                                       float* h, float* part, int I, int K, int Bn,
-                                                                       long long xs, int spb) {
-    mma_wide_t<16>(W, nullptr, nullptr, x, h, part, I, K, 32, Bn, xs, nullptr, spb, true);
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_bf16(const bf16_t* __restrict__ W, const unsigned* stg,
+                                                                       const float* sums, float* h, float* part, int I, int K, int Bn, int spb) {
+    mma_wide_t<16>(W, nullptr, nullptr, stg, sums, h, part, I, K, 32, Bn, nullptr, spb, true);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                         const bf16_t* __restrict__ B, const float* x, float* h,
-                                                                         float* part, int I, int K, int G, int bits, int Bn,
-                                                                         long long xs, int spb) {
-    if (bits == 8) mma_wide_t<8>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb, true);
-    else mma_wide_t<4>(W, S, B, x, h, part, I, K, G, Bn, xs, nullptr, spb, true);
+                                                                         const bf16_t* __restrict__ B, const unsigned* stg,
+                                                                         const float* sums, float* h, float* part, int I, int K,
+                                                                         int G, int bits, int Bn, int spb) {
+    if (bits == 8) mma_wide_t<8>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);
+    else mma_wide_t<4>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_rows_bf16(
-    const bf16_t* __restrict__ W, const float* x, float* y, int N, int K, const int* tiles, const int* n_tiles,
-    const int* order, long long xs, int x_div) {
-    mma_gwide_t<16>(W, nullptr, nullptr, x, y, N, K, 32, tiles, n_tiles, order, xs, x_div, false);
+    const bf16_t* __restrict__ W, const unsigned* stg, const float* sums, float* y, int N, int K, const int* tiles,
+    const int* n_tiles, const int* order, int x_div) {
+    mma_gwide_t<16>(W, nullptr, nullptr, stg, sums, y, N, K, 32, tiles, n_tiles, order, x_div, false);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_swiglu_bf16(
-    const bf16_t* __restrict__ W, const float* x, float* h, int I, int K, const int* tiles, const int* n_tiles,
-    const int* order, long long xs, int x_div) {
-    mma_gwide_t<16>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div, true);
+    const bf16_t* __restrict__ W, const unsigned* stg, const float* sums, float* h, int I, int K, const int* tiles,
+    const int* n_tiles, const int* order, int x_div) {
+    mma_gwide_t<16>(W, nullptr, nullptr, stg, sums, h, I, K, 32, tiles, n_tiles, order, x_div, true);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_rows_affine(
-    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x,
-    float* y, int N, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order, long long xs,
+    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const unsigned* stg,
+    const float* sums, float* y, int N, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order,
     int x_div) {
-    if (bits == 8) mma_gwide_t<8>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, false);
-    else mma_gwide_t<4>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, false);
+    if (bits == 8) mma_gwide_t<8>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);
+    else mma_gwide_t<4>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_swiglu_affine(
-    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x,
-    float* h, int I, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order, long long xs,
+    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const unsigned* stg,
+    const float* sums, float* h, int I, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order,
     int x_div) {
-    if (bits == 8) mma_gwide_t<8>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, true);
-    else mma_gwide_t<4>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, true);
+    if (bits == 8) mma_gwide_t<8>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true);
+    else mma_gwide_t<4>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true);
 }
 
 // wide_sum: y[b, n] = Σ_z part[z, b, n] (+ bias[n]) over the ks partial sums of the wide form,

@@ -6,6 +6,7 @@ mod common;
 
 use common::{assert_close, gpu, rand_vec, rng, Affine};
 use deltamoe_compute::cpu::act::sigmoid;
+use deltamoe_compute::cuda::dispatch;
 use deltamoe_compute::cuda::ops::{self, Matvec, Slots, WeightFormat};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 use deltamoe_compute::{cpu, DType, Tensor};
@@ -253,12 +254,17 @@ fn slot_forms(rows: usize) {
     let dot = |wt: &[f32], e: usize, row: usize, xr: &[f32]| -> f32 {
         (0..k).map(|c| wt[(e * n + row) * k + c] * xr[c]).sum()
     };
-    // Room for the wide form's partial sums: K split over blocks.
-    let ws = g.zeros::<f32>(rows * 2 * n * k / 32).unwrap();
+    // Room for the wide form's staged inputs and partial sums: K split over blocks.
+    let ws = g
+        .zeros::<f32>(rows * 2 * n * k / 32 + 2 * rows * k)
+        .unwrap();
     for (name, wt, m) in &forms {
         let dy = g.zeros::<f32>(rows * per_row * n).unwrap();
         let split = Slots::rows(rows, k).with_ws(ws.ptr(), ws.len());
-        for (form, sl) in [("rows", Slots::rows(rows, k)), ("rows split-K", split)] {
+        // Room for the staged inputs alone: K in one block.
+        let staged = dispatch::wide_staged_words(m, rows);
+        let whole = Slots::rows(rows, k).with_ws(ws.ptr(), staged);
+        for (form, sl) in [("rows", whole), ("rows split-K", split)] {
             ops::matvec(&g, *m, dx.ptr(), dy.ptr(), sl).unwrap();
             let want: Vec<f32> = (0..rows * n)
                 .map(|i| dot(wt, 0, i % n, &x[i / n * k..(i / n + 1) * k]))

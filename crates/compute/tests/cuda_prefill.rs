@@ -15,11 +15,11 @@ use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::gemm;
 use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Matvec, Slots, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked, Grouped};
 use deltamoe_compute::cuda::wide;
 use deltamoe_compute::cuda::Gpu;
+use deltamoe_compute::cuda::{dispatch, gemm};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16, round_bf16};
 use rand::Rng;
 
@@ -583,8 +583,11 @@ fn grouping_case(
                 pf::grouped_split(g, m, (dx.ptr(), dh.ptr()), gr, true, blocks).unwrap();
             }
             Form::Wide => {
-                wide::grouped(g, m, (dx.ptr(), dy.ptr()), gr, false, blocks).unwrap();
-                wide::grouped(g, m, (dx.ptr(), dh.ptr()), gr, true, blocks).unwrap();
+                let staged = dispatch::wide_staged_words(&m, tokens);
+                let ws = g.zeros::<u32>(staged).unwrap();
+                let stage = (tokens, (ws.ptr(), staged));
+                wide::grouped(g, m, (dx.ptr(), dy.ptr()), gr, false, blocks, stage).unwrap();
+                wide::grouped(g, m, (dx.ptr(), dh.ptr()), gr, true, blocks, stage).unwrap();
             }
         }
         let want: Vec<f32> = match quant {

@@ -42,9 +42,10 @@ pub enum RowsForm {
     Gemm,
     /// Tensor cores, split-K, 16 weight rows a block (mma_rows.cu; small decode batches).
     SplitK,
-    /// Tensor cores, 128 weight rows a block sharing their staged inputs, weights streamed
-    /// through shared memory, K split over blocks (mma_wide.cu; decode batches from
-    /// [`WIDE_MIN_ROWS`] rows, K a multiple of [`WIDE_K_MULTIPLE`]).
+    /// Tensor cores, 128 weight rows a block, weights and the inputs staged once per product
+    /// streamed through shared memory, K split over blocks (mma_wide.cu; decode batches from
+    /// [`WIDE_MIN_ROWS`] rows, K a multiple of [`WIDE_K_MULTIPLE`], the staged inputs in the
+    /// slots' workspace).
     Wide,
     /// CUDA cores (matvec_rows.cu).
     Cores,
@@ -72,7 +73,7 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
     if batched_rows(m, sl) {
         let form = match (tensor_core_rows(m), sl.n) {
             (true, n) if n >= GEMM_MIN_ROWS => RowsForm::Gemm,
-            (true, n) if n >= WIDE_MIN_ROWS && wide_takes(m) => RowsForm::Wide,
+            (true, n) if n >= WIDE_MIN_ROWS && wide_takes(m) && wide_room(m, sl) => RowsForm::Wide,
             (true, _) => RowsForm::SplitK,
             (false, _) => RowsForm::Cores,
         };
@@ -138,6 +139,29 @@ pub fn grouped_tile(
         true => Some(TILE_MMA),
         false => Some(TILE_CORES),
     }
+}
+
+/// Pairs an expert expects, at most, for a prefill pass's expert products to run on the
+/// streamed wide kernels ([`prefill_wide_tile`]) rather than the grouped GEMMs, whose tiles of
+/// 64 pairs such passes leave mostly empty
+/// (35B 4-bit on an H100: 512 tokens, 16 pairs an expert, 15,700 against 13,700 tok/s; 1,024
+/// tokens 19,400 against 20,900).
+pub const PREFILL_WIDE_PER_EXPERT: usize = 16;
+
+/// The tile of a prefill pass's expert products on the wide kernels (`wide::grouped`, each
+/// expert's weights streamed once per 32 of its pairs, exact): for `tokens` tokens picking
+/// `top_k` of `experts` experts that expect at most [`PREFILL_WIDE_PER_EXPERT`] pairs each, when
+/// the wide kernels take both matrices (`x_stride`, `inter` as in [`grouped_tile`]); None (the
+/// grouped GEMMs of [`grouped_tile`]) otherwise.
+pub fn prefill_wide_tile(
+    gate_up: &Matvec,
+    down: &Matvec,
+    (x_stride, inter): (usize, usize),
+    (tokens, top_k, experts): (usize, usize, usize),
+) -> Option<usize> {
+    let takes = |m: &Matvec, stride: usize| wide_takes(m) && stride.is_multiple_of(4);
+    let few = tokens * top_k <= PREFILL_WIDE_PER_EXPERT * experts;
+    (few && takes(gate_up, x_stride) && takes(down, inter)).then_some(MMA_ROWS_INPUTS)
 }
 
 /// From this many rows on, a decode step's expert products run grouped by expert
@@ -210,10 +234,44 @@ pub fn wide_takes(m: &Matvec) -> bool {
     tensor_core_rows(m) && m.k.is_multiple_of(WIDE_K_MULTIPLE)
 }
 
+/// Bytes of each weight row a stage of the wide form covers (`WIDE_ROWB` in mma_wide.cu).
+pub const WIDE_ROWB: usize = 64;
+
+/// Inputs one stage of the wide form covers for `bits`-bit weights (16: bf16).
+pub fn wide_stage_inputs(bits: usize) -> usize {
+    8 * WIDE_ROWB / bits
+}
+
+/// The weights' bits (16: bf16).
+pub fn weight_bits(m: &Matvec) -> usize {
+    match m.format {
+        WeightFormat::Affine { bits, .. } => bits as usize,
+        WeightFormat::Bf16 => 16,
+    }
+}
+
+/// Words (4 bytes) the staged inputs of a wide-form product over `m` take for `rows` input
+/// rows (`wide_stage_rows`): K a row as bf16 hi/lo pairs and, for affine weights, 4 group
+/// sums a stage.
+pub fn wide_staged_words(m: &Matvec, rows: usize) -> usize {
+    let bits = weight_bits(m);
+    let sums = match m.format {
+        WeightFormat::Affine { .. } => 4 * m.k / wide_stage_inputs(bits),
+        WeightFormat::Bf16 => 0,
+    };
+    rows * (m.k + sums)
+}
+
+/// Whether the slots' workspace holds the staged inputs of a wide-form product.
+fn wide_room(m: &Matvec, sl: &Slots) -> bool {
+    sl.ws.0 != 0 && sl.ws.1 >= wide_staged_words(m, sl.n)
+}
+
 /// Blocks along K of a wide-form product (`mma_wide_*`) of `n` outputs (`sets` rows each: 2
 /// for SwiGLU) over `k` inputs for `rows` rows on `sms` multiprocessors, with room for
-/// `ws_floats` floats of partial sums: enough blocks for two a multiprocessor, each with at
-/// least 8 chunks of 32 when K is split; 1 (no partial sums) without room.
+/// `ws_floats` floats of partial sums: as many blocks as fit two a multiprocessor in one wave
+/// (a second, part-filled wave costs as much as the first), each with at least 8 chunks of 32
+/// when K is split; 1 (no partial sums) without room.
 pub fn wide_splits(
     n: usize,
     k: usize,
@@ -223,7 +281,7 @@ pub fn wide_splits(
     ws_floats: usize,
 ) -> usize {
     let blocks = rows.div_ceil(32) * (n * sets).div_ceil(128);
-    let want = (2 * sms).div_ceil(blocks.max(1));
+    let want = (2 * sms) / blocks.max(1);
     let by_k = (k / 32 / 8).max(1);
     let by_ws = ws_floats / (rows * sets * n).max(1);
     want.min(by_k).min(by_ws).max(1)
@@ -353,10 +411,18 @@ mod tests {
         let m = mat(4096, 2048, 4);
         let split = rows(plan(&m, &Slots::rows(4, 2048), false));
         assert_eq!(split, Some(("mma_rows_affine", RowsForm::SplitK)));
-        let wide = rows(plan(&m, &Slots::rows(32, 2048), false));
+        // The wide form stages its inputs in the slots' workspace; without room, split-K.
+        let staged = super::wide_staged_words(&m, 32);
+        assert_eq!(staged, 32 * (2048 + 4 * 16));
+        let room = Slots::rows(32, 2048).with_ws(1, staged);
+        let wide = rows(plan(&m, &room, false));
         assert_eq!(wide, Some(("mma_wide_rows_affine", RowsForm::Wide)));
+        let short = Slots::rows(32, 2048).with_ws(1, staged - 1);
+        let split_k = rows(plan(&m, &short, false));
+        assert_eq!(split_k, Some(("mma_rows_affine", RowsForm::SplitK)));
         // The wide form takes K in stages of 256 inputs; K = 2080 stays on split-K.
-        let k_odd = rows(plan(&mat(4096, 2080, 4), &Slots::rows(32, 2080), false));
+        let odd = Slots::rows(32, 2080).with_ws(1, 1 << 20);
+        let k_odd = rows(plan(&mat(4096, 2080, 4), &odd, false));
         assert_eq!(k_odd, Some(("mma_rows_affine", RowsForm::SplitK)));
         let gemm = rows(plan(&m, &Slots::rows(512, 2048), true));
         assert_eq!(gemm, Some(("mma_gemm_swiglu_affine", RowsForm::Gemm)));
@@ -454,8 +520,10 @@ mod tests {
     fn wide_products_split_k_until_every_multiprocessor_has_two_blocks() {
         use super::wide_splits;
         let ws = 256 * 65_536;
-        // GDN input projection of the 35B shape, 32 rows: 97 blocks, split 3 ways.
-        assert_eq!(wide_splits(12_352, 2048, 32, 1, 132, ws), 3);
+        // GDN input projection of the 35B shape, 32 rows: 97 blocks, split 2 ways (3 would
+        // take 291 blocks, a wave and a tenth); at 64 rows 194 blocks, not split.
+        assert_eq!(wide_splits(12_352, 2048, 32, 1, 132, ws), 2);
+        assert_eq!(wide_splits(12_352, 2048, 64, 1, 132, ws), 1);
         // Its output projection: 16 blocks; K 4096 is 128 chunks, 8 a block at least.
         assert_eq!(wide_splits(2048, 4096, 32, 1, 132, ws), 16);
         // An lm_head has blocks enough; no room for partial sums means no split.
@@ -463,6 +531,27 @@ mod tests {
         assert_eq!(wide_splits(2048, 4096, 32, 1, 132, 0), 1);
         // Short K: at least 8 chunks a block.
         assert_eq!(wide_splits(257, 256, 32, 1, 132, ws), 1);
+    }
+
+    #[test]
+    fn short_prefill_passes_stream_the_experts_on_the_wide_kernels() {
+        use super::prefill_wide_tile;
+        let (gu, down) = (mat(1024, 2048, 4), mat(2048, 512, 4));
+        let strides = (2048, 512);
+        // 35B shape: 512 tokens of top-8 over 256 experts, 16 pairs an expert.
+        assert_eq!(
+            prefill_wide_tile(&gu, &down, strides, (512, 8, 256)),
+            Some(32)
+        );
+        assert_eq!(prefill_wide_tile(&gu, &down, strides, (1024, 8, 256)), None);
+        // K not in whole stages of the wide kernels, or 2-bit weights: the grouped GEMMs.
+        let odd = mat(1024, 2080, 4);
+        assert_eq!(
+            prefill_wide_tile(&odd, &down, (2080, 512), (512, 8, 256)),
+            None
+        );
+        let two = mat(2048, 512, 2);
+        assert_eq!(prefill_wide_tile(&gu, &two, strides, (512, 8, 256)), None);
     }
 
     #[test]

@@ -79,6 +79,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "mma_gwide_swiglu_bf16",
             "mma_gwide_rows_affine",
             "mma_gwide_swiglu_affine",
+            "wide_stage_rows",
             "wide_sum",
         ],
     ),
@@ -357,7 +358,11 @@ mod tests {
                 super::super::ops::SampleParams::WORDS as u32,
             ),
             (file("mma_wide.cu"), "WIDE_STAGES", wide::WIDE_STAGES as u32),
-            (file("mma_wide.cu"), "WIDE_ROWB", wide::WIDE_ROWB as u32),
+            (
+                file("mma_wide.cu"),
+                "WIDE_ROWB",
+                super::super::dispatch::WIDE_ROWB as u32,
+            ),
             (file("mma_wide.cu"), "WIDE_WLD", wide::WIDE_WLD as u32),
             (file("mma_wide.cu"), "WIDE_SBB", wide::WIDE_SBB as u32),
         ] {

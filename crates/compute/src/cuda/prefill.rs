@@ -306,26 +306,33 @@ pub fn grouped_supported(m: &Matvec, x_stride: usize) -> bool {
 
 /// The arguments every grouped product kernel takes first, in their order: the matrix's (see
 /// `ops::matrix_args`; N the outputs), then the grouping's tiles, tile count, order, input
-/// stride and divisor. Held here so that the launch builder may borrow them.
+/// stride (kernels that read x itself, not staged rows) and divisor. Held here so that the
+/// launch builder may borrow them.
 pub(crate) struct GroupedArgs {
     w: u64,
     affine: Option<(u64, u64, i32, i32)>,
-    io: [u64; 2],
+    io: Vec<u64>,
     nk: [i32; 2],
     tiles: [u64; 3],
-    xs: i64,
+    xs: Option<i64>,
     xd: i32,
 }
 
 impl GroupedArgs {
-    pub(crate) fn new(m: &Matvec, io: [u64; 2], out_rows: usize, gr: &Grouped) -> GroupedArgs {
+    pub(crate) fn new(
+        m: &Matvec,
+        io: Vec<u64>,
+        out_rows: usize,
+        gr: &Grouped,
+        stride: bool,
+    ) -> GroupedArgs {
         GroupedArgs {
             w: m.w,
             affine: m.format.affine_args(),
             io,
             nk: [out_rows as i32, m.k as i32],
             tiles: [gr.tiles, gr.n_tiles, gr.order],
-            xs: gr.x_stride as i64,
+            xs: stride.then_some(gr.x_stride as i64),
             xd: gr.x_div as i32,
         }
     }
@@ -335,7 +342,10 @@ impl GroupedArgs {
         for t in &self.tiles {
             b.arg(t);
         }
-        b.arg(&self.xs).arg(&self.xd);
+        if let Some(xs) = &self.xs {
+            b.arg(xs);
+        }
+        b.arg(&self.xd);
     }
 }
 
@@ -364,7 +374,7 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         (WeightFormat::Affine { .. }, false, true) => "mma_grouped_rows_affine",
         (WeightFormat::Affine { .. }, true, true) => "mma_grouped_swiglu_affine",
     };
-    let args = GroupedArgs::new(&m, [x, y], out_rows, &gr);
+    let args = GroupedArgs::new(&m, vec![x, y], out_rows, &gr, true);
     let mut b = g.launch_builder(g.kernels().get(name));
     args.push(&mut b);
     let rows_per_block = if mma { 128 } else { 8 };
@@ -428,7 +438,7 @@ pub fn grouped_split(
         (true, false, true) => "mma_gsplit_rows_affine_2",
         (true, true, true) => "mma_gsplit_swiglu_affine_2",
     };
-    let args = GroupedArgs::new(&m, [x, y], out_rows, &gr);
+    let args = GroupedArgs::new(&m, vec![x, y], out_rows, &gr, true);
     let mut b = g.launch_builder(g.kernels().get(name));
     args.push(&mut b);
     b.arg(&ks32);

@@ -1,57 +1,96 @@
 //! The wide form of the batched products (`mma_wide.cu`): decode batches of rows through one
 //! matrix (`matvec`, from `ops::matvec_rows`) and a decode batch's expert pairs grouped by
-//! expert (`grouped`). 128 weight rows a block, streamed through shared memory in stages; see the
-//! kernel file's header.
+//! expert (`grouped`). The inputs are staged once per product (`wide_stage_rows`) into the
+//! caller's workspace; 128 weight rows a block, weights and staged inputs streamed through shared
+//! memory in stages; see the kernel file's header.
 
-use super::dispatch::{self, MMA_ROWS_INPUTS};
+use super::dispatch::{self, weight_bits, wide_stage_inputs, wide_staged_words, MMA_ROWS_INPUTS};
 use super::ops::{blocks, cfg, cfg3, matrix_args, Matvec, Slots, WeightFormat};
 use super::prefill::{Grouped, GroupedArgs};
 use super::{driver_err, CudaError, Gpu, Result};
 
-/// The wide form's stage (mma_wide.cu): `WIDE_ROWB` bytes of each weight row, in `WIDE_STAGES`
-/// buffers of 128 rows `WIDE_WLD` bytes apart, with `WIDE_SBB` bytes of each row's scales and of
-/// its biases.
+/// The wide form's stage (mma_wide.cu): `dispatch::WIDE_ROWB` bytes of each weight row, in `WIDE_STAGES`
+/// buffers (one fewer for blocks of 4 tiles) of 128 rows `WIDE_WLD` bytes apart, with
+/// `WIDE_SBB` bytes of each row's scales and of its biases.
 pub(super) const WIDE_STAGES: usize = 4;
-pub(super) const WIDE_ROWB: usize = 64;
 pub(super) const WIDE_WLD: usize = 80;
 pub(super) const WIDE_SBB: usize = 16;
+/// Tiles of 8 input rows a block takes at most (`8·MT ≤ MMA_ROWS_INPUTS`).
+const WIDE_TILES: usize = MMA_ROWS_INPUTS / 8;
 
-/// Inputs one stage of the wide form covers for `bits`-bit weights (16: bf16).
-fn stage_inputs(bits: usize) -> usize {
-    8 * WIDE_ROWB / bits
-}
-
-/// The wide form's dynamic shared memory (`Wide<BITS>` in mma_wide.cu): the weight buffers and,
-/// for affine weights, their scales and biases; the inputs as bf16 hi and lo, two buffers of 32
-/// rows of `32·chunks + 4` words; their group sums.
-fn smem(bits: usize) -> usize {
-    let chunks = stage_inputs(bits) / 32;
-    let weights = 128 * WIDE_WLD;
-    let scales = if bits == 16 { 0 } else { 2 * 128 * WIDE_SBB };
-    WIDE_STAGES * (weights + scales) + 2 * 32 * (32 * chunks + 4) * 4 + 2 * chunks * 32 * 4
-}
-
-/// The weights' bits (16: bf16).
-fn bits(m: &Matvec) -> usize {
-    match m.format {
-        WeightFormat::Affine { bits, .. } => bits as usize,
-        WeightFormat::Bf16 => 16,
+/// Shared buffers of blocks of `mt` tiles (`Wide::P`).
+fn stages(mt: usize) -> usize {
+    if mt == WIDE_TILES {
+        WIDE_STAGES - 1
+    } else {
+        WIDE_STAGES
     }
 }
 
-/// Lets entry point `name` take the wide form's shared memory, enough for both affine widths so
-/// that a graph holding launches of either stays valid; the bytes a launch for `bits` takes.
-fn allow_smem(g: &Gpu, name: &str, bits: usize) -> Result<u32> {
-    let allow = match bits {
-        16 => smem(16),
-        _ => smem(4).max(smem(8)),
-    };
-    g.raise_smem(name, allow)?;
-    Ok(smem(bits) as u32)
+/// One stage's shared memory (`Wide<BITS, MT>::STAGE`): weights; for affine weights their
+/// scales and biases; `8·mt` rows of staged inputs, `32·chunks + 4` words each; for affine
+/// weights 4 group sums a row.
+fn stage_bytes(bits: usize, mt: usize) -> usize {
+    let chunks = wide_stage_inputs(bits) / 32;
+    let affine = bits != 16;
+    let scales = if affine { 2 * 128 * WIDE_SBB } else { 0 };
+    let sums = if affine { 8 * mt * 16 } else { 0 };
+    128 * WIDE_WLD + scales + 8 * mt * (32 * chunks + 4) * 4 + sums
 }
 
-/// A batch of rows on the wide form (`mma_wide_*`), K split over blocks as
-/// `dispatch::wide_splits` says, the partial sums in `sl.ws` added by `wide_sum`.
+/// The dynamic shared memory of a launch whose blocks take up to `mt` tiles: the largest of
+/// those tile counts' layouts.
+fn smem(bits: usize, mt: usize) -> usize {
+    (1..=mt)
+        .map(|t| stages(t) * stage_bytes(bits, t))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Lets entry point `name` take the most shared memory any launch of it can ask for (both
+/// affine widths, every tile count), so that a graph holding launches of either stays valid;
+/// the bytes a launch for `bits` and up to `mt` tiles takes.
+fn allow_smem(g: &Gpu, name: &str, bits: usize, mt: usize) -> Result<u32> {
+    let allow = match bits {
+        16 => smem(16, WIDE_TILES),
+        _ => smem(4, WIDE_TILES).max(smem(8, WIDE_TILES)),
+    };
+    g.raise_smem(name, allow)?;
+    Ok(smem(bits, mt) as u32)
+}
+
+/// Stages `rows` input rows of `m`'s product (x_stride floats apart from `x`) at `ws`, which
+/// holds `wide_staged_words(m, rows)` words: the hi/lo words, then (affine) the group sums,
+/// whose address it returns.
+fn stage(g: &Gpu, m: &Matvec, (x, x_stride): (u64, usize), rows: usize, ws: u64) -> Result<u64> {
+    let bits = weight_bits(m);
+    let (group, affine) = match m.format {
+        WeightFormat::Affine { group, .. } => (group as i32, 1i32),
+        WeightFormat::Bf16 => (32, 0),
+    };
+    let sums = ws + 4 * (rows * m.k) as u64;
+    let (xs, k, kst) = (x_stride as i64, m.k as i32, wide_stage_inputs(bits) as i32);
+    let name = "wide_stage_rows";
+    let mut b = g.launch_builder(g.kernels().get(name));
+    b.arg(&x)
+        .arg(&xs)
+        .arg(&ws)
+        .arg(&sums)
+        .arg(&k)
+        .arg(&kst)
+        .arg(&group)
+        .arg(&affine);
+    // SAFETY: x holds `rows` rows of x_stride ≥ K floats (x_stride % 4 == 0: 16-byte aligned
+    // rows, checked by the callers), ws rows·K words and then rows·(K / kst)·4 floats
+    // (wide_staged_words, checked by the callers); K % 256 == 0 (wide_takes); the grid covers
+    // K / 4 threads a row.
+    unsafe { b.launch(cfg((blocks(m.k, 1024), rows as u32), 256, 0)) }.map_err(driver_err(name))?;
+    Ok(sums)
+}
+
+/// A batch of rows on the wide form (`mma_wide_*`): inputs staged at the front of `sl.ws`, K
+/// split over blocks as `dispatch::wide_splits` says with the partial sums in the rest, added by
+/// `wide_sum`.
 pub(crate) fn matvec(
     g: &Gpu,
     m: Matvec,
@@ -61,10 +100,19 @@ pub(crate) fn matvec(
     swiglu: bool,
 ) -> Result<()> {
     let (sets, out_rows) = if swiglu { (2, m.n / 2) } else { (1, m.n) };
-    let bits = bits(&m);
-    let kst = stage_inputs(bits);
+    let bits = weight_bits(&m);
+    let kst = wide_stage_inputs(bits);
     let stages = m.k / kst;
-    let (ws, ws_floats) = sl.ws;
+    let (ws, ws_words) = sl.ws;
+    let staged = wide_staged_words(&m, sl.n);
+    if ws == 0 || ws_words < staged {
+        return Err(CudaError::Unsupported(format!(
+            "wide product: {staged} words to stage {} rows, workspace {ws_words}",
+            sl.n
+        )));
+    }
+    let sums = stage(g, &m, (x, sl.x_stride), sl.n, ws)?;
+    let (ws, ws_floats) = (ws + 4 * staged as u64, ws_words - staged);
     let splits = dispatch::wide_splits(out_rows, m.k, sl.n, sets, g.multiprocessors(), ws_floats);
     // A block's stages hold whole groups (a group spans stages for 8-bit weights in groups of 128).
     let group_stages = match m.format {
@@ -77,16 +125,11 @@ pub(crate) fn matvec(
         .min(stages);
     let splits = stages.div_ceil(spb);
     let part = if splits > 1 { ws } else { 0 };
-    let (nk, b32, xs, spb32) = (
-        [out_rows as i32, m.k as i32],
-        sl.n as i32,
-        sl.x_stride as i64,
-        spb as i32,
-    );
-    let (affine, io) = (m.format.affine_args(), [x, y, part]);
+    let (nk, b32, spb32) = ([out_rows as i32, m.k as i32], sl.n as i32, spb as i32);
+    let (affine, io) = (m.format.affine_args(), [sl.ws.0, sums, y, part]);
     let mut b = g.launch_builder(g.kernels().get(name));
     matrix_args(&mut b, &m.w, &affine, &io, &nk);
-    b.arg(&b32).arg(&xs);
+    b.arg(&b32);
     if !swiglu {
         b.arg(&m.bias);
     }
@@ -96,12 +139,12 @@ pub(crate) fn matvec(
         blocks(out_rows * sets, 128),
         splits as u32,
     );
-    let smem = allow_smem(g, name, bits)?;
+    let smem = allow_smem(g, name, bits, sl.n.min(MMA_ROWS_INPUTS).div_ceil(8))?;
     // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU; K % 256 == 0 and the
-    // format is one the tensor-core kernels take: dispatch), x holds n rows of x_stride ≥ K
-    // floats (16-byte aligned, checked by the caller), y n·N floats (n·I); with splits > 1
-    // the partial sums take splits·n·sets·N ≤ ws_floats floats (wide_splits); the block has the
-    // kernel's 256 threads and `wide_smem` bytes of shared memory, allowed just above.
+    // format is one the tensor-core kernels take: dispatch), the staged inputs of n rows are at
+    // the front of the workspace (checked above), y holds n·N floats (n·I); with splits > 1 the
+    // partial sums take splits·n·sets·N ≤ the workspace's remaining floats (wide_splits); the
+    // block has the kernel's 256 threads and the shared memory its tiles need, allowed above.
     unsafe { b.launch(cfg3(grid, 256, smem)) }.map_err(driver_err(name))?;
     if splits > 1 {
         let (s32, sets32) = (splits as i32, sets as i32);
@@ -123,8 +166,10 @@ pub(crate) fn matvec(
 }
 
 /// `y[p] = W_{e(p)} x_{p / x_div}` (or with `swiglu` `h[p] = silu(G_e x) ⊙ U_e x`) for every pair
-/// p of a decode batch's grouping on the grouped wide kernels (`mma_gwide_*`): `blocks` blocks
-/// (at most `gr.max_tiles`) a row block, looping over the tiles; size it for the tiles expected.
+/// p of a decode batch's grouping on the grouped wide kernels (`mma_gwide_*`): the `x_rows`
+/// input rows staged into `ws` (device address, words; `dispatch::wide_staged_words`), then
+/// `blocks` blocks (at most `gr.max_tiles`) a row block, looping over the tiles; size it for the
+/// tiles expected.
 pub fn grouped(
     g: &Gpu,
     m: Matvec,
@@ -132,17 +177,22 @@ pub fn grouped(
     gr: Grouped,
     swiglu: bool,
     blocks_x: usize,
+    (x_rows, ws): (usize, (u64, usize)),
 ) -> Result<()> {
+    let staged = wide_staged_words(&m, x_rows);
     if !dispatch::wide_takes(&m)
         || !gr.x_stride.is_multiple_of(4)
         || gr.x_div == 0
         || gr.tile > MMA_ROWS_INPUTS
+        || ws.0 == 0
+        || ws.1 < staged
     {
         return Err(CudaError::Unsupported(format!(
-            "grouped wide product: K {} / stride {} / tiles of {} not supported",
-            m.k, gr.x_stride, gr.tile
+            "grouped wide product: K {} / stride {} / tiles of {} / workspace {} of {staged} words not supported",
+            m.k, gr.x_stride, gr.tile, ws.1
         )));
     }
+    let sums = stage(g, &m, (x, gr.x_stride), x_rows, ws.0)?;
     let (sets, out_rows) = if swiglu { (2, m.n / 2) } else { (1, m.n) };
     let name = match (matches!(m.format, WeightFormat::Affine { .. }), swiglu) {
         (false, false) => "mma_gwide_rows_bf16",
@@ -150,8 +200,8 @@ pub fn grouped(
         (true, false) => "mma_gwide_rows_affine",
         (true, true) => "mma_gwide_swiglu_affine",
     };
-    let smem = allow_smem(g, name, bits(&m))?;
-    let args = GroupedArgs::new(&m, [x, y], out_rows, &gr);
+    let smem = allow_smem(g, name, weight_bits(&m), gr.tile.div_ceil(8))?;
+    let args = GroupedArgs::new(&m, vec![ws.0, sums, y], out_rows, &gr, false);
     let mut b = g.launch_builder(g.kernels().get(name));
     args.push(&mut b);
     let grid = (
@@ -159,10 +209,10 @@ pub fn grouped(
         blocks(out_rows * sets, 128),
     );
     // SAFETY: the tiles come from moe_group over the same pairs (counts ≤ gr.tile ≤ 32, experts
-    // < the stack's count); x holds (max pair / x_div + 1) rows of x_stride ≥ K floats (16-byte
-    // aligned: checked), y pairs·N floats (pairs·I for SwiGLU); W the stacked experts of a format
-    // the wide kernels take (K % 256 == 0: checked); the block has 256 threads and the shared
-    // memory allowed just above.
+    // < the stack's count); the staged inputs hold x_rows ≥ max pair / x_div + 1 rows (the
+    // caller's grouping), y pairs·N floats (pairs·I for SwiGLU); W the stacked experts of a
+    // format the wide kernels take (K % 256 == 0: checked); the block has 256 threads and the
+    // shared memory its tiles need, allowed just above.
     unsafe { b.launch(cfg(grid, 256, smem)) }.map_err(driver_err(name))?;
     Ok(())
 }

@@ -8,8 +8,10 @@ use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 
 use crate::config::ModelConfig;
 
-/// Floats per row of room for the partial sums of a decode step's wide-form products (K split
-/// over blocks: `dispatch::wide_splits`).
+/// Words per row of a decode step's wide-form workspace: the staged inputs of a product
+/// (`dispatch::wide_staged_words`: K and its group sums for each of a row's inputs, 9 of them
+/// for the down products of 8 routed and a shared expert) and the partial sums of K split over
+/// blocks (`dispatch::wide_splits`).
 pub(crate) const WIDE_PART_PER_ROW: usize = 65_536;
 
 /// Split-K partitions of the attention decode (its partial outputs are sized for them).
@@ -22,7 +24,8 @@ pub(crate) const LOGIT_ROWS: usize = 64;
 /// (`proj`), the ffn's hidden activations (`inter`, all slots of a row) and a shared expert's
 /// run apart (`shared`); bytes of workspace for a prefill pass (`workspace`); for the bf16
 /// products of a prefill pass ([`super::pass_mv`]) the widest input (`gemm_k`), the most
-/// weights dequantized at once (`gemm_w`) and the widest SwiGLU product (`gemm_gu`).
+/// weights dequantized at once (`gemm_w`) and the widest SwiGLU product (`gemm_gu`); words per
+/// token of the wide kernels' staged inputs for a short pass's expert products (`wide_stage`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Needs {
     pub proj: usize,
@@ -32,6 +35,7 @@ pub(crate) struct Needs {
     pub gemm_k: usize,
     pub gemm_w: usize,
     pub gemm_gu: usize,
+    pub wide_stage: usize,
 }
 
 impl Needs {
@@ -44,6 +48,7 @@ impl Needs {
             gemm_k: self.gemm_k.max(o.gemm_k),
             gemm_w: self.gemm_w.max(o.gemm_w),
             gemm_gu: self.gemm_gu.max(o.gemm_gu),
+            wide_stage: self.wide_stage.max(o.wide_stage),
         }
     }
 
@@ -113,7 +118,8 @@ pub(crate) struct Scratch {
     pub(crate) part_o: DevBuf<f32>,
     pub(crate) part_ml: DevBuf<f32>,
     pub(crate) ffn: FfnBufs,
-    /// Partial sums of the wide-form products (`rows · WIDE_PART_PER_ROW` floats).
+    /// The wide-form products' workspace: staged inputs and partial sums (`rows · WIDE_PART_PER_ROW`
+    /// words).
     pub(crate) part: DevBuf<f32>,
     pub(crate) logits: DevBuf<f32>,
     /// A one-row lm_head's largest logit and its index per block (`VecIo::best`), at most one
@@ -144,6 +150,13 @@ impl Scratch {
     }
 }
 
+/// Tokens of the longest pass whose expert products may take the wide kernels
+/// (`dispatch::prefill_wide_tile`).
+fn wide_tokens(c: &ModelConfig) -> usize {
+    let per = deltamoe_compute::cuda::dispatch::PREFILL_WIDE_PER_EXPERT;
+    per * c.num_experts / c.experts_per_token.max(1)
+}
+
 /// Activations of one pass of up to `rows` tokens.
 pub(crate) struct PrefillScratch {
     pub(crate) rows: usize,
@@ -172,6 +185,9 @@ pub(crate) struct PrefillScratch {
     /// bf16 copies of an attention layer's K and V rows for its flash attention, grown to the
     /// sequence's length as passes need (`GpuModel::prefill`).
     pub(crate) kvb: DevBuf<u16>,
+    /// The wide kernels' staged inputs for the expert products of passes short enough to take
+    /// them (`dispatch::prefill_wide_tile`).
+    pub(crate) stage: DevBuf<f32>,
     pub(crate) ffn: FfnBufs,
     pub(crate) logits: DevBuf<f32>,
 }
@@ -215,6 +231,7 @@ impl PrefillScratch {
             gu: g.zeros((r * needs.gemm_gu).max(1))?,
             hb: g.zeros((r * needs.inter).max(1))?,
             kvb: g.zeros(1)?,
+            stage: g.zeros((r.min(wide_tokens(c)) * needs.wide_stage).max(1))?,
             ffn: FfnBufs::new(g, c, needs, r)?,
             logits: g.zeros(LOGIT_ROWS * c.vocab_size)?,
         })

@@ -67,11 +67,16 @@ impl Step<'_> {
         self.bt.rows
     }
 
-    /// The step's rows of `x_stride` floats, each through one matrix, with the scratch's room
-    /// for the partial sums of the wide product form.
+    /// The scratch's workspace of the wide product form (staged inputs, partial sums):
+    /// address and words.
+    pub fn workspace(&self) -> (u64, usize) {
+        (self.s.part.ptr(), self.s.part.len())
+    }
+
+    /// The step's rows of `x_stride` floats, each through one matrix, with the workspace.
     pub fn row_slots(&self, x_stride: usize) -> Slots {
-        let part = &self.s.part;
-        Slots::rows(self.rows(), x_stride).with_ws(part.ptr(), part.len())
+        let (ws, words) = self.workspace();
+        Slots::rows(self.rows(), x_stride).with_ws(ws, words)
     }
 
     /// `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.

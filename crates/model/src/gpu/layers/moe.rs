@@ -171,6 +171,14 @@ impl MoeFfn {
         }
     }
 
+    /// Words per token of the wide kernels' staged inputs: its `[gate | up]` input or the
+    /// hidden rows of its slots, whichever is larger.
+    fn wide_stage_words(&self) -> usize {
+        let (gu, dn) = (self.experts_gu.mv(), self.experts_down.mv());
+        let down = self.per_row() * dispatch::wide_staged_words(&dn, 1);
+        dispatch::wide_staged_words(&gu, 1).max(down)
+    }
+
     /// The tile of a decode step of `rows` rows whose expert products run grouped by expert
     /// (see `dispatch::grouped_decode_tile`); None with offloaded experts, which run per slot.
     fn grouped_decode(&self, rows: usize) -> Option<usize> {
@@ -183,14 +191,15 @@ impl MoeFfn {
     }
 
     /// The expert products of `rows` rows (routed `ids`, inputs `x`, `h` floats apart) grouped
-    /// by expert in tiles of `tile` pairs: hidden rows into `fb.h`, outputs into `fb.y`.
+    /// by expert in tiles of `tile` pairs: hidden rows into `fb.h`, outputs into `fb.y`; `ws`
+    /// (address, words) holds the wide kernels' staged inputs.
     fn grouped_products(
         &self,
         g: &Gpu,
         fb: &FfnBufs,
         (ids, x, h): (u64, u64, usize),
-        rows: usize,
-        tile: usize,
+        (rows, tile): (usize, usize),
+        ws: (u64, usize),
     ) -> Result<()> {
         let (gr, down) = self.group(g, fb, (ids, rows), (tile, h))?;
         // Blocks for the tiles expected: the distinct experts picked (a tenth more), the shared
@@ -201,12 +210,18 @@ impl MoeFfn {
         let (gu, dn) = (self.experts_gu.mv(), self.experts_down.mv());
         // The wide kernels stream each expert's weights through shared memory; split-K takes
         // the matrices they do not.
-        let run = |m, io, gr, swiglu| match dispatch::wide_takes(&m) {
-            true => wide::grouped(g, m, io, gr, swiglu, blocks),
+        let run = |m, io, gr, swiglu, x_rows| match dispatch::wide_takes(&m) {
+            true => wide::grouped(g, m, io, gr, swiglu, blocks, (x_rows, ws)),
             false => pf::grouped_split(g, m, io, gr, swiglu, blocks),
         };
-        run(gu, (x, fb.h.ptr()), gr, true)?;
-        run(dn, (fb.h.ptr(), fb.y.ptr()), down, false)
+        run(gu, (x, fb.h.ptr()), gr, true, rows)?;
+        run(
+            dn,
+            (fb.h.ptr(), fb.y.ptr()),
+            down,
+            false,
+            rows * self.per_row(),
+        )
     }
 
     /// The (row, slot) pairs of `rows` rows (routed `ids`) sorted by expert in tiles of `tile`
@@ -244,13 +259,14 @@ impl MoeFfn {
     }
 
     /// The layer's end for `rows` rows: the shared expert when it runs apart (SwiGLU of
-    /// `normed` into `hs`, down into `ys`), then `delta = Σ_k w_k y_k (+ sg · ys)`; with `next`,
-    /// that sum joins the residual `next.x` instead and `normed` gets the next norm of it.
+    /// `normed` into `hs`, down into `ys`; `ws` the products' workspace, see `Slots::with_ws`),
+    /// then `delta = Σ_k w_k y_k (+ sg · ys)`; with `next`, that sum joins the residual `next.x`
+    /// instead and `normed` gets the next norm of it.
     fn tail(
         &self,
         g: &Gpu,
         (m, normed, delta): (&FfnBufs, u64, u64),
-        rows: usize,
+        (rows, ws): (usize, (u64, usize)),
         next: Option<NextNorm>,
         eps: f32,
     ) -> Result<()> {
@@ -266,8 +282,9 @@ impl MoeFfn {
         };
         let (ys, sg) = match &self.shared {
             Some((gu, down)) => {
-                ops::matvec_swiglu(g, gu.mv(), t.normed, t.hs, Slots::rows(rows, h))?;
-                ops::matvec(g, down.mv(), t.hs, t.ys, Slots::rows(rows, down.k))?;
+                let slots = |k| Slots::rows(rows, k).with_ws(ws.0, ws.1);
+                ops::matvec_swiglu(g, gu.mv(), t.normed, t.hs, slots(h))?;
+                ops::matvec(g, down.mv(), t.hs, t.ys, slots(down.k))?;
                 (t.ys, t.sg)
             }
             None => (0, 0),
@@ -340,6 +357,7 @@ impl Ffn for MoeFfn {
             inter: self.experts_gu.n / 2 * (self.top_k + 1),
             shared: self.shared.as_ref().map_or(0, |(gu, _)| gu.n / 2),
             workspace: 0,
+            wide_stage: self.wide_stage_words(),
             ..Needs::products(&[(self.router.mv(), false)])
         }
     }
@@ -408,7 +426,8 @@ impl Ffn for MoeFfn {
         }
         let down = self.experts_down.mv();
         if let Some(tile) = self.grouped_decode(b) {
-            self.grouped_products(g, fb, (ids, s.normed.ptr(), h), b, tile)?;
+            let ws = st.workspace();
+            self.grouped_products(g, fb, (ids, s.normed.ptr(), h), (b, tile), ws)?;
         } else {
             let gu_slots = Slots::experts(n, ids, h, per_row).with_far(far_gu);
             let gu = self.experts_gu.mv();
@@ -430,7 +449,7 @@ impl Ffn for MoeFfn {
             scale: (!st.fused).then_some(io.norm_after),
         };
         let bufs = (fb, s.normed.ptr(), s.delta.ptr());
-        self.tail(g, bufs, b, Some(next), st.eps)
+        self.tail(g, bufs, (b, st.workspace()), Some(next), st.eps)
     }
 
     fn prefill(&self, p: &Pass, stage: &Stager) -> Result<()> {
@@ -446,7 +465,13 @@ impl Ffn for MoeFfn {
             None => (self.experts_gu.mv(), self.experts_down.mv()),
         };
         let bf16 = p.gemm == PrefillGemm::Bf16;
-        if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e, bf16) {
+        let (room, routing) = (t * self.wide_stage_words(), (t, self.top_k, self.experts));
+        let wide = dispatch::prefill_wide_tile(&gu, &dn, (h, i_e), routing)
+            .filter(|_| self.offload.is_none() && ps.stage.len() >= room);
+        if let Some(tile) = wide {
+            let ws = (ps.stage.ptr(), ps.stage.len());
+            self.grouped_products(g, fb, (ids, ps.normed.ptr(), h), (t, tile), ws)?;
+        } else if let Some(tile) = dispatch::grouped_tile(&gu, &dn, h, i_e, bf16) {
             let (gr, down) = self.group(g, fb, (ids, t), (tile, h))?;
             if tile == TILE_GEMM {
                 gemm::rows_to_bf16(g, ps.normed.ptr(), h, ps.xb.ptr(), h, t)?;
@@ -462,7 +487,13 @@ impl Ffn for MoeFfn {
             let down_slots = Slots::experts(pairs, ids, i_e, 1);
             ops::matvec(g, dn, fb.h.ptr(), fb.y.ptr(), down_slots)?;
         }
-        self.tail(g, (fb, ps.normed.ptr(), ps.delta.ptr()), t, None, p.eps)
+        self.tail(
+            g,
+            (fb, ps.normed.ptr(), ps.delta.ptr()),
+            (t, (0, 0)),
+            None,
+            p.eps,
+        )
     }
 }
 
