@@ -397,8 +397,9 @@ __device__ void gwide_tile(const void* __restrict__ W, const bf16_t* __restrict_
 // blockIdx.x, blockIdx.x + gridDim.x, … of `tiles` (int3: expert e, first index f into `order`,
 // count ≤ 32), each over the whole K: its inputs are pairs p = order[f + i], staged input row
 // p / x_div, the weights expert e's of a stack [E, N, K] ([E, 2I, K] for SwiGLU), output row p
-// of y.
-template <int BITS>
+// of y. Tiles of at most 8·MTMAX pairs (the host's tile size): blocks compiled for one tile
+// (MTMAX 1) need 59 registers, so three fit a multiprocessor where the full form's 128 fit two.
+template <int BITS, int MTMAX>
 __device__ void mma_gwide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
                             const unsigned* stg, const float* sums, float* y, int N, int K, int G, const int* tiles,
                             const int* n_tiles, const int* order, int x_div, bool swiglu) {
@@ -416,11 +417,15 @@ __device__ void mma_gwide_t(const void* __restrict__ W, const bf16_t* __restrict
         }
         __syncthreads();
         const WideRows rw = wide_rows(swiglu, (long long)e * (swiglu ? 2 : 1) * N, N);
-        switch ((nb + 7) >> 3) {
-        case 1: gwide_tile<BITS, 1>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
-        case 2: gwide_tile<BITS, 2>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
-        case 3: gwide_tile<BITS, 3>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
-        default: gwide_tile<BITS, 4>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+        if constexpr (MTMAX == 1) {
+            gwide_tile<BITS, 1>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu);
+        } else {
+            switch ((nb + 7) >> 3) {
+            case 1: gwide_tile<BITS, 1>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            case 2: gwide_tile<BITS, 2>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            case 3: gwide_tile<BITS, 3>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            default: gwide_tile<BITS, 4>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            }
         }
     }
 }
@@ -453,33 +458,38 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(cons
     else mma_wide_t<4>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_rows_bf16(
-    const bf16_t* __restrict__ W, const unsigned* stg, const float* sums, float* y, int N, int K, const int* tiles,
-    const int* n_tiles, const int* order, int x_div) {
-    mma_gwide_t<16>(W, nullptr, nullptr, stg, sums, y, N, K, 32, tiles, n_tiles, order, x_div, false);
-}
+// The grouped entry points: tiles of up to 32 pairs (two blocks a multiprocessor), and `_t1`
+// for tiles of up to 8 (three).
+#define GWIDE_ENTRIES(SUFFIX, MTMAX, BLOCKS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_rows_bf16##SUFFIX(                    \
+        const bf16_t* __restrict__ W, const unsigned* stg, const float* sums, float* y, int N, int K,         \
+        const int* tiles, const int* n_tiles, const int* order, int x_div) {                                  \
+        mma_gwide_t<16, MTMAX>(W, nullptr, nullptr, stg, sums, y, N, K, 32, tiles, n_tiles, order, x_div,     \
+                               false);                                                                        \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_swiglu_bf16##SUFFIX(                  \
+        const bf16_t* __restrict__ W, const unsigned* stg, const float* sums, float* h, int I, int K,         \
+        const int* tiles, const int* n_tiles, const int* order, int x_div) {                                  \
+        mma_gwide_t<16, MTMAX>(W, nullptr, nullptr, stg, sums, h, I, K, 32, tiles, n_tiles, order, x_div,     \
+                               true);                                                                         \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_rows_affine##SUFFIX(                  \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,           \
+        const unsigned* stg, const float* sums, float* y, int N, int K, int G, int bits, const int* tiles,    \
+        const int* n_tiles, const int* order, int x_div) {                                                    \
+        if (bits == 8) mma_gwide_t<8, MTMAX>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false); \
+        else mma_gwide_t<4, MTMAX>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);     \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_swiglu_affine##SUFFIX(                \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,           \
+        const unsigned* stg, const float* sums, float* h, int I, int K, int G, int bits, const int* tiles,    \
+        const int* n_tiles, const int* order, int x_div) {                                                    \
+        if (bits == 8) mma_gwide_t<8, MTMAX>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true); \
+        else mma_gwide_t<4, MTMAX>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true);      \
+    }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_swiglu_bf16(
-    const bf16_t* __restrict__ W, const unsigned* stg, const float* sums, float* h, int I, int K, const int* tiles,
-    const int* n_tiles, const int* order, int x_div) {
-    mma_gwide_t<16>(W, nullptr, nullptr, stg, sums, h, I, K, 32, tiles, n_tiles, order, x_div, true);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_rows_affine(
-    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const unsigned* stg,
-    const float* sums, float* y, int N, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order,
-    int x_div) {
-    if (bits == 8) mma_gwide_t<8>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);
-    else mma_gwide_t<4>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 2) mma_gwide_swiglu_affine(
-    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const unsigned* stg,
-    const float* sums, float* h, int I, int K, int G, int bits, const int* tiles, const int* n_tiles, const int* order,
-    int x_div) {
-    if (bits == 8) mma_gwide_t<8>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true);
-    else mma_gwide_t<4>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true);
-}
+GWIDE_ENTRIES(, 4, 2)
+GWIDE_ENTRIES(_t1, 1, 3)
 
 // wide_sum: y[b, n] = Σ_z part[z, b, n] (+ bias[n]) over the ks partial sums of the wide form,
 // in order of z; SwiGLU (sets 2): h[b, n] = silu(Σ gate)·Σ up, gate at n, up at N + n of each

@@ -47,16 +47,34 @@ fn smem(bits: usize, mt: usize) -> usize {
         .unwrap_or(0)
 }
 
-/// Lets entry point `name` take the most shared memory any launch of it can ask for (both
-/// affine widths, every tile count), so that a graph holding launches of either stays valid;
-/// the bytes a launch for `bits` and up to `mt` tiles takes.
-fn allow_smem(g: &Gpu, name: &str, bits: usize, mt: usize) -> Result<u32> {
+/// Lets entry point `name`, compiled for up to `mt_max` tiles, take the most shared memory any
+/// launch of it can ask for (both affine widths, every tile count it takes), so that a graph
+/// holding launches of either stays valid; the bytes a launch for `bits` and up to `mt` tiles
+/// takes.
+fn allow_smem(g: &Gpu, name: &str, bits: usize, (mt, mt_max): (usize, usize)) -> Result<u32> {
     let allow = match bits {
-        16 => smem(16, WIDE_TILES),
-        _ => smem(4, WIDE_TILES).max(smem(8, WIDE_TILES)),
+        16 => smem(16, mt_max),
+        _ => smem(4, mt_max).max(smem(8, mt_max)),
     };
     g.raise_smem(name, allow)?;
     Ok(smem(bits, mt) as u32)
+}
+
+/// The grouped wide kernel for tiles of `tile` pairs: the one-tile build (three blocks a
+/// multiprocessor) for tiles of at most 8, else the full one; its tile count.
+fn grouped_kernel(affine: bool, swiglu: bool, tile: usize) -> (&'static str, usize) {
+    let one = tile <= 8;
+    let name = match (affine, swiglu, one) {
+        (false, false, false) => "mma_gwide_rows_bf16",
+        (false, true, false) => "mma_gwide_swiglu_bf16",
+        (true, false, false) => "mma_gwide_rows_affine",
+        (true, true, false) => "mma_gwide_swiglu_affine",
+        (false, false, true) => "mma_gwide_rows_bf16_t1",
+        (false, true, true) => "mma_gwide_swiglu_bf16_t1",
+        (true, false, true) => "mma_gwide_rows_affine_t1",
+        (true, true, true) => "mma_gwide_swiglu_affine_t1",
+    };
+    (name, if one { 1 } else { WIDE_TILES })
 }
 
 /// Stages `rows` input rows of `m`'s product (x_stride floats apart from `x`) at `ws`, which
@@ -139,7 +157,8 @@ pub(crate) fn matvec(
         blocks(out_rows * sets, 128),
         splits as u32,
     );
-    let smem = allow_smem(g, name, bits, sl.n.min(MMA_ROWS_INPUTS).div_ceil(8))?;
+    let mt = sl.n.min(MMA_ROWS_INPUTS).div_ceil(8);
+    let smem = allow_smem(g, name, bits, (mt, WIDE_TILES))?;
     // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU; K % 256 == 0 and the
     // format is one the tensor-core kernels take: dispatch), the staged inputs of n rows are at
     // the front of the workspace (checked above), y holds n·N floats (n·I); with splits > 1 the
@@ -194,13 +213,9 @@ pub fn grouped(
     }
     let sums = stage(g, &m, (x, gr.x_stride), x_rows, ws.0)?;
     let (sets, out_rows) = if swiglu { (2, m.n / 2) } else { (1, m.n) };
-    let name = match (matches!(m.format, WeightFormat::Affine { .. }), swiglu) {
-        (false, false) => "mma_gwide_rows_bf16",
-        (false, true) => "mma_gwide_swiglu_bf16",
-        (true, false) => "mma_gwide_rows_affine",
-        (true, true) => "mma_gwide_swiglu_affine",
-    };
-    let smem = allow_smem(g, name, weight_bits(&m), gr.tile.div_ceil(8))?;
+    let affine = matches!(m.format, WeightFormat::Affine { .. });
+    let (name, mt_max) = grouped_kernel(affine, swiglu, gr.tile);
+    let smem = allow_smem(g, name, weight_bits(&m), (gr.tile.div_ceil(8), mt_max))?;
     let args = GroupedArgs::new(&m, vec![ws.0, sums, y], out_rows, &gr, false);
     let mut b = g.launch_builder(g.kernels().get(name));
     args.push(&mut b);
@@ -208,7 +223,7 @@ pub fn grouped(
         blocks_x.clamp(1, gr.max_tiles.max(1)) as u32,
         blocks(out_rows * sets, 128),
     );
-    // SAFETY: the tiles come from moe_group over the same pairs (counts ≤ gr.tile ≤ 32, experts
+    // SAFETY: the tiles come from moe_group over the same pairs (counts ≤ gr.tile ≤ 8·mt_max, experts
     // < the stack's count); the staged inputs hold x_rows ≥ max pair / x_div + 1 rows (the
     // caller's grouping), y pairs·N floats (pairs·I for SwiGLU); W the stacked experts of a
     // format the wide kernels take (K % 256 == 0: checked); the block has 256 threads and the
