@@ -24,6 +24,30 @@ fn kernels_compile_for_hopper_and_ampere() {
     }
 }
 
+/// An allocation past the device's memory is a one-line out-of-memory error with the numbers,
+/// and the device stays usable after it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_allocation_past_device_memory_is_out_of_memory() {
+    let g = gpu();
+    let e = g
+        .zeros::<f32>(1 << 38)
+        .err()
+        .expect("a terabyte allocation fails");
+    let msg = e.to_string();
+    assert!(
+        matches!(e, deltamoe_compute::cuda::CudaError::OutOfMemory(_)),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("out of GPU memory: 1024.00 GiB asked for"),
+        "{msg}"
+    );
+    assert!(!msg.contains('\n'), "{msg}");
+    let small = g.upload(&[1.0f32, 2.0]).unwrap();
+    assert_eq!(g.read(&small, 2).unwrap(), vec![1.0, 2.0]);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn add_rmsnorm_matches_cpu() {

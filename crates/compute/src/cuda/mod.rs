@@ -41,6 +41,21 @@ pub enum CudaError {
     /// Every reserved slot is in use.
     #[error("{0}")]
     Full(String),
+    /// Device memory ran out (see [`out_of_memory`]).
+    #[error("{0}")]
+    OutOfMemory(String),
+}
+
+/// The message of a device allocation of `bytes` that did not fit, with the device's free and
+/// total memory at that point.
+pub fn out_of_memory(bytes: usize, (free, total): (usize, usize)) -> String {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    format!(
+        "out of GPU memory: {:.2} GiB asked for, {:.2} of {:.2} GiB free",
+        gib(bytes),
+        gib(free),
+        gib(total)
+    )
 }
 
 pub type Result<T> = std::result::Result<T, CudaError>;
@@ -207,11 +222,22 @@ impl Gpu {
 
     /// `n` zeroed elements.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<DevBuf<T>> {
-        let s = self
-            .stream
-            .alloc_zeros::<T>(n.max(1))
-            .map_err(driver_err("allocating device memory"))?;
+        let s = self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| {
+            self.alloc_err(e, n.max(1) * size_of::<T>(), "allocating device memory")
+        })?;
         Ok(self.wrap(s))
+    }
+
+    /// A failed allocation of `bytes` as an error: [`CudaError::OutOfMemory`] with the numbers
+    /// when the device ran out, else the driver's error during `what`.
+    fn alloc_err(&self, e: cudarc::driver::DriverError, bytes: usize, what: &str) -> CudaError {
+        use cudarc::driver::sys::CUresult;
+        match (e.0, self.mem_info()) {
+            (CUresult::CUDA_ERROR_OUT_OF_MEMORY, Ok(mem)) => {
+                CudaError::OutOfMemory(out_of_memory(bytes, mem))
+            }
+            _ => driver_err(what)(e),
+        }
     }
 
     /// A device copy of `data`.
@@ -219,7 +245,7 @@ impl Gpu {
         let s = self
             .stream
             .clone_htod(data)
-            .map_err(driver_err("copying to the device"))?;
+            .map_err(|e| self.alloc_err(e, size_of_val(data), "copying to the device"))?;
         Ok(self.wrap(s))
     }
 
@@ -338,5 +364,18 @@ impl Gpu {
         self.stream
             .synchronize()
             .map_err(driver_err("synchronizing the stream"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn out_of_memory_says_what_was_asked_and_what_is_free() {
+        let gib = 1usize << 30;
+        let m = super::out_of_memory(3 * gib / 2, (gib / 4, 80 * gib));
+        assert_eq!(
+            m,
+            "out of GPU memory: 1.50 GiB asked for, 0.25 of 80.00 GiB free"
+        );
     }
 }

@@ -109,6 +109,18 @@ fn unsupported(msg: String) -> CudaError {
     CudaError::Unsupported(msg)
 }
 
+/// An error met while placing the weights on the device; running out of memory there says what
+/// to do about it.
+pub(crate) fn weights_err(e: CudaError) -> CudaError {
+    match e {
+        CudaError::OutOfMemory(m) => CudaError::OutOfMemory(format!(
+            "{m} while uploading the weights: the model does not fit this GPU; keep its routed \
+             experts in host memory (--expert-cache GB; bench: --gpu-memory GB) or use --device cpu"
+        )),
+        e => e,
+    }
+}
+
 /// The device weights a [`GpuModel`] is assembled from.
 pub(crate) struct Parts {
     pub head: Head,
@@ -169,7 +181,8 @@ impl GpuModel {
         cache: ExpertCache,
     ) -> Result<GpuModel> {
         let ckpt = model.as_ref();
-        let (parts, pending) = upload::upload_model(&gpu, ckpt, cache != ExpertCache::All)?;
+        let (parts, pending) =
+            upload::upload_model(&gpu, ckpt, cache != ExpertCache::All).map_err(weights_err)?;
         let mut m = GpuModel::assemble(&ckpt.config, gpu.clone(), parts)?;
         m.place_experts(cache, pending)?;
         Ok(m)

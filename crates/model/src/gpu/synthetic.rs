@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use deltamoe_compute::cuda::{Gpu, Result};
 
+use super::host_store::Pending;
 use super::layers::attention::AttnMixer;
 use super::layers::dense::DenseFfn;
 use super::layers::gdn::GdnMixer;
@@ -30,32 +31,9 @@ impl GpuModel {
         cache: ExpertCache,
     ) -> Result<GpuModel> {
         let offload = cache != ExpertCache::All;
-        let mut f = Filler::new(&gpu, seed, quant);
-        let mut layers = Vec::with_capacity(c.num_layers);
-        let mut pending = Vec::new();
-        for i in 0..c.num_layers {
-            let mixer: Box<dyn Mixer> = match c.layer_kinds[i] {
-                LayerKind::LinearAttention => Box::new(GdnMixer::random(&mut f, c)?),
-                LayerKind::FullAttention => Box::new(AttnMixer::random(&mut f, c)?),
-            };
-            let (ffn, experts): FfnMade = match c.ffn_kinds[i] {
-                FfnKind::Dense => {
-                    let dense = DenseFfn::random(&mut f, c.hidden_size, c.intermediate_size)?;
-                    (Box::new(dense), None)
-                }
-                FfnKind::Moe => MoeFfn::random(&mut f, c, i, offload)?,
-            };
-            pending.extend(experts);
-            layers.push(GpuLayer {
-                input_norm: f.vec(c.hidden_size, 0.5, 1.5)?,
-                mixer,
-                post_norm: f.vec(c.hidden_size, 0.5, 1.5)?,
-                ffn,
-            });
-        }
-        let head = Head::random(&mut f, c)?;
-        gpu.sync()?;
-        let mut m = GpuModel::assemble(c, gpu.clone(), Parts { head, layers })?;
+        let (parts, pending) =
+            random_parts(c, &gpu, (seed, quant), offload).map_err(super::weights_err)?;
+        let mut m = GpuModel::assemble(c, gpu.clone(), parts)?;
         m.place_experts(cache, pending)?;
         Ok(m)
     }
@@ -88,4 +66,40 @@ impl GpuModel {
         self.graphs.clear();
         Ok(())
     }
+}
+
+/// Random device weights of config `c` (see [`GpuModel::synthetic`]), and with `offload` each MoE
+/// layer's routed experts still to be placed.
+fn random_parts(
+    c: &ModelConfig,
+    gpu: &Arc<Gpu>,
+    (seed, quant): (u64, Option<(u32, usize)>),
+    offload: bool,
+) -> Result<(Parts, Vec<Pending<'static>>)> {
+    let mut f = Filler::new(gpu, seed, quant);
+    let mut layers = Vec::with_capacity(c.num_layers);
+    let mut pending = Vec::new();
+    for i in 0..c.num_layers {
+        let mixer: Box<dyn Mixer> = match c.layer_kinds[i] {
+            LayerKind::LinearAttention => Box::new(GdnMixer::random(&mut f, c)?),
+            LayerKind::FullAttention => Box::new(AttnMixer::random(&mut f, c)?),
+        };
+        let (ffn, experts): FfnMade = match c.ffn_kinds[i] {
+            FfnKind::Dense => {
+                let dense = DenseFfn::random(&mut f, c.hidden_size, c.intermediate_size)?;
+                (Box::new(dense), None)
+            }
+            FfnKind::Moe => MoeFfn::random(&mut f, c, i, offload)?,
+        };
+        pending.extend(experts);
+        layers.push(GpuLayer {
+            input_norm: f.vec(c.hidden_size, 0.5, 1.5)?,
+            mixer,
+            post_norm: f.vec(c.hidden_size, 0.5, 1.5)?,
+            ffn,
+        });
+    }
+    let head = Head::random(&mut f, c)?;
+    gpu.sync()?;
+    Ok((Parts { head, layers }, pending))
 }
