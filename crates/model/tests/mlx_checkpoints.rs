@@ -196,3 +196,30 @@ fn missing_scales_or_biases_is_an_error_naming_the_tensor() {
     let e = load_err(d.path());
     assert!(e.contains("`model.embed_tokens.scales` is missing"), "{e}");
 }
+
+/// What a checkpoint says its weights take (the GPU's fit check before an upload) is within a
+/// few percent of its files, and the routed experts are a share of it, for the HF and the MLX
+/// fixtures alike.
+#[test]
+fn weight_bytes_match_the_files() {
+    let mut dirs = mlx_fixtures();
+    dirs.push(fixture("qwen3_5_moe"));
+    for dir in dirs {
+        let m = Qwen3Hybrid::load(&dir).unwrap();
+        let (total, experts) = m.checkpoint().weight_bytes();
+        let files = std::fs::metadata(dir.join("model.safetensors"))
+            .unwrap()
+            .len() as f64;
+        let ratio = total as f64 / files;
+        assert!(
+            (0.9..1.1).contains(&ratio),
+            "{}: {total} bytes for {files} in the file",
+            dir.display()
+        );
+        assert!(
+            experts > 0 && experts < total,
+            "{}: experts {experts} of {total}",
+            dir.display()
+        );
+    }
+}

@@ -76,6 +76,50 @@ impl Checkpoint {
     }
 }
 
+impl Checkpoint {
+    /// Bytes of the weights as loaded (matrices in their stored format, vectors as f32), and of
+    /// them the routed experts': what uploading them takes on a device, within its small
+    /// vectors.
+    pub fn weight_bytes(&self) -> (usize, usize) {
+        let lin = |l: &Linear| l.weight.nbytes() + l.bias.as_ref().map_or(0, |b| 4 * b.len());
+        let mlp = |m: &Mlp| lin(&m.gate) + lin(&m.up) + lin(&m.down);
+        let vecs = |v: &[&Vec<f32>]| v.iter().map(|x| 4 * x.len()).sum::<usize>();
+        let mut total = self.embed.nbytes() + 4 * self.final_norm.len();
+        if !self.config.tie_word_embeddings {
+            total += self.lm_head.nbytes();
+        }
+        let mut experts = 0;
+        for l in &self.layers {
+            total += vecs(&[&l.input_norm, &l.post_norm]);
+            total += match &l.mixer {
+                Mixer::Full(a) => {
+                    lin(&a.q_proj)
+                        + lin(&a.k_proj)
+                        + lin(&a.v_proj)
+                        + lin(&a.o_proj)
+                        + vecs(&[&a.q_norm, &a.k_norm])
+                }
+                Mixer::Linear(g) => {
+                    let proj = match &g.proj {
+                        gdn::InProj::Split { qkv, z, b, a } => lin(qkv) + lin(z) + lin(b) + lin(a),
+                        gdn::InProj::Packed { qkvz, ba } => lin(qkvz) + lin(ba),
+                    };
+                    proj + lin(&g.out_proj) + vecs(&[&g.conv_w, &g.neg_a, &g.dt_bias, &g.norm_w])
+                }
+            };
+            total += match &l.ffn {
+                Ffn::Dense(m) => mlp(m),
+                Ffn::Moe(m) => {
+                    let routed: usize = m.experts.iter().map(mlp).sum();
+                    experts += routed;
+                    lin(&m.router) + routed + mlp(&m.shared) + lin(&m.shared_gate)
+                }
+            };
+        }
+        (total, experts)
+    }
+}
+
 /// Layer `i`'s weights: its mixer and ffn by the config's layer kinds, and its norms.
 fn load_layer(store: &WeightStore, c: &ModelConfig, i: usize) -> Result<Layer> {
     let p = format!("model.layers.{i}");

@@ -109,6 +109,30 @@ fn unsupported(msg: String) -> CudaError {
     CudaError::Unsupported(msg)
 }
 
+/// Device memory kept free beyond the weights when checking that a model fits before its upload
+/// (scratch and the first sequences' state; more is reserved, and checked, as they are sized).
+const UPLOAD_RESERVE: usize = 1 << 30;
+
+/// Why weights of `bytes` (of them `experts` in routed experts) cannot all go to a device with
+/// `free` of `total` bytes free; None when they fit with [`UPLOAD_RESERVE`] to spare.
+fn weights_do_not_fit(
+    (bytes, experts): (usize, usize),
+    (free, total): (usize, usize),
+) -> Option<String> {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    (bytes + UPLOAD_RESERVE > free).then(|| {
+        format!(
+            "the weights take {:.1} GiB and the GPU has {:.1} of {:.1} GiB free: the model does not \
+             fit this GPU; keep its routed experts ({:.1} GiB) in host memory with --expert-cache \
+             GB, or use --device cpu",
+            gib(bytes),
+            gib(free),
+            gib(total),
+            gib(experts)
+        )
+    })
+}
+
 /// An error met while placing the weights on the device; running out of memory there says what
 /// to do about it.
 pub(crate) fn weights_err(e: CudaError) -> CudaError {
@@ -181,6 +205,11 @@ impl GpuModel {
         cache: ExpertCache,
     ) -> Result<GpuModel> {
         let ckpt = model.as_ref();
+        if cache == ExpertCache::All {
+            if let Some(msg) = weights_do_not_fit(ckpt.weight_bytes(), gpu.mem_info()?) {
+                return Err(CudaError::OutOfMemory(msg));
+            }
+        }
         let (parts, pending) =
             upload::upload_model(&gpu, ckpt, cache != ExpertCache::All).map_err(weights_err)?;
         let mut m = GpuModel::assemble(&ckpt.config, gpu.clone(), parts)?;
@@ -473,5 +502,25 @@ impl GpuModel {
     /// combine; a dense ffn leaves its output in `delta`).
     fn normed_by_previous(&self, i: usize) -> bool {
         i > 0 && self.layers[i - 1].ffn.normalizes_after()
+    }
+}
+
+#[cfg(test)]
+mod fit_tests {
+    use super::weights_do_not_fit;
+
+    #[test]
+    fn weights_past_the_free_memory_are_refused_with_the_numbers() {
+        let gib = 1usize << 30;
+        assert!(weights_do_not_fit((20 * gib, 18 * gib), (79 * gib, 80 * gib)).is_none());
+        let m = weights_do_not_fit((200 * gib, 190 * gib), (79 * gib, 80 * gib)).unwrap();
+        assert_eq!(
+            m,
+            "the weights take 200.0 GiB and the GPU has 79.0 of 80.0 GiB free: the model does not \
+             fit this GPU; keep its routed experts (190.0 GiB) in host memory with --expert-cache \
+             GB, or use --device cpu"
+        );
+        // Within a GiB of the free memory is too close.
+        assert!(weights_do_not_fit((79 * gib, 0), (79 * gib + gib / 2, 80 * gib)).is_some());
     }
 }
