@@ -434,6 +434,8 @@ fn moe_grouping_and_grouped_products_match_cpu() {
             (pf::TILES_SPLIT[1], Form::Split),
             (pf::TILES_SPLIT[0], Form::Wide),
             (pf::TILES_SPLIT[1], Form::Wide),
+            // Prefill's tiles on the wide kernels (`dispatch::prefill_wide_tile`): 1 to 4 tiles of 8.
+            (pf::TILE_MMA, Form::Wide),
         ];
         for (tile, form) in forms {
             let mma = tile == pf::TILE_MMA || form != Form::Plain;
