@@ -502,10 +502,7 @@ mod tests {
                 let b = &es.layer(0)[e];
                 let ranges = b.ranges();
                 assert_eq!(ranges.len(), if quant { 9 } else { 3 }, "{name}");
-                let want_len = [&mapped.gate, &mapped.up, &mapped.down]
-                    .iter()
-                    .map(|l| l.weight.nbytes())
-                    .sum::<usize>();
+                let want_len = mapped.nbytes();
                 assert_eq!(b.len(), want_len, "{name} expert {e}");
                 for r in &ranges {
                     assert!(r.offset as usize + r.len <= file.len(), "{name}");

@@ -140,10 +140,7 @@ impl Qwen3Hybrid {
         let Some(x) = layers.first().and_then(|m| m.experts.first()) else {
             return 0;
         };
-        let per_expert = [&x.gate, &x.up, &x.down]
-            .iter()
-            .map(|l| l.weight.nbytes())
-            .sum();
+        let per_expert = x.nbytes();
         crate::residency::slots_for_bytes(bytes, layers.len(), per_expert, layers[0].experts.len())
     }
 

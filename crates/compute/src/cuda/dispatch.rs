@@ -73,7 +73,9 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
     if batched_rows(m, sl) {
         let form = match (tensor_core_rows(m), sl.n) {
             (true, n) if n >= GEMM_MIN_ROWS => RowsForm::Gemm,
-            (true, n) if n >= WIDE_MIN_ROWS && wide_takes(m) && wide_room(m, sl) => RowsForm::Wide,
+            (true, n) if n >= WIDE_MIN_ROWS && wide_takes(m) && wide_room(m, sl.n, sl.ws) => {
+                RowsForm::Wide
+            }
             (true, _) => RowsForm::SplitK,
             (false, _) => RowsForm::Cores,
         };
@@ -148,6 +150,12 @@ pub fn grouped_tile(
 /// tokens 19,400 against 20,900).
 pub const PREFILL_WIDE_PER_EXPERT: usize = 16;
 
+/// Tokens of the longest prefill pass whose expert products take the wide kernels, for
+/// `top_k` of `experts` experts a token ([`PREFILL_WIDE_PER_EXPERT`] pairs an expert).
+pub fn prefill_wide_max_tokens(top_k: usize, experts: usize) -> usize {
+    PREFILL_WIDE_PER_EXPERT * experts / top_k.max(1)
+}
+
 /// The tile of a prefill pass's expert products on the wide kernels (`wide::grouped`, each
 /// expert's weights streamed once per 32 of its pairs, exact): for `tokens` tokens picking
 /// `top_k` of `experts` experts that expect at most [`PREFILL_WIDE_PER_EXPERT`] pairs each, when
@@ -160,7 +168,7 @@ pub fn prefill_wide_tile(
     (tokens, top_k, experts): (usize, usize, usize),
 ) -> Option<usize> {
     let takes = |m: &Matvec, stride: usize| wide_takes(m) && stride.is_multiple_of(4);
-    let few = tokens * top_k <= PREFILL_WIDE_PER_EXPERT * experts;
+    let few = tokens <= prefill_wide_max_tokens(top_k, experts);
     (few && takes(gate_up, x_stride) && takes(down, inter)).then_some(MMA_ROWS_INPUTS)
 }
 
@@ -262,9 +270,10 @@ pub fn wide_staged_words(m: &Matvec, rows: usize) -> usize {
     rows * (m.k + sums)
 }
 
-/// Whether the slots' workspace holds the staged inputs of a wide-form product.
-fn wide_room(m: &Matvec, sl: &Slots) -> bool {
-    sl.ws.0 != 0 && sl.ws.1 >= wide_staged_words(m, sl.n)
+/// Whether a workspace `ws` (address, words) holds the staged inputs of `rows` input rows of a
+/// wide-form product over `m`.
+pub fn wide_room(m: &Matvec, rows: usize, ws: (u64, usize)) -> bool {
+    ws.0 != 0 && ws.1 >= wide_staged_words(m, rows)
 }
 
 /// Blocks along K of a wide-form product (`mma_wide_*`) of `n` outputs (`sets` rows each: 2

@@ -123,7 +123,7 @@ pub(crate) fn matvec(
     let stages = m.k / kst;
     let (ws, ws_words) = sl.ws;
     let staged = wide_staged_words(&m, sl.n);
-    if ws == 0 || ws_words < staged {
+    if !dispatch::wide_room(&m, sl.n, sl.ws) {
         return Err(CudaError::Unsupported(format!(
             "wide product: {staged} words to stage {} rows, workspace {ws_words}",
             sl.n
@@ -203,8 +203,7 @@ pub fn grouped(
         || !gr.x_stride.is_multiple_of(4)
         || gr.x_div == 0
         || gr.tile > MMA_ROWS_INPUTS
-        || ws.0 == 0
-        || ws.1 < staged
+        || !dispatch::wide_room(&m, x_rows, ws)
     {
         return Err(CudaError::Unsupported(format!(
             "grouped wide product: K {} / stride {} / tiles of {} / workspace {} of {staged} words not supported",

@@ -28,6 +28,14 @@ impl Mlp {
         Mlp::from_weights(gate.into(), up.into(), down.into())
     }
 
+    /// Bytes of its three weights as stored (it has no biases).
+    pub fn nbytes(&self) -> usize {
+        [&self.gate, &self.up, &self.down]
+            .iter()
+            .map(|l| l.weight.nbytes())
+            .sum()
+    }
+
     /// From weights that may be dense or quantized (e.g. views of stacked experts).
     pub fn from_weights(gate: LinearWeight, up: LinearWeight, down: LinearWeight) -> Mlp {
         Mlp {

@@ -74,15 +74,12 @@ impl Checkpoint {
             config,
         })
     }
-}
 
-impl Checkpoint {
     /// Bytes of the weights as loaded (matrices in their stored format, vectors as f32), and of
     /// them the routed experts': what uploading them takes on a device, within its small
     /// vectors.
     pub fn weight_bytes(&self) -> (usize, usize) {
         let lin = |l: &Linear| l.weight.nbytes() + l.bias.as_ref().map_or(0, |b| 4 * b.len());
-        let mlp = |m: &Mlp| lin(&m.gate) + lin(&m.up) + lin(&m.down);
         let vecs = |v: &[&Vec<f32>]| v.iter().map(|x| 4 * x.len()).sum::<usize>();
         let mut total = self.embed.nbytes() + 4 * self.final_norm.len();
         if !self.config.tie_word_embeddings {
@@ -108,11 +105,11 @@ impl Checkpoint {
                 }
             };
             total += match &l.ffn {
-                Ffn::Dense(m) => mlp(m),
+                Ffn::Dense(m) => m.nbytes(),
                 Ffn::Moe(m) => {
-                    let routed: usize = m.experts.iter().map(mlp).sum();
+                    let routed: usize = m.experts.iter().map(Mlp::nbytes).sum();
                     experts += routed;
-                    lin(&m.router) + routed + mlp(&m.shared) + lin(&m.shared_gate)
+                    lin(&m.router) + routed + m.shared.nbytes() + lin(&m.shared_gate)
                 }
             };
         }

@@ -153,8 +153,7 @@ impl Scratch {
 /// Tokens of the longest pass whose expert products may take the wide kernels
 /// (`dispatch::prefill_wide_tile`).
 fn wide_tokens(c: &ModelConfig) -> usize {
-    let per = deltamoe_compute::cuda::dispatch::PREFILL_WIDE_PER_EXPERT;
-    per * c.num_experts / c.experts_per_token.max(1)
+    deltamoe_compute::cuda::dispatch::prefill_wide_max_tokens(c.experts_per_token, c.num_experts)
 }
 
 /// Activations of one pass of up to `rows` tokens.
