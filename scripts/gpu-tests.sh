@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 status=0
-for t in cuda_parity cuda_matvec cuda_far cuda_twin cuda_gdn_chunk cuda_prefill cuda_gemm golden_cuda chunked_cuda offload_cuda; do
+for t in cuda_parity cuda_matvec cuda_fp8 cuda_far cuda_twin cuda_gdn_chunk cuda_prefill cuda_gemm golden_cuda chunked_cuda offload_cuda; do
   echo "== $t"
   .gpu/$t --ignored --test-threads=1 --nocapture || status=1
 done

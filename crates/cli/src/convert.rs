@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Args)]
 pub struct ConvertArgs {
-    /// Source model directory (HF layout, bf16/f16/f32).
+    /// Source model directory (HF layout, bf16/f16/f32 or fine-grained FP8).
     #[arg(long)]
     model: PathBuf,
     /// Output directory (created; must not exist or be empty).

@@ -136,7 +136,15 @@ pub fn run(a: InfoArgs) -> Result<()> {
                 d.bits, d.group_size
             );
         }
-        None => println!("quantization   none"),
+        None => match store.fp8() {
+            Some(f) => println!(
+                "quantization   FP8 e4m3, blocks of {}x{} with a scale each ({} modules kept unquantized; bits/w below include the scales)",
+                f.block[0],
+                f.block[1],
+                f.not_converted.len()
+            ),
+            None => println!("quantization   none"),
+        },
     }
     println!();
     let bpw = |b: usize, p: usize| {
@@ -190,7 +198,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     if let Some(per_expert) = bytes[5].checked_div(moe_layers * c.num_experts) {
         println!(
             "cuda: all resident needs the weights plus the state of each sequence (dense f16/f32 \
-             weights become bf16 on the GPU). With --expert-cache GB the GPU keeps the other \
+             weights become bf16 on the GPU, FP8 stays FP8). With --expert-cache GB the GPU keeps the other \
              weights ({}) plus GB of the routed experts ({}, {} per expert, {} per layer); the \
              rest of them need that much pinned host memory (more host memory, when free, holds \
              clean copies of cached experts so evictions write nothing back); an expert outside \

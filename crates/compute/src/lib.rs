@@ -8,9 +8,11 @@ pub mod cache;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;
+pub mod fp8;
 pub mod quant;
 pub mod tensor;
 
 pub use dtype::DType;
+pub use fp8::{Fp8Error, Fp8Weight};
 pub use quant::{AffineWeight, PackedWords, QuantError};
 pub use tensor::{Tensor, TensorData};

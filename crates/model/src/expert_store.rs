@@ -21,7 +21,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
-use deltamoe_compute::{AffineWeight, DType, PackedWords, Tensor};
+use deltamoe_compute::fp8::Bytes;
+use deltamoe_compute::{AffineWeight, DType, Fp8Weight, PackedWords, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::layers::{LinearWeight, Mlp};
@@ -55,6 +56,15 @@ pub enum MatrixBytes {
         scales: ByteRange,
         biases: ByteRange,
     },
+    Fp8 {
+        out: usize,
+        inp: usize,
+        block: [usize; 2],
+        /// Dtype of the scales.
+        dtype: DType,
+        codes: ByteRange,
+        scales: ByteRange,
+    },
 }
 
 impl MatrixBytes {
@@ -67,6 +77,7 @@ impl MatrixBytes {
                 biases,
                 ..
             } => vec![*words, *scales, *biases],
+            MatrixBytes::Fp8 { codes, scales, .. } => vec![*codes, *scales],
         }
     }
 }
@@ -191,6 +202,31 @@ impl ExpertStore {
                 })?;
                 Ok(w.into())
             }
+            MatrixBytes::Fp8 {
+                out,
+                inp,
+                block,
+                dtype,
+                codes,
+                scales,
+            } => {
+                let grid = vec![out.div_ceil(block[0]), inp.div_ceil(block[1])];
+                let w = Fp8Weight::new(
+                    out,
+                    inp,
+                    block,
+                    Bytes::from_vec(self.read_range(codes)?),
+                    self.tensor(dtype, grid, scales)?.to_f32_vec(),
+                    dtype,
+                )
+                .map_err(|e| {
+                    ModelError::Input(format!(
+                        "{}: expert weights: {e}",
+                        self.file(codes.file).display()
+                    ))
+                })?;
+                Ok(w.into())
+            }
         }
     }
 
@@ -291,6 +327,24 @@ impl Indexer<'_> {
                     words: self.part(&weight, index * nw, nw)?,
                     scales: self.part(&format!("{module}.scales"), index * ns, ns)?,
                     biases: self.part(&format!("{module}.biases"), index * ns, ns)?,
+                })
+            }
+            LinearWeight::Fp8(f) => {
+                let sn = format!("{module}.weight_scale_inv");
+                let ns = f.grid_cols() * out.div_ceil(f.block()[0]) * f.scale_dtype().size();
+                if !suffixed || f.scale_rows().1 != 0 {
+                    return Err(ModelError::Input(format!(
+                        "`{weight}`: FP8 experts read from the files must be one tensor each \
+                         (`experts.{{e}}.{{proj}}.weight` with its `weight_scale_inv`)"
+                    )));
+                }
+                Ok(MatrixBytes::Fp8 {
+                    out,
+                    inp,
+                    block: f.block(),
+                    dtype: f.scale_dtype(),
+                    codes: self.part(&weight, index * out * inp, out * inp)?,
+                    scales: self.part(&sn, index * ns, ns)?,
                 })
             }
         }

@@ -6,6 +6,7 @@ pub mod config;
 pub mod convert;
 pub mod error;
 pub mod expert_store;
+pub mod fp8;
 pub mod gpu;
 pub mod host_memory;
 pub mod host_split;

@@ -126,6 +126,10 @@ impl QuantConfig {
         let Some((key, block)) = found else {
             return Ok(None);
         };
+        // FP8 has its own block ([`crate::fp8::Fp8Config`]).
+        if block.get("quant_method").and_then(|m| m.as_str()) == Some("fp8") {
+            return Ok(None);
+        }
         if block.get("bits").is_none() {
             let method = block
                 .get("quant_method")
@@ -134,7 +138,7 @@ impl QuantConfig {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
                 key: key.to_string(),
-                msg: format!("quantization method `{method}` is not supported; deltamoe reads MLX affine quantization (mlx-lm checkpoints or `deltamoe convert` output)"),
+                msg: format!("quantization method `{method}` is not supported; deltamoe reads MLX affine quantization (mlx-lm checkpoints or `deltamoe convert` output) and fine-grained FP8"),
             });
         }
         let default = spec_of(block, key, path)?;

@@ -13,12 +13,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltamoe_compute::dtype::f32_to_bf16;
+use deltamoe_compute::fp8::Bytes;
 use deltamoe_compute::{DType, PackedWords, Tensor};
 use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::SafeTensors;
 
 use crate::error::{ModelError, Result};
+use crate::fp8::Fp8Config;
 use crate::quant::{Layout, QuantConfig};
 
 /// What `summary` reports of a tensor.
@@ -38,6 +40,8 @@ enum Stored {
     Float(Tensor),
     /// Packed `uint32` words of a quantized weight, with the stored shape.
     Words(PackedWords, Vec<usize>),
+    /// float8 e4m3 bytes of an FP8 weight, with the stored shape.
+    Fp8(Bytes, Vec<usize>),
     /// An unsupported dtype, by name.
     Other(String),
 }
@@ -71,6 +75,7 @@ pub struct WeightStore {
     file_prefix: Option<&'static str>,
     synthetic: Option<Synthetic>,
     quant: Option<QuantConfig>,
+    fp8: Option<Fp8Config>,
     layout: Layout,
 }
 
@@ -122,12 +127,14 @@ impl WeightStore {
             file_prefix: None,
             synthetic: None,
             quant: None,
+            fp8: None,
             layout: Layout::Hf,
         };
         for f in files {
             store.add_file(&dir.join(f))?;
         }
         store.quant = QuantConfig::from_dir(dir)?;
+        store.fp8 = Fp8Config::from_dir(dir)?;
         store.layout = Layout::detect(&store);
         Ok(store)
     }
@@ -193,6 +200,11 @@ impl WeightStore {
                         .unwrap_or_else(|| PackedWords::from_le_bytes(view.data())),
                     shape.clone(),
                 ),
+                safetensors::Dtype::F8_E4M3 => Stored::Fp8(
+                    Bytes::from_mmap(map.clone(), off, view.data().len())
+                        .unwrap_or_else(|| Bytes::from_vec(view.data().to_vec())),
+                    shape.clone(),
+                ),
                 other => Stored::Other(format!("{other:?}")),
             };
             self.entries.insert(
@@ -218,6 +230,7 @@ impl WeightStore {
             file_prefix: None,
             synthetic: Some(Synthetic { dtype, seed }),
             quant: None,
+            fp8: None,
             layout: Layout::Hf,
         }
     }
@@ -246,7 +259,10 @@ impl WeightStore {
                     shape: t.shape().to_vec(),
                     dtype: t.dtype().to_string(),
                     bytes: t.nbytes(),
-                    params: if name.ends_with(".scales") || name.ends_with(".biases") {
+                    params: if [".scales", ".biases", ".weight_scale_inv"]
+                        .iter()
+                        .any(|s| name.ends_with(s))
+                    {
                         0
                     } else {
                         t.len()
@@ -258,6 +274,13 @@ impl WeightStore {
                     dtype: "U32".into(),
                     bytes: w.len() * 4,
                     params: w.len() * 32 / self.packed_bits(name).unwrap_or(32) as usize,
+                },
+                Stored::Fp8(b, shape) => TensorInfo {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype: "F8_E4M3".into(),
+                    bytes: b.len(),
+                    params: b.len(),
                 },
                 Stored::Other(dt) => TensorInfo {
                     name: name.clone(),
@@ -295,6 +318,11 @@ impl WeightStore {
                 name: e.stored.clone(),
                 file: e.file.clone(),
                 msg: "is packed uint32 (quantized) where a bf16/f16/f32 tensor is expected; a quantized linear needs its `.scales` and `.biases` beside it, only linears and the embedding can be quantized".into(),
+            }),
+            Stored::Fp8(..) => return Err(ModelError::Quant {
+                name: e.stored.clone(),
+                file: e.file.clone(),
+                msg: "is float8 (FP8-quantized) where a bf16/f16/f32 tensor is expected; only linears can be FP8, with their `.weight_scale_inv` beside them".into(),
             }),
             Stored::Other(dtype) => return Err(ModelError::DType {
                 name: e.stored.clone(),
@@ -336,11 +364,24 @@ impl WeightStore {
         }
     }
 
+    /// The e4m3 bytes of an FP8 weight, or `None` when `name` is absent or not `F8_E4M3`.
+    pub fn fp8_codes(&self, name: &str) -> Option<(Bytes, &[usize])> {
+        match self.entries.get(name).map(|e| &e.tensor) {
+            Some(Stored::Fp8(b, shape)) => Some((b.clone(), shape)),
+            _ => None,
+        }
+    }
+
+    /// `config.json`'s FP8 quantization block, when it has one.
+    pub fn fp8(&self) -> Option<&Fp8Config> {
+        self.fp8.as_ref()
+    }
+
     /// Stored shape of `name`, whatever its dtype.
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
         self.entries.get(name).map(|e| match &e.tensor {
             Stored::Float(t) => t.shape().to_vec(),
-            Stored::Words(_, s) => s.clone(),
+            Stored::Words(_, s) | Stored::Fp8(_, s) => s.clone(),
             Stored::Other(_) => vec![],
         })
     }

@@ -119,14 +119,48 @@ fn module_of(name: &str) -> Option<String> {
     Some(m.to_string())
 }
 
+/// Tensor `name` as f32: as stored, or an FP8 weight dequantized and rounded to bf16 (what
+/// convert writes when it keeps one dense; the quantizer sees the same bf16 values' f32
+/// originals, see [`fake_quantized_copy`]).
+fn source_f32(store: &WeightStore, name: &str, shape: &[usize]) -> Vec<f32> {
+    match store.fp8_codes(name) {
+        None => store.get(name, shape).unwrap().to_f32_vec(),
+        Some((codes, _)) => fp8_dequantized(store, name, shape, codes),
+    }
+}
+
+fn fp8_dequantized(
+    store: &WeightStore,
+    name: &str,
+    shape: &[usize],
+    codes: deltamoe_compute::fp8::Bytes,
+) -> Vec<f32> {
+    let block = store.fp8().unwrap().block;
+    let grid = [shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])];
+    let scales = store.get(&format!("{name}_scale_inv"), &grid).unwrap();
+    let w = deltamoe_compute::Fp8Weight::new(
+        shape[0],
+        shape[1],
+        block,
+        codes,
+        scales.to_f32_vec(),
+        scales.dtype(),
+    )
+    .unwrap();
+    w.dequantize()
+}
+
 /// The HF checkpoint with what convert would store, dequantized, as f32 in HF layout.
 fn fake_quantized_copy(src: &Path, opts: &ConvertOptions, dst: &Path) {
     let store = WeightStore::open(src).unwrap();
     let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
     let mut quantized = 0;
     for name in store.names() {
+        if name.ends_with(".weight_scale_inv") {
+            continue;
+        }
         let shape = store.shape_of(name).unwrap();
-        let mut v = store.get(name, &shape).unwrap().to_f32_vec();
+        let mut v = source_f32(&store, name, &shape);
         let cols = *shape.last().unwrap();
         let is_linear = shape.len() == 2 && !name.contains("conv1d");
         let spec = if is_linear {
@@ -152,6 +186,9 @@ fn fake_quantized_copy(src: &Path, opts: &ConvertOptions, dst: &Path) {
                     *o = row[k] * round(q.scales[g]) + round(q.biases[g]);
                 }
             }
+        } else if store.fp8_codes(name).is_some() {
+            // An FP8 weight kept dense: written as bf16.
+            v.iter_mut().for_each(|x| *x = bf16_to_f32(f32_to_bf16(*x)));
         } else if shape.len() == 1 && name.contains("norm.weight") && !name.contains("linear_attn")
         {
             // Stored as bf16(1 + w) by convert; the HF engine adds 1 again.
@@ -166,6 +203,7 @@ fn fake_quantized_copy(src: &Path, opts: &ConvertOptions, dst: &Path) {
     }
     assert!(quantized > 20);
     std::fs::create_dir_all(dst).unwrap();
+    // The reference is a plain f32 checkpoint: no FP8 block in its config.
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
         .map(|(n, s, b)| {
@@ -174,7 +212,48 @@ fn fake_quantized_copy(src: &Path, opts: &ConvertOptions, dst: &Path) {
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
-    std::fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
+}
+
+/// An FP8 checkpoint converts as its f32 dequantization does: the converted model against the
+/// f32 engine on the fake-quantized dequantized weights (some modules kept dense, written as
+/// bf16), tightly.
+#[test]
+fn fp8_source_converts_like_its_dequantized_weights() {
+    let mut opts = ConvertOptions::new(8, 32);
+    for r in ["shared_expert.*=4", "layers.3.*=none"] {
+        opts.rules.push(BitsRule::parse(r, 32).unwrap());
+    }
+    let src = fixture("fp8_qwen3_next");
+    let tmp = tempfile::tempdir().unwrap();
+    let (dst, fake) = (tmp.path().join("q"), tmp.path().join("f"));
+    let report = convert(&src, &dst, &opts, &mut |p| assert!(p.done <= p.total)).unwrap();
+    assert!(
+        report.dense_modules > 0 && report.quantized_modules > 20,
+        "{report:?}"
+    );
+    let st = WeightStore::open(&dst).unwrap();
+    assert!(st.fp8().is_none() && st.names().all(|n| !n.ends_with("_scale_inv")));
+    fake_quantized_copy(&src, &opts, &fake);
+    let cfg = ModelConfig::from_dir(&src).unwrap();
+    let (reference, model) = (
+        Qwen3Hybrid::load(&fake).unwrap(),
+        Qwen3Hybrid::load(&dst).unwrap(),
+    );
+    let bytes = std::fs::read(src.join("reference.safetensors")).unwrap();
+    let refst = SafeTensors::deserialize(&bytes).unwrap();
+    for p in ["prompt0", "prompt1"] {
+        let toks = ids(&refst, &format!("{p}.tokens"));
+        check_logits(
+            &format!("fp8 qwen3_next converted {p}"),
+            &logits(&model, &toks),
+            &logits(&reference, &toks),
+            cfg.vocab_size,
+        );
+    }
 }
 
 #[test]

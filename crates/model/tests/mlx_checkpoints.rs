@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use deltamoe_model::{Layout, Logits, Qwen3Hybrid, WeightStore};
 use safetensors::SafeTensors;
 
-use common::{check_logits, f32s, fixture, ids};
+use common::{
+    check_logits, copy_fixture, drop_tensors, edit_quantization, f32s, fixture, ids, load_err,
+};
 
 fn mlx_fixtures() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(fixture(""))
@@ -78,45 +80,6 @@ fn mlx_lm_checkpoints_match_transformers_on_dequantized_weights() {
 // ---------------------------------------------------------------------------------------------
 // Bad checkpoints: one-line errors naming the tensor.
 // ---------------------------------------------------------------------------------------------
-
-/// A writable copy of a fixture.
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(fixture(name)).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, d.path().join(p.file_name().unwrap())).unwrap();
-    }
-    d
-}
-
-fn edit_quantization(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
-    let p = dir.join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    f(&mut v);
-    std::fs::write(&p, v.to_string()).unwrap();
-}
-
-/// Rewrite `model.safetensors` without the tensors for which `drop` is true.
-fn drop_tensors(dir: &Path, drop: impl Fn(&str) -> bool) {
-    let p = dir.join("model.safetensors");
-    let bytes = std::fs::read(&p).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let kept: Vec<(String, safetensors::tensor::TensorView)> =
-        st.tensors().into_iter().filter(|(n, _)| !drop(n)).collect();
-    let out = safetensors::serialize(kept, None).unwrap();
-    std::fs::write(&p, out).unwrap();
-    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
-}
-
-fn load_err(dir: &Path) -> String {
-    let e = Qwen3Hybrid::load(dir)
-        .err()
-        .expect("load should fail")
-        .to_string();
-    assert!(!e.contains('\n'), "not one line: {e}");
-    e
-}
 
 #[test]
 fn config_bits_or_group_disagreeing_with_shapes_is_an_error_naming_the_tensor() {

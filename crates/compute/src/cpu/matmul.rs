@@ -42,6 +42,11 @@ pub fn matmul(x: &[f32], t: usize, w: &Tensor, out: &mut [f32]) {
     }
     let mut tr = vec![0.0f32; n * t];
     run(&mut tr);
+    untranspose(&tr, t, n, out);
+}
+
+/// `out [T, N]` from results computed transposed, `tr [N, T]`.
+pub(crate) fn untranspose(tr: &[f32], t: usize, n: usize, out: &mut [f32]) {
     for (ni, col) in tr.chunks_exact(t).enumerate() {
         for (tt, v) in col.iter().enumerate() {
             out[tt * n + ni] = *v;

@@ -4,6 +4,7 @@
 pub mod act;
 pub mod attention;
 pub mod conv;
+pub mod fp8;
 pub mod gdn;
 pub mod gdn_bf16;
 pub mod gemm_twin;
@@ -21,5 +22,6 @@ pub mod quant;
 mod quant_x86;
 pub mod rope;
 
+pub use fp8::fp8_matmul;
 pub use matmul::matmul;
 pub use quant::{qmatmul, quantize};

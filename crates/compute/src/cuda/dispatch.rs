@@ -10,7 +10,9 @@
 //!   (mma_rows.cu, mma_wide.cu; a GEMM form from [`GEMM_MIN_ROWS`] rows on) or CUDA cores
 //!   (matvec_rows.cu);
 //! - slots that pick their matrices by id (experts, far stacks over PCIe), CUDA cores
-//!   (matvec.cu for bf16, qmatvec.cu for affine).
+//!   (matvec.cu for bf16, qmatvec.cu for affine, fp8.cu for FP8).
+//!
+//! FP8 weights take the CUDA-core forms only (fp8.cu): rows, grouped prefill tiles and slots.
 //!
 //! Prefill's expert products grouped by expert take their tile from [`grouped_tile`].
 
@@ -91,6 +93,15 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
                 "matvec_swiglu_bf16"
             } else {
                 "matvec_bf16"
+            },
+            rows_per_warp: 1,
+            warps: 8,
+        },
+        WeightFormat::Fp8 { .. } => Plan::Slots {
+            kernel: if swiglu {
+                "matvec_swiglu_fp8"
+            } else {
+                "matvec_fp8"
             },
             rows_per_warp: 1,
             warps: 8,
@@ -201,7 +212,8 @@ pub fn grouped_decode_tile(
     })
 }
 
-/// Whether the kernels read x as float4s (bf16 rows only when K is a multiple of 8).
+/// Whether the kernels read x as float4s (bf16 rows only when K is a multiple of 8; FP8 rows
+/// always are).
 pub(super) fn vector_x(m: &Matvec) -> bool {
     matches!(m.format, WeightFormat::Affine { .. }) || m.k.is_multiple_of(8)
 }
@@ -226,6 +238,7 @@ pub fn tensor_core_rows(m: &Matvec) -> bool {
             WeightFormat::Affine { bits, group, .. } => {
                 matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128)
             }
+            WeightFormat::Fp8 { .. } => false,
         }
 }
 
@@ -254,6 +267,7 @@ pub fn wide_stage_inputs(bits: usize) -> usize {
 pub fn weight_bits(m: &Matvec) -> usize {
     match m.format {
         WeightFormat::Affine { bits, .. } => bits as usize,
+        WeightFormat::Fp8 { .. } => 8,
         WeightFormat::Bf16 => 16,
     }
 }
@@ -265,7 +279,7 @@ pub fn wide_staged_words(m: &Matvec, rows: usize) -> usize {
     let bits = weight_bits(m);
     let sums = match m.format {
         WeightFormat::Affine { .. } => 4 * m.k / wide_stage_inputs(bits),
-        WeightFormat::Bf16 => 0,
+        WeightFormat::Bf16 | WeightFormat::Fp8 { .. } => 0,
     };
     rows * (m.k + sums)
 }
@@ -298,6 +312,13 @@ pub fn wide_splits(
 
 /// The entry point of a batch-of-rows product in `form`.
 fn rows_kernel(format: WeightFormat, swiglu: bool, form: RowsForm) -> &'static str {
+    if let WeightFormat::Fp8 { .. } = format {
+        return if swiglu {
+            "swiglu_rows_fp8"
+        } else {
+            "matvec_rows_fp8"
+        };
+    }
     let affine = matches!(format, WeightFormat::Affine { .. });
     match (form, affine, swiglu) {
         (RowsForm::Gemm, false, false) => "mma_gemm_rows_bf16",
@@ -484,6 +505,46 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn fp8_weights_take_the_cuda_core_kernels_in_every_form() {
+        use super::{grouped_decode_tile, grouped_tile, prefill_wide_tile};
+        let m = Matvec {
+            format: WeightFormat::Fp8 {
+                group: 128,
+                scales: 0x2000,
+            },
+            ..mat(1024, 2048, 16)
+        };
+        let slots = |sl: Slots, swiglu| match plan(&m, &sl, swiglu) {
+            Plan::Slots { kernel, .. } => kernel,
+            p => panic!("{p:?}"),
+        };
+        assert_eq!(slots(Slots::one(), false), "matvec_fp8");
+        assert_eq!(
+            slots(Slots::experts(8, 0x1000, 0, 8), true),
+            "matvec_swiglu_fp8"
+        );
+        for n in [2, 32, 256, 4096] {
+            let sl = Slots::rows(n, 2048).with_ws(0x3000, 1 << 30);
+            assert_eq!(
+                rows(plan(&m, &sl, false)),
+                Some(("matvec_rows_fp8", RowsForm::Cores))
+            );
+            assert_eq!(
+                rows(plan(&m, &sl, true)),
+                Some(("swiglu_rows_fp8", RowsForm::Cores))
+            );
+        }
+        assert_eq!(
+            grouped_decode_tile(&m, &m, (2048, 1024), (64, 8, 256)),
+            None
+        );
+        assert_eq!(prefill_wide_tile(&m, &m, (2048, 1024), (64, 8, 256)), None);
+        let cores = Some(crate::cuda::prefill::TILE_CORES);
+        assert_eq!(grouped_tile(&m, &m, 2048, 1024, true), cores);
+        assert!(!super::fused_decode(1, [m].into_iter()));
     }
 
     #[test]

@@ -226,9 +226,10 @@ pub fn rows_to_bf16(g: &Gpu, x: u64, xs: usize, y: u64, k: usize, t: usize) -> R
 }
 
 /// Whether [`dequant_affine`] and the grouped kernel take matrix `m` (bf16 with K % 8 == 0, or
-/// 4/8-bit affine with groups of 32, 64 or 128).
+/// 4/8-bit affine with groups of 32, 64 or 128; FP8 stays on its exact kernels).
 pub fn supported(m: &Matvec) -> bool {
     match m.format {
+        WeightFormat::Fp8 { .. } => false,
         WeightFormat::Bf16 => m.k.is_multiple_of(8),
         WeightFormat::Affine { bits, group, .. } => {
             matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128) && m.k.is_multiple_of(group)
@@ -300,6 +301,9 @@ pub fn grouped_gemm(g: &Gpu, m: Matvec, x: u64, out: u64, gr: Grouped, swiglu: b
     let (name, group, scales, biases) = match (m.format, swiglu) {
         (WeightFormat::Bf16, false) => ("moe_gemm_bf16", 0, 0, 0),
         (WeightFormat::Bf16, true) => ("moe_gemm_bf16_swiglu", 0, 0, 0),
+        (WeightFormat::Fp8 { .. }, _) => {
+            return Err(CudaError::Unsupported("grouped GEMM of FP8 weights".into()))
+        }
         (
             WeightFormat::Affine {
                 bits,

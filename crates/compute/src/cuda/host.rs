@@ -157,6 +157,45 @@ impl Gpu {
             .map_err(driver_err("copying weights"))
     }
 
+    /// Copy `rows` rows of `width` floats from `src` (rows `src_stride` floats apart) to `dst`
+    /// (rows `dst_stride` floats apart) on the device, in stream order: a strided 2-D copy.
+    ///
+    /// # Safety
+    /// Both regions must be valid device memory for the rows they span until the copy has run.
+    pub unsafe fn copy_rows_f32(
+        &self,
+        (dst, dst_stride): (u64, usize),
+        (src, src_stride): (u64, usize),
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        if rows == 0 || width == 0 {
+            return Ok(());
+        }
+        let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        let c = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: device,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: 4 * src_stride,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: device,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: 4 * dst_stride,
+            WidthInBytes: 4 * width,
+            Height: rows,
+        };
+        sys::cuMemcpy2DAsync_v2(&c, self.raw_stream())
+            .result()
+            .map_err(driver_err("copying rows on the device"))
+    }
+
     /// Set `buf[i] = v` in stream order.
     pub fn set_i32(&self, buf: &DevBuf<i32>, i: usize, v: i32) -> Result<()> {
         if i >= buf.len() {

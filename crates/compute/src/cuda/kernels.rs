@@ -174,6 +174,18 @@ const FILES: &[(&str, &str, &[&str])] = &[
         ],
     ),
     (
+        "fp8.cu",
+        include_str!("../../kernels/fp8.cu"),
+        &[
+            "matvec_rows_fp8",
+            "swiglu_rows_fp8",
+            "grouped_rows_fp8",
+            "grouped_swiglu_fp8",
+            "matvec_fp8",
+            "matvec_swiglu_fp8",
+        ],
+    ),
+    (
         "qmatvec.cu",
         include_str!("../../kernels/qmatvec.cu"),
         &[

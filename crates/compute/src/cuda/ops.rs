@@ -53,12 +53,15 @@ pub enum WeightFormat {
         scales: u64,
         biases: u64,
     },
+    /// Fine-grained FP8: e4m3 bytes `[E, N, K]` (K % 8 == 0), f32 scales `[E, N, ⌈K/group⌉]`
+    /// (each row's copy of its 128 × 128 blocks' scales; group % 8 == 0). Kernels in fp8.cu.
+    Fp8 { group: usize, scales: u64 },
 }
 
 impl WeightFormat {
-    /// An affine format's kernel arguments: scales and biases (device addresses), group and
-    /// bits as the kernels take them; None for bf16.
-    pub(crate) fn affine_args(&self) -> Option<(u64, u64, i32, i32)> {
+    /// A quantized format's kernel arguments as the affine and FP8 kernels take them: scales and
+    /// biases (device addresses), group and bits (FP8: no biases, 0, and bits 8); None for bf16.
+    pub(crate) fn quant_args(&self) -> Option<(u64, u64, i32, i32)> {
         match *self {
             WeightFormat::Affine {
                 bits,
@@ -66,13 +69,14 @@ impl WeightFormat {
                 scales,
                 biases,
             } => Some((scales, biases, group as i32, bits as i32)),
+            WeightFormat::Fp8 { group, scales } => Some((scales, 0, group as i32, 8)),
             WeightFormat::Bf16 => None,
         }
     }
 }
 
 /// Pushes the leading arguments of the row and grouped product kernels, in their order: W,
-/// (affine: scales, biases,) the `io` addresses, N and K, (affine: group, bits).
+/// (quantized: scales, biases,) the `io` addresses, N and K, (quantized: group, bits).
 pub(crate) fn matrix_args<'a>(
     b: &mut Launch<'a>,
     w: &'a u64,
@@ -208,7 +212,7 @@ fn matvec_rows(
             (blocks(sl.n, MV_VECS), blocks(out_rows, 8 * per_warp))
         }
     };
-    let (affine, io) = (m.format.affine_args(), [x, y]);
+    let (affine, io) = (m.format.quant_args(), [x, y]);
     let mut b = g.launch_builder(g.kernels().get(name));
     matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&b32).arg(&xs);
@@ -280,6 +284,17 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
             // upload).
             unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
         }
+        WeightFormat::Fp8 { group, scales } => {
+            let g32 = group as i32;
+            let mut b = g.launch_builder(g.kernels().get(name));
+            b.arg(&m.w).arg(&scales).arg(&0u64).arg(&x).arg(&y);
+            b.arg(&n32).arg(&k32).arg(&g32);
+            b.arg(&ids).arg(&xs).arg(&xd).arg(&m.bias);
+            b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
+            // SAFETY: as the bf16 case with codes (max id + 1)·N·K bytes (K % 8 == 0) and
+            // scales (max id + 1)·N·⌈K/group⌉ f32 (checked at upload); one warp a row.
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
+        }
     }
     Ok(())
 }
@@ -344,6 +359,17 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
             // SAFETY: as `matvec`'s affine case with 2I rows per expert; the block size is the
             // one the entry's launch bounds name (qmatvec.cu, QMV_SWIGLU_R2_THREADS).
             unsafe { b.launch(cfg(grid, 32 * wpb, 0)) }.map_err(driver_err(name))?;
+        }
+        WeightFormat::Fp8 { group, scales } => {
+            let g32 = group as i32;
+            let grid = (slots as u32, blocks(i, 8));
+            let mut b = g.launch_builder(g.kernels().get(name));
+            b.arg(&m.w).arg(&scales).arg(&0u64).arg(&x).arg(&h);
+            b.arg(&i32_).arg(&k32).arg(&g32);
+            b.arg(&ids).arg(&xs).arg(&xd);
+            b.arg(&fw).arg(&fs).arg(&fb).arg(&split);
+            // SAFETY: as `matvec`'s FP8 case with 2I rows per expert and h of slots·I floats.
+            unsafe { b.launch(cfg(grid, 256, 0)) }.map_err(driver_err(name))?;
         }
     }
     Ok(())
@@ -518,14 +544,19 @@ pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize, rows: usize) 
 /// `x[b] = table[tok[b]]` as f32 (bf16 rows converted, affine rows dequantized), width `h`,
 /// `rows` rows.
 pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Result<()> {
-    let WeightFormat::Affine {
-        bits,
-        group,
-        scales,
-        biases,
-    } = m.format
-    else {
-        return embed_bf16(g, m.w, tok, x, h, rows);
+    let (bits, group, scales, biases) = match m.format {
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => (bits, group, scales, biases),
+        WeightFormat::Bf16 => return embed_bf16(g, m.w, tok, x, h, rows),
+        WeightFormat::Fp8 { .. } => {
+            return Err(super::CudaError::Unsupported(
+                "an FP8 embedding (upload it as bf16)".into(),
+            ))
+        }
     };
     let (h32, g32, b32) = (h as i32, group as i32, bits as i32);
     let mut b = g.launch_builder(g.kernels().get("embed_affine"));

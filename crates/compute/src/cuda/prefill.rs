@@ -328,7 +328,7 @@ impl GroupedArgs {
     ) -> GroupedArgs {
         GroupedArgs {
             w: m.w,
-            affine: m.format.affine_args(),
+            affine: m.format.quant_args(),
             io,
             nk: [out_rows as i32, m.k as i32],
             tiles: [gr.tiles, gr.n_tiles, gr.order],
@@ -365,6 +365,8 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         ));
     }
     let name = match (m.format, swiglu, mma) {
+        (WeightFormat::Fp8 { .. }, false, _) => "grouped_rows_fp8",
+        (WeightFormat::Fp8 { .. }, true, _) => "grouped_swiglu_fp8",
         (WeightFormat::Bf16, false, false) => "grouped_rows_bf16",
         (WeightFormat::Bf16, true, false) => "grouped_swiglu_bf16",
         (WeightFormat::Affine { .. }, false, false) => "grouped_rows_affine",

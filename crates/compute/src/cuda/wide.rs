@@ -84,7 +84,7 @@ fn stage(g: &Gpu, m: &Matvec, (x, x_stride): (u64, usize), rows: usize, ws: u64)
     let bits = weight_bits(m);
     let (group, affine) = match m.format {
         WeightFormat::Affine { group, .. } => (group as i32, 1i32),
-        WeightFormat::Bf16 => (32, 0),
+        WeightFormat::Bf16 | WeightFormat::Fp8 { .. } => (32, 0),
     };
     let sums = ws + 4 * (rows * m.k) as u64;
     let (xs, k, kst) = (x_stride as i64, m.k as i32, wide_stage_inputs(bits) as i32);
@@ -135,7 +135,7 @@ pub(crate) fn matvec(
     // A block's stages hold whole groups (a group spans stages for 8-bit weights in groups of 128).
     let group_stages = match m.format {
         WeightFormat::Affine { group, .. } => group.div_ceil(kst),
-        WeightFormat::Bf16 => 1,
+        WeightFormat::Bf16 | WeightFormat::Fp8 { .. } => 1,
     };
     let spb = stages
         .div_ceil(splits)
@@ -144,7 +144,7 @@ pub(crate) fn matvec(
     let splits = stages.div_ceil(spb);
     let part = if splits > 1 { ws } else { 0 };
     let (nk, b32, spb32) = ([out_rows as i32, m.k as i32], sl.n as i32, spb as i32);
-    let (affine, io) = (m.format.affine_args(), [sl.ws.0, sums, y, part]);
+    let (affine, io) = (m.format.quant_args(), [sl.ws.0, sums, y, part]);
     let mut b = g.launch_builder(g.kernels().get(name));
     matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&b32);

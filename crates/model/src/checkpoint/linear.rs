@@ -1,24 +1,27 @@
-//! A linear layer's weights as loaded: `W: [out, in]` either dense in its checkpoint dtype or
-//! MLX affine-quantized ([`AffineWeight`], chosen at load when `{prefix}.scales` exists; see
-//! [`crate::quant`]), and an optional bias. This enum is the weight formats' seam on the host:
+//! A linear layer's weights as loaded: `W: [out, in]` dense in its checkpoint dtype, MLX
+//! affine-quantized ([`AffineWeight`], chosen at load when `{prefix}.scales` exists; see
+//! [`crate::quant`]) or fine-grained FP8 ([`Fp8Weight`], when `{prefix}.weight_scale_inv`
+//! exists; see [`crate::fp8`]), and an optional bias. This enum is the weight formats' seam on the host:
 //! the CPU's products dispatch on it (`crate::layers::linear`), the GPU upload converts each
 //! variant to its device format (`crate::gpu`).
 
 use std::borrow::Cow;
 
 use deltamoe_compute::dtype::f32_to_bf16;
-use deltamoe_compute::{AffineWeight, DType, Tensor};
+use deltamoe_compute::{AffineWeight, DType, Fp8Weight, Tensor};
 
 use crate::error::Result;
+use crate::fp8::load_fp8;
 use crate::quant::load_affine;
 use crate::weights::WeightStore;
 
-/// A `[out, in]` weight matrix: dense or affine-quantized.
+/// A `[out, in]` weight matrix: dense, affine-quantized or FP8.
 #[derive(Clone, Debug)]
 pub enum LinearWeight {
     Dense(Tensor),
     /// Boxed: keeps `LinearWeight` (and every layer holding several) the size of a `Tensor`.
     Affine(Box<AffineWeight>),
+    Fp8(Box<Fp8Weight>),
 }
 
 impl From<Tensor> for LinearWeight {
@@ -33,15 +36,25 @@ impl From<AffineWeight> for LinearWeight {
     }
 }
 
+impl From<Fp8Weight> for LinearWeight {
+    fn from(w: Fp8Weight) -> Self {
+        LinearWeight::Fp8(Box::new(w))
+    }
+}
+
 impl LinearWeight {
-    /// `{prefix}.weight` as `[out, inp]`: quantized when `{prefix}.scales` exists, else dense.
+    /// `{prefix}.weight` as `[out, inp]`: affine when `{prefix}.scales` exists, FP8 when
+    /// `{prefix}.weight_scale_inv` does, else dense.
     pub fn load(store: &WeightStore, prefix: &str, out: usize, inp: usize) -> Result<Self> {
-        match load_affine(store, prefix, &[], out, inp)? {
-            Some(mut w) => Ok(LinearWeight::Affine(Box::new(w.remove(0)))),
-            None => Ok(LinearWeight::Dense(
-                store.get(&format!("{prefix}.weight"), &[out, inp])?,
-            )),
+        if let Some(mut w) = load_affine(store, prefix, &[], out, inp)? {
+            return Ok(w.remove(0).into());
         }
+        if let Some(mut w) = load_fp8(store, prefix, &[], out, inp)? {
+            return Ok(w.remove(0).into());
+        }
+        Ok(LinearWeight::Dense(
+            store.get(&format!("{prefix}.weight"), &[out, inp])?,
+        ))
     }
 
     /// Stacked experts `{prefix}.weight` `[n, out, inp]` (dense, or quantized with
@@ -56,6 +69,9 @@ impl LinearWeight {
         if let Some(ws) = load_affine(store, prefix, &[n], out, inp)? {
             return Ok(ws.into_iter().map(LinearWeight::from).collect());
         }
+        if let Some(ws) = load_fp8(store, prefix, &[n], out, inp)? {
+            return Ok(ws.into_iter().map(LinearWeight::from).collect());
+        }
         let t = store.get(&format!("{prefix}.weight"), &[n, out, inp])?;
         Ok((0..n)
             .map(|e| LinearWeight::Dense(t.narrow(e, 1).reshape(vec![out, inp])))
@@ -66,6 +82,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense(t) => t.shape()[0],
             LinearWeight::Affine(w) => w.out_features(),
+            LinearWeight::Fp8(w) => w.out_features(),
         }
     }
 
@@ -73,6 +90,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense(t) => t.shape()[1],
             LinearWeight::Affine(w) => w.in_features(),
+            LinearWeight::Fp8(w) => w.in_features(),
         }
     }
 
@@ -81,37 +99,57 @@ impl LinearWeight {
         [self.out_features(), self.in_features()]
     }
 
-    /// Bytes held (packed words, scales and biases for quantized weights).
+    /// Bytes held (codes and scales (and biases) for quantized weights).
     pub fn nbytes(&self) -> usize {
         match self {
             LinearWeight::Dense(t) => t.nbytes(),
             LinearWeight::Affine(w) => w.nbytes(),
+            LinearWeight::Fp8(w) => w.nbytes(),
         }
     }
 
     pub fn as_dense(&self) -> Option<&Tensor> {
         match self {
             LinearWeight::Dense(t) => Some(t),
-            LinearWeight::Affine(_) => None,
+            _ => None,
         }
     }
 
     pub fn as_affine(&self) -> Option<&AffineWeight> {
         match self {
-            LinearWeight::Dense(_) => None,
             LinearWeight::Affine(w) => Some(w.as_ref()),
+            _ => None,
+        }
+    }
+
+    pub fn as_fp8(&self) -> Option<&Fp8Weight> {
+        match self {
+            LinearWeight::Fp8(w) => Some(w.as_ref()),
+            _ => None,
+        }
+    }
+
+    /// All values dequantized to f32, `[out, in]` (`None` for a dense weight: read it as is).
+    pub fn dequantize(&self) -> Option<Vec<f32>> {
+        match self {
+            LinearWeight::Dense(_) => None,
+            LinearWeight::Affine(w) => Some(w.dequantize()),
+            LinearWeight::Fp8(w) => Some(w.dequantize()),
         }
     }
 
     /// The dense tensor, or for a quantized weight a bf16 copy of its dequantized values (for
     /// backends without quantized kernels).
     pub fn to_dense(&self) -> Cow<'_, Tensor> {
-        match self {
-            LinearWeight::Dense(t) => Cow::Borrowed(t),
-            LinearWeight::Affine(w) => Cow::Owned(Tensor::from_half_bits(
+        match (self, self.dequantize()) {
+            (LinearWeight::Dense(t), _) => Cow::Borrowed(t),
+            (_, v) => Cow::Owned(Tensor::from_half_bits(
                 DType::BF16,
-                vec![w.out_features(), w.in_features()],
-                w.dequantize().iter().map(|&v| f32_to_bf16(v)).collect(),
+                self.shape().to_vec(),
+                v.unwrap_or_default()
+                    .iter()
+                    .map(|&v| f32_to_bf16(v))
+                    .collect(),
             )),
         }
     }
@@ -126,6 +164,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense(t) => t.data().read_f32(r * out.len(), out),
             LinearWeight::Affine(w) => w.dequantize_row(r, out),
+            LinearWeight::Fp8(w) => w.dequantize_row(r, out),
         }
     }
 }

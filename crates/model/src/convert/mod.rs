@@ -233,6 +233,11 @@ pub(crate) struct Plan {
 }
 
 fn stored_dtype(store: &WeightStore, name: &str, shape: &[usize]) -> Result<&'static str> {
+    // FP8 weights are written from their f32 dequantization at the dtype of the rest of an FP8
+    // checkpoint.
+    if store.fp8_codes(name).is_some() {
+        return Ok("BF16");
+    }
     Ok(match store.get(name, shape)?.dtype() {
         deltamoe_compute::DType::BF16 => "BF16",
         deltamoe_compute::DType::F16 => "F16",
@@ -340,6 +345,9 @@ pub(crate) fn plan(
         };
         if c.tie_word_embeddings && name == "lm_head.weight" {
             continue;
+        }
+        if name.ends_with(".weight_scale_inv") {
+            continue; // read with its FP8 weight
         }
         p.tensors_in += 1;
         let dtype = stored_dtype(store, name, &shape)?;
@@ -473,6 +481,9 @@ pub fn convert(
             m.clone(),
             serde_json::json!({"group_size": s.group_size, "bits": s.bits}),
         );
+    }
+    if let Some(text) = root.get_mut("text_config").and_then(Value::as_object_mut) {
+        text.remove("quantization_config"); // a source's FP8 block
     }
     if let Some(obj) = root.as_object_mut() {
         obj.remove("vision_config");

@@ -19,6 +19,7 @@ use serde_json::{json, Map, Value};
 
 use super::{write_file, Job, OutTensor, Part, Plan};
 use crate::error::{ModelError, Result};
+use crate::fp8::load_fp8;
 use crate::weights::WeightStore;
 
 /// Rows per block: about this many bytes of f32.
@@ -140,7 +141,7 @@ pub(crate) fn write_shards(
     for job in &plan.jobs {
         let (parts, cols) = job_parts(job);
         for p in parts {
-            src_bytes += (p.rows * cols * source(store, &p.src)?.dtype().size()) as u64;
+            src_bytes += (p.rows * cols * file_elem_bytes(store, &p.src)?) as u64;
         }
     }
     let mut ctx = Ctx {
@@ -189,8 +190,22 @@ pub(crate) fn write_shards(
     Ok((n, src_bytes, bytes_out))
 }
 
+/// Bytes an element of source tensor `name` takes in its file (progress counts file bytes).
+fn file_elem_bytes(store: &WeightStore, name: &str) -> Result<usize> {
+    match store.fp8_codes(name) {
+        Some(_) => Ok(1),
+        None => Ok(source(store, name)?.dtype().size()),
+    }
+}
+
+/// Tensor `name` of the source: as stored, or for an FP8 weight its f32 dequantization.
 fn source(store: &WeightStore, name: &str) -> Result<Tensor> {
     let shape = store.shape_of(name).unwrap_or_default();
+    if let (Some(module), [out, inp]) = (name.strip_suffix(".weight"), shape.as_slice()) {
+        if let Some(w) = load_fp8(store, module, &[], *out, *inp)? {
+            return Ok(Tensor::from_f32(shape.clone(), w[0].dequantize()));
+        }
+    }
     store.get(name, &shape)
 }
 
@@ -262,6 +277,7 @@ impl Ctx<'_> {
         for p in parts {
             let t = source(self.store, &p.src)?;
             let data = t.data();
+            let el_in = file_elem_bytes(self.store, &p.src)?;
             let mut r = 0;
             while r < p.rows {
                 let n = block.min(p.rows - r);
@@ -271,10 +287,12 @@ impl Ctx<'_> {
                         add_one, out: o, ..
                     } => {
                         let dtype = self.plan.outs[*o].dtype;
-                        let bytes = if *add_one {
+                        let bytes = if *add_one || t.dtype().name() != dtype {
                             let mut v = vec![0.0f32; b - a];
                             data.read_f32(a, &mut v);
-                            v.iter_mut().for_each(|x| *x += 1.0);
+                            if *add_one {
+                                v.iter_mut().for_each(|x| *x += 1.0);
+                            }
                             encode(&v, dtype)
                         } else {
                             raw(&data, a, b)
@@ -312,7 +330,7 @@ impl Ctx<'_> {
                 }
                 row += n;
                 r += n;
-                self.done += ((b - a) * t.dtype().size()) as u64;
+                self.done += ((b - a) * el_in) as u64;
                 let first = job_outputs(job)[0];
                 (self.progress)(Progress {
                     done: self.done,

@@ -19,6 +19,9 @@ pub(crate) enum DevFormat {
     Bf16,
     /// MLX affine: u32 words `[E, N, K·bits/32]`, bf16 scales and biases `[E, N, K/group]`.
     Affine { bits: u32, group: usize },
+    /// Fine-grained FP8: e4m3 bytes `[E, N, K]`, f32 scales `[E, N, ⌈K/group⌉]` (each row's copy
+    /// of the scales of the blocks it lies in; `group` the blocks' width along K).
+    Fp8 { group: usize },
 }
 
 /// Affine bits the quantized CUDA kernels read (MLX's 3, 5 and 6 bits pack across words:
@@ -27,8 +30,18 @@ const GPU_BITS: [u32; 3] = [2, 4, 8];
 
 impl DevFormat {
     /// The format of `parts` stacked by rows: affine when every part is affine with the same
-    /// bits (2/4/8) and group, else bf16.
+    /// bits (2/4/8) and group, FP8 when every part is FP8 with the same block width (a multiple
+    /// of 8) and K % 8 == 0 (fp8.cu's 8-byte loads), else bf16.
     pub fn of(parts: &[&LinearWeight]) -> DevFormat {
+        let fp8: Option<Vec<_>> = parts.iter().map(|p| p.as_fp8()).collect();
+        if let Some(f) = fp8.filter(|f| !f.is_empty()) {
+            let (group, k) = (f[0].block()[1], f[0].in_features());
+            let same = f.iter().all(|w| w.block()[1] == group);
+            return match same && group.is_multiple_of(8) && k.is_multiple_of(8) {
+                true => DevFormat::Fp8 { group },
+                false => DevFormat::Bf16,
+            };
+        }
         let affine: Option<Vec<_>> = parts.iter().map(|p| p.as_affine()).collect();
         let Some(a) = affine.filter(|a| !a.is_empty()) else {
             return DevFormat::Bf16;
@@ -51,12 +64,21 @@ impl DevFormat {
             DevFormat::Affine { bits, group } => {
                 vec![nk * bits as usize / 8, 2 * nk / group, 2 * nk / group]
             }
+            DevFormat::Fp8 { group } => vec![nk, 4 * n * k.div_ceil(group)],
         }
     }
 
     /// `parts` stacked by rows in this format (one of [`Self::of`] the parts, or of a stack they
     /// are part of), as the bytes of each array.
     pub fn arrays(&self, parts: &[&LinearWeight]) -> Vec<Vec<u8>> {
+        if let DevFormat::Fp8 { .. } = self {
+            if let Some(f) = parts.iter().map(|p| p.as_fp8()).collect::<Option<Vec<_>>>() {
+                return vec![
+                    concat(f.iter().map(|w| w.codes())),
+                    concat(f.iter().map(|w| row_scales(w))),
+                ];
+            }
+        }
         let affine: Option<Vec<_>> = parts.iter().map(|p| p.as_affine()).collect();
         let (DevFormat::Affine { .. }, Some(a)) = (self, affine) else {
             return vec![concat(parts.iter().map(|p| bf16_bits(*p)))];
@@ -81,6 +103,13 @@ impl DevFormat {
                     biases: ptrs[2],
                 },
             ),
+            DevFormat::Fp8 { group } => (
+                ptrs[0],
+                WeightFormat::Fp8 {
+                    group,
+                    scales: ptrs[1],
+                },
+            ),
         }
     }
 
@@ -89,6 +118,7 @@ impl DevFormat {
         let (w, f) = self.operands(ptrs);
         let (scales, biases) = match f {
             WeightFormat::Affine { scales, biases, .. } => (scales, biases),
+            WeightFormat::Fp8 { scales, .. } => (scales, 0),
             WeightFormat::Bf16 => (0, 0),
         };
         Far {
@@ -223,6 +253,14 @@ pub(crate) fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
         TensorData::F16(s) => s.iter().map(|v| f32_to_bf16(v.to_f32())).collect(),
         TensorData::F32(s) => s.iter().map(|&v| f32_to_bf16(v)).collect(),
     }
+}
+
+/// The scales of an FP8 matrix as the device holds them: each row's block-row of the grid,
+/// `[out, ⌈in/bk⌉]` f32.
+fn row_scales(w: &deltamoe_compute::Fp8Weight) -> Vec<f32> {
+    (0..w.out_features())
+        .flat_map(|r| w.row_scales(r).iter().copied())
+        .collect()
 }
 
 /// The bytes of `parts` one after another.

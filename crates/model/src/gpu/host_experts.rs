@@ -106,10 +106,11 @@ impl HostExperts {
 }
 
 impl HostMat {
-    /// Matrix `e` of the stack, for the host's kernels.
-    pub(super) fn twin(&self, e: usize) -> TwinMat<'_> {
+    /// Matrix `e` of the stack, for the host's kernels (which have no FP8 form).
+    pub(super) fn twin(&self, e: usize) -> std::result::Result<TwinMat<'_>, gpu_twin::TwinError> {
         let (a, f) = (&self.arrays, self.fmt());
         let stack = match f.format {
+            DevFormat::Fp8 { .. } => return Err(gpu_twin::TwinError::Shape(FP8_HOST.into())),
             DevFormat::Bf16 => TwinMat::Bf16(view(&a[0])),
             DevFormat::Affine { bits, group } => TwinMat::Affine {
                 words: view(&a[0]),
@@ -119,9 +120,12 @@ impl HostMat {
                 group,
             },
         };
-        stack.row_range(f.k, e * f.n..(e + 1) * f.n)
+        Ok(stack.row_range(f.k, e * f.n..(e + 1) * f.n))
     }
 }
+
+const FP8_HOST: &str = "--cpu-experts: the host computes bf16 and MLX affine experts, not FP8 \
+     ones (leave the flag off; far FP8 experts are read by the GPU)";
 
 /// A pinned array as `T`s (pinned allocations are page-aligned and each array of a format holds
 /// whole `T`s, so the cast does not fail).
@@ -207,6 +211,12 @@ impl GpuModel {
             .map(|lx| 1.0 - lx.res.slots() as f64 / lx.experts.max(1) as f64)
             .collect();
         let miss = short.iter().sum::<f64>() / short.len().max(1) as f64;
+        let fp8 = (0..self.layers.len())
+            .filter_map(|i| self.layer_experts(i))
+            .any(|lx| matches!(lx.gu.fmt().format, DevFormat::Fp8 { .. }));
+        if fp8 {
+            return Err(unsupported(FP8_HOST.into()));
+        }
         let Some(o) = self.offload.as_mut() else {
             return Ok(());
         };

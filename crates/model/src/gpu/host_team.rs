@@ -202,13 +202,13 @@ fn work(job: &Job, round: &Round, out: Out) -> Result<(), TwinError> {
         piece_rows(lx.down.row_bytes()),
     );
     round.gu_in.run(tasks, |t| {
-        let x = TwinInput::new(job.xs[t], &lx.gu.twin(job.experts[t]))?;
+        let x = TwinInput::new(job.xs[t], &lx.gu.twin(job.experts[t])?)?;
         let _ = x_gu[t].set(x);
         Ok(())
     })?;
     round.gu.run(pieces(tasks, inter, gu_rows), |i| {
         let (t, r0, n) = piece(i, inter, gu_rows);
-        let m = lx.gu.twin(job.experts[t]);
+        let m = lx.gu.twin(job.experts[t])?;
         let mut o = [0f32; PIECE_ROWS];
         gpu_twin::swiglu_rows(&m, inter, input(x_gu, t)?, r0..r0 + n, &mut o[..n])?;
         for (j, v) in o[..n].iter().enumerate() {
@@ -221,12 +221,12 @@ fn work(job: &Job, round: &Round, out: Out) -> Result<(), TwinError> {
             .iter()
             .map(|v| f32::from_bits(v.load(Ordering::Relaxed)))
             .collect();
-        let _ = x_down[t].set(TwinInput::new(&ht, &lx.down.twin(job.experts[t]))?);
+        let _ = x_down[t].set(TwinInput::new(&ht, &lx.down.twin(job.experts[t])?)?);
         Ok(())
     })?;
     round.down.run(pieces(tasks, hidden, down_rows), |i| {
         let (t, r0, n) = piece(i, hidden, down_rows);
-        let m = lx.down.twin(job.experts[t]);
+        let m = lx.down.twin(job.experts[t])?;
         let at = job.slots[t] * hidden + r0;
         if at + n > out.len {
             return Err(TwinError::Shape(format!(

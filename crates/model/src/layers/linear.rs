@@ -24,13 +24,15 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense(w) => cpu::matmul(x, t, w, out),
             LinearWeight::Affine(w) => cpu::qmatmul(x, t, w, out),
+            LinearWeight::Fp8(w) => cpu::fp8_matmul(x, t, w, out),
         }
     }
 
     /// Whether the GPU's bf16 products take this matrix (bf16 rows of a multiple of 8 values,
-    /// or 4/8-bit affine groups of 32, 64 or 128; as `cuda::gemm::supported`).
+    /// or 4/8-bit affine groups of 32, 64 or 128; as `cuda::gemm::supported`: FP8 stays exact).
     pub fn bf16_products(&self) -> bool {
         match self {
+            LinearWeight::Fp8(_) => false,
             LinearWeight::Dense(_) => self.in_features().is_multiple_of(8),
             LinearWeight::Affine(a) => {
                 matches!(a.bits(), 4 | 8) && matches!(a.group_size(), 32 | 64 | 128)
@@ -39,7 +41,8 @@ impl LinearWeight {
     }
 
     /// The matrix as the GPU's bf16 products multiply it, `[out, in]` in f32: stored values
-    /// rounded to bf16, affine weights dequantized to bf16 with one rounding (`cpu::gemm_twin`).
+    /// rounded to bf16, affine weights dequantized to bf16 with one rounding (`cpu::gemm_twin`),
+    /// FP8 weights (which the GPU keeps exact) dequantized in f32 then rounded to bf16.
     pub fn bf16_operand(&self) -> Vec<f32> {
         match self {
             LinearWeight::Dense(t) => t
@@ -58,13 +61,20 @@ impl LinearWeight {
                 let (s, b) = (bf(a.scales()), bf(a.biases()));
                 gemm_twin::dequant_affine_bf16(&a.words(), &s, &b, shape, a.group_size(), a.bits())
             }
+            LinearWeight::Fp8(w) => w
+                .dequantize()
+                .into_iter()
+                .map(deltamoe_compute::dtype::round_bf16)
+                .collect(),
         }
     }
 
-    /// Whether `other` is stored alike (both dense, or affine with the same bits and group).
+    /// Whether `other` is stored alike (both dense, both FP8 in the same blocks, or affine
+    /// with the same bits and group).
     pub fn stored_alike(&self, other: &LinearWeight) -> bool {
         match (self, other) {
             (LinearWeight::Dense(_), LinearWeight::Dense(_)) => true,
+            (LinearWeight::Fp8(x), LinearWeight::Fp8(y)) => x.block() == y.block(),
             (LinearWeight::Affine(x), LinearWeight::Affine(y)) => {
                 x.bits() == y.bits() && x.group_size() == y.group_size()
             }
@@ -78,6 +88,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense(t) => LinearWeight::Dense(t.narrow(start, len)),
             LinearWeight::Affine(a) => LinearWeight::Affine(Box::new(a.rows(start, len))),
+            LinearWeight::Fp8(w) => LinearWeight::Fp8(Box::new(w.rows(start, len))),
         }
     }
 }

@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use deltamoe_model::Qwen3Hybrid;
 use safetensors::SafeTensors;
 
 pub fn fixture(name: &str) -> PathBuf {
@@ -65,4 +66,43 @@ pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 
         "{name}: argmax agreement {agree}/{rows}"
     );
     max_err / max_ref
+}
+
+/// A writable copy of a fixture.
+pub fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, d.path().join(p.file_name().unwrap())).unwrap();
+    }
+    d
+}
+
+pub fn edit_quantization(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(&p, v.to_string()).unwrap();
+}
+
+/// Rewrite `model.safetensors` without the tensors for which `drop` is true.
+pub fn drop_tensors(dir: &Path, drop: impl Fn(&str) -> bool) {
+    let p = dir.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| !drop(n)).collect();
+    let out = safetensors::serialize(kept, None).unwrap();
+    std::fs::write(&p, out).unwrap();
+    let _ = std::fs::remove_file(dir.join("model.safetensors.index.json"));
+}
+
+pub fn load_err(dir: &Path) -> String {
+    let e = Qwen3Hybrid::load(dir)
+        .err()
+        .expect("load should fail")
+        .to_string();
+    assert!(!e.contains('\n'), "not one line: {e}");
+    e
 }

@@ -1,22 +1,28 @@
 //! The Gated DeltaNet mixer on the GPU: the fused input projection `[qkv | z | b | a]`
 //! (Qwen3-Next's per-key-head packing reordered by row runs at upload), the causal conv, the
 //! gated delta rule and the gated RMSNorm, then the output projection. State per slot: the conv
-//! window `[K−1, C]` and the recurrent state `[Hv, Dk, Dv]`.
+//! window `[K−1, C]` and the recurrent state `[Hv, Dk, Dv]`. FP8 checkpoints keep `b` and `a`
+//! unquantized: their rows of the FP8 projection are zeros, and a bf16 product of its own
+//! writes them (`GdnMixer::ba`), so that neither is rounded to the other's format.
 use deltamoe_compute::cuda::gdn_chunk::{self, GdnChunkBufs, GdnChunkDims};
 use deltamoe_compute::cuda::ops::{self, GdnDims, Matvec, GDN_DK_MAX, GDN_DV_MAX};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked};
 use deltamoe_compute::cuda::vec::VecIo;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu, Result};
+use deltamoe_compute::fp8::Bytes;
+use deltamoe_compute::{DType, Fp8Weight};
 
 use super::{gdn_path, pass_mv, slot_at, GdnPrefill, Mixer, Needs, Pass, State, StateSpec, Step};
 use crate::checkpoint::gdn::InProj;
 use crate::checkpoint::{GatedDeltaNet, LinearWeight};
 use crate::config::ModelConfig;
-use crate::gpu::format::DevMat;
+use crate::gpu::format::{DevFormat, DevMat};
 use crate::gpu::random::Filler;
 
 pub(crate) struct GdnMixer {
     proj: DevMat,
+    /// `[b | a]` when they are stored apart from an FP8 `[qkv | z]` (see the module doc).
+    ba: Option<DevMat>,
     conv_w: DevBuf<f32>,
     neg_a: DevBuf<f32>,
     dt_bias: DevBuf<f32>,
@@ -40,22 +46,39 @@ impl GdnMixer {
         check(dims)?;
         let conv_dim = l.conv_w.len() / l.conv_kernel;
         let n = conv_dim + s.n_v_heads * s.v_dim + 2 * s.n_v_heads;
-        let proj = match &l.proj {
-            InProj::Split { qkv, z, b, a } => {
-                let parts = [&qkv.weight, &z.weight, &b.weight, &a.weight];
-                DevMat::stack(g, &parts, n, hidden, None)?
-            }
+        let (main, tail): (Vec<LinearWeight>, Vec<LinearWeight>) = match &l.proj {
+            InProj::Split { qkv, z, b, a } => (
+                vec![qkv.weight.clone(), z.weight.clone()],
+                vec![b.weight.clone(), a.weight.clone()],
+            ),
             InProj::Packed { qkvz, ba } => {
                 let (qkvz_runs, ba_runs) = packed_runs(dims);
-                let parts: Vec<LinearWeight> = row_runs(&qkvz.weight, &qkvz_runs)
-                    .into_iter()
-                    .chain(row_runs(&ba.weight, &ba_runs))
-                    .collect();
-                DevMat::stack(g, &parts.iter().collect::<Vec<_>>(), n, hidden, None)?
+                (
+                    row_runs(&qkvz.weight, &qkvz_runs),
+                    row_runs(&ba.weight, &ba_runs),
+                )
+            }
+        };
+        let fp8 = |v: &[LinearWeight]| {
+            let parts: Vec<&LinearWeight> = v.iter().collect();
+            matches!(DevFormat::of(&parts), DevFormat::Fp8 { .. })
+        };
+        let (proj, ba) = match (fp8(&main), fp8(&tail), main[0].as_fp8()) {
+            (true, false, Some(f)) => {
+                let zeros = zero_fp8(2 * s.n_v_heads, hidden, f.block())?;
+                let parts: Vec<&LinearWeight> = main.iter().chain([&zeros]).collect();
+                let tail: Vec<&LinearWeight> = tail.iter().collect();
+                let ba = DevMat::stack(g, &tail, 2 * s.n_v_heads, hidden, None)?;
+                (DevMat::stack(g, &parts, n, hidden, None)?, Some(ba))
+            }
+            _ => {
+                let parts: Vec<&LinearWeight> = main.iter().chain(&tail).collect();
+                (DevMat::stack(g, &parts, n, hidden, None)?, None)
             }
         };
         Ok(GdnMixer {
             proj,
+            ba,
             conv_w: g.upload(&l.conv_w)?,
             neg_a: g.upload(&l.neg_a)?,
             dt_bias: g.upload(&l.dt_bias)?,
@@ -84,6 +107,7 @@ impl GdnMixer {
         check(dims)?;
         Ok(GdnMixer {
             proj: f.mats(1, cd + vd + 2 * hv, h)?,
+            ba: None,
             conv_w: f.vec(cd * c.conv_kernel, -0.5, 0.5)?,
             neg_a: f.vec(hv, -1.0, -0.05)?,
             dt_bias: f.vec(hv, -1.0, 1.0)?,
@@ -110,6 +134,36 @@ impl GdnMixer {
     fn rec_floats(&self) -> usize {
         self.dims.hv * self.dims.dk * self.dims.dv
     }
+
+    /// Writes `[b | a]` of `rows` input rows (`x`, rows `xs` floats apart) into their columns
+    /// of the projection rows at `proj`, through `tmp` (rows·2Hv floats), when they are
+    /// stored apart ([`Self::ba`]); `mv` runs the product.
+    fn fill_ba(
+        &self,
+        g: &Gpu,
+        (x, proj, tmp): (u64, u64, u64),
+        rows: usize,
+        mv: impl FnOnce(Matvec, (u64, u64)) -> Result<()>,
+    ) -> Result<()> {
+        let Some(ba) = &self.ba else {
+            return Ok(());
+        };
+        mv(ba.mv(), (x, tmp))?;
+        let (n, w) = (self.proj.n, ba.n);
+        // SAFETY: proj holds rows of n floats, whose last w columns the copy writes; tmp holds
+        // rows·w floats the product just wrote.
+        unsafe { g.copy_rows_f32((proj + 4 * (n - w) as u64, n), (tmp, w), w, rows) }
+    }
+}
+
+/// An all-zero FP8 `[rows, k]` matrix in blocks of `block`: the `[b | a]` rows of an FP8
+/// projection whose `b` and `a` are stored unquantized.
+fn zero_fp8(rows: usize, k: usize, block: [usize; 2]) -> Result<LinearWeight> {
+    let grid = rows.div_ceil(block[0]) * k.div_ceil(block[1]);
+    let codes = Bytes::from_vec(vec![0; rows * k]);
+    Fp8Weight::new(rows, k, block, codes, vec![0.0; grid], DType::F32)
+        .map(LinearWeight::from)
+        .map_err(|e| CudaError::Unsupported(format!("FP8 GDN projection: {e}")))
 }
 
 /// The head dims the CUDA kernels take.
@@ -148,15 +202,15 @@ impl Mixer for GdnMixer {
     }
 
     fn bytes_per_token(&self, _ctx: usize) -> usize {
-        self.proj.bytes() + self.out.bytes() + 2 * 4 * self.rec_floats()
+        self.weight_bytes() + 2 * 4 * self.rec_floats()
     }
 
     fn weight_bytes(&self) -> usize {
-        self.proj.bytes() + self.out.bytes()
+        self.proj.bytes() + self.out.bytes() + self.ba.as_ref().map_or(0, DevMat::bytes)
     }
 
     fn params(&self) -> usize {
-        self.proj.params() + self.out.params()
+        self.proj.params() + self.out.params() + self.ba.as_ref().map_or(0, DevMat::params)
     }
 
     fn decode(&self, st: &Step, [conv, rec]: State, norm: u64) -> Result<()> {
@@ -176,6 +230,10 @@ impl Mixer for GdnMixer {
             st.input_projection(proj, norm, io)?;
         } else {
             st.input_projection(proj, norm, VecIo::default())?;
+            let io = (s.normed.ptr(), s.proj.ptr(), s.mix_out.ptr());
+            self.fill_ba(g, io, bt.rows, |m, (x, y)| {
+                ops::matvec(g, m, x, y, st.row_slots(m.k))
+            })?;
             ops::gdn_conv_step(
                 g,
                 s.proj.ptr(),
@@ -217,6 +275,8 @@ impl Mixer for GdnMixer {
             p.hidden,
             false,
         )?;
+        let io = (ps.normed.ptr(), ps.proj.ptr(), ps.mix_out.ptr());
+        self.fill_ba(g, io, t, |m, xy| pass_mv(p, m, xy, p.hidden, false))?;
         pf::gdn_conv_rows(
             g,
             ps.proj.ptr(),
