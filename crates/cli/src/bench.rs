@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Group size for --bits.
     #[arg(long, default_value_t = synthetic::DEFAULT_GROUP)]
     group_size: usize,
+    /// Synthetic matrices in fine-grained FP8 (e4m3, a scale per 128x128 block; routers and
+    /// lm_head bf16, as Qwen's FP8 checkpoints; CUDA only).
+    #[arg(long, conflicts_with = "bits")]
+    fp8: bool,
     /// Prompt lengths for the prefill measurements (the CPU measures the first).
     #[arg(long, value_delimiter = ',', default_values_t = [512usize])]
     prompt_len: Vec<usize>,
@@ -122,7 +126,9 @@ fn cache_specs(a: &BenchArgs) -> Result<Vec<ExpertCache>> {
 }
 
 fn precision(a: &BenchArgs) -> String {
-    synthetic::precision(a.bits.map(|b| (b, a.group_size)))
+    synthetic::quant(a.bits, a.group_size, a.fp8)
+        .map(synthetic::precision)
+        .unwrap_or_default()
 }
 
 /// The config of a synthetic source and its display name.
@@ -158,7 +164,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.model.is_none() && a.config.is_none() && a.synthetic.is_none() {
         bail!("bench needs one of --model DIR, --config FILE or --synthetic NAME");
     }
-    synthetic::quant(a.bits, a.group_size)?;
+    synthetic::quant(a.bits, a.group_size, a.fp8)?;
     let cuda_ok = cuda::unavailable_reason();
     let on_cuda = match (a.device, &cuda_ok) {
         (Device::Cpu, _) => false,
@@ -182,8 +188,8 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     {
         bail!("--zipf, --gpu-memory, --host-memory and --expert-cache-fraction measure expert offload on the GPU; use --device cuda");
     }
-    if a.bits.is_some() {
-        bail!("--bits: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
+    if a.bits.is_some() || a.fp8 {
+        bail!("--bits, --fp8: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
     }
     let (model, name) = match synthetic_config(a)? {
         Some((cfg, name)) => {
@@ -398,7 +404,7 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     let t0 = Instant::now();
     let (mut model, name, max_pos) = match synthetic_config(a)? {
         Some((cfg, name)) => {
-            let quant = synthetic::quant(a.bits, a.group_size)?;
+            let quant = synthetic::quant(a.bits, a.group_size, a.fp8)?;
             let mut m = synthetic::gpu_model(&cfg, gpu.clone(), quant, caches[0])?;
             if let Some(alpha) = a.zipf {
                 m.skew_routing(alpha, 7)?;

@@ -14,7 +14,7 @@ use deltamoe_model::Qwen3Hybrid;
 use deltamoe_server::{ConnLimits, EngineFactory, LogFormat, Server, ServerOptions};
 
 use crate::{synthetic, Device, ModelArgs};
-use deltamoe_model::gpu::ExpertCache;
+use deltamoe_model::gpu::{DevFormat, ExpertCache};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -33,6 +33,9 @@ pub struct ServeArgs {
     /// With --synthetic --bits: the quantization group size (32, 64 or 128; default 64).
     #[arg(long, requires = "bits")]
     group_size: Option<usize>,
+    /// With --synthetic: matrices in fine-grained FP8 (routers and lm_head bf16).
+    #[arg(long, requires = "synthetic", conflicts_with_all = ["model", "bits"])]
+    fp8: bool,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -199,7 +202,7 @@ fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
 /// Builds a synthetic model (random weights of `cfg` on the GPU) on the engine thread.
 fn synthetic_factory(
     cfg: deltamoe_model::ModelConfig,
-    quant: Option<(u32, usize)>,
+    quant: DevFormat,
     ctx: Option<usize>,
     max_seqs: usize,
     cache: ExpertCache,
@@ -223,7 +226,7 @@ fn synthetic_factory(
 fn run_synthetic(a: &ServeArgs, shape: &str) -> Result<()> {
     let cfg = synthetic::shape(shape)?;
     let group = a.group_size.unwrap_or(synthetic::DEFAULT_GROUP);
-    let quant = synthetic::quant(a.bits, group)?;
+    let quant = synthetic::quant(a.bits, group, a.fp8)?;
     match (a.model.device, cuda::unavailable_reason()) {
         (Device::Cpu, _) => bail!(
             "--synthetic {shape}: synthetic weights are made on the GPU only; use --device cuda"

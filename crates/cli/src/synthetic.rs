@@ -1,12 +1,12 @@
 //! Named real shapes with synthetic random weights (no files needed): what `bench --synthetic`
 //! measures and `serve --synthetic` serves. On CUDA the weights are made directly in device
-//! memory, bf16 or MLX-affine quantized as `convert` would.
+//! memory, bf16, MLX-affine quantized as `convert` would, or FP8 as Qwen's `*-FP8` checkpoints.
 
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use deltamoe_compute::cuda::{self, Gpu};
-use deltamoe_model::gpu::{ExpertCache, GpuModel};
+use deltamoe_model::gpu::{DevFormat, ExpertCache, GpuModel};
 use deltamoe_model::ModelConfig;
 
 /// Real shapes built into the binary (text model only).
@@ -47,35 +47,43 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     )?)
 }
 
-/// `--bits B --group-size G` checked against what the CUDA kernels take: `Some((bits,
-/// group))`, or `None` (bf16) without `--bits`.
-pub fn quant(bits: Option<u32>, group_size: usize) -> Result<Option<(u32, usize)>> {
-    let Some(b) = bits else {
-        return Ok(None);
-    };
-    if ![2, 4, 8].contains(&b) || ![32, 64, 128].contains(&group_size) {
-        bail!("--bits {b} --group-size {group_size}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128");
+/// The synthetic weights' format: `--bits B --group-size G` (MLX affine, checked against what the
+/// CUDA kernels take), `--fp8` (blocks of 128), or bf16.
+pub fn quant(bits: Option<u32>, group_size: usize, fp8: bool) -> Result<DevFormat> {
+    match (bits, fp8) {
+        (Some(_), true) => bail!("--bits and --fp8: pick one"),
+        (None, true) => Ok(DevFormat::Fp8 { group: 128 }),
+        (None, false) => Ok(DevFormat::Bf16),
+        (Some(b), false) => {
+            if ![2, 4, 8].contains(&b) || ![32, 64, 128].contains(&group_size) {
+                bail!("--bits {b} --group-size {group_size}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128");
+            }
+            Ok(DevFormat::Affine {
+                bits: b,
+                group: group_size,
+            })
+        }
     }
-    Ok(Some((b, group_size)))
 }
 
-/// How the weights are stored, for display: `bf16` or `4-bit affine, group 64`.
-pub fn precision(quant: Option<(u32, usize)>) -> String {
-    match quant {
-        Some((b, g)) => format!("{b}-bit affine, group {g}"),
-        None => "bf16".into(),
+/// How the weights are stored, for display: `bf16`, `4-bit affine, group 64` or `FP8 e4m3,
+/// blocks of 128`.
+pub fn precision(format: DevFormat) -> String {
+    match format {
+        DevFormat::Affine { bits, group } => format!("{bits}-bit affine, group {group}"),
+        DevFormat::Fp8 { group } => format!("FP8 e4m3, blocks of {group}"),
+        DevFormat::Bf16 => "bf16".into(),
     }
 }
 
-/// Random weights of `cfg` made on `gpu` (quantized as `quant` says; routed experts behind
-/// `cache`).
+/// Random weights of `cfg` made on `gpu` in `format`; routed experts behind `cache`.
 pub fn gpu_model(
     cfg: &ModelConfig,
     gpu: Arc<Gpu>,
-    quant: Option<(u32, usize)>,
+    format: DevFormat,
     cache: ExpertCache,
 ) -> cuda::Result<GpuModel> {
-    GpuModel::synthetic(cfg, gpu, SEED, quant, cache)
+    GpuModel::synthetic(cfg, gpu, SEED, format, cache)
 }
 
 #[cfg(test)]
@@ -92,9 +100,15 @@ mod tests {
             e.contains("--synthetic x") && e.contains("qwen3.6-35b-a3b"),
             "{e}"
         );
-        assert_eq!(quant(None, 7).unwrap(), None);
-        assert_eq!(quant(Some(4), 64).unwrap(), Some((4, 64)));
-        assert!(quant(Some(3), 64).is_err() && quant(Some(4), 48).is_err());
-        assert_eq!(precision(Some((4, 64))), "4-bit affine, group 64");
+        assert_eq!(quant(None, 7, false).unwrap(), DevFormat::Bf16);
+        let four = DevFormat::Affine { bits: 4, group: 64 };
+        assert_eq!(quant(Some(4), 64, false).unwrap(), four);
+        assert!(quant(Some(3), 64, false).is_err() && quant(Some(4), 48, false).is_err());
+        assert_eq!(precision(four), "4-bit affine, group 64");
+        assert_eq!(
+            quant(None, 64, true).unwrap(),
+            DevFormat::Fp8 { group: 128 }
+        );
+        assert!(quant(Some(4), 64, true).is_err());
     }
 }

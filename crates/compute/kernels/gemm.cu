@@ -9,15 +9,18 @@
 //   loads; xs, K multiples of 4), grid (ceil(K / 1024), T).
 // dequant_affine_bf16: words u32 [N, K·bits/32] (LSB first), scales and biases bf16 [N, K/G] →
 //   out bf16 [N, K]. grid ceil(N·K·bits/32 / 256), block 256: one thread a word.
+// dequant_fp8_bf16: FP8 codes [N, K] (four a word), f32 row scales [N, ceil(K/G)] → out bf16
+//   [N, K], w = bf16(f32(e4m3(code) · scale)) (the CPU twin's rounding). Same grid, K % 4 == 0.
 // swiglu_rows: gu f32 [T, 2I] ([gate | up] per row) → h f32 [T, I], h = silu(g)·u.
 //   grid (ceil(I / 256), T), block 256.
 //
-// moe_gemm_{bf16,affine4,affine8}{,_swiglu}: the grouped expert product. Pairs are sorted by
+// moe_gemm_{bf16,affine4,affine8,fp8}{,_swiglu}: the grouped expert product. Pairs are sorted by
 // expert by `moe_group` (prefill.cu) in tiles of at most GB_M pairs; block x takes tile
 // blockIdx.x (int3: expert e, first index f into `order`, count; blocks past n_tiles exit), whose
 // input rows are pairs p = order[f + i] read as bf16 at X + (p / x_div)·xs (xs % 8 == 0). The
 // weights are expert e's of a stack [E, N, K] (bf16, or affine words and scales as above; K % 8
-// == 0 for bf16, K % 32 == 0 for affine, G ∈ {32, 64, 128}).
+// == 0 for bf16, K % 32 == 0 for affine, G ∈ {32, 64, 128}; FP8 codes and f32 row scales as
+// dequant_fp8_bf16, K % 32 == 0, G % 32 == 0).
 //   Plain form: block y takes weight rows blockIdx.y·GB_N + 0..GB_N; Y f32 [pairs, N], row p.
 //   SwiGLU form (N = 2I): block y takes outputs j = blockIdx.y·64 + 0..64, i.e. gate rows j and
 //   up rows I + j; H bf16 [pairs, I], h = bf16(silu(gate·x)·(up·x)).
@@ -77,6 +80,31 @@ __device__ __forceinline__ void dequant_word(unsigned w, unsigned s2, unsigned b
 
 __device__ __forceinline__ unsigned splat_bf16(bf16_t v) { return (unsigned)v | ((unsigned)v << 16); }
 
+// The e4m3 byte b as f32, exact (as fp8.cu's e4m3f).
+__device__ __forceinline__ float e4m3_f32(unsigned b) {
+    const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
+    return (b & 0x7fu) == 0x7fu ? __int_as_float(0x7fffffff) : v;
+}
+
+// The 4 FP8 codes of word `w` times `s`, as two bf16x2 pairs.
+__device__ __forceinline__ void dequant_fp8_word(unsigned w, float s, unsigned* out) {
+    out[0] = pack_bf16(e4m3_f32(w & 255u) * s, e4m3_f32((w >> 8) & 255u) * s);
+    out[1] = pack_bf16(e4m3_f32((w >> 16) & 255u) * s, e4m3_f32(w >> 24) * s);
+}
+
+extern "C" __global__ void dequant_fp8_bf16(const unsigned* __restrict__ W, const float* __restrict__ S,
+                                            bf16_t* __restrict__ out, int N, int K, int G) {
+    pdl_entry();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int wpr = K / 4;
+    if (i >= (long long)N * wpr) return;
+    const long long n = i / wpr;
+    const int k0 = (int)(i % wpr) * 4;
+    unsigned v[2];
+    dequant_fp8_word(W[i], S[n * ((K + G - 1) / G) + k0 / G], v);
+    *reinterpret_cast<uint2*>(out + n * K + k0) = make_uint2(v[0], v[1]);
+}
+
 extern "C" __global__ void dequant_affine_bf16(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                                                const bf16_t* __restrict__ Bs, bf16_t* __restrict__ out,
                                                int N, int K, int G, int bits) {
@@ -124,6 +152,7 @@ __device__ __forceinline__ int tile_row(int wn, int j) {
     return SW ? (j < 2 ? 16 * wn + 8 * j : 64 + 16 * wn + 8 * (j - 2)) : 32 * wn + 8 * j;
 }
 
+// BITS 16: bf16; 4 or 8: affine; 9: FP8 (codes as 8-bit words, S the f32 row scales).
 template <int BITS, bool SW>
 __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_t* __restrict__ S,
                                          const bf16_t* __restrict__ Bs, const bf16_t* X, long long xs,
@@ -151,10 +180,12 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
     // Affine: this thread's weight row (tid / 2) and its half of each stage's 64 k.
     const int ar = tid >> 1, ah = tid & 1;
     const long long arow = (long long)e * N + weight_row<SW>(ar, N);
-    const int wpr = K * BITS / 32;  // words per row (affine)
-    constexpr int NW = BITS == 16 ? 1 : BITS;  // words of 32 codes: 4 at 4 bits, 8 at 8
+    constexpr int CB = BITS == 9 ? 8 : BITS;  // bits a code
+    const int wpr = K * CB / 32;  // words per row (affine, FP8)
+    constexpr int NW = BITS == 16 ? 1 : CB;  // words of 32 codes: 4 at 4 bits, 8 at 8
     unsigned wreg[NW];
     bf16_t sreg = 0, breg = 0;
+    float freg = 0.f;
 
     auto load_x = [&](int kt, int st) {
         const int k0 = kt * GB_K;
@@ -178,15 +209,19 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
         } else {
             const int kh = k0 + 32 * ah;
             if (kh < K) {
-                const unsigned* src = reinterpret_cast<const unsigned*>(W) + arow * wpr + kh * BITS / 32;
+                const unsigned* src = reinterpret_cast<const unsigned*>(W) + arow * wpr + kh * CB / 32;
 #pragma unroll
                 for (int u = 0; u < NW / 4; ++u) {
                     uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + u);
                     wreg[4 * u] = v.x; wreg[4 * u + 1] = v.y; wreg[4 * u + 2] = v.z; wreg[4 * u + 3] = v.w;
                 }
-                const long long g = arow * (K / G) + kh / G;
-                sreg = S[g];
-                breg = Bs[g];
+                if (BITS == 9) {
+                    freg = reinterpret_cast<const float*>(S)[arow * ((K + G - 1) / G) + kh / G];
+                } else {
+                    const long long g = arow * (K / G) + kh / G;
+                    sreg = S[g];
+                    breg = Bs[g];
+                }
             }
         }
     };
@@ -201,8 +236,13 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
         }
         const unsigned s2 = splat_bf16(sreg), b2 = splat_bf16(breg);
         unsigned v[16];
+        if (BITS == 9) {
 #pragma unroll
-        for (int w = 0; w < NW; ++w) dequant_word<(BITS == 16 ? 4 : BITS)>(wreg[w], s2, b2, v + w * (16 / NW));
+            for (int w = 0; w < NW; ++w) dequant_fp8_word(wreg[w], freg, v + 2 * w);
+        } else {
+#pragma unroll
+            for (int w = 0; w < NW; ++w) dequant_word<(BITS == 16 || BITS == 9 ? 4 : BITS)>(wreg[w], s2, b2, v + w * (16 / NW));
+        }
 #pragma unroll
         for (int u = 0; u < 4; ++u) dst[u] = make_uint4(v[4 * u], v[4 * u + 1], v[4 * u + 2], v[4 * u + 3]);
     };
@@ -299,3 +339,5 @@ MOE_GEMM(moe_gemm_affine4, 4, false)
 MOE_GEMM(moe_gemm_affine4_swiglu, 4, true)
 MOE_GEMM(moe_gemm_affine8, 8, false)
 MOE_GEMM(moe_gemm_affine8_swiglu, 8, true)
+MOE_GEMM(moe_gemm_fp8, 9, false)
+MOE_GEMM(moe_gemm_fp8_swiglu, 9, true)

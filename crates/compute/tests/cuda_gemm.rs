@@ -1,5 +1,6 @@
 //! The bf16 prefill products (`cuda::gemm`: operand conversion, cuBLASLt, the grouped expert
-//! kernel) against their CPU twins (`cpu::gemm_twin`) on random inputs with odd sizes. Needs a
+//! kernel) against their CPU twins (`cpu::gemm_twin`) on random inputs with odd sizes, for bf16,
+//! MLX affine and FP8 weights. Needs a
 //! GPU: `#[ignore]`d here, run by `scripts/gpu-tests.sh`. The rounded operands must agree bit for
 //! bit; products of the same bf16 operands summed in f32 in another order agree to 1e-4 of the
 //! largest output; SwiGLU outputs rounded to bf16 may differ by one bf16 step (2^-8 relative).
@@ -14,29 +15,75 @@ use deltamoe_compute::cuda::ops::{Matvec, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16, round_bf16};
+use deltamoe_compute::fp8::Bytes;
+use deltamoe_compute::{DType, Fp8Weight};
 use rand::Rng;
 
 fn bf(v: &[f32]) -> Vec<u16> {
     v.iter().map(|&x| f32_to_bf16(x)).collect()
 }
 
-/// A stack of `e` matrices `[n, k]` on the device in `quant`'s format (None: bf16) and the bf16
-/// operand the products use, as f32 `[e, n, k]`.
+/// A weight format of the tests: bf16, MLX affine (bits, group) or FP8 in blocks of 128.
+#[derive(Clone, Copy, Debug)]
+enum Q {
+    Bf16,
+    Affine(u32, usize),
+    Fp8,
+}
+
+/// A stack of `e` matrices `[n, k]` on the device in `quant`'s format and the bf16 operand the
+/// products use, as f32 `[e, n, k]` (FP8: random codes and block scales, `w` unused).
 struct Stack {
     m: Matvec,
     wf: Vec<f32>,
     _bf16: Option<DevBuf<u16>>,
     _affine: Option<Affine>,
+    _fp8: Option<(DevBuf<u8>, DevBuf<f32>)>,
 }
 
-fn stack(
-    g: &Gpu,
-    w: &[f32],
-    (e, n, k): (usize, usize, usize),
-    quant: Option<(u32, usize)>,
-) -> Stack {
+fn stack(g: &Gpu, w: &[f32], (e, n, k): (usize, usize, usize), quant: Q) -> Stack {
     match quant {
-        None => {
+        Q::Fp8 => {
+            let mut r = rng();
+            let (mut codes, mut scales, mut wf) = (vec![], vec![], vec![]);
+            for _ in 0..e {
+                let c: Vec<u8> = (0..n * k)
+                    .map(|_| r.random_range(0u8..=254) & 0xf7)
+                    .collect();
+                let grid = rand_vec(&mut r, n.div_ceil(128) * k.div_ceil(128), 1e-3, 4e-3);
+                let f = Fp8Weight::new(
+                    n,
+                    k,
+                    [128, 128],
+                    Bytes::from_vec(c.clone()),
+                    grid,
+                    DType::F32,
+                )
+                .unwrap();
+                wf.extend(f.dequantize().into_iter().map(round_bf16));
+                scales.extend((0..n).flat_map(|row| f.row_scales(row).to_vec()));
+                codes.extend(c);
+            }
+            let (dc, ds) = (g.upload(&codes).unwrap(), g.upload(&scales).unwrap());
+            let format = WeightFormat::Fp8 {
+                group: 128,
+                scales: ds.ptr(),
+            };
+            Stack {
+                m: Matvec {
+                    w: dc.ptr(),
+                    n,
+                    k,
+                    bias: 0,
+                    format,
+                },
+                wf,
+                _bf16: None,
+                _affine: None,
+                _fp8: Some((dc, ds)),
+            }
+        }
+        Q::Bf16 => {
             let bits = bf(w);
             let dw = g.upload(&bits).unwrap();
             let m = Matvec {
@@ -52,9 +99,10 @@ fn stack(
                 wf,
                 _bf16: Some(dw),
                 _affine: None,
+                _fp8: None,
             }
         }
-        Some((bits, group)) => {
+        Q::Affine(bits, group) => {
             let a = Affine::new(g, w, k, group, bits);
             let wf = dequant_affine_bf16(&a.q.words, &a.scales, &a.biases, (e * n, k), group, bits);
             Stack {
@@ -62,6 +110,7 @@ fn stack(
                 wf,
                 _bf16: None,
                 _affine: Some(a),
+                _fp8: None,
             }
         }
     }
@@ -73,14 +122,19 @@ fn operands_and_library_gemm_match_cpu() {
     let g = gpu();
     let mut r = rng();
     for &(n, k, t, quant) in &[
-        (37usize, 72usize, 5usize, None),
-        (300, 256, 129, Some((4u32, 64usize))),
-        (65, 96, 33, Some((8, 32))),
-        (257, 128, 7, Some((8, 128))),
+        (37usize, 72usize, 5usize, Q::Bf16),
+        (300, 256, 129, Q::Affine(4, 64)),
+        (65, 96, 33, Q::Affine(8, 32)),
+        (257, 128, 7, Q::Affine(8, 128)),
+        (131, 160, 9, Q::Fp8),
     ] {
         // Strided f32 input rows: odd strides take the scalar conversion, multiples of 4 the
         // float4 one.
-        let xs = if quant.is_some() { k + 4 } else { k + 3 };
+        let xs = if matches!(quant, Q::Bf16) {
+            k + 3
+        } else {
+            k + 4
+        };
         let x = rand_vec(&mut r, t * xs, -2.0, 2.0);
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
         let s = stack(&g, &w, (1, n, k), quant);
@@ -112,7 +166,7 @@ fn operands_and_library_gemm_match_cpu() {
         } else {
             s.wf.clone()
         };
-        assert_eq!(got_w, s.wf, "dequant_affine_bf16 {n}x{k} {quant:?}");
+        assert_eq!(got_w, s.wf, "weights_bf16 {n}x{k} {quant:?}");
         g.blas()
             .unwrap()
             .gemm(&g, wptr, xb.ptr(), y.ptr(), (n, k, t))
@@ -134,11 +188,12 @@ fn grouped_gemm_matches_cpu() {
     let mut r = rng();
     // n even: the SwiGLU form reads each expert as [2I, K] with I = n / 2.
     for &(tokens, ks, experts, n, k, quant) in &[
-        (37usize, 3usize, 5usize, 24usize, 64usize, None),
-        (1, 2, 3, 18, 40, None),
-        (200, 9, 33, 300, 128, Some((4u32, 64usize))),
-        (70, 2, 4, 260, 96, Some((8, 32))),
-        (9, 8, 257, 40, 256, Some((4, 128))),
+        (37usize, 3usize, 5usize, 24usize, 64usize, Q::Bf16),
+        (1, 2, 3, 18, 40, Q::Bf16),
+        (200, 9, 33, 300, 128, Q::Affine(4, 64)),
+        (70, 2, 4, 260, 96, Q::Affine(8, 32)),
+        (9, 8, 257, 40, 256, Q::Affine(4, 128)),
+        (100, 8, 9, 202, 160, Q::Fp8),
     ] {
         let pairs = tokens * ks;
         let ids: Vec<i32> = (0..pairs)

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::{fixtures, prompts};
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_model::gpu::{ExpertCache, GpuModel};
+use deltamoe_model::gpu::{DevFormat, ExpertCache, GpuModel};
 use deltamoe_model::host_split::Costs;
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
@@ -211,7 +211,12 @@ fn synthetic_experts_placed_anywhere_are_the_same_model() {
     let mut c = Qwen3Hybrid::load(&dir).unwrap().config().clone();
     c.shared_expert_intermediate_size = c.moe_intermediate_size;
     let gpu = Arc::new(Gpu::new(0).unwrap());
-    for quant in [None, Some((4, 32))] {
+    let formats = [
+        DevFormat::Bf16,
+        DevFormat::Affine { bits: 4, group: 32 },
+        DevFormat::Fp8 { group: 128 },
+    ];
+    for quant in formats {
         let mut all = GpuModel::synthetic(&c, gpu.clone(), 9, quant, ExpertCache::All).unwrap();
         all.reserve(1, 64).unwrap();
         let want = decode(&mut all, 8);

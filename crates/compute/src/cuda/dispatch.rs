@@ -12,7 +12,8 @@
 //! - slots that pick their matrices by id (experts, far stacks over PCIe), CUDA cores
 //!   (matvec.cu for bf16, qmatvec.cu for affine, fp8.cu for FP8).
 //!
-//! FP8 weights take the CUDA-core forms only (fp8.cu): rows, grouped prefill tiles and slots.
+//! FP8 weights take the CUDA-core forms (fp8.cu: rows, grouped prefill tiles, slots) and, for
+//! prefill's bf16 products, the dequantizing GEMMs (gemm.rs).
 //!
 //! Prefill's expert products grouped by expert take their tile from [`grouped_tile`].
 
@@ -543,7 +544,9 @@ mod tests {
         );
         assert_eq!(prefill_wide_tile(&m, &m, (2048, 1024), (64, 8, 256)), None);
         let cores = Some(crate::cuda::prefill::TILE_CORES);
-        assert_eq!(grouped_tile(&m, &m, 2048, 1024, true), cores);
+        assert_eq!(grouped_tile(&m, &m, 2048, 1024, false), cores);
+        let gemm = Some(crate::cuda::gemm::TILE_GEMM);
+        assert_eq!(grouped_tile(&m, &m, 2048, 1024, true), gemm);
         assert!(!super::fused_decode(1, [m].into_iter()));
     }
 

@@ -225,11 +225,11 @@ pub fn rows_to_bf16(g: &Gpu, x: u64, xs: usize, y: u64, k: usize, t: usize) -> R
     unsafe { b.launch(cfg((blocks(k, per), t as u32), 256, 0)) }.map_err(driver_err(name))
 }
 
-/// Whether [`dequant_affine`] and the grouped kernel take matrix `m` (bf16 with K % 8 == 0, or
-/// 4/8-bit affine with groups of 32, 64 or 128; FP8 stays on its exact kernels).
+/// Whether [`weights_bf16`] and the grouped kernel take matrix `m` (bf16 with K % 8 == 0,
+/// 4/8-bit affine with groups of 32, 64 or 128, FP8 with K and its blocks multiples of 32).
 pub fn supported(m: &Matvec) -> bool {
     match m.format {
-        WeightFormat::Fp8 { .. } => false,
+        WeightFormat::Fp8 { group, .. } => m.k.is_multiple_of(32) && group.is_multiple_of(32),
         WeightFormat::Bf16 => m.k.is_multiple_of(8),
         WeightFormat::Affine { bits, group, .. } => {
             matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128) && m.k.is_multiple_of(group)
@@ -240,14 +240,15 @@ pub fn supported(m: &Matvec) -> bool {
 /// Matrix 0 of `m` as bf16 `[n, k]`: its own address for bf16 weights, else dequantized into
 /// `out` (n·k bf16) and `out`'s address.
 pub fn weights_bf16(g: &Gpu, m: &Matvec, out: &DevBuf<u16>) -> Result<u64> {
-    let WeightFormat::Affine {
-        bits,
-        group,
-        scales,
-        biases,
-    } = m.format
-    else {
-        return Ok(m.w);
+    let (bits, group, scales, biases) = match m.format {
+        WeightFormat::Affine {
+            bits,
+            group,
+            scales,
+            biases,
+        } => (bits, group, scales, biases),
+        WeightFormat::Fp8 { group, scales } => return fp8_bf16(g, m, (group, scales), out),
+        WeightFormat::Bf16 => return Ok(m.w),
     };
     if !supported(m) || out.len() < m.n * m.k {
         return Err(CudaError::Unsupported(format!(
@@ -276,6 +277,32 @@ pub fn weights_bf16(g: &Gpu, m: &Matvec, out: &DevBuf<u16>) -> Result<u64> {
     Ok(out.ptr())
 }
 
+/// Matrix 0 of an FP8 `m` (blocks of `group`, row scales at `scales`) dequantized into `out`
+/// (n·k bf16); `out`'s address.
+fn fp8_bf16(g: &Gpu, m: &Matvec, (group, scales): (usize, u64), out: &DevBuf<u16>) -> Result<u64> {
+    if !supported(m) || out.len() < m.n * m.k {
+        return Err(CudaError::Unsupported(format!(
+            "dequant_fp8: [{}, {}] in blocks of {group} into {} values",
+            m.n,
+            m.k,
+            out.len()
+        )));
+    }
+    let (n32, k32, g32, dst) = (m.n as i32, m.k as i32, group as i32, out.ptr());
+    let mut b = g.launch_builder(g.kernels().get("dequant_fp8_bf16"));
+    b.arg(&m.w)
+        .arg(&scales)
+        .arg(&dst)
+        .arg(&n32)
+        .arg(&k32)
+        .arg(&g32);
+    // SAFETY: codes n·k bytes and scales n·⌈k/group⌉ f32 are matrix 0 of an FP8 stack of this
+    // shape; out holds n·k bf16 (checked); one thread a word of 4 codes, those past exit.
+    unsafe { b.launch(cfg((blocks(m.n * m.k / 4, 256), 1), 256, 0)) }
+        .map_err(driver_err("dequant_fp8_bf16"))?;
+    Ok(out.ptr())
+}
+
 /// `h [t, i] = silu(gu[:, ..i]) · gu[:, i..]` for `gu [t, 2i]`.
 pub fn swiglu_rows(g: &Gpu, gu: u64, h: u64, i: usize, t: usize) -> Result<()> {
     if t == 0 || i == 0 {
@@ -301,9 +328,8 @@ pub fn grouped_gemm(g: &Gpu, m: Matvec, x: u64, out: u64, gr: Grouped, swiglu: b
     let (name, group, scales, biases) = match (m.format, swiglu) {
         (WeightFormat::Bf16, false) => ("moe_gemm_bf16", 0, 0, 0),
         (WeightFormat::Bf16, true) => ("moe_gemm_bf16_swiglu", 0, 0, 0),
-        (WeightFormat::Fp8 { .. }, _) => {
-            return Err(CudaError::Unsupported("grouped GEMM of FP8 weights".into()))
-        }
+        (WeightFormat::Fp8 { group, scales }, false) => ("moe_gemm_fp8", group, scales, 0),
+        (WeightFormat::Fp8 { group, scales }, true) => ("moe_gemm_fp8_swiglu", group, scales, 0),
         (
             WeightFormat::Affine {
                 bits,

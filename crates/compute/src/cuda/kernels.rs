@@ -126,7 +126,12 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "fill.cu",
         include_str!("../../kernels/fill.cu"),
-        &["fill_uniform_bf16", "fill_uniform_f32", "fill_random_u32"],
+        &[
+            "fill_uniform_bf16",
+            "fill_uniform_f32",
+            "fill_random_u32",
+            "fill_random_fp8",
+        ],
     ),
     (
         "gdn_chunk.cu",
@@ -159,6 +164,9 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "moe_gemm_affine4_swiglu",
             "moe_gemm_affine8",
             "moe_gemm_affine8_swiglu",
+            "dequant_fp8_bf16",
+            "moe_gemm_fp8",
+            "moe_gemm_fp8_swiglu",
         ],
     ),
     (

@@ -586,6 +586,17 @@ pub fn fill_random_u32(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// Fill `n` u32 words at `out` with random e4m3 codes, four a word, never NaN (fill.cu).
+pub fn fill_random_fp8(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
+    let n64 = n as i64;
+    let mut b = g.launch_builder(g.kernels().get("fill_random_fp8"));
+    b.arg(&out).arg(&n64).arg(&seed);
+    // SAFETY: out holds n u32; grid-stride loop bounded by n.
+    unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
+        .map_err(driver_err("fill_random_fp8"))?;
+    Ok(())
+}
+
 /// Fill `n` bf16 (when `bf16`) or f32 elements at `out` with uniform values in [lo, hi).
 pub fn fill_uniform(
     g: &Gpu,

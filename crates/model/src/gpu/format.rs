@@ -14,7 +14,7 @@ use crate::checkpoint::{DenseSource, Linear, LinearWeight};
 
 /// How a device matrix stack is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DevFormat {
+pub enum DevFormat {
     /// bf16 values `[E, N, K]` (f16/f32 checkpoints rounded, other formats dequantized).
     Bf16,
     /// MLX affine: u32 words `[E, N, K·bits/32]`, bf16 scales and biases `[E, N, K/group]`.

@@ -47,6 +47,7 @@ mod random;
 mod synthetic;
 mod upload;
 
+pub use format::DevFormat;
 pub use layers::{gdn_path, GdnPrefill, PrefillGemm, CHUNKED_MIN_ROWS};
 pub use offload::{
     clean_copies, slots_for_bytes, ExpertCache, OffloadStats, HOST_RESERVE, STATE_RESERVE,

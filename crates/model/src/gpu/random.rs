@@ -1,5 +1,5 @@
-//! Random weights made directly in device (or pinned host) memory from seeds: bf16 or MLX
-//! affine-quantized matrices and f32 vectors, for synthetic models of real shapes.
+//! Random weights made directly in device (or pinned host) memory from seeds: bf16, MLX
+//! affine-quantized or FP8 matrices and f32 vectors, for synthetic models of real shapes.
 
 use std::ops::Range;
 
@@ -10,18 +10,19 @@ use super::format::{DevFormat, DevMat, Fmt};
 use super::host_store::{seed_at, Dest, ExpertSource};
 use crate::convert::ROUTER_SPEC;
 
-/// Fills buffers with seeded uniform values, a new seed per buffer. Matrices are bf16, or
-/// affine-quantized with `(bits, group)` when `quant` is set.
+/// Fills buffers with seeded uniform values, a new seed per buffer. Matrices are in `format`
+/// (bf16, affine or FP8), but for what quantized checkpoints keep apart ([`Self::router`],
+/// [`Self::lm_head`]).
 pub(crate) struct Filler<'a> {
     pub g: &'a Gpu,
     seed: u64,
-    quant: Option<(u32, usize)>,
+    format: DevFormat,
 }
 
 impl<'a> Filler<'a> {
-    /// Values from `seed` on; matrices quantized with `quant` (bits, group) when set.
-    pub fn new(g: &'a Gpu, seed: u64, quant: Option<(u32, usize)>) -> Filler<'a> {
-        Filler { g, seed, quant }
+    /// Values from `seed` on; matrices in `format`.
+    pub fn new(g: &'a Gpu, seed: u64, format: DevFormat) -> Filler<'a> {
+        Filler { g, seed, format }
     }
 
     fn next_seed(&mut self) -> u64 {
@@ -32,22 +33,22 @@ impl<'a> Filler<'a> {
         self.seed
     }
 
-    /// `count` stacked `[n, k]` matrices with values of magnitude about 1/sqrt(k), quantized as
-    /// the model ([`Self::mats_as`]).
+    /// `count` stacked `[n, k]` matrices with values of magnitude about 1/sqrt(k), in the
+    /// model's format ([`Self::mats_as`]).
     pub fn mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
-        self.mats_as(self.quant, count, n, k)
+        self.mats_as(self.format, count, n, k)
     }
 
-    /// As [`Self::mats`], bf16 or affine-quantized with `quant = Some((bits, group))`: the
-    /// matrices [`Seeded::write`] fills with the seeds they are given here.
+    /// As [`Self::mats`], in `format`: the matrices [`Seeded::write`] fills with the seeds they
+    /// are given here.
     pub fn mats_as(
         &mut self,
-        quant: Option<(u32, usize)>,
+        format: DevFormat,
         count: usize,
         n: usize,
         k: usize,
     ) -> Result<DevMat> {
-        let seeded = self.seeded_as(quant, n, k);
+        let seeded = self.seeded_as(format, n, k);
         let stack = seeded.fmt.device_stack(self.g, count)?;
         seeded.write(
             self.g,
@@ -61,28 +62,37 @@ impl<'a> Filler<'a> {
     }
 
     /// An MoE router (its experts' rows and the shared-expert gate's) as `deltamoe convert` and
-    /// mlx-lm store it in a quantized model: at [`ROUTER_SPEC`] (8 bits, group 64).
+    /// mlx-lm store it in an affine model, at [`ROUTER_SPEC`] (8 bits, group 64), and FP8
+    /// checkpoints in bf16.
     pub fn router(&mut self, n: usize, k: usize) -> Result<DevMat> {
-        let quant = self
-            .quant
-            .map(|_| (ROUTER_SPEC.bits, ROUTER_SPEC.group_size));
-        self.mats_as(quant, 1, n, k)
+        let format = match self.format {
+            DevFormat::Affine { .. } => DevFormat::Affine {
+                bits: ROUTER_SPEC.bits,
+                group: ROUTER_SPEC.group_size,
+            },
+            DevFormat::Bf16 | DevFormat::Fp8 { .. } => DevFormat::Bf16,
+        };
+        self.mats_as(format, 1, n, k)
+    }
+
+    /// The lm_head: in the model's format, but bf16 for FP8 models (Qwen's FP8 checkpoints
+    /// leave it unquantized).
+    pub fn lm_head(&mut self, n: usize, k: usize) -> Result<DevMat> {
+        let format = match self.format {
+            DevFormat::Fp8 { .. } => DevFormat::Bf16,
+            f => f,
+        };
+        self.mats_as(format, 1, n, k)
     }
 
     /// The seeds [`Self::mats`] would fill `[n, k]` matrices with, for matrices written later
     /// wherever they are placed ([`SeededExperts`]): the same values as a stack made here.
     fn seeded(&mut self, n: usize, k: usize) -> Seeded {
-        self.seeded_as(self.quant, n, k)
+        self.seeded_as(self.format, n, k)
     }
 
-    fn seeded_as(&mut self, quant: Option<(u32, usize)>, n: usize, k: usize) -> Seeded {
-        let (format, seeds) = match quant {
-            None => (DevFormat::Bf16, [self.next_seed(), 0, 0]),
-            Some((bits, group)) => (
-                DevFormat::Affine { bits, group },
-                [self.next_seed(), self.next_seed(), self.next_seed()],
-            ),
-        };
+    fn seeded_as(&mut self, format: DevFormat, n: usize, k: usize) -> Seeded {
+        let seeds = [self.next_seed(), self.next_seed(), self.next_seed()];
         Seeded {
             fmt: Fmt::new(n, k, format),
             seeds,
@@ -111,11 +121,24 @@ impl Seeded {
         let (n, k) = (self.fmt.n, self.fmt.k);
         let a = 1.0 / (k as f32).sqrt();
         let nk = n * k;
-        let DevFormat::Affine { bits, group } = self.fmt.format else {
-            let (d, bytes) = dst[0];
-            let out = d + (at * bytes) as u64;
-            let seed = seed_at(self.seeds[0], first * nk);
-            return ops::fill_uniform(g, out, count * nk, true, seed, -a, a);
+        let (bits, group) = match self.fmt.format {
+            DevFormat::Bf16 => {
+                let (d, bytes) = dst[0];
+                let out = d + (at * bytes) as u64;
+                let seed = seed_at(self.seeds[0], first * nk);
+                return ops::fill_uniform(g, out, count * nk, true, seed, -a, a);
+            }
+            DevFormat::Fp8 { group } => {
+                // Codes of exponent ≤ 14 (|code| ≤ 240, no NaN), row scales a/240.
+                let at_of = |i: usize| dst[i].0 + (at * dst[i].1) as u64;
+                let seed = seed_at(self.seeds[0], 2 * first * nk / 4);
+                ops::fill_random_fp8(g, at_of(0), count * nk / 4, seed)?;
+                let scales = n * k.div_ceil(group);
+                let s1 = seed_at(self.seeds[1], first * scales);
+                let (lo, hi) = (0.5 * a / 240.0, 1.5 * a / 240.0);
+                return ops::fill_uniform(g, at_of(1), count * scales, false, s1, lo, hi);
+            }
+            DevFormat::Affine { bits, group } => (bits, group),
         };
         let step = 2.0 * a / ((1u32 << bits) - 1) as f32;
         let (words, groups) = (nk * bits as usize / 32, nk / group);

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use deltamoe_compute::cuda::{Gpu, Result};
 
+use super::format::DevFormat;
 use super::host_store::Pending;
 use super::layers::attention::AttnMixer;
 use super::layers::dense::DenseFfn;
@@ -18,21 +19,22 @@ use super::{GpuModel, Parts};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 
 impl GpuModel {
-    /// Random weights of config `c` on `gpu`: bf16, or affine-quantized matrices with
-    /// `quant = Some((bits, group))` (the MoE routers at 8 bits as the converter writes them;
-    /// norms, conv and gates stay f32, the embedding bf16). With
+    /// Random weights of config `c` on `gpu`, matrices in `format`: bf16, affine (the MoE
+    /// routers at 8 bits as the converter writes them) or FP8 (routers and lm_head bf16, as
+    /// Qwen's FP8 checkpoints; the GDN `b`/`a` rows FP8 with the rest of their projection);
+    /// norms, conv and gates stay f32, the embedding bf16. With
     /// a `cache` other than [`ExpertCache::All`] the routed experts are made in pinned host
     /// memory and cached on the device as that says.
     pub fn synthetic(
         c: &ModelConfig,
         gpu: Arc<Gpu>,
         seed: u64,
-        quant: Option<(u32, usize)>,
+        format: DevFormat,
         cache: ExpertCache,
     ) -> Result<GpuModel> {
         let offload = cache != ExpertCache::All;
         let (parts, pending) =
-            random_parts(c, &gpu, (seed, quant), offload).map_err(super::weights_err)?;
+            random_parts(c, &gpu, (seed, format), offload).map_err(super::weights_err)?;
         let mut m = GpuModel::assemble(c, gpu.clone(), parts)?;
         m.place_experts(cache, pending)?;
         Ok(m)
@@ -73,10 +75,10 @@ impl GpuModel {
 fn random_parts(
     c: &ModelConfig,
     gpu: &Arc<Gpu>,
-    (seed, quant): (u64, Option<(u32, usize)>),
+    (seed, format): (u64, DevFormat),
     offload: bool,
 ) -> Result<(Parts, Vec<Pending<'static>>)> {
-    let mut f = Filler::new(gpu, seed, quant);
+    let mut f = Filler::new(gpu, seed, format);
     let mut layers = Vec::with_capacity(c.num_layers);
     let mut pending = Vec::new();
     for i in 0..c.num_layers {

@@ -29,10 +29,13 @@ impl LinearWeight {
     }
 
     /// Whether the GPU's bf16 products take this matrix (bf16 rows of a multiple of 8 values,
-    /// or 4/8-bit affine groups of 32, 64 or 128; as `cuda::gemm::supported`: FP8 stays exact).
+    /// 4/8-bit affine groups of 32, 64 or 128, FP8 rows and blocks of multiples of 32; as
+    /// `cuda::gemm::supported`).
     pub fn bf16_products(&self) -> bool {
         match self {
-            LinearWeight::Fp8(_) => false,
+            LinearWeight::Fp8(w) => {
+                w.in_features().is_multiple_of(32) && w.block()[1].is_multiple_of(32)
+            }
             LinearWeight::Dense(_) => self.in_features().is_multiple_of(8),
             LinearWeight::Affine(a) => {
                 matches!(a.bits(), 4 | 8) && matches!(a.group_size(), 32 | 64 | 128)
@@ -42,7 +45,7 @@ impl LinearWeight {
 
     /// The matrix as the GPU's bf16 products multiply it, `[out, in]` in f32: stored values
     /// rounded to bf16, affine weights dequantized to bf16 with one rounding (`cpu::gemm_twin`),
-    /// FP8 weights (which the GPU keeps exact) dequantized in f32 then rounded to bf16.
+    /// FP8 weights dequantized in f32 then rounded to bf16.
     pub fn bf16_operand(&self) -> Vec<f32> {
         match self {
             LinearWeight::Dense(t) => t

@@ -55,10 +55,10 @@ impl Needs {
     /// What a prefill pass's row products `ms` (each with whether it is a SwiGLU) need.
     pub fn products(ms: &[(Matvec, bool)]) -> Needs {
         ms.iter().fold(Needs::default(), |n, &(m, swiglu)| {
-            let affine = matches!(m.format, WeightFormat::Affine { .. });
+            let quantized = !matches!(m.format, WeightFormat::Bf16);
             n.max(Needs {
                 gemm_k: m.k,
-                gemm_w: if affine { m.n * m.k } else { 0 },
+                gemm_w: if quantized { m.n * m.k } else { 0 },
                 gemm_gu: if swiglu { m.n } else { 0 },
                 ..Needs::default()
             })

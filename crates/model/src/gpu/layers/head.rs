@@ -9,7 +9,7 @@ use super::bufs::{PrefillScratch, LOGIT_ROWS};
 use super::{rows_mv, Step};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::gpu::format::DevMat;
+use crate::gpu::format::{DevFormat, DevMat};
 use crate::gpu::random::Filler;
 use crate::Logits;
 
@@ -42,8 +42,8 @@ impl Head {
     pub fn random(f: &mut Filler, c: &ModelConfig) -> Result<Head> {
         let (v, h) = (c.vocab_size, c.hidden_size);
         Ok(Head {
-            embed: f.mats_as(None, 1, v, h)?,
-            lm_head: f.mats(1, v, h)?,
+            embed: f.mats_as(DevFormat::Bf16, 1, v, h)?,
+            lm_head: f.lm_head(v, h)?,
             final_norm: f.vec(h, 0.5, 1.5)?,
         })
     }
