@@ -30,6 +30,10 @@ pub struct ConvertArgs {
     /// e.g. `lm_head=8`, `switch_mlp.*=2`, `mlp.gate=none`.
     #[arg(long = "bits-for", value_name = "PATTERN=N")]
     bits_for: Vec<String>,
+    /// Write fine-grained FP8 (e4m3, a scale per 128x128 block) in the layout of Qwen's
+    /// `*-FP8` checkpoints instead of MLX affine (--bits, --group-size, --bits-for unused).
+    #[arg(long, conflicts_with_all = ["bits", "group_size", "bits_for"])]
+    fp8: bool,
     /// Largest output shard in MiB.
     #[arg(long, default_value_t = DEFAULT_SHARD_BYTES >> 20)]
     shard_mib: u64,
@@ -45,7 +49,10 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     if a.shard_mib == 0 {
         bail!("--shard-mib must be at least 1");
     }
-    let mut opts = ConvertOptions::new(a.bits, a.group_size);
+    let mut opts = match a.fp8 {
+        true => ConvertOptions::fp8(),
+        false => ConvertOptions::new(a.bits, a.group_size),
+    };
     opts.max_shard_bytes = a.shard_mib << 20;
     for r in &a.bits_for {
         opts.rules

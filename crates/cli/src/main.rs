@@ -47,7 +47,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Measure prefill and decode speed on a model or a synthetic config.
     Bench(bench::BenchArgs),
-    /// Quantize an HF checkpoint to MLX affine 2-8 bit weights (loads in deltamoe and mlx-lm).
+    /// Quantize an HF checkpoint to MLX affine 2-8 bit weights (loads in deltamoe and mlx-lm),
+    /// or with --fp8 to fine-grained FP8 in the layout of Qwen's FP8 checkpoints.
     Convert(convert::ConvertArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),

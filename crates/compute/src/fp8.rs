@@ -65,6 +65,58 @@ pub fn e4m3_table() -> &'static [f32; 256] {
     TABLE.get_or_init(|| std::array::from_fn(|b| e4m3_to_f32(b as u8)))
 }
 
+/// Largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// `x` (|x| ≤ 448 after the caller's clamp; larger saturates) as the e4m3 byte nearest to it,
+/// ties to the even code (round to nearest even, as torch's cast); NaN to 0x7f.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs().min(E4M3_MAX);
+    // Non-negative finite codes 0x00..=0x7e increase with the code: the first not below `a`.
+    let table = e4m3_table();
+    let hi = table[..0x7f].partition_point(|&v| v < a);
+    if hi == 0 || table[hi] == a {
+        return sign | hi as u8;
+    }
+    let (lo_v, hi_v) = (table[hi - 1], table[hi]);
+    let up = match (a - lo_v).partial_cmp(&(hi_v - a)) {
+        Some(std::cmp::Ordering::Less) => false,
+        Some(std::cmp::Ordering::Greater) => true,
+        _ => hi % 2 == 0,
+    };
+    sign | if up { hi as u8 } else { hi as u8 - 1 }
+}
+
+/// A `[rows, cols]` block of rows (`w`, rows starting on a block row) quantized as Qwen's FP8
+/// checkpoints are: per block of `block` the scale `s = amax / 448` (1 for an all-zero block),
+/// codes `e4m3(clamp(w / s, ±448))`. Returns the codes `[rows, cols]` and the scales
+/// `[⌈rows/bn⌉, ⌈cols/bk⌉]`.
+pub fn quantize_blocks(w: &[f32], cols: usize, block: [usize; 2]) -> (Vec<u8>, Vec<f32>) {
+    let rows = w.len() / cols.max(1);
+    let (gr, gc) = (blocks(rows, block[0]), blocks(cols, block[1]));
+    let mut scales = vec![0f32; gr * gc];
+    for (i, s) in scales.iter_mut().enumerate() {
+        let (r0, c0) = ((i / gc) * block[0], (i % gc) * block[1]);
+        let amax = (r0..(r0 + block[0]).min(rows))
+            .flat_map(|r| &w[r * cols + c0..r * cols + (c0 + block[1]).min(cols)])
+            .fold(0f32, |m, v| m.max(v.abs()));
+        *s = if amax == 0.0 { 1.0 } else { amax / E4M3_MAX };
+    }
+    let codes = w
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let s = scales[(i / cols / block[0]) * gc + (i % cols) / block[1]];
+            f32_to_e4m3((v / s).clamp(-E4M3_MAX, E4M3_MAX))
+        })
+        .collect();
+    (codes, scales)
+}
+
 #[derive(Clone, Debug)]
 enum ByteStorage {
     Mapped(Arc<Mmap>),
@@ -299,6 +351,18 @@ mod tests {
         assert_eq!(e4m3_to_f32(0xfe), -448.0);
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
         assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+    }
+
+    #[test]
+    fn e4m3_encoding_round_trips_and_rounds_to_even() {
+        for b in (0u8..=255).filter(|b| b & 0x7f != 0x7f) {
+            assert_eq!(f32_to_e4m3(e4m3_to_f32(b)), b, "{b:#04x}");
+        }
+        // Midway between 1 (0x38) and 1.125 (0x39): to the even code; just above: up.
+        assert_eq!(f32_to_e4m3(1.0625), 0x38);
+        assert_eq!(f32_to_e4m3(1.0626), 0x39);
+        assert_eq!(f32_to_e4m3(-1e9), 0xfe);
+        assert_eq!(f32_to_e4m3(1e-4), 0x00);
     }
 
     #[test]

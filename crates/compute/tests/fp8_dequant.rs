@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use deltamoe_compute::fp8::{e4m3_table, Bytes};
+use deltamoe_compute::fp8::{e4m3_table, quantize_blocks, Bytes};
 use deltamoe_compute::{DType, Fp8Weight};
 use safetensors::SafeTensors;
 
@@ -18,6 +18,23 @@ fn f32s(st: &SafeTensors, name: &str) -> (Vec<f32>, Vec<usize>) {
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
     (v, t.shape().to_vec())
+}
+
+/// The `scale` note of case `i` in the file's `cases` metadata.
+fn case_scale(i: usize) -> String {
+    let (_, meta) = SafeTensors::read_metadata(st_bytes()).unwrap();
+    let cases: serde_json::Value =
+        serde_json::from_str(&meta.metadata().as_ref().unwrap()["cases"]).unwrap();
+    cases[i]["scale"].as_str().unwrap_or("").to_string()
+}
+
+fn st_bytes() -> &'static [u8] {
+    static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    BYTES.get_or_init(|| {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/quant/fp8_cases.safetensors");
+        std::fs::read(path).unwrap()
+    })
 }
 
 #[test]
@@ -51,6 +68,16 @@ fn e4m3_table_and_dequantization_match_torch_bit_for_bit() {
             DType::F32,
         )
         .unwrap();
+        // Our quantizer reproduces torch's codes and scales from the source weights (case 4
+        // rounded its scales to bf16 first; its codes are checked through `deq`).
+        let note = case_scale(i);
+        if !note.contains("bf16") {
+            let (w, _) = f32s(&st, &format!("{i}.w"));
+            let (codes_q, scales_q) = quantize_blocks(&w, *inp, [128, 128]);
+            let (scales_t, _) = f32s(&st, &format!("{i}.scale_inv"));
+            assert_eq!(scales_q, scales_t, "case {i}: scales");
+            assert!(codes_q == codes.data(), "case {i}: codes");
+        }
         let (want, _) = f32s(&st, &format!("{i}.deq"));
         let got = w.dequantize();
         let bad = got

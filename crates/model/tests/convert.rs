@@ -344,3 +344,109 @@ fn bad_inputs_are_one_line_errors() {
     );
     assert!(e.contains("--out") && e.contains("not empty"), "{e}");
 }
+
+/// `w` (rows of `cols`) through FP8 and back: what an FP8 conversion's weight means.
+fn fp8_round_trip(w: &[f32], cols: usize) -> Vec<f32> {
+    let (codes, scales) = deltamoe_compute::fp8::quantize_blocks(w, cols, [128, 128]);
+    let rows = w.len() / cols;
+    let f = deltamoe_compute::Fp8Weight::new(
+        rows,
+        cols,
+        [128, 128],
+        deltamoe_compute::fp8::Bytes::from_vec(codes),
+        scales,
+        deltamoe_compute::DType::F32,
+    )
+    .unwrap();
+    f.dequantize()
+}
+
+/// `convert --fp8` of a Qwen3.5-MoE fixture (fused experts, nested config): the layout of Qwen's
+/// FP8 checkpoints (per-expert FP8 weights with their block scales, routers and GDN a/b kept
+/// bf16, the quantization block) and logits equal to the f32 engine's on the source with every
+/// quantized matrix (each expert's gate, up and down on its own) replaced by its FP8 round trip.
+#[test]
+fn fp8_output_is_qwen_fp8_layout_and_matches_its_round_trip() {
+    let src = fixture("qwen3_5_moe");
+    let tmp = tempfile::tempdir().unwrap();
+    let (dst, fake) = (tmp.path().join("q"), tmp.path().join("f"));
+    convert(&src, &dst, &ConvertOptions::fp8(), &mut |_| {}).unwrap();
+    let st = WeightStore::open(&dst).unwrap();
+    assert_eq!(st.fp8().map(|c| c.block), Some([128, 128]));
+    let q = &quant_block_fp8(&dst);
+    assert_eq!(q["quant_method"], "fp8");
+    let kept = q["modules_to_not_convert"].as_array().unwrap();
+    assert!(kept
+        .iter()
+        .any(|m| m == "model.language_model.layers.0.mlp.gate"));
+    for n in [
+        "model.layers.0.mlp.experts.3.up_proj.weight",
+        "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "model.layers.3.self_attn.o_proj.weight",
+    ] {
+        assert!(st.fp8_codes(n).is_some(), "{n}");
+        assert!(st.contains(&format!("{n}_scale_inv")), "{n}");
+    }
+    assert!(st
+        .fp8_codes("model.layers.0.linear_attn.in_proj_a.weight")
+        .is_none());
+
+    // The reference: the source in f32 with each quantized matrix round-tripped.
+    let store = WeightStore::open(&src).unwrap();
+    let c = ModelConfig::from_dir(&src).unwrap();
+    let (i, h) = (c.moe_intermediate_size, c.hidden_size);
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
+    for name in store.names() {
+        let shape = store.shape_of(name).unwrap();
+        let mut v = store.get(name, &shape).unwrap().to_f32_vec();
+        let kept = kept
+            .iter()
+            .any(|k| store.stored_name(name) == format!("{}.weight", k.as_str().unwrap()));
+        if name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj") {
+            let rows = if name.ends_with("down_proj") { h } else { i };
+            let cols = *shape.last().unwrap();
+            for m in v.chunks_mut(rows * cols) {
+                let r = fp8_round_trip(m, cols);
+                m.copy_from_slice(&r);
+            }
+        } else if shape.len() == 2 && name.ends_with(".weight") && !kept {
+            v = fp8_round_trip(&v, shape[1]);
+        }
+        data.push((
+            name.to_string(),
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ));
+    }
+    std::fs::create_dir_all(&fake).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (n.clone(), v.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &fake.join("model.safetensors")).unwrap();
+    std::fs::copy(src.join("config.json"), fake.join("config.json")).unwrap();
+    let (reference, model) = (
+        Qwen3Hybrid::load(&fake).unwrap(),
+        Qwen3Hybrid::load(&dst).unwrap(),
+    );
+    let bytes = std::fs::read(src.join("reference.safetensors")).unwrap();
+    let refst = SafeTensors::deserialize(&bytes).unwrap();
+    for p in ["prompt0", "prompt1"] {
+        let toks = ids(&refst, &format!("{p}.tokens"));
+        check_logits(
+            &format!("fp8 qwen3_5_moe {p}"),
+            &logits(&model, &toks),
+            &logits(&reference, &toks),
+            c.vocab_size,
+        );
+    }
+}
+
+fn quant_block_fp8(dir: &Path) -> serde_json::Value {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    v["quantization_config"].clone()
+}

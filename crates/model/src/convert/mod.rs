@@ -1,5 +1,6 @@
 //! `deltamoe convert`: an HF checkpoint to an MLX affine-quantized one in mlx-lm's naming and
-//! layout, loadable by deltamoe and by mlx-lm (`mlx_lm.load`).
+//! layout, loadable by deltamoe and by mlx-lm (`mlx_lm.load`); with `--fp8`, to a fine-grained
+//! FP8 one in the layout of Qwen's FP8 checkpoints ([`fp8`]; same writer).
 //!
 //! Output (what mlx-lm's converter writes for these models):
 //! - tensors renamed like mlx-lm's `sanitize`: multimodal models get the prefix
@@ -27,6 +28,7 @@
 //! quantized, and written at their offsets in the current shard, whose header is computed up
 //! front from the shapes.
 
+mod fp8;
 mod writer;
 
 use std::collections::BTreeMap;
@@ -125,6 +127,8 @@ pub struct ConvertOptions {
     pub group_size: usize,
     pub rules: Vec<BitsRule>,
     pub max_shard_bytes: u64,
+    /// Write fine-grained FP8 in Qwen's `*-FP8` layout instead (bits, group and rules unused).
+    pub fp8: bool,
 }
 
 impl ConvertOptions {
@@ -134,6 +138,15 @@ impl ConvertOptions {
             group_size,
             rules: vec![],
             max_shard_bytes: DEFAULT_SHARD_BYTES,
+            fp8: false,
+        }
+    }
+
+    /// FP8 output ([`fp8`]).
+    pub fn fp8() -> ConvertOptions {
+        ConvertOptions {
+            fp8: true,
+            ..ConvertOptions::new(8, 64)
         }
     }
 
@@ -190,21 +203,34 @@ pub(crate) enum Job {
         spec: QuantSpec,
         out: [usize; 3],
     },
+    /// One part quantized to FP8 codes and block scales (`convert --fp8`).
+    Fp8 {
+        part: Part,
+        cols: usize,
+        out: [usize; 2],
+    },
 }
 
 /// An output tensor.
 #[derive(Clone, Debug)]
 pub(crate) struct OutTensor {
     pub name: String,
-    /// safetensors dtype name: U32, BF16, F16, F32.
+    /// safetensors dtype name: U32, BF16, F16, F32, F8_E4M3.
     pub dtype: &'static str,
     pub shape: Vec<usize>,
 }
 
 impl OutTensor {
     pub fn nbytes(&self) -> u64 {
-        let el = if self.dtype.ends_with("16") { 2 } else { 4 };
-        self.shape.iter().product::<usize>() as u64 * el
+        self.shape.iter().product::<usize>() as u64 * self.elem_bytes()
+    }
+
+    pub fn elem_bytes(&self) -> u64 {
+        match self.dtype {
+            "F8_E4M3" => 1,
+            d if d.ends_with("16") => 2,
+            _ => 4,
+        }
     }
 }
 
@@ -443,7 +469,10 @@ pub fn convert(
     let cfg_path = src.join("config.json");
     let config = ModelConfig::from_dir(src)?;
     let store = WeightStore::open(src)?;
-    if store.layout() == Layout::Mlx || store.quantization().is_some() {
+    if store.layout() == Layout::Mlx
+        || store.quantization().is_some()
+        || (opts.fp8 && store.fp8().is_some())
+    {
         return Err(ModelError::Input(format!(
             "--model {}: already an mlx-lm (converted or quantized) checkpoint; convert the original HF checkpoint",
             src.display()
@@ -460,7 +489,10 @@ pub fn convert(
         msg: e.to_string(),
     })?;
     let nested = matches!(config.model_type.as_str(), "qwen3_5_moe" | "qwen3_5");
-    let plan = plan(&store, &config, nested, opts)?;
+    let (plan, fp8_kept) = match opts.fp8 {
+        true => fp8::plan_fp8(&store, &config).map(|(p, k)| (p, Some(k)))?,
+        false => (plan(&store, &config, nested, opts)?, None),
+    };
 
     prepare_dst(dst)?;
     let written = writer::write_shards(&store, &plan, dst, opts.max_shard_bytes, progress);
@@ -472,23 +504,19 @@ pub fn convert(
         }
     };
 
-    let mut q = serde_json::Map::new();
-    q.insert("group_size".into(), opts.group_size.into());
-    q.insert("bits".into(), opts.bits.into());
-    q.insert("mode".into(), "affine".into());
-    for (m, s) in &plan.overrides {
-        q.insert(
-            m.clone(),
-            serde_json::json!({"group_size": s.group_size, "bits": s.bits}),
-        );
-    }
     if let Some(text) = root.get_mut("text_config").and_then(Value::as_object_mut) {
         text.remove("quantization_config"); // a source's FP8 block
     }
+    let q = match fp8_kept {
+        Some(kept) => fp8::fp8_config(&kept),
+        None => Value::Object(mlx_config(opts, &plan)),
+    };
     if let Some(obj) = root.as_object_mut() {
         obj.remove("vision_config");
-        obj.insert("quantization".into(), Value::Object(q.clone()));
-        obj.insert("quantization_config".into(), Value::Object(q));
+        if !opts.fp8 {
+            obj.insert("quantization".into(), q.clone());
+        }
+        obj.insert("quantization_config".into(), q);
     }
     write_file(
         &dst.join("config.json"),
@@ -505,6 +533,21 @@ pub fn convert(
         shards,
         copied,
     })
+}
+
+/// The MLX `quantization` block: the default and one entry per module quantized otherwise.
+fn mlx_config(opts: &ConvertOptions, plan: &Plan) -> serde_json::Map<String, Value> {
+    let mut q = serde_json::Map::new();
+    q.insert("group_size".into(), opts.group_size.into());
+    q.insert("bits".into(), opts.bits.into());
+    q.insert("mode".into(), "affine".into());
+    for (m, s) in &plan.overrides {
+        q.insert(
+            m.clone(),
+            serde_json::json!({"group_size": s.group_size, "bits": s.bits}),
+        );
+    }
+    q
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {

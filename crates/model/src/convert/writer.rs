@@ -14,9 +14,11 @@ use std::path::Path;
 
 use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::dtype::f32_to_bf16;
+use deltamoe_compute::fp8::quantize_blocks;
 use deltamoe_compute::{Tensor, TensorData};
 use serde_json::{json, Map, Value};
 
+use super::fp8::FP8_BLOCK;
 use super::{write_file, Job, OutTensor, Part, Plan};
 use crate::error::{ModelError, Result};
 use crate::fp8::load_fp8;
@@ -37,12 +39,14 @@ fn job_outputs(job: &Job) -> Vec<usize> {
     match job {
         Job::Dense { out, .. } => vec![*out],
         Job::Quantize { out, .. } => out.to_vec(),
+        Job::Fp8 { out, .. } => out.to_vec(),
     }
 }
 
 fn job_parts(job: &Job) -> (&[Part], usize) {
     match job {
         Job::Dense { parts, cols, .. } | Job::Quantize { parts, cols, .. } => (parts, *cols),
+        Job::Fp8 { part, cols, .. } => (std::slice::from_ref(part), *cols),
     }
 }
 
@@ -84,8 +88,8 @@ fn assign(plan: &Plan, max: u64) -> Vec<Shard> {
                 .iter()
                 .flat_map(|&j| job_outputs(&plan.jobs[j]))
                 .collect();
-            // 4-byte dtypes first so every tensor is aligned for its dtype.
-            outs.sort_by_key(|&o| (plan.outs[o].dtype.ends_with("16"), o));
+            // Wider dtypes first so every tensor is aligned for its dtype.
+            outs.sort_by_key(|&o| (std::cmp::Reverse(plan.outs[o].elem_bytes()), o));
             let mut offsets = Vec::with_capacity(outs.len());
             let mut at = 0u64;
             for o in outs {
@@ -272,7 +276,11 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     fn run(&mut self, job: &Job, out: &mut ShardFile) -> Result<()> {
         let (parts, cols) = job_parts(job);
-        let block = (BLOCK_BYTES / (cols * 4)).max(1);
+        let mut block = (BLOCK_BYTES / (cols * 4)).max(1);
+        if let Job::Fp8 { .. } = job {
+            // Whole block rows: each chunk's scales are its own.
+            block = block.next_multiple_of(FP8_BLOCK[0]);
+        }
         let mut row = 0usize; // output row (across parts)
         for p in parts {
             let t = source(self.store, &p.src)?;
@@ -326,6 +334,19 @@ impl Ctx<'_> {
                         out.write(*w, (row * wpr * 4) as u64, &words)?;
                         out.write(*s, (row * gpr * el) as u64, &encode(&q.scales, dtype))?;
                         out.write(*bi, (row * gpr * el) as u64, &encode(&q.biases, dtype))?;
+                    }
+                    Job::Fp8 {
+                        out: [codes, scales],
+                        ..
+                    } => {
+                        let mut v = vec![0.0f32; b - a];
+                        data.read_f32(a, &mut v);
+                        let (c, s) = quantize_blocks(&v, cols, FP8_BLOCK);
+                        let gc = cols.div_ceil(FP8_BLOCK[1]);
+                        out.write(*codes, (row * cols) as u64, &c)?;
+                        let at = (row / FP8_BLOCK[0] * gc * 4) as u64;
+                        let sb: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        out.write(*scales, at, &sb)?;
                     }
                 }
                 row += n;

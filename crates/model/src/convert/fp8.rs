@@ -1,0 +1,161 @@
+//! `convert --fp8`: an HF checkpoint to a fine-grained FP8 one in the layout of Qwen's `*-FP8`
+//! repos, loadable by deltamoe and by the engines that read those (format in
+//! [`deltamoe_compute::fp8`]).
+//!
+//! Output: tensor names as the source spells them, except fused experts, which are written per
+//! expert (`experts.{e}.{gate,up,down}_proj.weight`) as Qwen's FP8 checkpoints store them. Each
+//! quantized linear `m` becomes `m.weight` (F8_E4M3 `[out, in]`) and `m.weight_scale_inv` (F32
+//! `[⌈out/128⌉, ⌈in/128⌉]`), quantized by [`quantize_blocks`] (`s = amax/448` per 128 × 128
+//! block, torch's round-to-nearest-even cast). Quantized: the GDN, attention, dense-MLP and
+//! expert (routed and shared) projections; kept as stored: the embedding, lm_head, norms, conv,
+//! `A_log`, `dt_bias`, biases, the router, the shared-expert gate and the GDN `a`/`b`
+//! projections, which `quantization_config.modules_to_not_convert` lists.
+
+use deltamoe_compute::fp8::blocks;
+use serde_json::{json, Value};
+
+use super::{flat2d, per_expert, stored_dtype, Job, Part, Plan};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::weights::WeightStore;
+
+/// Rows and inputs a scale covers.
+pub const FP8_BLOCK: [usize; 2] = [128, 128];
+
+/// Linear modules FP8 checkpoints leave unquantized (module path suffixes).
+const KEPT: [&str; 7] = [
+    "embed_tokens",
+    "lm_head",
+    ".mlp.gate",
+    ".shared_expert_gate",
+    ".in_proj_a",
+    ".in_proj_b",
+    ".in_proj_ba",
+];
+
+/// Whether the 2-D linear module `m` is written in FP8.
+fn quantized(m: &str) -> bool {
+    !KEPT.iter().any(|k| m.ends_with(k))
+}
+
+impl Plan {
+    fn add_fp8(&mut self, module: &str, part: Part, [out, inp]: [usize; 2]) {
+        self.quantized += 1;
+        let codes = self.push(format!("{module}.weight"), "F8_E4M3", vec![out, inp]);
+        let grid = vec![blocks(out, FP8_BLOCK[0]), blocks(inp, FP8_BLOCK[1])];
+        let scales = self.push(format!("{module}.weight_scale_inv"), "F32", grid);
+        self.jobs.push(Job::Fp8 {
+            part,
+            cols: inp,
+            out: [codes, scales],
+        });
+    }
+
+    fn add_dense(&mut self, name: String, dtype: &'static str, shape: Vec<usize>, src: &str) {
+        let (rows, cols) = flat2d(&shape);
+        let out = self.push(name, dtype, shape);
+        self.jobs.push(Job::Dense {
+            parts: vec![Part {
+                src: src.to_string(),
+                row0: 0,
+                rows,
+            }],
+            cols,
+            add_one: false,
+            out,
+        });
+    }
+}
+
+/// The plan of an FP8 conversion of `store` (config `c`) and the modules it keeps unquantized.
+pub(crate) fn plan_fp8(store: &WeightStore, c: &ModelConfig) -> Result<(Plan, Vec<String>)> {
+    let mut p = Plan {
+        outs: vec![],
+        jobs: vec![],
+        overrides: Default::default(),
+        quantized: 0,
+        dense: 0,
+        tensors_in: 0,
+    };
+    let mut kept = vec![];
+    let mut names: Vec<&str> = store.names().collect();
+    names.sort();
+    let (i, h) = (c.moe_intermediate_size, c.hidden_size);
+    for name in names {
+        let shape = store.shape_of(name).unwrap_or_default();
+        let stored = store.stored_name(name);
+        if c.tie_word_embeddings && name == "lm_head.weight" {
+            continue;
+        }
+        p.tensors_in += 1;
+        let part = |row0, rows| Part {
+            src: name.to_string(),
+            row0,
+            rows,
+        };
+        if let Some(mlp) = stored.strip_suffix(".experts.gate_up_proj") {
+            for e in 0..c.num_experts {
+                for (k, proj) in ["gate_proj", "up_proj"].iter().enumerate() {
+                    let m = format!("{mlp}.experts.{e}.{proj}");
+                    p.add_fp8(&m, part(e * 2 * i + k * i, i), [i, h]);
+                }
+            }
+        } else if let Some(mlp) = stored.strip_suffix(".experts.down_proj") {
+            for e in 0..c.num_experts {
+                let m = format!("{mlp}.experts.{e}.down_proj");
+                p.add_fp8(&m, part(e * h, h), [h, i]);
+            }
+        } else if let (Some(m), [out, inp]) = (stored.strip_suffix(".weight"), shape.as_slice()) {
+            if quantized(m) || per_expert(name).is_some() {
+                p.add_fp8(m, part(0, *out), [*out, *inp]);
+            } else {
+                kept.push(m.to_string());
+                p.dense += 1;
+                let dtype = stored_dtype(store, name, &shape)?;
+                p.add_dense(stored.clone(), dtype, shape, name);
+            }
+        } else {
+            let dtype = stored_dtype(store, name, &shape)?;
+            p.add_dense(stored.clone(), dtype, shape, name);
+        }
+    }
+    Ok((p, kept))
+}
+
+/// The `quantization_config` of an FP8 conversion keeping `kept` unquantized.
+pub(crate) fn fp8_config(kept: &[String]) -> Value {
+    json!({
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK,
+        "modules_to_not_convert": kept,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantized;
+
+    #[test]
+    fn routers_gates_and_embeddings_stay_unquantized() {
+        for m in [
+            "model.layers.0.mlp.gate",
+            "model.layers.0.mlp.shared_expert_gate",
+            "model.layers.0.linear_attn.in_proj_a",
+            "model.layers.0.linear_attn.in_proj_ba",
+            "model.embed_tokens",
+            "lm_head",
+        ] {
+            assert!(!quantized(m), "{m}");
+        }
+        for m in [
+            "model.layers.0.mlp.gate_proj",
+            "model.layers.0.mlp.shared_expert.gate_proj",
+            "model.layers.0.linear_attn.in_proj_qkvz",
+            "model.layers.3.self_attn.o_proj",
+        ] {
+            assert!(quantized(m), "{m}");
+        }
+    }
+}
