@@ -14,6 +14,12 @@ echo "== generate on cuda"
 echo "== perplexity of the built-in model on cuda against the cpu's 40.3405 (within 0.5%)"
 ppl=$(.gpu/deltamoe perplexity --device cuda --text models/tiny/heldout-excerpt.txt | sed -n 's/.*ppl=\([0-9.]*\).*/\1/p')
 python3 -c "import sys; p = float('${ppl:-nan}'); print('cuda ppl', p, 'ratio', p / 40.3405); sys.exit(abs(p / 40.3405 - 1) > 0.005)" || status=1
+echo "== the built-in model in FP8 (convert --fp8): perplexity on cuda against the cpu's (within 0.5%)"
+fp8=$(mktemp -d)/tiny-fp8
+.gpu/deltamoe convert --model models/tiny --out "$fp8" --fp8 2>/dev/null
+p8=()
+for d in cuda cpu; do p8+=("$(.gpu/deltamoe perplexity --model "$fp8" --device $d --text models/tiny/heldout-excerpt.txt | sed -n 's/.*ppl=\([0-9.]*\).*/\1/p')"); done
+python3 -c "import sys; c, h = float('${p8[0]:-nan}'), float('${p8[1]:-nan}'); print('fp8 ppl cuda', c, 'cpu', h, 'ratio', c / h); sys.exit(abs(c / h - 1) > 0.005)" || status=1
 echo "== greedy continuation of the built-in model: cuda (bf16 prefill) equals cpu"
 prompt=$(head -c 600 models/tiny/heldout-excerpt.txt)
 a=$(.gpu/deltamoe generate --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda 2>/dev/null)
