@@ -191,15 +191,31 @@ extern "C" __global__ void grouped_swiglu_fp8(const unsigned char* __restrict__ 
         if (lane == v && v < nv) h[(long long)pair[v] * I + n] = silu_f(g[v]) * u[v];
 }
 
+// Loads a lane has in flight in the slots kernels before using any: one row's 8-byte loads
+// alone leave a warp waiting on each in turn.
+#define FP8_UNROLL 4
+
 // Σ_k W[row, k] x[k] over one row, warp-summed (the slots kernels).
 __device__ __forceinline__ float fp8_row(const unsigned char* __restrict__ W, const float* __restrict__ S,
                                          long long row, const float* x, int K, int G, int lane) {
     const int KG = (K + G - 1) / G;
     float acc = 0.f;
-    for (int k = lane * 8; k < K; k += 256) {
-        float wf[8];
-        e4m3x8(__ldcs(reinterpret_cast<const uint2*>(W + row * K + k)), wf);
-        acc = fmaf(S[row * KG + k / G], dot8f(wf, x + k), acc);
+    for (int base = lane * 8; base < K; base += 256 * FP8_UNROLL) {
+        uint2 p[FP8_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            const int k = base + 256 * u;
+            if (k < K) p[u] = __ldcs(reinterpret_cast<const uint2*>(W + row * K + k));
+        }
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; ++u) {
+            const int k = base + 256 * u;
+            if (k < K) {
+                float wf[8];
+                e4m3x8(p[u], wf);
+                acc = fmaf(S[row * KG + k / G], dot8f(wf, x + k), acc);
+            }
+        }
     }
     return warp_sum(acc);
 }
