@@ -155,17 +155,23 @@ fn evaluate(dir: &Path, ids: &[u32], reference: Option<&Eval>) -> Eval {
     ev
 }
 
+/// The first `CTX · WINDOWS` tokens of heldout-excerpt.txt under the model's tokenizer.
+fn heldout_ids(src: &Path) -> Vec<u32> {
+    let tok = TextTokenizer::from_dir(src)
+        .unwrap()
+        .expect("models/tiny/tokenizer.json");
+    let text = std::fs::read_to_string(root().join("models/tiny/heldout-excerpt.txt")).unwrap();
+    let mut ids = tok.encode(&text, false).unwrap();
+    assert!(ids.len() >= CTX * WINDOWS, "only {} tokens", ids.len());
+    ids.truncate(CTX * WINDOWS);
+    ids
+}
+
 #[test]
 fn quantized_tiny_model_heldout_perplexity_and_kl_to_bf16() {
     let t0 = Instant::now();
     let src = root().join("models/tiny");
-    let tok = TextTokenizer::from_dir(&src)
-        .unwrap()
-        .expect("models/tiny/tokenizer.json");
-    let text = std::fs::read_to_string(root().join("models/tiny/heldout-excerpt.txt")).unwrap();
-    let ids = tok.encode(&text, false).unwrap();
-    assert!(ids.len() >= CTX * WINDOWS, "only {} tokens", ids.len());
-    let ids = &ids[..CTX * WINDOWS];
+    let ids = &heldout_ids(&src);
 
     let bf16 = evaluate(&src, ids, None);
     let tmp = tempfile::tempdir().unwrap();
@@ -254,12 +260,7 @@ const FP8_KL: f64 = 0.001125;
 #[test]
 fn fp8_tiny_model_heldout_perplexity_and_kl_to_bf16() {
     let src = root().join("models/tiny");
-    let tok = TextTokenizer::from_dir(&src)
-        .unwrap()
-        .expect("models/tiny/tokenizer.json");
-    let text = std::fs::read_to_string(root().join("models/tiny/heldout-excerpt.txt")).unwrap();
-    let ids = tok.encode(&text, false).unwrap();
-    let ids = &ids[..CTX * WINDOWS];
+    let ids = &heldout_ids(&src);
     let bf16 = evaluate(&src, ids, None);
     let tmp = tempfile::tempdir().unwrap();
     let dst = tmp.path().join("fp8");

@@ -7,6 +7,13 @@ __device__ __forceinline__ float bf16f(bf16_t v) { return __uint_as_float(((unsi
 __device__ __forceinline__ float bf16lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
+// The e4m3 (FP8) byte b as f32, exact: its magnitude bits placed at the top of an f32 (exponent
+// field = e4m3 exponent, subnormals included) times 2^(127 − 7); 0x7f / 0xff are NaN.
+__device__ __forceinline__ float e4m3f(unsigned b) {
+    const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
+    return (b & 0x7fu) == 0x7fu ? __int_as_float(0x7fffffff) : v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

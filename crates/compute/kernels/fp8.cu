@@ -21,13 +21,6 @@
 #define MV_VECS 8
 #define MV_ROWS 4
 
-// The e4m3 byte b as f32, exact: its magnitude bits placed at the top of an f32 (exponent field
-// = e4m3 exponent, subnormals included) times 2^(127 − 7); 0x7f / 0xff are NaN.
-__device__ __forceinline__ float e4m3f(unsigned b) {
-    const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
-    return (b & 0x7fu) == 0x7fu ? __int_as_float(0x7fffffff) : v;
-}
-
 // The 8 codes of p, decoded.
 __device__ __forceinline__ void e4m3x8(uint2 p, float w[8]) {
 #pragma unroll

@@ -80,16 +80,10 @@ __device__ __forceinline__ void dequant_word(unsigned w, unsigned s2, unsigned b
 
 __device__ __forceinline__ unsigned splat_bf16(bf16_t v) { return (unsigned)v | ((unsigned)v << 16); }
 
-// The e4m3 byte b as f32, exact (as fp8.cu's e4m3f).
-__device__ __forceinline__ float e4m3_f32(unsigned b) {
-    const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f;
-    return (b & 0x7fu) == 0x7fu ? __int_as_float(0x7fffffff) : v;
-}
-
 // The 4 FP8 codes of word `w` times `s`, as two bf16x2 pairs.
 __device__ __forceinline__ void dequant_fp8_word(unsigned w, float s, unsigned* out) {
-    out[0] = pack_bf16(e4m3_f32(w & 255u) * s, e4m3_f32((w >> 8) & 255u) * s);
-    out[1] = pack_bf16(e4m3_f32((w >> 16) & 255u) * s, e4m3_f32(w >> 24) * s);
+    out[0] = pack_bf16(e4m3f(w & 255u) * s, e4m3f((w >> 8) & 255u) * s);
+    out[1] = pack_bf16(e4m3f((w >> 16) & 255u) * s, e4m3f(w >> 24) * s);
 }
 
 extern "C" __global__ void dequant_fp8_bf16(const unsigned* __restrict__ W, const float* __restrict__ S,

@@ -29,19 +29,6 @@ pub struct Fp8Config {
 }
 
 impl Fp8Config {
-    /// Read the block from `dir/config.json`; `None` when the file or an FP8 block is absent
-    /// (a malformed file is [`crate::quant::QuantConfig::from_dir`]'s to report).
-    pub fn from_dir(dir: &Path) -> Result<Option<Fp8Config>> {
-        let path = dir.join("config.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            return Ok(None);
-        };
-        match serde_json::from_str::<Value>(&text) {
-            Ok(root) => Fp8Config::from_json(&root, &path),
-            Err(_) => Ok(None),
-        }
-    }
-
     /// The block of a parsed `config.json` when its quantization method is `fp8`; `None` for
     /// any other or no quantization block.
     pub fn from_json(root: &Value, path: &Path) -> Result<Option<Fp8Config>> {

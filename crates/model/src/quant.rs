@@ -101,20 +101,20 @@ fn spec_of(v: &Value, key: &str, path: &Path) -> Result<QuantSpec> {
     Ok(spec)
 }
 
-impl QuantConfig {
-    /// Read the block from `dir/config.json`; `None` when the file or the block is absent.
-    pub fn from_dir(dir: &Path) -> Result<Option<QuantConfig>> {
-        let path = dir.join("config.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            return Ok(None);
-        };
-        let root: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
-            path: path.clone(),
-            msg: e.to_string(),
-        })?;
-        QuantConfig::from_json(&root, &path)
-    }
+/// `dir/config.json` parsed, and its path; `None` when the file cannot be read.
+pub(crate) fn config_json(dir: &Path) -> Result<Option<(Value, PathBuf)>> {
+    let path = dir.join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(None);
+    };
+    let root: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
+        path: path.clone(),
+        msg: e.to_string(),
+    })?;
+    Ok(Some((root, path)))
+}
 
+impl QuantConfig {
     /// Read the block from a parsed config; `path` names the file in errors.
     pub fn from_json(root: &Value, path: &Path) -> Result<Option<QuantConfig>> {
         let scopes = [Some(root), root.get("text_config")];

@@ -21,7 +21,7 @@ use safetensors::SafeTensors;
 
 use crate::error::{ModelError, Result};
 use crate::fp8::Fp8Config;
-use crate::quant::{Layout, QuantConfig};
+use crate::quant::{config_json, Layout, QuantConfig};
 
 /// What `summary` reports of a tensor.
 #[derive(Clone, Debug)]
@@ -133,8 +133,10 @@ impl WeightStore {
         for f in files {
             store.add_file(&dir.join(f))?;
         }
-        store.quant = QuantConfig::from_dir(dir)?;
-        store.fp8 = Fp8Config::from_dir(dir)?;
+        if let Some((root, path)) = config_json(dir)? {
+            store.quant = QuantConfig::from_json(&root, &path)?;
+            store.fp8 = Fp8Config::from_json(&root, &path)?;
+        }
         store.layout = Layout::detect(&store);
         Ok(store)
     }

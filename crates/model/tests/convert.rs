@@ -150,6 +150,39 @@ fn fp8_dequantized(
     w.dequantize()
 }
 
+/// `data` (name, shape, f32 little-endian bytes) as `dir/model.safetensors`.
+fn write_f32(dir: &Path, data: &[(String, Vec<usize>, Vec<u8>)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = data
+        .iter()
+        .map(|(n, s, b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (n.clone(), v.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// The converted model at `dst` against the f32 engine on `reference`, on `src`'s prompts.
+fn check_converted(name: &str, src: &Path, dst: &Path, reference: &Path) {
+    let vocab = ModelConfig::from_dir(src).unwrap().vocab_size;
+    let (reference, model) = (
+        Qwen3Hybrid::load(reference).unwrap(),
+        Qwen3Hybrid::load(dst).unwrap(),
+    );
+    let bytes = std::fs::read(src.join("reference.safetensors")).unwrap();
+    let refst = SafeTensors::deserialize(&bytes).unwrap();
+    for p in ["prompt0", "prompt1"] {
+        let toks = ids(&refst, &format!("{p}.tokens"));
+        check_logits(
+            &format!("{name} {p}"),
+            &logits(&model, &toks),
+            &logits(&reference, &toks),
+            vocab,
+        );
+    }
+}
+
 /// The HF checkpoint with what convert would store, dequantized, as f32 in HF layout.
 fn fake_quantized_copy(src: &Path, opts: &ConvertOptions, dst: &Path) {
     let store = WeightStore::open(src).unwrap();
@@ -202,16 +235,8 @@ fn fake_quantized_copy(src: &Path, opts: &ConvertOptions, dst: &Path) {
         ));
     }
     assert!(quantized > 20);
-    std::fs::create_dir_all(dst).unwrap();
+    write_f32(dst, &data);
     // The reference is a plain f32 checkpoint: no FP8 block in its config.
-    let views: Vec<(String, safetensors::tensor::TensorView)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
-            (n.clone(), v.unwrap())
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     cfg.as_object_mut().unwrap().remove("quantization_config");
@@ -238,22 +263,7 @@ fn fp8_source_converts_like_its_dequantized_weights() {
     let st = WeightStore::open(&dst).unwrap();
     assert!(st.fp8().is_none() && st.names().all(|n| !n.ends_with("_scale_inv")));
     fake_quantized_copy(&src, &opts, &fake);
-    let cfg = ModelConfig::from_dir(&src).unwrap();
-    let (reference, model) = (
-        Qwen3Hybrid::load(&fake).unwrap(),
-        Qwen3Hybrid::load(&dst).unwrap(),
-    );
-    let bytes = std::fs::read(src.join("reference.safetensors")).unwrap();
-    let refst = SafeTensors::deserialize(&bytes).unwrap();
-    for p in ["prompt0", "prompt1"] {
-        let toks = ids(&refst, &format!("{p}.tokens"));
-        check_logits(
-            &format!("fp8 qwen3_next converted {p}"),
-            &logits(&model, &toks),
-            &logits(&reference, &toks),
-            cfg.vocab_size,
-        );
-    }
+    check_converted("fp8 qwen3_next converted", &src, &dst, &fake);
 }
 
 #[test]
@@ -299,20 +309,7 @@ fn mixed_bits_sharded_output_matches_the_f32_engine_on_fake_quantized_weights() 
         .is_some());
 
     fake_quantized_copy(&src, &opts, &fake);
-    let cfg = ModelConfig::from_dir(&src).unwrap();
-    let reference = Qwen3Hybrid::load(&fake).unwrap();
-    let model = Qwen3Hybrid::load(&dst).unwrap();
-    let bytes = std::fs::read(src.join("reference.safetensors")).unwrap();
-    let refst = SafeTensors::deserialize(&bytes).unwrap();
-    for p in ["prompt0", "prompt1"] {
-        let toks = ids(&refst, &format!("{p}.tokens"));
-        check_logits(
-            &format!("mixed-bit qwen3_next {p}"),
-            &logits(&model, &toks),
-            &logits(&reference, &toks),
-            cfg.vocab_size,
-        );
-    }
+    check_converted("mixed-bit qwen3_next", &src, &dst, &fake);
 }
 
 #[test]
@@ -418,31 +415,9 @@ fn fp8_output_is_qwen_fp8_layout_and_matches_its_round_trip() {
             v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         ));
     }
-    std::fs::create_dir_all(&fake).unwrap();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = data
-        .iter()
-        .map(|(n, s, b)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
-            (n.clone(), v.unwrap())
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &fake.join("model.safetensors")).unwrap();
+    write_f32(&fake, &data);
     std::fs::copy(src.join("config.json"), fake.join("config.json")).unwrap();
-    let (reference, model) = (
-        Qwen3Hybrid::load(&fake).unwrap(),
-        Qwen3Hybrid::load(&dst).unwrap(),
-    );
-    let bytes = std::fs::read(src.join("reference.safetensors")).unwrap();
-    let refst = SafeTensors::deserialize(&bytes).unwrap();
-    for p in ["prompt0", "prompt1"] {
-        let toks = ids(&refst, &format!("{p}.tokens"));
-        check_logits(
-            &format!("fp8 qwen3_5_moe {p}"),
-            &logits(&model, &toks),
-            &logits(&reference, &toks),
-            c.vocab_size,
-        );
-    }
+    check_converted("fp8 qwen3_5_moe", &src, &dst, &fake);
 }
 
 fn quant_block_fp8(dir: &Path) -> serde_json::Value {

@@ -10,22 +10,15 @@ mod common;
 
 use std::path::Path;
 
-use deltamoe_model::{Logits, Qwen3Hybrid, WeightStore};
+use deltamoe_model::{Qwen3Hybrid, WeightStore};
 use safetensors::SafeTensors;
 
 use common::{
     check_logits, copy_fixture, drop_tensors, edit_quantization, f32s, fixture, ids, load_err,
+    run_chunks,
 };
 
 const FIXTURES: [&str; 3] = ["fp8_qwen3_5_dense", "fp8_qwen3_5_moe", "fp8_qwen3_next"];
-
-fn run(model: &Qwen3Hybrid, tokens: &[u32], chunk: usize) -> Vec<f32> {
-    let mut st = model.new_state();
-    tokens
-        .chunks(chunk)
-        .flat_map(|c| model.forward(c, &mut st, Logits::All).unwrap())
-        .collect()
-}
 
 #[test]
 fn fp8_checkpoints_match_transformers_on_dequantized_weights() {
@@ -41,7 +34,7 @@ fn fp8_checkpoints_match_transformers_on_dequantized_weights() {
             let tokens = ids(&st, &format!("prompt{i}.tokens"));
             let logits = f32s(&st, &format!("prompt{i}.logits"));
             for chunk in [tokens.len(), 1, 37] {
-                let got = run(&model, &tokens, chunk);
+                let got = run_chunks(&model, &tokens, chunk);
                 check_logits(
                     &format!("{name} prompt{i} chunk {chunk}"),
                     &got,

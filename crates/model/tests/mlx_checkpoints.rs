@@ -8,11 +8,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use deltamoe_model::{Layout, Logits, Qwen3Hybrid, WeightStore};
+use deltamoe_model::{Layout, Qwen3Hybrid, WeightStore};
 use safetensors::SafeTensors;
 
 use common::{
     check_logits, copy_fixture, drop_tensors, edit_quantization, f32s, fixture, ids, load_err,
+    run_chunks,
 };
 
 fn mlx_fixtures() -> Vec<PathBuf> {
@@ -46,14 +47,6 @@ fn prompts(dir: &Path) -> Vec<(Vec<u32>, Vec<f32>)> {
         .collect()
 }
 
-fn run(model: &Qwen3Hybrid, tokens: &[u32], chunk: usize) -> Vec<f32> {
-    let mut st = model.new_state();
-    tokens
-        .chunks(chunk)
-        .flat_map(|c| model.forward(c, &mut st, Logits::All).unwrap())
-        .collect()
-}
-
 #[test]
 fn mlx_lm_checkpoints_match_transformers_on_dequantized_weights() {
     for dir in mlx_fixtures() {
@@ -65,7 +58,7 @@ fn mlx_lm_checkpoints_match_transformers_on_dequantized_weights() {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
         for (i, (tokens, logits)) in prompts(&dir).iter().enumerate() {
             for chunk in [tokens.len(), 1, 37] {
-                let got = run(&model, tokens, chunk);
+                let got = run_chunks(&model, tokens, chunk);
                 check_logits(
                     &format!("{name} prompt{i} chunk {chunk}"),
                     &got,

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use deltamoe_model::Qwen3Hybrid;
+use deltamoe_model::{Logits, Qwen3Hybrid};
 use safetensors::SafeTensors;
 
 pub fn fixture(name: &str) -> PathBuf {
@@ -105,4 +105,13 @@ pub fn load_err(dir: &Path) -> String {
         .to_string();
     assert!(!e.contains('\n'), "not one line: {e}");
     e
+}
+
+/// All-position logits of `tokens` fed to a fresh sequence in passes of `chunk`.
+pub fn run_chunks(model: &Qwen3Hybrid, tokens: &[u32], chunk: usize) -> Vec<f32> {
+    let mut st = model.new_state();
+    tokens
+        .chunks(chunk)
+        .flat_map(|c| model.forward(c, &mut st, Logits::All).unwrap())
+        .collect()
 }
