@@ -20,6 +20,12 @@ fp8=$(mktemp -d)/tiny-fp8
 p8=()
 for d in cuda cpu; do p8+=("$(.gpu/deltamoe perplexity --model "$fp8" --device $d --text models/tiny/heldout-excerpt.txt | sed -n 's/.*ppl=\([0-9.]*\).*/\1/p')"); done
 python3 -c "import sys; c, h = float('${p8[0]:-nan}'), float('${p8[1]:-nan}'); print('fp8 ppl cuda', c, 'cpu', h, 'ratio', c / h); sys.exit(abs(c / h - 1) > 0.005)" || status=1
+echo "== the built-in model in GPTQ int4 (convert --gptq --group-size 32): perplexity on cuda against the cpu's (within 0.5%)"
+gq=$(mktemp -d)/tiny-gptq
+.gpu/deltamoe convert --model models/tiny --out "$gq" --gptq --group-size 32 2>/dev/null
+pg=()
+for d in cuda cpu; do pg+=("$(.gpu/deltamoe perplexity --model "$gq" --device $d --text models/tiny/heldout-excerpt.txt | sed -n 's/.*ppl=\([0-9.]*\).*/\1/p')"); done
+python3 -c "import sys; c, h = float('${pg[0]:-nan}'), float('${pg[1]:-nan}'); print('gptq ppl cuda', c, 'cpu', h, 'ratio', c / h); sys.exit(abs(c / h - 1) > 0.005)" || status=1
 echo "== greedy continuation of the built-in model: cuda (bf16 prefill) equals cpu"
 prompt=$(head -c 600 models/tiny/heldout-excerpt.txt)
 a=$(.gpu/deltamoe generate --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda 2>/dev/null)

@@ -26,6 +26,7 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import safetensors
 import safetensors.torch
@@ -145,15 +146,11 @@ def quantize_checkpoint(bf16_sd, fx):
     return dict(sorted(out.items(), key=lambda kv: mf.natural_key(kv[0])))
 
 
-def hf_state_dict(ckpt, fx):
-    """FP8 checkpoint (on-disk names) -> f32 state dict in transformers' in-memory layout:
-    weights dequantized by `dequantize`, prefix mapped back, per-expert tensors fused
-    (gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I]), extra tensors dropped."""
-    sd, experts = {}, {}
-    for k, v in ckpt.items():
-        if k.endswith("_scale_inv") or k in fx.get("extra", {}):
-            continue
-        t = dequantize(v, ckpt[k + "_scale_inv"]) if k + "_scale_inv" in ckpt else v.float()
+def hf_layout(sd, fx):
+    """f32 state dict under on-disk names -> transformers' in-memory layout: prefix mapped back, per-expert
+    tensors fused (gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I])."""
+    out, experts = {}, {}
+    for k, t in sd.items():
         if k.startswith(fx["prefix"]):
             k = "model." + k[len(fx["prefix"]):]
         if ".mlp.experts." in k:
@@ -161,13 +158,24 @@ def hf_state_dict(ckpt, fx):
             e, proj, _ = rest.split(".")
             experts.setdefault(base, {})[(int(e), proj)] = t
             continue
-        sd[k] = t.contiguous()
+        out[k] = t.contiguous()
     for base, ex in experts.items():
         n = 1 + max(e for e, _ in ex)
-        sd[f"{base}.mlp.experts.gate_up_proj"] = torch.stack(
+        out[f"{base}.mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat([ex[(e, "gate_proj")], ex[(e, "up_proj")]], 0) for e in range(n)]).contiguous()
-        sd[f"{base}.mlp.experts.down_proj"] = torch.stack([ex[(e, "down_proj")] for e in range(n)]).contiguous()
-    return sd
+        out[f"{base}.mlp.experts.down_proj"] = torch.stack([ex[(e, "down_proj")] for e in range(n)]).contiguous()
+    return out
+
+
+def hf_state_dict(ckpt, fx):
+    """FP8 checkpoint (on-disk names) -> f32 state dict in transformers' in-memory layout (`hf_layout`):
+    weights dequantized by `dequantize`, extra tensors dropped."""
+    sd = {}
+    for k, v in ckpt.items():
+        if k.endswith("_scale_inv") or k in fx.get("extra", {}):
+            continue
+        sd[k] = dequantize(v, ckpt[k + "_scale_inv"]) if k + "_scale_inv" in ckpt else v.float()
+    return hf_layout(sd, fx)
 
 
 def load_into(model, sd, fx):
@@ -203,21 +211,31 @@ def read_header(path):
 # Fixtures
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def make_fixture(idx, fx):
+def write_fixture(fx, seed, quant_cfg, prepare, to_hf, meta):
+    """What every quantized fixture shares (this script's and make_gptq_fixtures.py's): fixtures/<name>/ with
+    config.json (+ quant_cfg as its quantization_config), the tokenizer files of fx["source"], the checkpoint
+    and reference.safetensors (meta: the format's metadata, next to the versions and the seed facts), weights
+    re-drawn from `seed + attempt` until no routing or greedy decision of the DEQUANTIZED model is a near-tie,
+    and check 1 (a fresh model loaded from the written files gives bit-identical logits).
+    The format's steps: prepare(gen), called once after the prompts are drawn from gen, returns
+    quantize(model) -> (ckpt, info): the on-disk checkpoint of the float model and what to_hf needs besides;
+    to_hf(ckpt, info) -> f32 state dict in transformers' layout.
+    Returns the facts the format's own checks and report use."""
     d = FIX / fx["name"]
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
-    config = {**mf.full_config(fx), "quantization_config": quant_config(fx)}
+    config = {**mf.full_config(fx), "quantization_config": quant_cfg}
     vocab = fx["text"]["vocab_size"]
-    gen = torch.Generator().manual_seed(SEED + 1000 * idx)
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in mf.PROMPT_LENS]
+    quantize = prepare(gen)
     # Re-draw the weights until no routing or greedy decision of the DEQUANTIZED model is a near-tie.
     for attempt in range(mf.MAX_ATTEMPTS):
-        model = build(fx, SEED + 1000 * idx + attempt)
+        model = build(fx, seed + attempt)
         plain = [model(p[None], use_cache=False).logits[0].clone() for p in prompts]  # unquantized weights
-        ckpt = quantize_checkpoint(mf.to_checkpoint(model, fx), fx)
-        load_into(model, hf_state_dict(ckpt, fx), fx)
+        ckpt, info = quantize(model)
+        load_into(model, to_hf(ckpt, info), fx)
         out = [mf.reference(model, p, hidden=False) for p in prompts]
         rm, gm = min(o[1] for o in out), min(o[2] for o in out)
         if rm >= mf.ROUTER_MARGIN and gm >= mf.GREEDY_MARGIN:
@@ -234,24 +252,48 @@ def make_fixture(idx, fx):
     mf.save_weights(d, ckpt, fx["shards"])
     tensors = {f"prompt{i}.{k}": v for i, r in enumerate(refs) for k, v in r.items()}
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "seed_attempt": str(attempt), "min_router_gap": f"{rm:.3e}", "min_greedy_margin": f"{gm:.3e}",
-            "weight_block_size": "[128, 128]", "scale_dtype": str(fx["scale_dtype"]).split(".")[-1],
-            "reference": "transformers float32 eager on weights dequantized by scripts/make_fp8_fixtures.py"}
+            "seed_attempt": str(attempt), "min_router_gap": f"{rm:.3e}", "min_greedy_margin": f"{gm:.3e}", **meta}
     mf.save_sorted_meta(tensors, d / "reference.safetensors", meta)
 
-    # Check 1: reload the written files (F8_E4M3 via safetensors+torch, own dequant) into a fresh
-    # model and require bit-identical logits.
+    # Check 1: reload the written files into a fresh model and require bit-identical logits.
     files = sorted(d.glob("model*.safetensors"))
     disk = {}
     for f in files:
         disk.update(load_file(str(f)))
     assert disk.keys() == ckpt.keys()
     fresh = AutoModelForCausalLM.from_config(text_config(d), dtype=torch.float32, **mf.IMPL)
-    load_into(fresh, hf_state_dict(disk, fx), fx)
+    load_into(fresh, to_hf(disk, info), fx)
     same = all(torch.equal(fresh(p[None], use_cache=False).logits[0], r["logits"]) for p, r in zip(prompts, refs))
     assert same, f"{fx['name']}: reloaded logits differ from the reference"
+    # Check 3: quantization changed the model (reference vs the same weights unquantized).
+    dq = max((a - r["logits"]).abs().max().item() for a, r in zip(plain, refs))
+    agree = (plain[0].argmax(-1) == refs[0]["logits"].argmax(-1)).float().mean().item()
+    return SimpleNamespace(d=d, files=files, disk=disk, info=info, refs=refs, attempt=attempt, rm=rm, gm=gm,
+                           dq=dq, agree=agree)
+
+
+def fixture_report(fx, r, what, more=""):
+    """The fixture's report lines: `what` (the format's matrices) in the first, `more` (whole lines) after it."""
+    size = sum(f.stat().st_size for f in r.d.iterdir())
+    lg = r.refs[0]["logits"]
+    return (f"{fx['name']}: {size / 1024:.0f} KiB in {len(r.files)} weight file(s), {what}, seed attempt {r.attempt}, "
+            f"min router gap {r.rm:.1e}, min greedy margin {r.gm:.1e}\n{more}"
+            f"    max|logit|={lg.abs().max():.2f} greedy0={r.refs[0]['greedy'].tolist()} greedy1={r.refs[1]['greedy'].tolist()}\n"
+            f"    reload from files: logits bit-identical; unquantized vs reference: max|dlogit|={r.dq:.3f}, "
+            f"prompt0 argmax agreement {r.agree:.2f}")
+
+
+@torch.no_grad()
+def make_fixture(idx, fx):
+    def prepare(gen):
+        return lambda model: (quantize_checkpoint(mf.to_checkpoint(model, fx), fx), None)
+
+    meta = {"weight_block_size": "[128, 128]", "scale_dtype": str(fx["scale_dtype"]).split(".")[-1],
+            "reference": "transformers float32 eager on weights dequantized by scripts/make_fp8_fixtures.py"}
+    # write_fixture's check 1 reloads the F8_E4M3 files via safetensors+torch and dequantizes them with `dequantize`.
+    r = write_fixture(fx, SEED + 1000 * idx, quant_config(fx), prepare, lambda ckpt, _: hf_state_dict(ckpt, fx), meta)
     # Check 2: the on-disk dtypes and scale shapes.
-    header = {k: v for f in files for k, v in read_header(f).items() if k != "__metadata__"}
+    header = {k: v for f in r.files for k, v in read_header(f).items() if k != "__metadata__"}
     sdt = {torch.float32: "F32", torch.bfloat16: "BF16"}[fx["scale_dtype"]]
     nq = 0
     for k, h in header.items():
@@ -263,23 +305,14 @@ def make_fixture(idx, fx):
     assert sum(h["dtype"] == "F8_E4M3" for h in header.values()) == nq
     # Check 2b: every FP8 matrix's dequantization against the bit-field decoder, element by element.
     bits = torch.tensor([e4m3_bits(b) for b in range(256)])
+    disk = r.disk
     for k, v in disk.items():
         if k + "_scale_inv" in disk:
             s = disk[k + "_scale_inv"].float()
             rows = torch.arange(v.shape[0])[:, None] // BLOCK
             cols = torch.arange(v.shape[1])[None, :] // BLOCK
             assert torch.equal(bits[v.view(torch.uint8).long()] * s[rows, cols], dequantize(v, disk[k + "_scale_inv"])), k
-    # Check 3: quantization changed the model (reference vs the same weights unquantized).
-    dq = max((a - r["logits"]).abs().max().item() for a, r in zip(plain, refs))
-    agree = (plain[0].argmax(-1) == refs[0]["logits"].argmax(-1)).float().mean().item()
-
-    size = sum(f.stat().st_size for f in d.iterdir())
-    lg = refs[0]["logits"]
-    return (f"{fx['name']}: {size / 1024:.0f} KiB in {len(files)} weight file(s), {nq} FP8 matrices "
-            f"(scales {sdt}), seed attempt {attempt}, min router gap {rm:.1e}, min greedy margin {gm:.1e}\n"
-            f"    max|logit|={lg.abs().max():.2f} greedy0={refs[0]['greedy'].tolist()} greedy1={refs[1]['greedy'].tolist()}\n"
-            f"    reload from files: logits bit-identical; unquantized vs reference: max|dlogit|={dq:.3f}, "
-            f"prompt0 argmax agreement {agree:.2f}")
+    return fixture_report(fx, r, f"{nq} FP8 matrices (scales {sdt})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,21 +382,31 @@ def make_cases():
         rows = torch.arange(q.shape[0])[:, None] // BLOCK
         cols = torch.arange(q.shape[1])[None, :] // BLOCK
         assert torch.equal(bits[q] * s[rows, cols], deq), i
-    out = FIX / "quant"
-    out.mkdir(exist_ok=True)
     meta = {"torch": torch.__version__, "cases": json.dumps(meta_cases), "block": "128",
             "recipe": "s = amax(|block|)/448 (1 if amax == 0; bf16 cases round s to bf16 first); "
                       "fp8 = clamp(w / s, -448, 448).to(float8_e4m3fn); deq = fp8.f32 * s"}
-    mf.save_sorted_meta(tensors, out / "fp8_cases.safetensors", meta)
+    save_cases(tensors, "fp8_cases.safetensors", meta)
     return f"quant/fp8_cases.safetensors: {len(cases)} cases + e4m3.table"
 
 
-def main():
+def save_cases(tensors, name, meta):
+    """fixtures/quant/<name>, metadata keys sorted."""
+    out = FIX / "quant"
+    out.mkdir(exist_ok=True)
+    mf.save_sorted_meta(tensors, out / name, meta)
+
+
+def run(make_cases, make_fixture, fixtures, versions=""):
+    """Cases, then every fixture; prints the library versions (`versions`: the format's, appended) and the reports."""
     torch.set_num_threads(2)
-    report = [make_cases()] + [make_fixture(i, fx) for i, fx in enumerate(FIXTURES)]
+    report = [make_cases()] + [make_fixture(i, fx) for i, fx in enumerate(fixtures)]
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, tokenizers {tokenizers.__version__}, "
-          f"safetensors {safetensors.__version__}")
+          f"safetensors {safetensors.__version__}{versions}")
     print("\n".join(report))
+
+
+def main():
+    run(make_cases, make_fixture, FIXTURES)
 
 
 if __name__ == "__main__":

@@ -36,13 +36,17 @@ pub struct BenchArgs {
     /// Synthetic matrices MLX-affine quantized to this many bits (2, 4 or 8; CUDA only).
     #[arg(long)]
     bits: Option<u32>,
-    /// Group size for --bits.
-    #[arg(long, default_value_t = synthetic::DEFAULT_GROUP)]
-    group_size: usize,
+    /// Group size for --bits (default 64) or --gptq (default 128).
+    #[arg(long)]
+    group_size: Option<usize>,
     /// Synthetic matrices in fine-grained FP8 (e4m3, a scale per 128x128 block; routers and
     /// lm_head bf16, as Qwen's FP8 checkpoints; CUDA only).
     #[arg(long, conflicts_with = "bits")]
     fp8: bool,
+    /// Synthetic routed experts in GPTQ int4 (f16 scales and zero points), everything else bf16,
+    /// as Qwen's GPTQ-Int4 checkpoints (CUDA only).
+    #[arg(long, conflicts_with_all = ["bits", "fp8"])]
+    gptq: bool,
     /// Prompt lengths for the prefill measurements (the CPU measures the first).
     #[arg(long, value_delimiter = ',', default_values_t = [512usize])]
     prompt_len: Vec<usize>,
@@ -126,7 +130,7 @@ fn cache_specs(a: &BenchArgs) -> Result<Vec<ExpertCache>> {
 }
 
 fn precision(a: &BenchArgs) -> String {
-    synthetic::quant(a.bits, a.group_size, a.fp8)
+    synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)
         .map(synthetic::precision)
         .unwrap_or_default()
 }
@@ -164,7 +168,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.model.is_none() && a.config.is_none() && a.synthetic.is_none() {
         bail!("bench needs one of --model DIR, --config FILE or --synthetic NAME");
     }
-    synthetic::quant(a.bits, a.group_size, a.fp8)?;
+    synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
     let cuda_ok = cuda::unavailable_reason();
     let on_cuda = match (a.device, &cuda_ok) {
         (Device::Cpu, _) => false,
@@ -188,8 +192,8 @@ fn run_cpu(a: &BenchArgs) -> Result<Value> {
     {
         bail!("--zipf, --gpu-memory, --host-memory and --expert-cache-fraction measure expert offload on the GPU; use --device cuda");
     }
-    if a.bits.is_some() || a.fp8 {
-        bail!("--bits, --fp8: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
+    if a.bits.is_some() || a.fp8 || a.gptq {
+        bail!("--bits, --fp8, --gptq: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
     }
     let (model, name) = match synthetic_config(a)? {
         Some((cfg, name)) => {
@@ -404,7 +408,7 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
     let t0 = Instant::now();
     let (mut model, name, max_pos) = match synthetic_config(a)? {
         Some((cfg, name)) => {
-            let quant = synthetic::quant(a.bits, a.group_size, a.fp8)?;
+            let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
             let mut m = synthetic::gpu_model(&cfg, gpu.clone(), quant, caches[0])?;
             if let Some(alpha) = a.zipf {
                 m.skew_routing(alpha, 7)?;
@@ -639,7 +643,15 @@ fn run_matvec() -> Result<Value> {
         // Spread the matrices so each launch reads weights that are not in L2.
         let copies = 64usize.min((8usize << 30) / (n * k * 2 * slots)).max(2);
         let x = g.zeros::<f32>(k * slots)?;
-        ops::fill_uniform(g, x.ptr(), k * slots, false, 7, -1.0, 1.0)?;
+        ops::fill_uniform(
+            g,
+            x.ptr(),
+            k * slots,
+            deltamoe_compute::DType::F32,
+            7,
+            -1.0,
+            1.0,
+        )?;
         let y = g.zeros::<f32>(n * slots)?;
         let ids = g.upload(&(0..slots as i32).collect::<Vec<_>>())?;
         let sl = if slots > 1 {
@@ -680,7 +692,15 @@ fn run_matvec() -> Result<Value> {
                 )
             };
             ops::fill_random_u32(g, buf_w.ptr(), buf_w.len(), 3)?;
-            ops::fill_uniform(g, buf_s.ptr(), buf_s.len(), true, 5, 0.001, 0.01)?;
+            ops::fill_uniform(
+                g,
+                buf_s.ptr(),
+                buf_s.len(),
+                deltamoe_compute::DType::BF16,
+                5,
+                0.001,
+                0.01,
+            )?;
             let bytes =
                 slots * (n * k * bits as usize / 8 + if bits == 16 { 0 } else { 4 * n * k / 64 });
             let m_of = |c: usize| {
@@ -694,6 +714,7 @@ fn run_matvec() -> Result<Value> {
                         group: 64,
                         scales: buf_s.ptr() + off,
                         biases: buf_s.ptr() + groups as u64 * 2 + off,
+                        params: cuda::ops::AffineParams::Bf16,
                     }
                 };
                 Matvec {
@@ -717,7 +738,15 @@ fn run_matvec() -> Result<Value> {
         let (codes, scales): (cuda::DevBuf<u32>, cuda::DevBuf<f32>) =
             (g.zeros(elems / 4)?, g.zeros(copies * slots * n * kg)?);
         ops::fill_random_u32(g, codes.ptr(), codes.len(), 3)?;
-        ops::fill_uniform(g, scales.ptr(), scales.len(), false, 5, 0.001, 0.01)?;
+        ops::fill_uniform(
+            g,
+            scales.ptr(),
+            scales.len(),
+            deltamoe_compute::DType::F32,
+            5,
+            0.001,
+            0.01,
+        )?;
         let m_of = |c: usize| Matvec {
             w: codes.ptr() + (c * slots * n * k) as u64,
             n,

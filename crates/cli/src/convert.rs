@@ -1,5 +1,5 @@
-//! `convert`: quantize an HF checkpoint into an MLX affine-quantized one (mlx-lm layout), tensor
-//! by tensor with bounded memory. Policy and output format: `deltamoe_model::convert`.
+//! `convert`: quantize an HF checkpoint into an MLX affine-quantized one (mlx-lm layout), or a
+//! fine-grained FP8 or GPTQ int4 one, tensor by tensor with bounded memory. Policy and output format: `deltamoe_model::convert`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Args)]
 pub struct ConvertArgs {
-    /// Source model directory (HF layout, bf16/f16/f32 or fine-grained FP8).
+    /// Source model directory (HF layout: bf16/f16/f32, fine-grained FP8, GPTQ or AWQ).
     #[arg(long)]
     model: PathBuf,
     /// Output directory (created; must not exist or be empty).
@@ -21,9 +21,9 @@ pub struct ConvertArgs {
     /// Default bits per weight: 2, 3, 4, 5, 6 or 8.
     #[arg(long, default_value_t = 4)]
     bits: u32,
-    /// Weights per scale/bias group: 32, 64 or 128.
-    #[arg(long, default_value_t = 64)]
-    group_size: usize,
+    /// Weights per scale/bias group: 32, 64 or 128 (default 64; 128 with --gptq).
+    #[arg(long)]
+    group_size: Option<usize>,
     /// Per-module override PATTERN=BITS[:GROUP] or PATTERN=none (keep the model dtype);
     /// repeatable, the last match wins. PATTERN is a glob over module paths such as
     /// model.layers.3.mlp.switch_mlp.down_proj, matching whole dot-separated suffixes:
@@ -32,8 +32,13 @@ pub struct ConvertArgs {
     bits_for: Vec<String>,
     /// Write fine-grained FP8 (e4m3, a scale per 128x128 block) in the layout of Qwen's
     /// `*-FP8` checkpoints instead of MLX affine (--bits, --group-size, --bits-for unused).
-    #[arg(long, conflicts_with_all = ["bits", "group_size", "bits_for"])]
+    #[arg(long, conflicts_with_all = ["bits", "group_size", "bits_for", "gptq"])]
     fp8: bool,
+    /// Write GPTQ int4 (v1 layout, symmetric, round to nearest, groups of --group-size) instead
+    /// of MLX affine: the router, gates, embeddings and lm_head stay as stored (--bits and
+    /// --bits-for unused).
+    #[arg(long, conflicts_with_all = ["bits", "bits_for"])]
+    gptq: bool,
     /// Largest output shard in MiB.
     #[arg(long, default_value_t = DEFAULT_SHARD_BYTES >> 20)]
     shard_mib: u64,
@@ -49,14 +54,15 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     if a.shard_mib == 0 {
         bail!("--shard-mib must be at least 1");
     }
-    let mut opts = match a.fp8 {
-        true => ConvertOptions::fp8(),
-        false => ConvertOptions::new(a.bits, a.group_size),
+    let mut opts = match (a.fp8, a.gptq) {
+        (true, _) => ConvertOptions::fp8(),
+        (_, true) => ConvertOptions::gptq(a.group_size.unwrap_or(128)),
+        _ => ConvertOptions::new(a.bits, a.group_size.unwrap_or(64)),
     };
     opts.max_shard_bytes = a.shard_mib << 20;
     for r in &a.bits_for {
         opts.rules
-            .push(BitsRule::parse(r, a.group_size).map_err(anyhow::Error::msg)?);
+            .push(BitsRule::parse(r, opts.group_size).map_err(anyhow::Error::msg)?);
     }
     let t0 = Instant::now();
     let bar = ProgressBar::new(0);

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use deltamoe_model::gptq::Packing;
 use deltamoe_model::{LayerKind, ModelConfig, WeightStore};
 
 #[derive(Args)]
@@ -143,7 +144,19 @@ pub fn run(a: InfoArgs) -> Result<()> {
                 f.block[1],
                 f.not_converted.len()
             ),
-            None => println!("quantization   none"),
+            None => match store.gptq() {
+                Some(g) => println!(
+                    "quantization   {} {} bits, group size {} (repacked at load to affine; bits/w below count its f32 scales and biases on the CPU, CUDA holds f16 scales and zero points)",
+                    match g.packing {
+                        Packing::Gptq { v1: true } => "GPTQ (v1)",
+                        Packing::Gptq { v1: false } => "GPTQ (v2)",
+                        Packing::Awq => "AWQ",
+                    },
+                    g.bits,
+                    g.group_size.map_or("per row".to_string(), |g| g.to_string()),
+                ),
+                None => println!("quantization   none"),
+            },
         },
     }
     println!();

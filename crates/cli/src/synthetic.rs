@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
+use deltamoe_compute::cuda::ops::AffineParams;
 use deltamoe_compute::cuda::{self, Gpu};
 use deltamoe_model::gpu::{DevFormat, ExpertCache, GpuModel};
 use deltamoe_model::ModelConfig;
@@ -47,30 +48,54 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
     )?)
 }
 
-/// The synthetic weights' format: `--bits B --group-size G` (MLX affine, checked against what the
-/// CUDA kernels take), `--fp8` (blocks of 128), or bf16.
-pub fn quant(bits: Option<u32>, group_size: usize, fp8: bool) -> Result<DevFormat> {
-    match (bits, fp8) {
-        (Some(_), true) => bail!("--bits and --fp8: pick one"),
-        (None, true) => Ok(DevFormat::Fp8 { group: 128 }),
-        (None, false) => Ok(DevFormat::Bf16),
-        (Some(b), false) => {
-            if ![2, 4, 8].contains(&b) || ![32, 64, 128].contains(&group_size) {
-                bail!("--bits {b} --group-size {group_size}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128");
-            }
-            Ok(DevFormat::Affine {
-                bits: b,
-                group: group_size,
-            })
+/// The synthetic weights' format: `--bits B [--group-size G]` (MLX affine, checked against what
+/// the CUDA kernels take; group 64 by default), `--fp8` (blocks of 128), `--gptq [--group-size
+/// G]` (int4 with f16 scales and zero points on the routed experts, the rest bf16, as Qwen's
+/// GPTQ-Int4 checkpoints; group 128 by default), or bf16.
+pub fn quant(
+    bits: Option<u32>,
+    group_size: Option<usize>,
+    fp8: bool,
+    gptq: bool,
+) -> Result<DevFormat> {
+    let (b, params) = match (bits, fp8, gptq) {
+        (Some(_), true, _) | (Some(_), _, true) | (_, true, true) => {
+            bail!("--bits, --fp8 and --gptq: pick one")
         }
+        (None, true, _) => return Ok(DevFormat::Fp8 { group: 128 }),
+        (None, false, false) => return Ok(DevFormat::Bf16),
+        (None, false, true) => (4, AffineParams::F16Zero),
+        (Some(b), false, false) => (b, AffineParams::Bf16),
+    };
+    let default = match params {
+        AffineParams::F16Zero => 128,
+        AffineParams::Bf16 => DEFAULT_GROUP,
+    };
+    let group = group_size.unwrap_or(default);
+    if ![2, 4, 8].contains(&b) || ![32, 64, 128].contains(&group) {
+        bail!("--bits {b} --group-size {group}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128");
     }
+    Ok(DevFormat::Affine {
+        bits: b,
+        group,
+        params,
+    })
 }
 
 /// How the weights are stored, for display: `bf16`, `4-bit affine, group 64` or `FP8 e4m3,
 /// blocks of 128`.
 pub fn precision(format: DevFormat) -> String {
     match format {
-        DevFormat::Affine { bits, group } => format!("{bits}-bit affine, group {group}"),
+        DevFormat::Affine {
+            bits,
+            group,
+            params: AffineParams::Bf16,
+        } => format!("{bits}-bit affine, group {group}"),
+        DevFormat::Affine {
+            bits,
+            group,
+            params: AffineParams::F16Zero,
+        } => format!("GPTQ {bits}-bit experts, group {group}"),
         DevFormat::Fp8 { group } => format!("FP8 e4m3, blocks of {group}"),
         DevFormat::Bf16 => "bf16".into(),
     }
@@ -100,15 +125,23 @@ mod tests {
             e.contains("--synthetic x") && e.contains("qwen3.6-35b-a3b"),
             "{e}"
         );
-        assert_eq!(quant(None, 7, false).unwrap(), DevFormat::Bf16);
-        let four = DevFormat::Affine { bits: 4, group: 64 };
-        assert_eq!(quant(Some(4), 64, false).unwrap(), four);
-        assert!(quant(Some(3), 64, false).is_err() && quant(Some(4), 48, false).is_err());
+        assert_eq!(quant(None, Some(7), false, false).unwrap(), DevFormat::Bf16);
+        let four = DevFormat::Affine {
+            bits: 4,
+            group: 64,
+            params: AffineParams::Bf16,
+        };
+        assert_eq!(quant(Some(4), None, false, false).unwrap(), four);
+        assert!(quant(Some(3), None, false, false).is_err());
+        assert!(quant(Some(4), Some(48), false, false).is_err());
+        assert!(quant(Some(4), None, false, true).is_err());
         assert_eq!(precision(four), "4-bit affine, group 64");
+        let gptq = quant(None, None, false, true).unwrap();
+        assert_eq!(precision(gptq), "GPTQ 4-bit experts, group 128");
         assert_eq!(
-            quant(None, 64, true).unwrap(),
+            quant(None, None, true, false).unwrap(),
             DevFormat::Fp8 { group: 128 }
         );
-        assert!(quant(Some(4), 64, true).is_err());
+        assert!(quant(Some(4), None, true, false).is_err());
     }
 }

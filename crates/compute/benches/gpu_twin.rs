@@ -11,6 +11,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use deltamoe_compute::cpu::gpu_twin::{matvec_rows, swiglu_rows, TwinInput, TwinMat};
+use deltamoe_compute::cuda::ops::AffineParams;
 use deltamoe_compute::dtype::f32_to_bf16;
 
 fn splitmix(mut z: u64) -> u64 {
@@ -57,6 +58,7 @@ impl Expert {
             biases: &self.biases,
             bits: BITS,
             group: GROUP,
+            params: AffineParams::Bf16,
         }
     }
 

@@ -47,16 +47,56 @@ impl Bufs {
             out: gpu.zeros(d.t * d.hv * d.dv)?,
             ws: gpu.zeros(workspace_bytes(d))?,
         };
-        ops::fill_uniform(gpu, b.q.ptr(), b.q.len(), true, seed, -1.0, 1.0)?;
-        ops::fill_uniform(gpu, b.k.ptr(), b.k.len(), true, seed + 1, -1.0, 1.0)?;
-        ops::fill_uniform(gpu, b.v.ptr(), b.v.len(), true, seed + 2, -1.0, 1.0)?;
-        ops::fill_uniform(gpu, b.g.ptr(), b.g.len(), false, seed + 3, -0.7, -0.01)?;
-        ops::fill_uniform(gpu, b.beta.ptr(), b.beta.len(), false, seed + 4, 0.0, 1.0)?;
+        ops::fill_uniform(
+            gpu,
+            b.q.ptr(),
+            b.q.len(),
+            deltamoe_compute::DType::BF16,
+            seed,
+            -1.0,
+            1.0,
+        )?;
+        ops::fill_uniform(
+            gpu,
+            b.k.ptr(),
+            b.k.len(),
+            deltamoe_compute::DType::BF16,
+            seed + 1,
+            -1.0,
+            1.0,
+        )?;
+        ops::fill_uniform(
+            gpu,
+            b.v.ptr(),
+            b.v.len(),
+            deltamoe_compute::DType::BF16,
+            seed + 2,
+            -1.0,
+            1.0,
+        )?;
+        ops::fill_uniform(
+            gpu,
+            b.g.ptr(),
+            b.g.len(),
+            deltamoe_compute::DType::F32,
+            seed + 3,
+            -0.7,
+            -0.01,
+        )?;
+        ops::fill_uniform(
+            gpu,
+            b.beta.ptr(),
+            b.beta.len(),
+            deltamoe_compute::DType::F32,
+            seed + 4,
+            0.0,
+            1.0,
+        )?;
         ops::fill_uniform(
             gpu,
             b.state.ptr(),
             b.state.len(),
-            false,
+            deltamoe_compute::DType::F32,
             seed + 5,
             -0.5,
             0.5,

@@ -7,6 +7,26 @@ __device__ __forceinline__ float bf16f(bf16_t v) { return __uint_as_float(((unsi
 __device__ __forceinline__ float bf16lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
+// An affine group's scale and bias as f32, from the 16-bit values its scale and bias arrays
+// hold: every read of affine weights' parameters goes through these two. The kernel registry
+// builds the files that read them twice (cuda/kernels.rs): as they are, for MLX's bf16 scales and
+// biases (w = q·scale + bias), and with AFFINE_F16_ZERO, for GPTQ/AWQ's f16 scales s and f16
+// integer zero points z in the biases' place (w = (q − z)·s), taken as scale s and bias −z·s:
+// exact in f32 (z ≤ 255, s has 11 significant bits), so the kernels' dequant forms give what they
+// give for f32 parameters s and −z·s.
+#ifdef AFFINE_F16_ZERO
+__device__ __forceinline__ float f16f(unsigned short v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+__device__ __forceinline__ float aff_scale(unsigned short s) { return f16f(s); }
+__device__ __forceinline__ float aff_bias(unsigned short z, float scale) { return -f16f(z) * scale; }
+#else
+__device__ __forceinline__ float aff_scale(unsigned short s) { return bf16f(s); }
+__device__ __forceinline__ float aff_bias(unsigned short b, float) { return bf16f(b); }
+#endif
+
 // The e4m3 (FP8) byte b as f32, exact: its magnitude bits placed at the top of an f32 (exponent
 // field = e4m3 exponent, subnormals included) times 2^(127 − 7); 0x7f / 0xff are NaN.
 __device__ __forceinline__ float e4m3f(unsigned b) {

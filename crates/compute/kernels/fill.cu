@@ -1,6 +1,6 @@
 // Random fills for synthetic (benchmark) weights made directly in device memory.
 //
-// fill_uniform_bf16 / fill_uniform_f32: out[i] = lo + (hi − lo) · u(seed, i), u ∈ [0, 1) from
+// fill_uniform_bf16 / _f16 / _f32: out[i] = lo + (hi − lo) · u(seed, i), u ∈ [0, 1) from
 //   splitmix64 of (seed, i); fill_random_u32: random 32-bit words (packed quantized weights);
 //   fill_random_fp8: the same words with bit 3 of each byte cleared, so that every byte is an e4m3
 //   code of even exponent ≤ 14 (|value| ≤ 240, never NaN).
@@ -22,6 +22,17 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ out, long long
         unsigned int b = __float_as_uint(v);
         b += 0x7fffu + ((b >> 16) & 1u);
         out[i] = (bf16_t)(b >> 16);
+    }
+}
+
+extern "C" __global__ void fill_uniform_f16(unsigned short* __restrict__ out, long long n, unsigned long long seed,
+                                            float lo, float hi) {
+    pdl_entry();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(lo + (hi - lo) * uniform01(seed, i)));
+        out[i] = h;
     }
 }
 

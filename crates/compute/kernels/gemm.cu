@@ -3,12 +3,15 @@
 // operands in bf16; routed experts run the grouped kernel below. MLX affine weights are
 // dequantized once to bf16: w = bf16(scale·q + bias) with one rounding of the exact value
 // (fma.rn.bf16x2 on the exact codes), which the CPU twin (cpu::gemm_twin) reproduces bit for bit.
+// Built with AFFINE_F16_ZERO (f16 scales s and zero points z, common.cuh's aff_scale and
+// aff_bias), w = bf16((q − z)·s), likewise one rounding of the exact value (group_sb below).
 //
 // rows_to_bf16: x f32 rows (row t at x + t·xs floats) → y bf16 [T, K] (round to nearest even).
 //   grid (ceil(K / 256), T), block 256. rows_to_bf16_v4: the same four values a thread (float4
 //   loads; xs, K multiples of 4), grid (ceil(K / 1024), T).
-// dequant_affine_bf16: words u32 [N, K·bits/32] (LSB first), scales and biases bf16 [N, K/G] →
-//   out bf16 [N, K]. grid ceil(N·K·bits/32 / 256), block 256: one thread a word.
+// dequant_affine_bf16: words u32 [N, K·bits/32] (LSB first), scales and biases bf16 [N, K/G] (or
+//   f16 scales and zero points) → out bf16 [N, K]. grid ceil(N·K·bits/32 / 256), block 256: one
+//   thread a word.
 // dequant_fp8_bf16: FP8 codes [N, K] (four a word), f32 row scales [N, ceil(K/G)] → out bf16
 //   [N, K], w = bf16(f32(e4m3(code) · scale)) (the CPU twin's rounding). Same grid, K % 4 == 0.
 // swiglu_rows: gu f32 [T, 2I] ([gate | up] per row) → h f32 [T, I], h = silu(g)·u.
@@ -59,26 +62,48 @@ __device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned 
     return r;
 }
 
-// The 32/BITS codes of word `w` (LSB first) dequantized as bf16x2 pairs: bf16(s·q + b).
+// A group's scale and bias in the form dequant_word applies them, from the stored 16-bit values
+// s and b: GroupSB{sb_scale(s), sb_bias(b, s)}. MLX (bf16 parameters): both splat as bf16x2, one
+// fma.rn.bf16x2 a pair of codes. F16 zero points (AFFINE_F16_ZERO, common.cuh): s and −z·s in
+// f32, one f32 fma a code, exact ((q − z)·s has at most 20 significant bits), so the one rounding
+// is the conversion to bf16.
+#ifdef AFFINE_F16_ZERO
+struct GroupSB {
+    float s, b;
+};
+__device__ __forceinline__ float sb_scale(bf16_t s) { return aff_scale(s); }
+__device__ __forceinline__ float sb_bias(bf16_t z, bf16_t s) { return aff_bias(z, aff_scale(s)); }
+#else
+struct GroupSB {
+    unsigned s, b;
+};
+__device__ __forceinline__ unsigned splat_bf16(bf16_t v) { return (unsigned)v | ((unsigned)v << 16); }
+__device__ __forceinline__ unsigned sb_scale(bf16_t s) { return splat_bf16(s); }
+__device__ __forceinline__ unsigned sb_bias(bf16_t b, bf16_t) { return splat_bf16(b); }
+#endif
+
+// The 32/BITS codes of word `w` (LSB first) dequantized as bf16x2 pairs: bf16(s·q + b), one
+// rounding of the exact value.
 template <int BITS>
-__device__ __forceinline__ void dequant_word(unsigned w, unsigned s2, unsigned b2, unsigned* out) {
+__device__ __forceinline__ void dequant_word(unsigned w, GroupSB sb, unsigned* out) {
 #pragma unroll
     for (int i = 0; i < 16 / BITS; ++i) {
-        unsigned q0, q1, p;
+        unsigned q0, q1;
         if (BITS == 4) {
             q0 = (w >> (8 * i)) & 15u;
             q1 = (w >> (8 * i + 4)) & 15u;
-            p = codes4_bf16(q0, q1);
         } else {
             q0 = (w >> (16 * i)) & 255u;
             q1 = (w >> (16 * i + 8)) & 255u;
-            p = pack_bf16((float)q0, (float)q1);
         }
-        out[i] = fma_bf16x2(p, s2, b2);
+#ifdef AFFINE_F16_ZERO
+        out[i] = pack_bf16(fmaf((float)q0, sb.s, sb.b), fmaf((float)q1, sb.s, sb.b));
+#else
+        const unsigned p = BITS == 4 ? codes4_bf16(q0, q1) : pack_bf16((float)q0, (float)q1);
+        out[i] = fma_bf16x2(p, sb.s, sb.b);
+#endif
     }
 }
-
-__device__ __forceinline__ unsigned splat_bf16(bf16_t v) { return (unsigned)v | ((unsigned)v << 16); }
 
 // The 4 FP8 codes of word `w` times `s`, as two bf16x2 pairs.
 __device__ __forceinline__ void dequant_fp8_word(unsigned w, float s, unsigned* out) {
@@ -109,14 +134,14 @@ extern "C" __global__ void dequant_affine_bf16(const unsigned* __restrict__ W, c
     const long long n = i / wpr;
     const int k0 = (int)(i % wpr) * per;
     const long long g = n * (K / G) + k0 / G;
-    const unsigned s2 = splat_bf16(S[g]), b2 = splat_bf16(Bs[g]);
+    const GroupSB sb = {sb_scale(S[g]), sb_bias(Bs[g], S[g])};
     unsigned v[4];
     unsigned* o = reinterpret_cast<unsigned*>(out + n * K + k0);
     if (bits == 4) {
-        dequant_word<4>(W[i], s2, b2, v);
+        dequant_word<4>(W[i], sb, v);
         reinterpret_cast<uint4*>(o)[0] = make_uint4(v[0], v[1], v[2], v[3]);
     } else {
-        dequant_word<8>(W[i], s2, b2, v);
+        dequant_word<8>(W[i], sb, v);
         reinterpret_cast<uint2*>(o)[0] = make_uint2(v[0], v[1]);
     }
 }
@@ -228,14 +253,14 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
             for (int u = 0; u < 4; ++u) dst[u] = make_uint4(0, 0, 0, 0);
             return;
         }
-        const unsigned s2 = splat_bf16(sreg), b2 = splat_bf16(breg);
         unsigned v[16];
         if (BITS == 9) {
 #pragma unroll
             for (int w = 0; w < NW; ++w) dequant_fp8_word(wreg[w], freg, v + 2 * w);
         } else {
+            const GroupSB sb = {sb_scale(sreg), sb_bias(breg, sreg)};
 #pragma unroll
-            for (int w = 0; w < NW; ++w) dequant_word<(BITS == 16 || BITS == 9 ? 4 : BITS)>(wreg[w], s2, b2, v + w * (16 / NW));
+            for (int w = 0; w < NW; ++w) dequant_word<(BITS == 16 || BITS == 9 ? 4 : BITS)>(wreg[w], sb, v + w * (16 / NW));
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) dst[u] = make_uint4(v[4 * u], v[4 * u + 1], v[4 * u + 2], v[4 * u + 3]);

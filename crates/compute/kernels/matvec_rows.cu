@@ -10,6 +10,7 @@
 // matvec_rows_affine: the same on an MLX affine matrix (words u32 [N, K·bits/32], LSB first;
 //   scales, biases bf16 [N, K/G]; bits 2, 4 or 8), FMA dequant form per word, row and input b:
 //   acc += scale·Σ q·x_b + bias·Σ x_b. Lane l reads words l, l + 32, … (128-byte warp loads).
+//   Built with AFFINE_F16_ZERO: f16 scales and zero points (common.cuh, aff_scale and aff_bias).
 // swiglu_rows_bf16 / swiglu_rows_affine: h[b, n] = silu(G[n]·x_b) · U[n]·x_b for W = [gate (I rows)
 //   | up (I rows)]; h: [B, I]. A warp computes MV_ROWS/2 outputs (their gate and up rows);
 //   grid (ceil(B / MV_VECS), ceil(I / (8·MV_ROWS/2))).
@@ -81,8 +82,8 @@ __device__ void dot_rows_vecs_affine(const unsigned int* __restrict__ W, const b
         for (int r = 0; r < MV_ROWS; ++r) {
             unsigned int p = __ldcs(W + rows[r] * nw + wi);
             long long gi = rows[r] * gpr + (k >> gshift);
-            sc[r] = bf16f(S[gi]);
-            bi[r] = bf16f(B[gi]);
+            sc[r] = aff_scale(S[gi]);
+            bi[r] = aff_bias(B[gi], sc[r]);
 #pragma unroll
             for (int i = 0; i < V; ++i)
                 q[r][i] = __uint_as_float(((p >> (i * BITS)) & mask) | 0x4B000000u) - 8388608.0f;
@@ -263,7 +264,7 @@ __device__ void dot_row_gather_affine(const unsigned int* __restrict__ W, const 
         unsigned int p = __ldg(W + row * nw + wi);
         int k = wi * V;
         long long gi = row * gpr + (k >> gshift);
-        float sc = bf16f(S[gi]), bi = bf16f(B[gi]);
+        const float sc = aff_scale(S[gi]), bi = aff_bias(B[gi], sc);
         float q[V];
 #pragma unroll
         for (int i = 0; i < V; ++i)

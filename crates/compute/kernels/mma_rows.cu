@@ -75,8 +75,8 @@ __device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], flo
             p[2 * i] = codes_bf16(part & mask, (part >> sh) & mask, BITS);
             p[2 * i + 1] = codes_bf16((part >> (2 * sh)) & mask, (part >> (3 * sh)) & mask, BITS);
         }
-        *sc = bf16f((bf16_t)(r.sb & 0xffffu));
-        *bi = bf16f((bf16_t)(r.sb >> 16));
+        *sc = aff_scale((bf16_t)(r.sb & 0xffffu));
+        *bi = aff_bias((bf16_t)(r.sb >> 16), *sc);
     }
 }
 

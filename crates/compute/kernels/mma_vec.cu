@@ -15,7 +15,8 @@
 // Σ_k w x = scale·(Σ_k (128 + q) x' − 128·Σ_k x') + bias·Σ_k x, x' = x_hi + x_lo (the group's
 // sum of x' in f32, as the products see it).
 //
-// Layouts: words u32 [N, K/8] (LSB first), scales and biases bf16 [N, K/G], G ∈ {32, 64, 128},
+// Layouts: words u32 [N, K/8] (LSB first), scales and biases bf16 [N, K/G] (built with
+// AFFINE_F16_ZERO: f16 scales and zero points, common.cuh's aff_scale), G ∈ {32, 64, 128},
 // K % G == 0; x f32 [K] (16-byte aligned); y f32 [N]; bias f32 [N] or null.
 //
 // The first blocks ask L2 for their rows of W, S and B before waiting on the kernel before it
@@ -467,8 +468,12 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                     for (int i = 0; i < T; ++i) {
                         const int a0 = vec_scale_at(o0[i], K, G, T, RUNS) + g;
                         const int a1 = vec_scale_at(o1[i], K, G, T, RUNS) + g;
-                        acc0[i] = fmaf(bf16f(sc[a0]), (c[i][0] + c[i][1]) - off, fmaf(bf16f(bi[a0]), xg, acc0[i]));
-                        acc1[i] = fmaf(bf16f(sc[a1]), (c[i][2] + c[i][3]) - off, fmaf(bf16f(bi[a1]), xg, acc1[i]));
+                        // The scale read twice: one load (the compiler merges them), and the bf16
+                        // build keeps the order of its loads.
+                        acc0[i] = fmaf(aff_scale(sc[a0]), (c[i][0] + c[i][1]) - off,
+                                       fmaf(aff_bias(bi[a0], aff_scale(sc[a0])), xg, acc0[i]));
+                        acc1[i] = fmaf(aff_scale(sc[a1]), (c[i][2] + c[i][3]) - off,
+                                       fmaf(aff_bias(bi[a1], aff_scale(sc[a1])), xg, acc1[i]));
                     }
                 }
             }

@@ -280,8 +280,8 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const bf16_t* row = reinterpret_cast<const bf16_t*>(srow + 8 * h * WIDE_SBB);
-                        sc[0][h] = bf16f(row[os + gi]);
-                        bi[0][h] = bf16f(row[128 * WIDE_SBB / 2 + ob + gi]) - wide_code_offset<BITS>() * sc[0][h];
+                        sc[0][h] = aff_scale(row[os + gi]);
+                        bi[0][h] = aff_bias(row[128 * WIDE_SBB / 2 + ob + gi], sc[0][h]) - wide_code_offset<BITS>() * sc[0][h];
                     }
 #pragma unroll
                     for (int j = 0; j < MT; ++j) {

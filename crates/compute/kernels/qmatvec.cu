@@ -3,6 +3,7 @@
 // Layout per matrix [N, K]: words u32 [N, K·bits/32], values LSB-first (value i of a word is
 // (w >> (i·bits)) & (2^bits − 1)); scales, biases bf16 [N, K/G] for groups of G consecutive
 // weights (G a power of two, 32 to 128); w = q·scale + bias. Stacked experts: [E, N, …].
+// Built with AFFINE_F16_ZERO: f16 scales and zero points in their place (common.cuh, aff_scale).
 // FMA dequant form per word: acc += scale·Σ q·x + bias·Σ x (one word never spans two groups).
 // x must be 16-byte aligned (device buffers are).
 //
@@ -153,10 +154,12 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
                     for (int i = 0; i < V; ++i)
                         qx = fmaf(BITS == 4 ? code4_scaled(p[u][r], hi, i) : code_f32<BITS>(p[u][r], i), xv[i], qx);
                     if (GT) {
-                        acc[r] = fmaf(bf16f(ps[r][u * gstep]), qx, fmaf(bf16f(pb[r][u * gstep]), xs, acc[r]));
+                        const float sc = aff_scale(ps[r][u * gstep]);
+                        acc[r] = fmaf(sc, qx, fmaf(aff_bias(pb[r][u * gstep], sc), xs, acc[r]));
                     } else {
                         const long long gi = rows[r] * gpr + (k >> gshift);
-                        acc[r] = fmaf(bf16f(S[gi]), qx, fmaf(bf16f(B[gi]), xs, acc[r]));
+                        const float sc = aff_scale(S[gi]);
+                        acc[r] = fmaf(sc, qx, fmaf(aff_bias(B[gi], sc), xs, acc[r]));
                     }
                 }
             }

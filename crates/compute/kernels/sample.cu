@@ -4,6 +4,8 @@
 // embed_bf16: x[b, i] = table[tok[b], i]. table: [V, H] bf16. grid (ceil(H/256), B), block 256.
 // embed_affine: x[b, i] = q[tok[b], i]·scale + bias for an MLX affine table (words u32
 //   [V, H·bits/32], scales and biases bf16 [V, H/G]; bits 2, 4 or 8). grid (ceil(H/256), B), block 256.
+//   MLX parameters only: this file has no AFFINE_F16_ZERO build (ops::embed refuses tables with f16
+//   zero points; such a table is uploaded as bf16).
 // sample_advance: row b (grid B, one block each) belongs to the sequence in slot s = slots[b]; with
 //   its parameters params + SAMPLE_WORDS·s and logits + b·V it writes tok[b] and advances pos[s]. With
 //   npairs > 0 (one row), the logits' max and its lowest index come from pairs [npairs, 2]: the

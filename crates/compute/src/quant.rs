@@ -197,6 +197,9 @@ pub struct AffineWeight {
     words: PackedWords,
     scales: Tensor,
     biases: Tensor,
+    /// Set by GPTQ/AWQ loaders: every scale is exact in f16 and every bias is `−z·scale` for an
+    /// integer zero point `z` in `0..2^bits` (so a device may hold f16 scales and zero points).
+    zero_points: bool,
 }
 
 impl AffineWeight {
@@ -250,7 +253,30 @@ impl AffineWeight {
             words,
             scales,
             biases,
+            zero_points: false,
         })
+    }
+
+    /// Marks the parameters as GPTQ/AWQ's: f16-exact scales and biases `−z·scale` with integer
+    /// zero points `z` (the caller's guarantee; see [`AffineWeight::zero_point`]).
+    pub fn with_zero_points(mut self) -> AffineWeight {
+        self.zero_points = true;
+        self
+    }
+
+    /// Whether the parameters are zero-point form ([`AffineWeight::with_zero_points`]).
+    pub fn has_zero_points(&self) -> bool {
+        self.zero_points
+    }
+
+    /// The integer zero point of a group of a zero-point weight: `−bias / scale` (0 for a zero
+    /// scale, whose group is all zeros).
+    pub fn zero_point(scale: f32, bias: f32) -> f32 {
+        if scale == 0.0 {
+            0.0
+        } else {
+            -bias / scale
+        }
     }
 
     pub fn bits(&self) -> u32 {
@@ -328,6 +354,7 @@ impl AffineWeight {
             words: self.words.slice(start * wpr, n * wpr),
             scales: flat(&self.scales),
             biases: flat(&self.biases),
+            zero_points: self.zero_points,
         }
     }
 

@@ -1,14 +1,14 @@
 //! Far expert stacks (`ops::Far`): slot ids from `split` on read their matrices from a second
 //! stack in pinned host memory, over PCIe. Results must be bitwise those of the same matrices
-//! read from one device stack, for bf16 and affine weights, plain and SwiGLU products, odd
-//! sizes. Needs a GPU: `#[ignore]`d here, run by `scripts/gpu-tests.sh`.
+//! read from one device stack, for bf16 and affine weights (MLX's parameters, or f16 scales and
+//! zero points), plain and SwiGLU products, odd sizes. Needs a GPU: `#[ignore]`d here, run by
+//! `scripts/gpu-tests.sh`.
 
 mod common;
 
-use common::{gpu, rand_vec, rng};
-use deltamoe_compute::cpu::quant::quantize;
+use common::{gpu, rand_vec, rng, Affine};
 use deltamoe_compute::cuda::host::HostBuf;
-use deltamoe_compute::cuda::ops::{self, Far, Matvec, Slots, WeightFormat};
+use deltamoe_compute::cuda::ops::{self, AffineParams, Far, Matvec, Slots, WeightFormat};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_compute::dtype::f32_to_bf16;
 
@@ -99,11 +99,16 @@ fn far_stacks_read_over_pcie_give_identical_results() {
             let got = run(&g, m(near.ptr()), x.ptr(), sl, out, swiglu);
             bitwise(&format!("bf16 {n}x{k} swiglu {swiglu}"), &got, &want);
         }
-        // Affine 4 and 8 bits.
-        for (bits, group) in [(4u32, 64usize), (8, 32)] {
-            let q = quantize(&w, k, group, bits).unwrap();
-            let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-            let (sb, bb) = (bf(&q.scales), bf(&q.biases));
+        // Affine 4 and 8 bits, both kinds of parameters.
+        let (mlx, f16z) = (AffineParams::Bf16, AffineParams::F16Zero);
+        for (bits, group, params) in [
+            (4u32, 64usize, mlx),
+            (8, 32, mlx),
+            (4, 64, f16z),
+            (8, 32, f16z),
+        ] {
+            let a = Affine::with_params(&g, &w, k, (group, bits), params);
+            let (q, sb, bb) = (&a.q, &a.scales, &a.biases);
             let (wpm, gpm) = (n * k * bits as usize / 32, n * k / group);
             let sub = |v: &[u16], per| -> Vec<u16> {
                 cached
@@ -115,20 +120,16 @@ fn far_stacks_read_over_pcie_give_identical_results() {
                 .iter()
                 .flat_map(|&e| pick(&q.words, e, wpm).to_vec())
                 .collect();
-            let dev = (
-                g.upload(&q.words).unwrap(),
-                g.upload(&sb).unwrap(),
-                g.upload(&bb).unwrap(),
-            );
+            let dev = (&a.dw, &a.ds, &a.db);
             let near = (
                 g.upload(&nw).unwrap(),
-                g.upload(&sub(&sb, gpm)).unwrap(),
-                g.upload(&sub(&bb, gpm)).unwrap(),
+                g.upload(&sub(sb, gpm)).unwrap(),
+                g.upload(&sub(bb, gpm)).unwrap(),
             );
             let host = (
                 HostBuf::from_slice(&g, &q.words).unwrap(),
-                HostBuf::from_slice(&g, &sb).unwrap(),
-                HostBuf::from_slice(&g, &bb).unwrap(),
+                HostBuf::from_slice(&g, sb).unwrap(),
+                HostBuf::from_slice(&g, bb).unwrap(),
             );
             let far = Far {
                 w: host.0.ptr(),
@@ -146,6 +147,7 @@ fn far_stacks_read_over_pcie_give_identical_results() {
                     group,
                     scales: s,
                     biases: b,
+                    params,
                 },
             };
             for swiglu in [false, true] {
@@ -162,7 +164,11 @@ fn far_stacks_read_over_pcie_give_identical_results() {
                 let sl = Slots::experts(slots, df.ptr(), k, 1).with_far(Some(far));
                 let nm = m(near.0.ptr(), near.1.ptr(), near.2.ptr());
                 let got = run(&g, nm, x.ptr(), sl, out, swiglu);
-                bitwise(&format!("{bits}-bit {n}x{k} swiglu {swiglu}"), &got, &want);
+                bitwise(
+                    &format!("{bits}-bit {n}x{k} {params:?} swiglu {swiglu}"),
+                    &got,
+                    &want,
+                );
             }
         }
     }

@@ -1,6 +1,7 @@
 //! The bf16 prefill products (`cuda::gemm`: operand conversion, cuBLASLt, the grouped expert
 //! kernel) against their CPU twins (`cpu::gemm_twin`) on random inputs with odd sizes, for bf16,
-//! MLX affine and FP8 weights. Needs a
+//! affine (MLX's parameters, or f16 scales and zero points: their bf16 operand is the exact
+//! (q − z)·s rounded once) and FP8 weights. Needs a
 //! GPU: `#[ignore]`d here, run by `scripts/gpu-tests.sh`. The rounded operands must agree bit for
 //! bit; products of the same bf16 operands summed in f32 in another order agree to 1e-4 of the
 //! largest output; SwiGLU outputs rounded to bf16 may differ by one bf16 step (2^-8 relative).
@@ -11,7 +12,7 @@ use common::{assert_close, gpu, rand_vec, rng, Affine};
 
 use deltamoe_compute::cpu::gemm_twin::{dequant_affine_bf16, gemm_bf16, swiglu_bf16};
 use deltamoe_compute::cuda::gemm::{self, TILE_GEMM};
-use deltamoe_compute::cuda::ops::{Matvec, WeightFormat};
+use deltamoe_compute::cuda::ops::{AffineParams, Matvec, WeightFormat};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::{DevBuf, Gpu};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16, round_bf16};
@@ -23,13 +24,16 @@ fn bf(v: &[f32]) -> Vec<u16> {
     v.iter().map(|&x| f32_to_bf16(x)).collect()
 }
 
-/// A weight format of the tests: bf16, MLX affine (bits, group) or FP8 in blocks of 128.
+/// A weight format of the tests: bf16, affine (bits, group, parameters) or FP8 in blocks of 128.
 #[derive(Clone, Copy, Debug)]
 enum Q {
     Bf16,
-    Affine(u32, usize),
+    Affine(u32, usize, AffineParams),
     Fp8,
 }
+
+const MLX: AffineParams = AffineParams::Bf16;
+const F16Z: AffineParams = AffineParams::F16Zero;
 
 /// A stack of `e` matrices `[n, k]` on the device in `quant`'s format and the bf16 operand the
 /// products use, as f32 `[e, n, k]` (FP8: random codes and block scales, `w` unused).
@@ -102,9 +106,15 @@ fn stack(g: &Gpu, w: &[f32], (e, n, k): (usize, usize, usize), quant: Q) -> Stac
                 _fp8: None,
             }
         }
-        Q::Affine(bits, group) => {
-            let a = Affine::new(g, w, k, group, bits);
-            let wf = dequant_affine_bf16(&a.q.words, &a.scales, &a.biases, (e * n, k), group, bits);
+        Q::Affine(bits, group, params) => {
+            let a = Affine::with_params(g, w, k, (group, bits), params);
+            let wf = match params {
+                AffineParams::Bf16 => {
+                    dequant_affine_bf16(&a.q.words, &a.scales, &a.biases, (e * n, k), group, bits)
+                }
+                // (q − z)·s is exact in f32 (`Affine::dequant`): one rounding to bf16.
+                AffineParams::F16Zero => a.dequant().into_iter().map(round_bf16).collect(),
+            };
             Stack {
                 m: a.matvec(n, k),
                 wf,
@@ -123,9 +133,12 @@ fn operands_and_library_gemm_match_cpu() {
     let mut r = rng();
     for &(n, k, t, quant) in &[
         (37usize, 72usize, 5usize, Q::Bf16),
-        (300, 256, 129, Q::Affine(4, 64)),
-        (65, 96, 33, Q::Affine(8, 32)),
-        (257, 128, 7, Q::Affine(8, 128)),
+        (300, 256, 129, Q::Affine(4, 64, MLX)),
+        (65, 96, 33, Q::Affine(8, 32, MLX)),
+        (257, 128, 7, Q::Affine(8, 128, MLX)),
+        (301, 256, 17, Q::Affine(4, 64, F16Z)),
+        (65, 96, 33, Q::Affine(8, 32, F16Z)),
+        (129, 384, 7, Q::Affine(4, 128, F16Z)),
         (131, 160, 9, Q::Fp8),
     ] {
         // Strided f32 input rows: odd strides take the scalar conversion, multiples of 4 the
@@ -190,9 +203,12 @@ fn grouped_gemm_matches_cpu() {
     for &(tokens, ks, experts, n, k, quant) in &[
         (37usize, 3usize, 5usize, 24usize, 64usize, Q::Bf16),
         (1, 2, 3, 18, 40, Q::Bf16),
-        (200, 9, 33, 300, 128, Q::Affine(4, 64)),
-        (70, 2, 4, 260, 96, Q::Affine(8, 32)),
-        (9, 8, 257, 40, 256, Q::Affine(4, 128)),
+        (200, 9, 33, 300, 128, Q::Affine(4, 64, MLX)),
+        (70, 2, 4, 260, 96, Q::Affine(8, 32, MLX)),
+        (9, 8, 257, 40, 256, Q::Affine(4, 128, MLX)),
+        (150, 7, 17, 302, 128, Q::Affine(4, 64, F16Z)),
+        (70, 2, 4, 260, 96, Q::Affine(8, 32, F16Z)),
+        (31, 3, 5, 66, 256, Q::Affine(8, 128, F16Z)),
         (100, 8, 9, 202, 160, Q::Fp8),
     ] {
         let pairs = tokens * ks;

@@ -7,7 +7,7 @@ mod common;
 use common::{assert_close, gpu, rand_vec, rng, Affine};
 use deltamoe_compute::cpu::act::sigmoid;
 use deltamoe_compute::cuda::dispatch;
-use deltamoe_compute::cuda::ops::{self, Matvec, Slots, WeightFormat};
+use deltamoe_compute::cuda::ops::{self, AffineParams, Matvec, Slots, WeightFormat};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 use deltamoe_compute::{cpu, DType, Tensor};
 
@@ -102,13 +102,22 @@ fn matvec_and_swiglu_match_cpu() {
     }
 }
 
-/// Affine-quantized matvec and SwiGLU against the CPU's quantized matmul on the same words.
+/// Affine-quantized matvec and SwiGLU (slots with ids: qmatvec.cu, 2 rows a warp, and 4 for
+/// the launch of 16,400 rows) against the CPU's quantized matmul on the same words and the
+/// parameters the kernels apply, for MLX's bf16 parameters and f16 scales and zero points.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn affine_matvec_matches_cpu() {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+        affine_matvec_case(params);
+    }
+}
+
+fn affine_matvec_case(params: AffineParams) {
     use deltamoe_compute::cpu::quant::qmatmul;
-    use deltamoe_compute::{AffineWeight, PackedWords};
     let g = gpu();
+    // The build for the parameters loads on request (else on the first launch that needs it).
+    g.kernels().prepare(params).unwrap();
     let mut r = rng();
     for &(bits, group, n, k, experts, slots) in &[
         (4u32, 64usize, 37usize, 256usize, 3usize, 2usize),
@@ -116,10 +125,10 @@ fn affine_matvec_matches_cpu() {
         (2, 128, 9, 384, 2, 3),
         (4, 32, 64, 2048, 1, 1),
         (2, 32, 11, 96, 1, 2),
+        (8, 64, 4100, 128, 2, 4),
     ] {
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
-        let a = Affine::new(&g, &w, k, group, bits);
-        let (q, sb, bb) = (&a.q, &a.scales, &a.biases);
+        let a = Affine::with_params(&g, &w, k, (group, bits), params);
         let x = rand_vec(&mut r, slots * k, -1.0, 1.0);
         let ids: Vec<i32> = (0..slots).map(|s| ((s * 5 + 1) % experts) as i32).collect();
         let (dx, di) = (g.upload(&x).unwrap(), g.upload(&ids).unwrap());
@@ -133,29 +142,17 @@ fn affine_matvec_matches_cpu() {
             Slots::experts(slots, di.ptr(), k, 1),
         )
         .unwrap();
-        let (wpr, gpr) = (k * bits as usize / 32, k / group);
-        let expert = |e: usize| {
-            let t = |v: &[u16]| {
-                Tensor::from_half_bits(
-                    DType::BF16,
-                    vec![n, gpr],
-                    v[e * n * gpr..(e + 1) * n * gpr].to_vec(),
-                )
-            };
-            let words = PackedWords::from_vec(q.words[e * n * wpr..(e + 1) * n * wpr].to_vec());
-            AffineWeight::new(bits, group, n, k, words, t(sb), t(bb)).unwrap()
-        };
         let mut want = vec![0.0; slots * n];
         for s in 0..slots {
             qmatmul(
                 &x[s * k..(s + 1) * k],
                 1,
-                &expert(ids[s] as usize),
+                &a.weight(ids[s] as usize, n),
                 &mut want[s * n..(s + 1) * n],
             );
         }
         assert_close(
-            &format!("affine {bits}-bit g{group} {n}x{k}"),
+            &format!("affine {bits}-bit g{group} {n}x{k} {params:?}"),
             &g.read(&dy, slots * n).unwrap(),
             &want,
             1e-4,
@@ -180,7 +177,7 @@ fn affine_matvec_matches_cpu() {
                 })
                 .collect();
             assert_close(
-                &format!("affine swiglu {bits}-bit {i}x{k}"),
+                &format!("affine swiglu {bits}-bit {i}x{k} {params:?}"),
                 &g.read(&dh, slots * i).unwrap(),
                 &want,
                 1e-4,
@@ -191,11 +188,12 @@ fn affine_matvec_matches_cpu() {
 
 /// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids; 5 to 530
 /// rows: more than one 32-row group, split-K, wide — with and without K split over blocks —
-/// and GEMM tensor-core forms) and the experts of
-/// several tokens (ids, groups of `x_div` slots per input row), for bf16 and 4/8-bit affine
-/// weights, plus the SwiGLU form of the row batch. The tensor-core row kernels carry each input as bf16 hi + lo (16
-/// significant bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation, hence 3e-5 of the
-/// largest output rather than the 1e-5 of the f32 kernels.
+/// and GEMM tensor-core forms, and the CUDA-core rows kernels for 2-bit weights) and the experts
+/// of several tokens (ids, groups of `x_div` slots per input row), for bf16 and 4/8-bit affine
+/// weights with MLX's parameters or f16 scales and zero points (and 2-bit ones with the latter),
+/// plus the SwiGLU form of the row batch. The tensor-core row kernels carry each input as bf16
+/// hi + lo (16 significant bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation, hence
+/// 3e-5 of the largest output rather than the 1e-5 of the f32 kernels.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matvec_slot_forms_match_cpu() {
@@ -233,22 +231,28 @@ fn slot_forms(rows: usize) {
         },
     )];
     let mut keep = Vec::new();
-    // Groups within a stage of the wide form (4-bit: 128 inputs) and across stages (8-bit: 64).
-    for (bits, group) in [(4u32, 64usize), (8, 128), (4, 32), (4, 128), (8, 32)] {
-        let a = Affine::new(&g, &w, k, group, bits);
-        let q = &a.q;
-        let per = 32 / bits as usize;
-        // Dequantized weights as the affine kernels see them (bf16 scales and biases).
-        let deq: Vec<f32> = (0..experts * n * k)
-            .map(|i| {
-                let (row, col) = (i / k, i % k);
-                let word = q.words[row * k / per + col / per];
-                let v = ((word >> ((col % per) as u32 * bits)) & ((1 << bits) - 1)) as f32;
-                let gi = row * (k / group) + col / group;
-                v * bf16_to_f32(f32_to_bf16(q.scales[gi])) + bf16_to_f32(f32_to_bf16(q.biases[gi]))
-            })
-            .collect();
-        forms.push((format!("affine {bits}-bit"), deq, a.matvec(n, k)));
+    // Groups within a stage of the wide form (4-bit: 128 inputs) and across stages (8-bit: 64);
+    // 2 bits: the CUDA-core rows kernels (matvec_rows.cu).
+    let (mlx, f16z) = (AffineParams::Bf16, AffineParams::F16Zero);
+    for (bits, group, params) in [
+        (4u32, 64usize, mlx),
+        (8, 128, mlx),
+        (4, 32, mlx),
+        (4, 128, mlx),
+        (8, 32, mlx),
+        (4, 64, f16z),
+        (8, 128, f16z),
+        (4, 32, f16z),
+        (8, 32, f16z),
+        (2, 64, f16z),
+    ] {
+        let a = Affine::with_params(&g, &w, k, (group, bits), params);
+        // Dequantized weights as the affine kernels see them.
+        forms.push((
+            format!("affine {bits}-bit g{group} {params:?}"),
+            a.dequant(),
+            a.matvec(n, k),
+        ));
         keep.push(a);
     }
     let dot = |wt: &[f32], e: usize, row: usize, xr: &[f32]| -> f32 {
@@ -310,12 +314,19 @@ fn slot_forms(rows: usize) {
 /// bf16 hi + lo (16 significant bits, relative error ≤ 2⁻¹⁸ per input) with f32 accumulation:
 /// 3e-5 of the largest output.
 /// An 8-bit code enters as two 4-bit digits meeting x and 16·x (exact scalings): the same bound.
+/// MLX's bf16 parameters and f16 scales and zero points (the reference on the parameters the
+/// kernels apply, s and −z·s).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn single_row_on_tensor_cores_matches_cpu() {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+        single_row_case(params);
+    }
+}
+
+fn single_row_case(params: AffineParams) {
     use deltamoe_compute::cpu::quant::qmatmul;
     use deltamoe_compute::cuda::vec;
-    use deltamoe_compute::{AffineWeight, PackedWords};
     let g = gpu();
     let mut r = rng();
     let cases = [
@@ -339,7 +350,7 @@ fn single_row_on_tensor_cores_matches_cpu() {
         .flat_map(|b| cases.iter().map(move |c| (b, c)))
     {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
-        let a = Affine::new(&g, &w, k, group, bits);
+        let a = Affine::with_params(&g, &w, k, (group, bits), params);
         let x = rand_vec(&mut r, k, -1.0, 1.0);
         let bias = rand_vec(&mut r, n, -1.0, 1.0);
         let (dx, dbias) = (g.upload(&x).unwrap(), g.upload(&bias).unwrap());
@@ -359,15 +370,12 @@ fn single_row_on_tensor_cores_matches_cpu() {
         }
         let dy = g.zeros::<f32>(n).unwrap();
         ops::matvec(&g, m, dx.ptr(), dy.ptr(), Slots::one()).unwrap();
-        let t = |v: &[u16]| Tensor::from_half_bits(DType::BF16, vec![n, k / group], v.to_vec());
-        let words = PackedWords::from_vec(a.q.words.clone());
-        let aw = AffineWeight::new(bits, group, n, k, words, t(&a.scales), t(&a.biases)).unwrap();
         let mut want = vec![0.0; n];
-        qmatmul(&x, 1, &aw, &mut want);
+        qmatmul(&x, 1, &a.weight(0, n), &mut want);
         for (o, b) in want.iter_mut().zip(&bias) {
             *o += b;
         }
-        let name = format!("single-row {bits}-bit g{group} {n}x{k}");
+        let name = format!("single-row {bits}-bit g{group} {n}x{k} {params:?}");
         assert_close(&name, &g.read(&dy, n).unwrap(), &want, 3e-5);
     }
 }
@@ -487,10 +495,17 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
 
 /// The fused expert down projections + weighted combine into the residual against the expert
 /// down matvec then `moe_combine` with accumulate: bitwise equal (the same dots in the same order,
-/// the same sum), for each bit width, odd rows, two batch rows, a far stack.
+/// the same sum), for each bit width, odd rows, two batch rows, a far stack, MLX's parameters
+/// and f16 scales and zero points.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn moe_down_combine_equals_down_then_combine() {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+        down_combine_case(params);
+    }
+}
+
+fn down_combine_case(params: AffineParams) {
     use deltamoe_compute::cuda::ops::Far;
     let g = gpu();
     let mut r = rng();
@@ -505,7 +520,7 @@ fn moe_down_combine_equals_down_then_combine() {
         (8, 64, 2045, 512, 12, 11, 1),
     ] {
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
-        let a = Affine::new(&g, &w, k, group, bits);
+        let a = Affine::with_params(&g, &w, k, (group, bits), params);
         let (dw, ds, db) = (&a.dw, &a.ds, &a.db);
         let m = a.matvec(n, k);
         // The same stack doubles as the far one: ids ≥ split read expert id − split of it.
@@ -549,16 +564,16 @@ fn moe_down_combine_equals_down_then_combine() {
         )
         .unwrap();
         ops::moe_down_combine(&g, m, dh.ptr(), xb.ptr(), dwt.ptr(), sl, per_row, rows).unwrap();
-        let (down, kernel) = ops::down_combine_form(&g, bits, n, per_row, rows).unwrap();
+        let (down, kernel) = ops::down_combine_form(&g, (bits, params), n, per_row, rows).unwrap();
         wide |= down == 8;
-        eprintln!("{bits}-bit {n}x{k}, {per_row} slots x {rows}: {kernel}");
+        eprintln!("{bits}-bit {n}x{k}, {per_row} slots x {rows}, {params:?}: {kernel}");
         let (a, b) = (
             g.read(&xa, rows * n).unwrap(),
             g.read(&xb, rows * n).unwrap(),
         );
         assert_eq!(
             a, b,
-            "down + combine, {bits}-bit {n}x{k}, {per_row} slots x {rows}"
+            "down + combine, {bits}-bit {n}x{k}, {per_row} slots x {rows}, {params:?}"
         );
         let moved = a.iter().zip(&x0).filter(|(u, v)| u != v).count();
         assert!(moved > rows * n / 2, "the sums reached the residual");

@@ -11,14 +11,17 @@ use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, SampleParams};
+use deltamoe_compute::cuda::ops::{
+    self, AffineParams, AttnDims, Batch, GdnDims, Matvec, SampleParams, WeightFormat,
+};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 
 #[test]
 #[ignore = "needs NVRTC (libnvrtc.so)"]
 fn kernels_compile_for_hopper_and_ampere() {
     // Real architectures: NVRTC then also assembles the PTX, so an instruction the older part
-    // lacks fails here rather than when a module loads on it.
+    // lacks fails here rather than when a module loads on it. Both builds of the affine kernels
+    // (MLX's parameters, f16 zero points).
     for arch in ["sm_90", "sm_80"] {
         deltamoe_compute::cuda::kernels::compile_all(arch).unwrap();
     }
@@ -551,6 +554,21 @@ fn router_combine_embed_argmax_match_cpu() {
         .map(|&b| bf16_to_f32(b))
         .collect();
     assert_close("embed", &g.read(&x, h).unwrap(), &want, 0.0);
+    // Embedding tables take MLX's parameters only: one with f16 zero points is refused.
+    let gptq = Matvec {
+        w: dt.ptr(),
+        n: v,
+        k: 64,
+        bias: 0,
+        format: WeightFormat::Affine {
+            bits: 4,
+            group: 64,
+            scales: dt.ptr(),
+            biases: dt.ptr(),
+            params: AffineParams::F16Zero,
+        },
+    };
+    assert!(ops::embed(&g, gptq, tok.ptr(), x.ptr(), 64, 1).is_err());
     let mut logits = rand_vec(&mut r, 248_320, -1.0, 1.0);
     logits[200_001] = 5.0;
     logits[7] = 5.0;

@@ -6,16 +6,17 @@
 
 mod common;
 
-use common::{assert_close, gpu, rand_vec, rng};
+use common::{assert_close, gpu, rand_vec, rng, Affine};
 
 use deltamoe_compute::cpu::act::{sigmoid, softplus};
 use deltamoe_compute::cpu::attention::{causal_attention, AttnShape};
 use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
-use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::ops::{self, AttnDims, Batch, GdnDims, Matvec, Slots, WeightFormat};
+use deltamoe_compute::cuda::ops::{
+    self, AffineParams, AttnDims, Batch, GdnDims, Matvec, Slots, WeightFormat,
+};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked, Grouped};
 use deltamoe_compute::cuda::wide;
 use deltamoe_compute::cuda::Gpu;
@@ -402,23 +403,29 @@ fn attention_prefill_rows_match_cpu() {
 
 /// Grouping by expert and the grouped products against a CPU sort and CPU (bf16) or per-pair
 /// GPU (affine: `ops::matvec` with expert slots, itself checked against the CPU in
-/// cuda_parity.rs) products.
+/// cuda_matvec.rs) products; affine weights with MLX's parameters or f16 scales and zero points.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn moe_grouping_and_grouped_products_match_cpu() {
     let g = gpu();
     let mut r = rng();
+    let (mlx, f16z) = (AffineParams::Bf16, AffineParams::F16Zero);
     // n even: the SwiGLU form reads each expert as a [2I, K] block with I = n / 2.
     for &(tokens, ks, experts, n, k, quant) in &[
         (37usize, 3usize, 5usize, 24usize, 64usize, None),
         (1, 2, 3, 18, 40, None),
-        (200, 9, 33, 40, 128, Some((4u32, 64usize))),
-        (13, 2, 4, 10, 96, Some((8, 32))),
+        (200, 9, 33, 40, 128, Some((4u32, 64usize, mlx))),
+        (13, 2, 4, 10, 96, Some((8, 32, mlx))),
         // K in whole stages of the wide kernels, outputs over several of their row blocks.
-        (29, 8, 6, 300, 512, Some((4, 64))),
-        (11, 4, 3, 130, 256, Some((8, 128))),
-        (9, 8, 5, 200, 256, Some((4, 32))),
+        (29, 8, 6, 300, 512, Some((4, 64, mlx))),
+        (11, 4, 3, 130, 256, Some((8, 128, mlx))),
+        (9, 8, 5, 200, 256, Some((4, 32, mlx))),
         (17, 3, 4, 66, 256, None),
+        // f16 scales and zero points: every form, 2 bits on the CUDA-core tiles only.
+        (13, 2, 4, 10, 96, Some((8, 32, f16z))),
+        (29, 8, 6, 300, 512, Some((4, 64, f16z))),
+        (11, 4, 3, 130, 256, Some((8, 128, f16z))),
+        (21, 3, 5, 34, 128, Some((2, 64, f16z))),
     ] {
         let pairs = tokens * ks;
         let ids: Vec<i32> = (0..pairs)
@@ -439,7 +446,8 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         ];
         for (tile, form) in forms {
             let mma = tile == pf::TILE_MMA || form != Form::Plain;
-            if (mma && k % 32 != 0) || (form == Form::Wide && k % 256 != 0) {
+            let cores_only = matches!(quant, Some((2, _, _)));
+            if (mma && (k % 32 != 0 || cores_only)) || (form == Form::Wide && k % 256 != 0) {
                 continue;
             }
             grouping_case(
@@ -474,7 +482,7 @@ fn grouping_case(
     di: &deltamoe_compute::cuda::DevBuf<i32>,
     (tokens, ks, experts): (usize, usize, usize),
     (n, k): (usize, usize),
-    quant: Option<(u32, usize)>,
+    quant: Option<(u32, usize, AffineParams)>,
     (tile, form): (usize, Form),
     (x, w): (&[f32], &[f32]),
 ) {
@@ -536,28 +544,9 @@ fn grouping_case(
                 };
                 (m, vec![Box::new(dw)])
             }
-            Some((bits, group)) => {
-                let q = quantize(w, k, group, bits).unwrap();
-                let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
-                let (dw, ds, db) = (
-                    g.upload(&q.words).unwrap(),
-                    g.upload(&bf(&q.scales)).unwrap(),
-                    g.upload(&bf(&q.biases)).unwrap(),
-                );
-                let format = WeightFormat::Affine {
-                    bits,
-                    group,
-                    scales: ds.ptr(),
-                    biases: db.ptr(),
-                };
-                let m = Matvec {
-                    w: dw.ptr(),
-                    n,
-                    k,
-                    bias: 0,
-                    format,
-                };
-                (m, vec![Box::new(dw), Box::new(ds), Box::new(db)])
+            Some((bits, group, params)) => {
+                let a = Affine::with_params(g, w, k, (group, bits), params);
+                (a.matvec(n, k), vec![Box::new(a)])
             }
         };
         let gr = Grouped {

@@ -2,26 +2,32 @@
 //! output of `ops::matvec` and `ops::matvec_swiglu` on expert stacks with slot ids (the decode
 //! expert path: `matvec_bf16`, `matvec_swiglu_bf16`, `matvec_affine`, `matvec_swiglu_affine`)
 //! must equal, bit for bit, `matvec_rows` / `swiglu_rows` on that slot's expert and input.
-//! Formats: bf16 with K % 8 = 0 and odd K, affine 2/4/8 bits × group 32/64/128; odd N and I;
+//! Formats: bf16 with K % 8 = 0 and odd K, affine 2/4/8 bits × group 32/64/128 with MLX's bf16
+//! parameters, and with f16 scales and zero points; odd N and I;
 //! small launches (2 rows per warp) and large ones (4: `ops::affine_rows_per_warp`); inputs at
 //! two scales, the larger driving gate values past silu's cutoffs. Needs a GPU: `#[ignore]`d
 //! here, run by `scripts/gpu-tests.sh`.
 
 mod common;
 
-use common::{gpu, rand_vec, rng};
+use common::{f16_zero_params, gpu, rand_vec, rng};
 use deltamoe_compute::cpu::gpu_twin::{matvec_rows, swiglu_rows, TwinInput, TwinMat};
 use deltamoe_compute::cpu::quant::quantize;
-use deltamoe_compute::cuda::ops::{self, affine_rows_per_warp, Matvec, Slots, WeightFormat};
+use deltamoe_compute::cuda::ops::{
+    self, affine_rows_per_warp, AffineParams, Matvec, Slots, WeightFormat,
+};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_compute::dtype::f32_to_bf16;
 use rand::Rng;
 
-/// A stack of `experts` matrices `[n, k]` on the host, bf16 or affine `(bits, group)`.
+/// An affine format: bits, group, parameters.
+type AffineFmt = (u32, usize, AffineParams);
+
+/// A stack of `experts` matrices `[n, k]` on the host, bf16 or affine.
 struct Stack {
     n: usize,
     k: usize,
-    affine: Option<(u32, usize)>,
+    affine: Option<AffineFmt>,
     bf16: Vec<u16>,
     words: Vec<u32>,
     scales: Vec<u16>,
@@ -34,7 +40,7 @@ impl Stack {
         experts: usize,
         n: usize,
         k: usize,
-        affine: Option<(u32, usize)>,
+        affine: Option<AffineFmt>,
     ) -> Stack {
         let w = rand_vec(r, experts * n * k, -1.0, 1.0);
         let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16(x)).collect() };
@@ -49,9 +55,13 @@ impl Stack {
         };
         match affine {
             None => s.bf16 = bf(&w),
-            Some((bits, group)) => {
+            Some((bits, group, params)) => {
                 let q = quantize(&w, k, group, bits).unwrap();
-                (s.words, s.scales, s.biases) = (q.words, bf(&q.scales), bf(&q.biases));
+                (s.scales, s.biases) = match params {
+                    AffineParams::Bf16 => (bf(&q.scales), bf(&q.biases)),
+                    AffineParams::F16Zero => f16_zero_params(r, q.scales.len(), bits),
+                };
+                s.words = q.words;
             }
         }
         s
@@ -64,7 +74,7 @@ impl Stack {
         }
         match self.affine {
             None => TwinMat::Bf16(pick(&self.bf16, e, self.n * self.k)),
-            Some((bits, group)) => {
+            Some((bits, group, params)) => {
                 let (wpm, gpm) = (
                     self.n * self.k * bits as usize / 32,
                     self.n * self.k / group,
@@ -75,6 +85,7 @@ impl Stack {
                     biases: pick(&self.biases, e, gpm),
                     bits,
                     group,
+                    params,
                 }
             }
         }
@@ -106,13 +117,14 @@ impl Stack {
         });
         let (w, format) = match (&dense, &quant, self.affine) {
             (Some(d), _, _) => (d.ptr(), WeightFormat::Bf16),
-            (None, Some((wq, sc, bi)), Some((bits, group))) => (
+            (None, Some((wq, sc, bi)), Some((bits, group, params))) => (
                 wq.ptr(),
                 WeightFormat::Affine {
                     bits,
                     group,
                     scales: sc.ptr(),
                     biases: bi.ptr(),
+                    params,
                 },
             ),
             _ => unreachable!("a stack is bf16 or affine"),
@@ -164,10 +176,12 @@ fn host_twins_match_the_decode_expert_kernels_bitwise() {
     let g = gpu();
     let mut r = rng();
     let experts = 3;
-    let mut formats: Vec<(Option<(u32, usize)>, usize)> = vec![(None, 264), (None, 77)];
-    for bits in [2u32, 4, 8] {
-        for group in [32usize, 64, 128] {
-            formats.push((Some((bits, group)), 384));
+    let mut formats: Vec<(Option<AffineFmt>, usize)> = vec![(None, 264), (None, 77)];
+    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+        for bits in [2u32, 4, 8] {
+            for group in [32usize, 64, 128] {
+                formats.push((Some((bits, group, params)), 384));
+            }
         }
     }
     // (rows N for matvec — odd; I for SwiGLU — odd, slots, x_div): the second launches have

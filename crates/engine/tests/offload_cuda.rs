@@ -12,6 +12,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{fixtures, prompts};
+use deltamoe_compute::cuda::ops::AffineParams;
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_model::gpu::{DevFormat, ExpertCache, GpuModel};
 use deltamoe_model::host_split::Costs;
@@ -213,7 +214,16 @@ fn synthetic_experts_placed_anywhere_are_the_same_model() {
     let gpu = Arc::new(Gpu::new(0).unwrap());
     let formats = [
         DevFormat::Bf16,
-        DevFormat::Affine { bits: 4, group: 32 },
+        DevFormat::Affine {
+            bits: 4,
+            group: 32,
+            params: AffineParams::Bf16,
+        },
+        DevFormat::Affine {
+            bits: 4,
+            group: 32,
+            params: AffineParams::F16Zero,
+        },
         DevFormat::Fp8 { group: 128 },
     ];
     for quant in formats {

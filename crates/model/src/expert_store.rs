@@ -3,7 +3,8 @@
 //!
 //! For each MoE layer and routed expert the store holds where each of its three matrices
 //! (gate, up, down) lies in the checkpoint: one byte range for a dense matrix, three (packed
-//! words, scales, biases) for an MLX affine-quantized one. Expert `e` of each layout:
+//! words, scales, biases) for an MLX affine-quantized one (packed words, zero points, scales for a
+//! GPTQ/AWQ one, repacked when read). Expert `e` of each layout:
 //! - per expert: the whole tensors `experts.{e}.{gate,up,down}_proj.weight` (and `.scales`,
 //!   `.biases` when quantized);
 //! - fused: matrices `2e` (gate) and `2e + 1` (up) of `experts.gate_up_proj [E, 2I, H]` seen as
@@ -25,6 +26,7 @@ use deltamoe_compute::fp8::Bytes;
 use deltamoe_compute::{AffineWeight, DType, Fp8Weight, PackedWords, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::gptq::{repack, Packing};
 use crate::layers::{LinearWeight, Mlp};
 use crate::weights::WeightStore;
 
@@ -56,6 +58,18 @@ pub enum MatrixBytes {
         scales: ByteRange,
         biases: ByteRange,
     },
+    /// GPTQ/AWQ: repacked into the affine form when read ([`crate::gptq::repack`]).
+    Gptq {
+        packing: (Packing, u32),
+        out: usize,
+        inp: usize,
+        groups: usize,
+        /// Dtype of the scales.
+        dtype: DType,
+        qweight: ByteRange,
+        qzeros: ByteRange,
+        scales: ByteRange,
+    },
     Fp8 {
         out: usize,
         inp: usize,
@@ -78,6 +92,12 @@ impl MatrixBytes {
                 ..
             } => vec![*words, *scales, *biases],
             MatrixBytes::Fp8 { codes, scales, .. } => vec![*codes, *scales],
+            MatrixBytes::Gptq {
+                qweight,
+                qzeros,
+                scales,
+                ..
+            } => vec![*qweight, *qzeros, *scales],
         }
     }
 }
@@ -202,6 +222,31 @@ impl ExpertStore {
                 })?;
                 Ok(w.into())
             }
+            MatrixBytes::Gptq {
+                packing,
+                out,
+                inp,
+                groups,
+                dtype,
+                qweight,
+                qzeros,
+                scales,
+            } => {
+                let w = repack(
+                    packing,
+                    [out, inp],
+                    &self.read_range::<u32>(qweight)?,
+                    &self.read_range::<u32>(qzeros)?,
+                    &self.tensor(dtype, vec![groups, out], scales)?,
+                )
+                .map_err(|e| {
+                    ModelError::Input(format!(
+                        "{}: expert weights: {e}",
+                        self.file(qweight.file).display()
+                    ))
+                })?;
+                Ok(w.into())
+            }
             MatrixBytes::Fp8 {
                 out,
                 inp,
@@ -313,6 +358,36 @@ impl Indexer<'_> {
                     out,
                     inp,
                     data: self.part(&weight, index * n, n)?,
+                })
+            }
+            LinearWeight::Affine(_) if self.store.contains(&format!("{module}.qweight")) => {
+                let Some(cfg) = self.store.gptq() else {
+                    return Err(ModelError::Input(format!(
+                        "`{module}.qweight`: no GPTQ/AWQ quantization block"
+                    )));
+                };
+                let sn = format!("{module}.scales");
+                let groups = self.store.shape_of(&sn).map_or(1, |s| s[0]);
+                let dtype = self.store.get(&sn, &[groups, out])?.dtype();
+                let mut whole = |t: &str| -> Result<ByteRange> {
+                    let n = format!("{module}.{t}");
+                    let len = self.store.bytes_of(&n).map_or(0, |b| b.len);
+                    self.part(&n, 0, len)
+                };
+                if !suffixed {
+                    return Err(ModelError::Input(format!(
+                        "`{module}`: GPTQ/AWQ experts must be one tensor each"
+                    )));
+                }
+                Ok(MatrixBytes::Gptq {
+                    packing: (cfg.packing, cfg.bits),
+                    out,
+                    inp,
+                    groups,
+                    dtype,
+                    qweight: whole("qweight")?,
+                    qzeros: whole("qzeros")?,
+                    scales: whole("scales")?,
                 })
             }
             LinearWeight::Affine(a) => {

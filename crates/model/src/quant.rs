@@ -126,8 +126,9 @@ impl QuantConfig {
         let Some((key, block)) = found else {
             return Ok(None);
         };
-        // FP8 has its own block ([`crate::fp8::Fp8Config`]).
-        if block.get("quant_method").and_then(|m| m.as_str()) == Some("fp8") {
+        // FP8, GPTQ and AWQ have their own blocks ([`crate::fp8::Fp8Config`],
+        // [`crate::gptq::GptqConfig`]).
+        if let Some("fp8" | "gptq" | "awq") = block.get("quant_method").and_then(|m| m.as_str()) {
             return Ok(None);
         }
         if block.get("bits").is_none() {
@@ -138,7 +139,7 @@ impl QuantConfig {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
                 key: key.to_string(),
-                msg: format!("quantization method `{method}` is not supported; deltamoe reads MLX affine quantization (mlx-lm checkpoints or `deltamoe convert` output) and fine-grained FP8"),
+                msg: format!("quantization method `{method}` is not supported; deltamoe reads MLX affine quantization (mlx-lm checkpoints or `deltamoe convert` output), fine-grained FP8, GPTQ and AWQ"),
             });
         }
         let default = spec_of(block, key, path)?;
@@ -308,9 +309,11 @@ mod tests {
             serde_json::json!({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}});
         let e = QuantConfig::from_json(&bad, p).unwrap_err().to_string();
         assert!(e.contains("mxfp4") && e.contains("quantization"), "{e}");
-        let bad = serde_json::json!({"quantization_config": {"quant_method": "gptq"}});
+        let bad = serde_json::json!({"quantization_config": {"quant_method": "bitsandbytes"}});
         let e = QuantConfig::from_json(&bad, p).unwrap_err().to_string();
-        assert!(e.contains("gptq"), "{e}");
+        assert!(e.contains("bitsandbytes"), "{e}");
+        let gptq = serde_json::json!({"quantization_config": {"quant_method": "gptq", "bits": 4}});
+        assert!(QuantConfig::from_json(&gptq, p).unwrap().is_none());
         let bad = serde_json::json!({"quantization": {"group_size": 48, "bits": 4}});
         let e = QuantConfig::from_json(&bad, p).unwrap_err().to_string();
         assert!(e.contains("group size 48"), "{e}");

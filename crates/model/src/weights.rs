@@ -21,6 +21,7 @@ use safetensors::SafeTensors;
 
 use crate::error::{ModelError, Result};
 use crate::fp8::Fp8Config;
+use crate::gptq::GptqConfig;
 use crate::quant::{config_json, Layout, QuantConfig};
 
 /// What `summary` reports of a tensor.
@@ -42,6 +43,9 @@ enum Stored {
     Words(PackedWords, Vec<usize>),
     /// float8 e4m3 bytes of an FP8 weight, with the stored shape.
     Fp8(Bytes, Vec<usize>),
+    /// int32 values (GPTQ/AWQ packed weights, zero points, group indices) as their `u32` bits,
+    /// with the stored shape.
+    Int(PackedWords, Vec<usize>),
     /// An unsupported dtype, by name.
     Other(String),
 }
@@ -76,6 +80,7 @@ pub struct WeightStore {
     synthetic: Option<Synthetic>,
     quant: Option<QuantConfig>,
     fp8: Option<Fp8Config>,
+    gptq: Option<GptqConfig>,
     layout: Layout,
 }
 
@@ -128,6 +133,7 @@ impl WeightStore {
             synthetic: None,
             quant: None,
             fp8: None,
+            gptq: None,
             layout: Layout::Hf,
         };
         for f in files {
@@ -136,6 +142,10 @@ impl WeightStore {
         if let Some((root, path)) = config_json(dir)? {
             store.quant = QuantConfig::from_json(&root, &path)?;
             store.fp8 = Fp8Config::from_json(&root, &path)?;
+            store.gptq = GptqConfig::from_json(&root, &path)?;
+        }
+        if store.gptq.is_none() && store.quant.is_none() && store.fp8.is_none() {
+            store.gptq = GptqConfig::from_quantize_config(dir)?;
         }
         store.layout = Layout::detect(&store);
         Ok(store)
@@ -207,6 +217,11 @@ impl WeightStore {
                         .unwrap_or_else(|| Bytes::from_vec(view.data().to_vec())),
                     shape.clone(),
                 ),
+                safetensors::Dtype::I32 => Stored::Int(
+                    PackedWords::from_mmap(map.clone(), off, view.data().len() / 4)
+                        .unwrap_or_else(|| PackedWords::from_le_bytes(view.data())),
+                    shape.clone(),
+                ),
                 other => Stored::Other(format!("{other:?}")),
             };
             self.entries.insert(
@@ -233,6 +248,7 @@ impl WeightStore {
             synthetic: Some(Synthetic { dtype, seed }),
             quant: None,
             fp8: None,
+            gptq: None,
             layout: Layout::Hf,
         }
     }
@@ -243,6 +259,11 @@ impl WeightStore {
 
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
+    }
+
+    /// Whether the linear `module` is stored: `{module}.weight`, or GPTQ/AWQ `{module}.qweight`.
+    pub fn has_linear(&self, module: &str) -> bool {
+        self.contains(&format!("{module}.weight")) || self.contains(&format!("{module}.qweight"))
     }
 
     /// Normalised names of all tensors.
@@ -283,6 +304,16 @@ impl WeightStore {
                     dtype: "F8_E4M3".into(),
                     bytes: b.len(),
                     params: b.len(),
+                },
+                Stored::Int(w, shape) => TensorInfo {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype: "I32".into(),
+                    bytes: w.len() * 4,
+                    params: match (name.ends_with(".qweight"), &self.gptq) {
+                        (true, Some(c)) => w.len() * 32 / c.bits as usize,
+                        _ => 0,
+                    },
                 },
                 Stored::Other(dt) => TensorInfo {
                     name: name.clone(),
@@ -325,6 +356,11 @@ impl WeightStore {
                 name: e.stored.clone(),
                 file: e.file.clone(),
                 msg: "is float8 (FP8-quantized) where a bf16/f16/f32 tensor is expected; only linears can be FP8, with their `.weight_scale_inv` beside them".into(),
+            }),
+            Stored::Int(..) => return Err(ModelError::Quant {
+                name: e.stored.clone(),
+                file: e.file.clone(),
+                msg: "is int32 (GPTQ/AWQ-packed) where a bf16/f16/f32 tensor is expected; a GPTQ/AWQ linear is `.qweight` with `.qzeros` and `.scales` beside it".into(),
             }),
             Stored::Other(dtype) => return Err(ModelError::DType {
                 name: e.stored.clone(),
@@ -374,6 +410,19 @@ impl WeightStore {
         }
     }
 
+    /// The int32 values of `name` as `u32` bits, or `None` when absent or not `I32`.
+    pub fn ints(&self, name: &str) -> Option<(PackedWords, &[usize])> {
+        match self.entries.get(name).map(|e| &e.tensor) {
+            Some(Stored::Int(w, shape)) => Some((w.clone(), shape)),
+            _ => None,
+        }
+    }
+
+    /// The GPTQ/AWQ quantization block, when the checkpoint has one.
+    pub fn gptq(&self) -> Option<&GptqConfig> {
+        self.gptq.as_ref()
+    }
+
     /// `config.json`'s FP8 quantization block, when it has one.
     pub fn fp8(&self) -> Option<&Fp8Config> {
         self.fp8.as_ref()
@@ -383,7 +432,7 @@ impl WeightStore {
     pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
         self.entries.get(name).map(|e| match &e.tensor {
             Stored::Float(t) => t.shape().to_vec(),
-            Stored::Words(_, s) | Stored::Fp8(_, s) => s.clone(),
+            Stored::Words(_, s) | Stored::Fp8(_, s) | Stored::Int(_, s) => s.clone(),
             Stored::Other(_) => vec![],
         })
     }

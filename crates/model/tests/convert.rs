@@ -388,26 +388,47 @@ fn fp8_output_is_qwen_fp8_layout_and_matches_its_round_trip() {
         .fp8_codes("model.layers.0.linear_attn.in_proj_a.weight")
         .is_none());
 
-    // The reference: the source in f32 with each quantized matrix round-tripped.
-    let store = WeightStore::open(&src).unwrap();
-    let c = ModelConfig::from_dir(&src).unwrap();
+    let kept: Vec<String> = kept
+        .iter()
+        .map(|k| format!("{}.weight", k.as_str().unwrap()))
+        .collect();
+    round_trip_copy(
+        &src,
+        &fake,
+        |stored| !kept.iter().any(|k| k == stored),
+        fp8_round_trip,
+    );
+    check_converted("fp8 qwen3_5_moe", &src, &dst, &fake);
+}
+
+/// The source in f32 with each matrix `quantized` says (by its stored name) replaced by `rt` of
+/// it (each expert's gate, up and down of fused experts on its own), written to `fake` with the
+/// source's config: the reference of a per-expert conversion.
+fn round_trip_copy(
+    src: &Path,
+    fake: &Path,
+    quantized: impl Fn(&str) -> bool,
+    rt: impl Fn(&[f32], usize) -> Vec<f32>,
+) {
+    let store = WeightStore::open(src).unwrap();
+    let c = ModelConfig::from_dir(src).unwrap();
     let (i, h) = (c.moe_intermediate_size, c.hidden_size);
     let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
     for name in store.names() {
         let shape = store.shape_of(name).unwrap();
         let mut v = store.get(name, &shape).unwrap().to_f32_vec();
-        let kept = kept
-            .iter()
-            .any(|k| store.stored_name(name) == format!("{}.weight", k.as_str().unwrap()));
         if name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj") {
             let rows = if name.ends_with("down_proj") { h } else { i };
             let cols = *shape.last().unwrap();
             for m in v.chunks_mut(rows * cols) {
-                let r = fp8_round_trip(m, cols);
+                let r = rt(m, cols);
                 m.copy_from_slice(&r);
             }
-        } else if shape.len() == 2 && name.ends_with(".weight") && !kept {
-            v = fp8_round_trip(&v, shape[1]);
+        } else if shape.len() == 2
+            && name.ends_with(".weight")
+            && quantized(&store.stored_name(name))
+        {
+            v = rt(&v, shape[1]);
         }
         data.push((
             name.to_string(),
@@ -415,9 +436,66 @@ fn fp8_output_is_qwen_fp8_layout_and_matches_its_round_trip() {
             v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         ));
     }
-    write_f32(&fake, &data);
+    write_f32(fake, &data);
     std::fs::copy(src.join("config.json"), fake.join("config.json")).unwrap();
-    check_converted("fp8 qwen3_5_moe", &src, &dst, &fake);
+}
+
+/// `w` (rows of `cols`) through GPTQ's symmetric 4-bit quantizer with groups of `g` and back:
+/// `s = f16(2·max|w|/15)`, `q = clamp(round_half_even(w/s) + 8, 0, 15)`, `w = (q − 8)·s`.
+fn gptq_round_trip(w: &[f32], cols: usize, g: usize) -> Vec<f32> {
+    assert_eq!(cols % g, 0);
+    w.chunks(g)
+        .flat_map(|grp| {
+            let amax = grp.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let s = half::f16::from_f32(2.0 * amax / 15.0).to_f32();
+            grp.iter().map(move |&v| match s > 0.0 {
+                true => (((v / s).round_ties_even() + 8.0).clamp(0.0, 15.0) - 8.0) * s,
+                false => 0.0,
+            })
+        })
+        .collect()
+}
+
+/// `convert --gptq` of a Qwen3.5-MoE fixture (fused experts): GPTQ v1 tensors (per-expert
+/// `qweight`, `qzeros`, f16 `scales`, `g_idx`), routers and GDN a/b kept, the quantization block,
+/// and logits equal to the f32 engine's on the source with every quantized matrix replaced by
+/// its round trip through GPTQ's symmetric quantizer.
+#[test]
+fn gptq_output_is_gptq_v1_layout_and_matches_its_round_trip() {
+    let src = fixture("qwen3_5_moe");
+    let tmp = tempfile::tempdir().unwrap();
+    let (dst, fake) = (tmp.path().join("q"), tmp.path().join("f"));
+    convert(&src, &dst, &ConvertOptions::gptq(32), &mut |_| {}).unwrap();
+    let st = WeightStore::open(&dst).unwrap();
+    let g = st.gptq().unwrap();
+    assert_eq!((g.bits, g.group_size), (4, Some(32)));
+    let q = quant_block_fp8(&dst);
+    assert_eq!(
+        (q["quant_method"].as_str(), q["checkpoint_format"].as_str()),
+        (Some("gptq"), Some("gptq"))
+    );
+    for m in [
+        "model.layers.0.mlp.experts.3.up_proj",
+        "model.layers.0.linear_attn.in_proj_qkv",
+        "model.layers.3.self_attn.o_proj",
+    ] {
+        for t in ["qweight", "qzeros", "g_idx"] {
+            assert!(st.ints(&format!("{m}.{t}")).is_some(), "{m}.{t}");
+        }
+    }
+    assert!(st.contains("model.layers.0.linear_attn.in_proj_a.weight"));
+    assert!(st.contains("model.layers.0.mlp.gate.weight"));
+    let packed = |stored: &str| {
+        let m = stored.strip_suffix(".weight").unwrap();
+        let n = m
+            .strip_prefix("model.language_model.")
+            .map_or(m.to_string(), |r| format!("model.{r}"));
+        st.contains(&format!("{n}.qweight"))
+            || n.ends_with("experts.gate_up_proj")
+            || n.ends_with("experts.down_proj")
+    };
+    round_trip_copy(&src, &fake, packed, |w, cols| gptq_round_trip(w, cols, 32));
+    check_converted("gptq qwen3_5_moe", &src, &dst, &fake);
 }
 
 fn quant_block_fp8(dir: &Path) -> serde_json::Value {

@@ -11,9 +11,11 @@
 //! swiglu:  h[n] = silu_portable(W[n]·x) · (W[I + n]·x)    W [2I, K]: gate rows, then up rows
 //! ```
 //!
-//! Layouts ([`TwinMat`]): bf16 `[N, K]` as raw bits; MLX affine: u32 words `[N, K·bits/32]`
-//! (value `i` of a word at bits `i·bits`, V = 32/bits values per word), bf16 scales and biases
-//! `[N, K/group]`, weight `q·scale + bias`; bits 2, 4, 8, group 32, 64, 128.
+//! Layouts ([`TwinMat`]): bf16 `[N, K]` as raw bits; affine: u32 words `[N, K·bits/32]`
+//! (value `i` of a word at bits `i·bits`, V = 32/bits values per word), scales and biases
+//! `[N, K/group]`, weight `q·scale + bias`; bits 2, 4, 8, group 32, 64, 128. The parameters are
+//! MLX's bf16 scales and biases, or f16 scales `s` and zero points `z` with scale `s` and bias
+//! `−z·s` in f32, exact ([`AffineParams`], common.cuh's `aff_scale` and `aff_bias`).
 //!
 //! Order of the arithmetic (what makes the bits equal): one warp of 32 lanes per row. Lane `l`
 //! keeps its own partial `a_l` (starting at +0) and adds its terms in a fixed order; then
@@ -44,6 +46,7 @@
 
 use std::ops::Range;
 
+use crate::cuda::ops::AffineParams;
 use crate::dtype::bf16_to_f32;
 
 /// Lanes of a CUDA warp.
@@ -71,14 +74,28 @@ fn shape_err<T>(msg: String) -> Result<T, TwinError> {
 pub enum TwinMat<'a> {
     /// bf16 bits, row-major `[N, K]`.
     Bf16(&'a [u16]),
-    /// MLX affine: `words [N, K·bits/32]`, bf16 `scales`, `biases [N, K/group]`.
+    /// Affine: `words [N, K·bits/32]`, `scales`, `biases [N, K/group]` as `params` says.
     Affine {
         words: &'a [u32],
         scales: &'a [u16],
         biases: &'a [u16],
         bits: u32,
         group: usize,
+        params: AffineParams,
     },
+}
+
+/// A group's scale and bias in f32 from its stored values, as the kernels take them: bf16 scale
+/// and bias, or f16 scale `s` and zero point `z` as `s` and `−z·s` (exact).
+#[inline]
+pub(super) fn group_params(params: AffineParams, scale: u16, bias: u16) -> (f32, f32) {
+    match params {
+        AffineParams::Bf16 => (bf16_to_f32(scale), bf16_to_f32(bias)),
+        AffineParams::F16Zero => {
+            let s = half::f16::from_bits(scale).to_f32();
+            (s, -half::f16::from_bits(bias).to_f32() * s)
+        }
+    }
 }
 
 /// Words and groups of one affine row of width `k`.
@@ -112,6 +129,7 @@ impl<'a> TwinMat<'a> {
                 biases,
                 bits,
                 group,
+                params,
             } => {
                 let (wpr, gpr) = affine_row(k, bits, group);
                 TwinMat::Affine {
@@ -120,6 +138,7 @@ impl<'a> TwinMat<'a> {
                     biases: &biases[rows.start * gpr..rows.end * gpr],
                     bits,
                     group,
+                    params,
                 }
             }
         }
@@ -140,6 +159,7 @@ impl<'a> TwinMat<'a> {
                 biases,
                 bits,
                 group,
+                ..
             } => {
                 if !matches!(bits, 2 | 4 | 8) || !matches!(group, 32 | 64 | 128) {
                     return Err(TwinError::Format { bits, group });
@@ -490,6 +510,7 @@ impl<'a> RowDot<'a> {
                 biases,
                 bits,
                 group,
+                params,
             } => {
                 let (v, nw) = (32 / bits as usize, words.len());
                 let done = match self.path {
@@ -500,6 +521,7 @@ impl<'a> RowDot<'a> {
                             words,
                             scales,
                             biases,
+                            params,
                             sc: &mut self.sc,
                             bi: &mut self.bi,
                             wpg_log: (group / v).trailing_zeros(),
@@ -524,6 +546,7 @@ impl<'a> RowDot<'a> {
                     words,
                     scales,
                     biases,
+                    params,
                     bits,
                     gshift: group.trailing_zeros(),
                 };
@@ -572,6 +595,7 @@ struct Group<'a> {
     words: &'a [u32],
     scales: &'a [u16],
     biases: &'a [u16],
+    params: AffineParams,
     bits: u32,
     gshift: u32,
 }
@@ -593,8 +617,8 @@ fn affine_portable(g: &Group, x: &[f32], xs: &[f32], from: usize, acc: &mut [f32
                 qx = q.mul_add(xv, qx);
             }
             let gi = k >> g.gshift;
-            let inner = bf16_to_f32(g.biases[gi]).mul_add(xs[w], *a);
-            *a = bf16_to_f32(g.scales[gi]).mul_add(qx, inner);
+            let (s, b) = group_params(g.params, g.scales[gi], g.biases[gi]);
+            *a = s.mul_add(qx, b.mul_add(xs[w], *a));
         }
     }
 }

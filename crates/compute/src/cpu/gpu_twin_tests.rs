@@ -1,7 +1,7 @@
 //! Host tests of [`super::gpu_twin`]: `silu_portable`'s accuracy and constants, the SIMD paths
-//! this CPU has (AVX2, AVX-512) against the portable one (bitwise) for every format at odd
-//! sizes, all against an f64 dot product (loosely), and the shape checks. GPU parity:
-//! tests/cuda_twin.rs.
+//! this CPU has (AVX2, AVX-512) against the portable one (bitwise) for every format (affine with
+//! either kind of parameters) at odd sizes, all against an f64 dot product (loosely), and the
+//! shape checks. GPU parity: tests/cuda_twin.rs.
 
 use rand::{Rng, SeedableRng};
 
@@ -9,6 +9,7 @@ use super::gpu_twin::{
     best_path, matvec_rows, matvec_rows_on, paths, silu_portable, swiglu_rows_on, Path, TwinError,
     TwinInput, TwinMat,
 };
+use crate::cuda::ops::AffineParams;
 use crate::dtype::{bf16_to_f32, f32_to_bf16};
 
 fn rng() -> rand::rngs::StdRng {
@@ -101,35 +102,57 @@ fn silu_portable_constants_are_what_they_claim() {
     }
 }
 
-/// A random affine matrix `[n, k]`: words, bf16 scales and biases.
-fn affine(r: &mut impl Rng, n: usize, k: usize, bits: u32, group: usize) -> Matrix {
+/// A random affine matrix `[n, k]` with `params`: words, bf16 scales and biases, or f16 scales
+/// and f16 integer zero points.
+fn affine(
+    r: &mut impl Rng,
+    (n, k): (usize, usize),
+    (bits, group): (u32, usize),
+    params: AffineParams,
+) -> Matrix {
     let words = (0..n * k * bits as usize / 32)
         .map(|_| r.random())
         .collect();
-    let mut half = || -> Vec<u16> {
-        (0..n * k / group)
-            .map(|_| f32_to_bf16(r.random_range(-0.05f32..0.05)))
-            .collect()
+    let groups = n * k / group;
+    let (scales, biases) = match params {
+        AffineParams::Bf16 => {
+            let mut half = || -> Vec<u16> {
+                (0..groups)
+                    .map(|_| f32_to_bf16(r.random_range(-0.05f32..0.05)))
+                    .collect()
+            };
+            (half(), half())
+        }
+        AffineParams::F16Zero => {
+            let f16 = |v: f32| half::f16::from_f32(v).to_bits();
+            let scales = (0..groups)
+                .map(|_| f16(r.random_range(0.001f32..0.05)))
+                .collect();
+            let zeros = (0..groups)
+                .map(|_| f16(r.random_range(0..1u32 << bits) as f32))
+                .collect();
+            (scales, zeros)
+        }
     };
-    let (scales, biases) = (half(), half());
-    Matrix::Affine(words, scales, biases, bits, group)
+    Matrix::Affine(words, scales, biases, (bits, group), params)
 }
 
 enum Matrix {
     Bf16(Vec<u16>),
-    Affine(Vec<u32>, Vec<u16>, Vec<u16>, u32, usize),
+    Affine(Vec<u32>, Vec<u16>, Vec<u16>, (u32, usize), AffineParams),
 }
 
 impl Matrix {
     fn view(&self) -> TwinMat<'_> {
         match self {
             Matrix::Bf16(w) => TwinMat::Bf16(w),
-            Matrix::Affine(w, s, b, bits, group) => TwinMat::Affine {
+            Matrix::Affine(w, s, b, (bits, group), params) => TwinMat::Affine {
                 words: w,
                 scales: s,
                 biases: b,
                 bits: *bits,
                 group: *group,
+                params: *params,
             },
         }
     }
@@ -141,14 +164,22 @@ impl Matrix {
                 .iter()
                 .map(|&v| bf16_to_f32(v) as f64)
                 .collect(),
-            Matrix::Affine(w, s, b, bits, group) => {
+            Matrix::Affine(w, s, b, (bits, group), params) => {
                 let v = 32 / *bits as usize;
                 (0..k)
                     .map(|c| {
                         let word = w[(r * k + c) / v];
-                        let q = (word >> ((c % v) as u32 * bits)) & ((1 << bits) - 1);
+                        let q = ((word >> ((c % v) as u32 * bits)) & ((1 << bits) - 1)) as f64;
                         let g = (r * k + c) / group;
-                        q as f64 * bf16_to_f32(s[g]) as f64 + bf16_to_f32(b[g]) as f64
+                        match params {
+                            AffineParams::Bf16 => {
+                                q * bf16_to_f32(s[g]) as f64 + bf16_to_f32(b[g]) as f64
+                            }
+                            AffineParams::F16Zero => {
+                                let h = |v: u16| half::f16::from_bits(v).to_f64();
+                                (q - h(b[g])) * h(s[g])
+                            }
+                        }
                     })
                     .collect()
             }
@@ -228,18 +259,21 @@ fn simd_and_portable_paths_agree_bitwise() {
         );
         check_paths(&format!("bf16 K {k}"), &m, n, &input(&mut r, k));
     }
-    // Affine: words per row below 32, a multiple of 32, and with a partial step.
-    for bits in [2u32, 4, 8] {
-        for group in [32usize, 64, 128] {
-            for k in [128usize, 384, 1024, 1152] {
-                let n = 34;
-                let m = affine(&mut r, n, k, bits, group);
-                check_paths(
-                    &format!("{bits}-bit g{group} K {k}"),
-                    &m,
-                    n,
-                    &input(&mut r, k),
-                );
+    // Affine: words per row below 32, a multiple of 32, and with a partial step; both kinds of
+    // parameters.
+    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+        for bits in [2u32, 4, 8] {
+            for group in [32usize, 64, 128] {
+                for k in [128usize, 384, 1024, 1152] {
+                    let n = 34;
+                    let m = affine(&mut r, (n, k), (bits, group), params);
+                    check_paths(
+                        &format!("{bits}-bit g{group} K {k} {params:?}"),
+                        &m,
+                        n,
+                        &input(&mut r, k),
+                    );
+                }
             }
         }
     }
@@ -257,7 +291,13 @@ fn fastest_path_is_used_where_available() {
 
 #[test]
 fn shapes_and_formats_are_checked() {
-    let m = Matrix::Affine(vec![0; 2 * 16], vec![0; 4], vec![0; 4], 4, 64);
+    let m = Matrix::Affine(
+        vec![0; 2 * 16],
+        vec![0; 4],
+        vec![0; 4],
+        (4, 64),
+        AffineParams::Bf16,
+    );
     let bf = Matrix::Bf16(vec![0; 2 * 128]);
     let x = vec![0.5f32; 128];
     let (xa, xb) = (
@@ -283,7 +323,13 @@ fn shapes_and_formats_are_checked() {
         swiglu_rows_on(best_path(), &m.view(), 2, &xa, 0..1, &mut [0.0]).is_err(),
         "N ≠ 2I"
     );
-    let bad = Matrix::Affine(vec![0; 16], vec![0; 2], vec![0; 2], 3, 64);
+    let bad = Matrix::Affine(
+        vec![0; 16],
+        vec![0; 2],
+        vec![0; 2],
+        (3, 64),
+        AffineParams::Bf16,
+    );
     assert_eq!(
         matvec_rows(&bad.view(), &xa, 0..1, &mut [0.0]).unwrap_err(),
         TwinError::Shape("input prepared for Affine(4), matrix is Affine(3)".into())

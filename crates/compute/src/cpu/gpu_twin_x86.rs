@@ -5,15 +5,16 @@
 
 use std::arch::x86_64::*;
 
-use super::gpu_twin::LANES;
-use crate::dtype::bf16_to_f32;
+use super::gpu_twin::{group_params, LANES};
+use crate::cuda::ops::AffineParams;
 
 /// One affine row (bits 2, 4 or 8) and its prepared input, for [`Affine::run`].
 pub struct Affine<'a> {
-    /// The row's words (at least `32·steps`), bf16 scales and biases.
+    /// The row's words (at least `32·steps`), scales and biases (of `params`).
     pub words: &'a [u32],
     pub scales: &'a [u16],
     pub biases: &'a [u16],
+    pub params: AffineParams,
     /// Scratch for the scales and biases in f32: at least 8 more values than groups (one
     /// unaligned load of 8 from any group).
     pub sc: &'a mut [f32],
@@ -67,7 +68,8 @@ impl Affine<'_> {
         self.steps
     }
 
-    /// The row's scales and biases in f32 (`sc`, `bi`), which must hold `pad` more values.
+    /// The row's scales and biases in f32 (`sc`, `bi`), which must hold `pad` more values: bf16
+    /// ones eight at a time, f16 scales and zero points one at a time ([`group_params`]).
     #[target_feature(enable = "avx2,fma")]
     unsafe fn scales_to_f32(&mut self, pad: usize) {
         let gpr = self.scales.len();
@@ -79,7 +81,7 @@ impl Affine<'_> {
         );
         debug_assert!(self.steps == 0 || gpr > (LANES * self.steps - 8) >> self.wpg_log);
         let mut g = 0;
-        while g + 8 <= gpr {
+        while self.params == AffineParams::Bf16 && g + 8 <= gpr {
             for (src, dst) in [(self.scales, &mut *self.sc), (self.biases, &mut *self.bi)] {
                 let h =
                     _mm256_cvtepu16_epi32(_mm_loadu_si128(src.as_ptr().add(g) as *const __m128i));
@@ -91,8 +93,7 @@ impl Affine<'_> {
             g += 8;
         }
         for g in g..gpr {
-            self.sc[g] = bf16_to_f32(self.scales[g]);
-            self.bi[g] = bf16_to_f32(self.biases[g]);
+            (self.sc[g], self.bi[g]) = group_params(self.params, self.scales[g], self.biases[g]);
         }
     }
 

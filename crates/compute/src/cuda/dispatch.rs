@@ -393,7 +393,7 @@ pub fn affine_kernel(swiglu: bool, bits: u32, rows: usize, far: bool) -> &'stati
 #[cfg(test)]
 mod tests {
     use super::{plan, Plan, RowsForm};
-    use crate::cuda::ops::{Far, Matvec, Slots, WeightFormat};
+    use crate::cuda::ops::{AffineParams, Far, Matvec, Slots, WeightFormat};
 
     fn mat(n: usize, k: usize, bits: u32) -> Matvec {
         let format = match bits {
@@ -403,6 +403,7 @@ mod tests {
                 group: 64,
                 scales: 0,
                 biases: 0,
+                params: AffineParams::Bf16,
             },
         };
         Matvec {

@@ -15,7 +15,7 @@ use cudarc::cublaslt::sys;
 
 use super::ops::{blocks, cfg, Matvec, WeightFormat};
 use super::prefill::Grouped;
-use super::{driver_err, CudaError, DevBuf, Gpu, Result};
+use super::{driver_err, raise_smem_of, CudaError, DevBuf, Gpu, Result};
 
 /// Pairs per tile of the grouped kernel (`GB_M` in gemm.cu): `moe_group`'s tile for it.
 pub const TILE_GEMM: usize = 64;
@@ -240,13 +240,14 @@ pub fn supported(m: &Matvec) -> bool {
 /// Matrix 0 of `m` as bf16 `[n, k]`: its own address for bf16 weights, else dequantized into
 /// `out` (n·k bf16) and `out`'s address.
 pub fn weights_bf16(g: &Gpu, m: &Matvec, out: &DevBuf<u16>) -> Result<u64> {
-    let (bits, group, scales, biases) = match m.format {
+    let (bits, group, scales, biases, params) = match m.format {
         WeightFormat::Affine {
             bits,
             group,
             scales,
             biases,
-        } => (bits, group, scales, biases),
+            params,
+        } => (bits, group, scales, biases, params),
         WeightFormat::Fp8 { group, scales } => return fp8_bf16(g, m, (group, scales), out),
         WeightFormat::Bf16 => return Ok(m.w),
     };
@@ -261,7 +262,7 @@ pub fn weights_bf16(g: &Gpu, m: &Matvec, out: &DevBuf<u16>) -> Result<u64> {
     let words = m.n * m.k * bits as usize / 32;
     let (n32, k32, g32, b32) = (m.n as i32, m.k as i32, group as i32, bits as i32);
     let dst = out.ptr();
-    let mut b = g.launch_builder(g.kernels().get("dequant_affine_bf16"));
+    let mut b = g.launch_builder(g.kernels().affine("dequant_affine_bf16", params)?);
     b.arg(&m.w)
         .arg(&scales)
         .arg(&biases)
@@ -336,6 +337,7 @@ pub fn grouped_gemm(g: &Gpu, m: Matvec, x: u64, out: u64, gr: Grouped, swiglu: b
                 group,
                 scales,
                 biases,
+                ..
             },
             sw,
         ) => {
@@ -348,7 +350,8 @@ pub fn grouped_gemm(g: &Gpu, m: Matvec, x: u64, out: u64, gr: Grouped, swiglu: b
             (name, group, scales, biases)
         }
     };
-    g.raise_smem(name, GEMM_SMEM)?;
+    let f = g.kernels().for_format(name, &m.format)?;
+    raise_smem_of(f, name, GEMM_SMEM)?;
     let (y, h) = if swiglu { (0u64, out) } else { (out, 0u64) };
     let (xs, xd, n32, k32, g32) = (
         gr.x_stride as i64,
@@ -357,7 +360,7 @@ pub fn grouped_gemm(g: &Gpu, m: Matvec, x: u64, out: u64, gr: Grouped, swiglu: b
         m.k as i32,
         group as i32,
     );
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(f);
     b.arg(&m.w).arg(&scales).arg(&biases);
     b.arg(&x).arg(&xs).arg(&xd).arg(&y).arg(&h);
     b.arg(&n32).arg(&k32).arg(&g32);

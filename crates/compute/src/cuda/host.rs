@@ -244,7 +244,8 @@ impl Gpu {
 
 /// A second stack of matrices of the same shape and format as the [`super::ops::Matvec`]'s, e.g. offloaded
 /// experts in pinned host memory read over PCIe: slot ids ≥ `split` name its matrix `id − split`.
-/// `scales` and `biases` are for affine weights (0 for bf16).
+/// `scales` and `biases` are for affine weights (0 for bf16), holding what the near stack's
+/// `AffineParams` say: one launch reads both stacks with the kernel built for those.
 #[derive(Clone, Copy, Debug)]
 pub struct Far {
     pub w: u64,

@@ -2,14 +2,21 @@
 //! prefixed with `common.cuh`, compiled by NVRTC to PTX for the device's compute capability and
 //! cached on disk under `$XDG_CACHE_HOME/deltamoe/kernels` (or `~/.cache/...`), keyed by a hash
 //! of the source, the architecture, the options and the NVRTC version.
+//!
+//! The files whose kernels read affine scales and biases (`F16_ZERO_FILES`) have a second
+//! build for [`AffineParams::F16Zero`] (f16 scales and zero points: common.cuh's `aff_scale`,
+//! `aff_bias` under `AFFINE_F16_ZERO`), compiled and loaded on first use, so that a model without
+//! such weights pays no NVRTC time for it; launchers of affine kernels take their function from
+//! [`Kernels::affine`] or [`Kernels::for_format`].
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
+use super::ops::{AffineParams, WeightFormat};
 use super::{driver_err, CudaError, Result};
 
 const COMMON: &str = include_str!("../../kernels/common.cuh");
@@ -128,6 +135,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
         include_str!("../../kernels/fill.cu"),
         &[
             "fill_uniform_bf16",
+            "fill_uniform_f16",
             "fill_uniform_f32",
             "fill_random_u32",
             "fill_random_fp8",
@@ -224,9 +232,60 @@ const FILES: &[(&str, &str, &[&str])] = &[
     ),
 ];
 
+/// The files with a build for [`AffineParams::F16Zero`]: every file whose kernels read affine
+/// scales and biases, except sample.cu (embedding tables stay MLX: `ops::embed`). Their entry
+/// points with `affine` in the name are that build's.
+const F16_ZERO_FILES: [&str; 6] = [
+    "qmatvec.cu",
+    "matvec_rows.cu",
+    "mma_rows.cu",
+    "mma_wide.cu",
+    "mma_vec.cu",
+    "gemm.cu",
+];
+
+/// The NVRTC option that makes a file's build for [`AffineParams::F16Zero`] (common.cuh).
+const F16_ZERO_DEFINE: &str = "-DAFFINE_F16_ZERO";
+
+/// Which build of the kernel files: the default one, or the affine kernels' build for
+/// [`AffineParams::F16Zero`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Build {
+    Default,
+    F16Zero,
+}
+
+impl Build {
+    /// The files of this build, with the names of theirs it loads.
+    fn files(self) -> impl Iterator<Item = (&'static str, &'static str, Vec<&'static str>)> {
+        FILES
+            .iter()
+            .filter_map(move |&(file, src, names)| match self {
+                Build::Default => Some((file, src, names.to_vec())),
+                Build::F16Zero if F16_ZERO_FILES.contains(&file) => {
+                    let affine = names.iter().copied().filter(|n| n.contains("affine"));
+                    Some((file, src, affine.collect()))
+                }
+                Build::F16Zero => None,
+            })
+    }
+
+    /// NVRTC options beyond the common ones.
+    fn defines(self) -> &'static [&'static str] {
+        match self {
+            Build::Default => &[],
+            Build::F16Zero => &[F16_ZERO_DEFINE],
+        }
+    }
+}
+
 /// Compiled kernels by name.
 pub struct Kernels {
     funcs: HashMap<&'static str, CudaFunction>,
+    /// The [`AffineParams::F16Zero`] build's affine kernels, once compiled and loaded.
+    f16_zero: OnceLock<HashMap<&'static str, CudaFunction>>,
+    ctx: Arc<CudaContext>,
+    arch: &'static str,
 }
 
 /// FNV-1a, 64 bit: a stable hash for cache keys.
@@ -254,10 +313,13 @@ fn nvrtc_version() -> String {
     format!("{major}.{minor}")
 }
 
-/// PTX for one file, from the cache or freshly compiled (and then cached; a cache that cannot
-/// be written is skipped).
-fn ptx_for(file: &str, src: &str, arch: &'static str) -> Result<String> {
-    let opts = ["--std=c++17"];
+/// PTX for one file of `build`, from the cache or freshly compiled (and then cached; a cache that
+/// cannot be written is skipped).
+fn ptx_for(file: &str, src: &str, arch: &'static str, build: Build) -> Result<String> {
+    let opts: Vec<&str> = ["--std=c++17"]
+        .into_iter()
+        .chain(build.defines().iter().copied())
+        .collect();
     let full = format!("{COMMON}\n{src}");
     let key = fnv1a(&[
         full.as_bytes(),
@@ -304,35 +366,92 @@ fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
     })
 }
 
-/// Compile every kernel file for `arch` (e.g. `compute_90`) without a device: a check that
-/// needs only NVRTC.
+/// Compile every kernel file for `arch` (e.g. `compute_90`) without a device, both builds: a
+/// check that needs only NVRTC.
 pub fn compile_all(arch: &'static str) -> Result<()> {
-    for (file, src, _) in FILES {
-        ptx_for(file, src, arch)?;
+    for build in [Build::Default, Build::F16Zero] {
+        for (file, src, _) in build.files() {
+            ptx_for(file, src, arch, build)?;
+        }
     }
     Ok(())
+}
+
+/// The kernels of `build` for `arch`, loaded into `ctx`.
+fn load_build(
+    ctx: &Arc<CudaContext>,
+    arch: &'static str,
+    build: Build,
+) -> Result<HashMap<&'static str, CudaFunction>> {
+    let mut funcs = HashMap::new();
+    for (file, src, names) in build.files() {
+        let ptx = ptx_for(file, src, arch, build)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(driver_err(file))?;
+        for name in names {
+            let f = module.load_function(name).map_err(driver_err(name))?;
+            funcs.insert(name, f);
+        }
+    }
+    Ok(funcs)
 }
 
 impl Kernels {
     pub(super) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Kernels> {
         let arch = arch_name(cc)?;
-        let mut funcs = HashMap::new();
-        for (file, src, names) in FILES {
-            let ptx = ptx_for(file, src, arch)?;
-            let module = ctx
-                .load_module(Ptx::from_src(ptx))
-                .map_err(driver_err(file))?;
-            for name in *names {
-                let f = module.load_function(name).map_err(driver_err(name))?;
-                funcs.insert(*name, f);
-            }
-        }
-        Ok(Kernels { funcs })
+        Ok(Kernels {
+            funcs: load_build(ctx, arch, Build::Default)?,
+            f16_zero: OnceLock::new(),
+            ctx: ctx.clone(),
+            arch,
+        })
     }
 
-    /// The kernel `name` (a name listed in `FILES`; anything else is a bug in this crate).
+    /// The kernel `name` (a name listed in `FILES`; anything else is a bug in this crate), of
+    /// the default build: for affine kernels, the one for MLX's bf16 parameters.
     pub fn get(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
+    }
+
+    /// The affine kernel `name` built for `params`: [`Kernels::get`]'s for
+    /// [`AffineParams::Bf16`]; for [`AffineParams::F16Zero`] that build's, compiled and loaded
+    /// the first time any of it is asked for (an NVRTC or driver failure is returned, and tried
+    /// again on the next call). `name` is an entry point of `F16_ZERO_FILES` with `affine` in
+    /// its name; anything else is a bug in this crate.
+    pub fn affine(&self, name: &str, params: AffineParams) -> Result<&CudaFunction> {
+        match params {
+            AffineParams::Bf16 => Ok(self.get(name)),
+            AffineParams::F16Zero => Ok(&self.f16_zero()?[name]),
+        }
+    }
+
+    /// The kernel `name` for weights stored as `format`: [`Kernels::affine`] with the format's
+    /// parameters for affine weights, else [`Kernels::get`].
+    pub fn for_format(&self, name: &str, format: &WeightFormat) -> Result<&CudaFunction> {
+        match *format {
+            WeightFormat::Affine { params, .. } => self.affine(name, params),
+            WeightFormat::Bf16 | WeightFormat::Fp8 { .. } => Ok(self.get(name)),
+        }
+    }
+
+    /// Compile and load the build of the affine kernels for `params` now, if it is not loaded
+    /// yet: a model holding such weights calls it at upload, so that a failure surfaces there and
+    /// no compilation happens later (in a captured decode step, say).
+    pub fn prepare(&self, params: AffineParams) -> Result<()> {
+        match params {
+            AffineParams::Bf16 => Ok(()),
+            AffineParams::F16Zero => self.f16_zero().map(|_| ()),
+        }
+    }
+
+    /// The [`AffineParams::F16Zero`] build, loaded on first use.
+    fn f16_zero(&self) -> Result<&HashMap<&'static str, CudaFunction>> {
+        if let Some(funcs) = self.f16_zero.get() {
+            return Ok(funcs);
+        }
+        let funcs = load_build(&self.ctx, self.arch, Build::F16Zero)?;
+        Ok(self.f16_zero.get_or_init(|| funcs))
     }
 }
 
@@ -420,19 +539,62 @@ mod tests {
         assert_eq!(gdn_step_kernel(64, 128, 32), "gdn_step");
     }
 
+    /// The names of `build`'s kernels.
+    fn names_of(build: super::Build) -> Vec<&'static str> {
+        build.files().flat_map(|f| f.2).collect()
+    }
+
     #[test]
     fn every_affine_entry_point_is_registered() {
-        let registered: Vec<&str> = super::FILES
-            .iter()
-            .flat_map(|f| f.2.iter().copied())
-            .collect();
+        let registered = names_of(super::Build::Default);
+        let f16_zero = names_of(super::Build::F16Zero);
         for swiglu in [false, true] {
             for bits in [2, 4, 8] {
                 for rows in [2, 4] {
                     for far in [false, true] {
                         let name = super::super::ops::affine_kernel(swiglu, bits, rows, far);
                         assert!(registered.contains(&name), "{name}");
+                        assert!(f16_zero.contains(&name), "{name} (f16 zero points)");
                     }
+                }
+            }
+        }
+    }
+
+    /// The f16-zero-point build holds every affine kernel but the embedding's (MLX only), and
+    /// every file whose kernels read affine parameters through common.cuh's aff_scale has that
+    /// build, and no other does; those files read no scale or bias as bf16 themselves.
+    #[test]
+    fn every_affine_kernel_but_the_embedding_has_the_f16_zero_point_build() {
+        let mut want: Vec<&str> = names_of(super::Build::Default)
+            .into_iter()
+            .filter(|n| n.contains("affine") && *n != "embed_affine")
+            .collect();
+        let mut got = names_of(super::Build::F16Zero);
+        want.sort_unstable();
+        got.sort_unstable();
+        assert_eq!(got, want);
+        const BF16_READS: [&str; 9] = [
+            "bf16f(S[",
+            "bf16f(B[",
+            "bf16f(Bs[",
+            "bf16f(sc[",
+            "bf16f(bi[",
+            "bf16f(ps[",
+            "bf16f(pb[",
+            "bf16f(row[",
+            "splat_bf16(S",
+        ];
+        for (file, src, _) in super::FILES {
+            let reads = src.contains("aff_scale(");
+            assert_eq!(
+                reads,
+                super::F16_ZERO_FILES.contains(file),
+                "{file}: reads affine parameters through aff_scale: {reads}"
+            );
+            if reads {
+                for p in BF16_READS {
+                    assert!(!src.contains(p), "{file} reads a parameter as bf16: {p}");
                 }
             }
         }
@@ -467,6 +629,9 @@ mod tests {
         }
     }
 
+    /// Kernels launched by a literal name are registered; affine ones (but the MLX-only
+    /// embedding) are taken through `Kernels::affine`, so that weights with f16 zero points get
+    /// their build.
     #[test]
     fn every_kernel_the_launchers_use_is_registered() {
         let launchers = [
@@ -474,19 +639,34 @@ mod tests {
             include_str!("attention.rs"),
             include_str!("gdn_chunk.rs"),
             include_str!("prefill.rs"),
+            include_str!("gemm.rs"),
+            include_str!("moe.rs"),
+            include_str!("vec.rs"),
+            include_str!("wide.rs"),
         ];
-        let registered: Vec<&str> = super::FILES
-            .iter()
-            .flat_map(|f| f.2.iter().copied())
-            .collect();
-        for part in launchers
-            .iter()
-            .flat_map(|src| src.split("kernels().get(\"").skip(1))
-        {
-            let name = &part[..part.find('"').unwrap()];
+        let registered = names_of(super::Build::Default);
+        let f16_zero = names_of(super::Build::F16Zero);
+        let literals = |call: &'static str| {
+            launchers.into_iter().flat_map(move |src| {
+                src.split(call)
+                    .skip(1)
+                    .map(|part| &part[..part.find('"').unwrap()])
+            })
+        };
+        for name in literals("kernels().get(\"") {
             assert!(
                 registered.contains(&name),
                 "kernel {name} is launched but not registered"
+            );
+            assert!(
+                !f16_zero.contains(&name),
+                "affine kernel {name} is launched without its parameters' build"
+            );
+        }
+        for name in literals("kernels().affine(\"") {
+            assert!(
+                f16_zero.contains(&name),
+                "kernel {name} is launched as affine but has no f16-zero-point build"
             );
         }
     }

@@ -23,7 +23,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    ValidAsZeroBits,
 };
 
 pub use kernels::Kernels;
@@ -107,6 +108,16 @@ impl<T> DevBuf<T> {
     }
 }
 
+/// Let `f`, the kernel `name` of either build ([`Kernels::affine`]), take `bytes` of dynamic
+/// shared memory (above the default 48 KB).
+pub(crate) fn raise_smem_of(f: &CudaFunction, name: &str, bytes: usize) -> Result<()> {
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )
+    .map_err(driver_err(name))
+}
+
 /// Why CUDA cannot be used here, or `None` when a driver, NVRTC and a device are present.
 pub fn unavailable_reason() -> Option<String> {
     // SAFETY: only tries to dlopen the libraries; no CUDA call is made.
@@ -186,15 +197,10 @@ impl Gpu {
         &self.kernels
     }
 
-    /// Let kernel `name` take `bytes` of dynamic shared memory (above the default 48 KB).
+    /// Let kernel `name` (of the default build) take `bytes` of dynamic shared memory (above the
+    /// default 48 KB).
     pub(crate) fn raise_smem(&self, name: &str, bytes: usize) -> Result<()> {
-        self.kernels
-            .get(name)
-            .set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .map_err(driver_err(name))
+        raise_smem_of(self.kernels.get(name), name, bytes)
     }
 
     /// cuBLASLt on this device's stream, created on first use.

@@ -3,7 +3,7 @@
 //! the expert down projections with that combine (`qmatvec.cu`).
 
 use super::host::far_args;
-use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, NORM_THREADS};
+use super::ops::{blocks, cfg, AffineParams, Matvec, Slots, WeightFormat, NORM_THREADS};
 use super::{driver_err, CudaError, Gpu, Result};
 
 /// Output rows a block of the fused expert down + combine computes (`DOWN_ROWS` in qmatvec.cu),
@@ -40,12 +40,13 @@ pub fn down_combine_takes(m: &Matvec, per_row: usize) -> bool {
         && m.n >= DOWN_ROWS
 }
 
-/// The rows a block and the kernel of [`moe_down_combine`] for `bits`-bit weights, `n` outputs,
-/// `per_row` slots and `rows` input rows on this device ([`down_rows`] with the entries'
-/// resident blocks; 2-bit weights take 4 rows, their 8-row form would spill).
+/// The rows a block and the kernel of [`moe_down_combine`] for `bits`-bit weights with `params`,
+/// `n` outputs, `per_row` slots and `rows` input rows on this device ([`down_rows`] with the
+/// entries' resident blocks in that build; 2-bit weights take 4 rows, their 8-row form would
+/// spill).
 pub fn down_combine_form(
     g: &Gpu,
-    bits: u32,
+    (bits, params): (u32, AffineParams),
     n: usize,
     per_row: usize,
     rows: usize,
@@ -59,7 +60,7 @@ pub fn down_combine_form(
     for (r, name) in resident.iter_mut().zip(names) {
         *r = g
             .kernels()
-            .get(name)
+            .affine(name, params)?
             .occupancy_max_active_blocks_per_multiprocessor(32 * per_row as u32, 0, None)
             .map_err(driver_err(name))? as usize;
     }
@@ -88,6 +89,7 @@ pub fn moe_down_combine(
         group,
         scales,
         biases,
+        params,
     } = m.format
     else {
         return Err(CudaError::Unsupported(
@@ -102,11 +104,11 @@ pub fn moe_down_combine(
             sl.n, m.n
         )));
     }
-    let (down, name) = down_combine_form(g, bits, m.n, per_row, rows)?;
+    let (down, name) = down_combine_form(g, (bits, params), m.n, per_row, rows)?;
     let threads = 32 * per_row as u32;
     let (n32, k32, g32, ks32) = (m.n as i32, m.k as i32, group as i32, per_row as i32);
     let (fw, fs, fb, split) = far_args(&sl);
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(g.kernels().affine(name, params)?);
     b.arg(&m.w)
         .arg(&scales)
         .arg(&biases)

@@ -41,17 +41,31 @@ pub(crate) fn blocks(n: usize, per: usize) -> u32 {
     n.div_ceil(per) as u32
 }
 
+/// What the two parameter arrays of an affine matrix hold, per group of `group` weights with
+/// code q (both arrays `[E, N, K/group]` of 16-bit values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AffineParams {
+    /// MLX: bf16 scales and bf16 biases, w = q·scale + bias.
+    Bf16,
+    /// GPTQ/AWQ: f16 scales s and, in the `biases` slot, f16 zero points z (integers below
+    /// 2^bits), w = (q − z)·s. The kernels take it as scale s and bias −z·s, exact in f32;
+    /// their builds for it are compiled on first use ([`super::Kernels::affine`]).
+    F16Zero,
+}
+
 /// How a device matrix is stored.
 #[derive(Clone, Copy, Debug)]
 pub enum WeightFormat {
     /// bf16 `[E, N, K]`.
     Bf16,
-    /// MLX affine: u32 words `[E, N, K·bits/32]`, bf16 scales and biases `[E, N, K/group]`.
+    /// Affine: u32 words `[E, N, K·bits/32]` (codes LSB first), scales and biases
+    /// `[E, N, K/group]` as `params` says (MLX's bf16 pair, or f16 scales and zero points).
     Affine {
         bits: u32,
         group: usize,
         scales: u64,
         biases: u64,
+        params: AffineParams,
     },
     /// Fine-grained FP8: e4m3 bytes `[E, N, K]` (K % 8 == 0), f32 scales `[E, N, ⌈K/group⌉]`
     /// (each row's copy of its 128 × 128 blocks' scales; group % 8 == 0). Kernels in fp8.cu.
@@ -68,6 +82,7 @@ impl WeightFormat {
                 group,
                 scales,
                 biases,
+                ..
             } => Some((scales, biases, group as i32, bits as i32)),
             WeightFormat::Fp8 { group, scales } => Some((scales, 0, group as i32, 8)),
             WeightFormat::Bf16 => None,
@@ -213,7 +228,7 @@ fn matvec_rows(
         }
     };
     let (affine, io) = (m.format.quant_args(), [x, y]);
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(g.kernels().for_format(name, &m.format)?);
     matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&b32).arg(&xs);
     if !swiglu {
@@ -265,10 +280,11 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
             group,
             scales,
             biases,
+            params,
             ..
         } => {
             let g32 = group as i32;
-            let mut b = g.launch_builder(g.kernels().get(name));
+            let mut b = g.launch_builder(g.kernels().affine(name, params)?);
             b.arg(&m.w)
                 .arg(&scales)
                 .arg(&biases)
@@ -341,11 +357,12 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
             group,
             scales,
             biases,
+            params,
             ..
         } => {
             let g32 = group as i32;
             let grid = (slots as u32, blocks(i, wpb as usize * rpw / 2));
-            let mut b = g.launch_builder(g.kernels().get(name));
+            let mut b = g.launch_builder(g.kernels().affine(name, params)?);
             b.arg(&m.w)
                 .arg(&scales)
                 .arg(&biases)
@@ -541,8 +558,9 @@ pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize, rows: usize) 
     Ok(())
 }
 
-/// `x[b] = table[tok[b]]` as f32 (bf16 rows converted, affine rows dequantized), width `h`,
-/// `rows` rows.
+/// `x[b] = table[tok[b]]` as f32 (bf16 rows converted, MLX affine rows dequantized), width `h`,
+/// `rows` rows. Affine tables take MLX's bf16 parameters only (embed_affine has no build for f16
+/// zero points): a GPTQ/AWQ table goes up as bf16.
 pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Result<()> {
     let (bits, group, scales, biases) = match m.format {
         WeightFormat::Affine {
@@ -550,7 +568,13 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Res
             group,
             scales,
             biases,
+            params: AffineParams::Bf16,
         } => (bits, group, scales, biases),
+        WeightFormat::Affine { .. } => {
+            return Err(super::CudaError::Unsupported(
+                "an embedding with f16 scales and zero points (upload it as bf16)".into(),
+            ))
+        }
         WeightFormat::Bf16 => return embed_bf16(g, m.w, tok, x, h, rows),
         WeightFormat::Fp8 { .. } => {
             return Err(super::CudaError::Unsupported(
@@ -597,21 +621,21 @@ pub fn fill_random_fp8(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// Fill `n` bf16 (when `bf16`) or f32 elements at `out` with uniform values in [lo, hi).
+/// Fill `n` elements of `dtype` at `out` with uniform values in [lo, hi).
 pub fn fill_uniform(
     g: &Gpu,
     out: u64,
     n: usize,
-    bf16: bool,
+    dtype: crate::DType,
     seed: u64,
     lo: f32,
     hi: f32,
 ) -> Result<()> {
     let n64 = n as i64;
-    let name = if bf16 {
-        "fill_uniform_bf16"
-    } else {
-        "fill_uniform_f32"
+    let name = match dtype {
+        crate::DType::BF16 => "fill_uniform_bf16",
+        crate::DType::F16 => "fill_uniform_f16",
+        crate::DType::F32 => "fill_uniform_f32",
     };
     let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&out).arg(&n64).arg(&seed).arg(&lo).arg(&hi);

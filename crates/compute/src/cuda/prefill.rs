@@ -377,7 +377,7 @@ fn grouped(g: &Gpu, m: Matvec, x: u64, y: u64, gr: Grouped, swiglu: bool) -> Res
         (WeightFormat::Affine { .. }, true, true) => "mma_grouped_swiglu_affine",
     };
     let args = GroupedArgs::new(&m, vec![x, y], out_rows, &gr, true);
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(g.kernels().for_format(name, &m.format)?);
     args.push(&mut b);
     let rows_per_block = if mma { 128 } else { 8 };
     let grid = (gr.max_tiles.max(1) as u32, blocks(out_rows, rows_per_block));
@@ -441,7 +441,7 @@ pub fn grouped_split(
         (true, true, true) => "mma_gsplit_swiglu_affine_2",
     };
     let args = GroupedArgs::new(&m, vec![x, y], out_rows, &gr, true);
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(g.kernels().for_format(name, &m.format)?);
     args.push(&mut b);
     b.arg(&ks32);
     let grid = (

@@ -5,8 +5,8 @@
 //! input as bf16 hi + lo (see the kernel's header). An 8-bit code enters as two 4-bit digits, so
 //! the kernel sees a matrix of twice the inputs and groups in digits ([`digits`]).
 
-use super::ops::{blocks, cfg, Matvec, Slots, WeightFormat, GDN_CONV_KMAX};
-use super::{driver_err, CudaError, Gpu, Result};
+use super::ops::{blocks, cfg, AffineParams, Matvec, Slots, WeightFormat, GDN_CONV_KMAX};
+use super::{driver_err, raise_smem_of, CudaError, Gpu, Result};
 use cudarc::driver::DeviceRepr;
 
 /// What a single-row product does besides `y = W x` (`VecIo` in mma_vec.cu, passed by value):
@@ -137,7 +137,8 @@ impl Form {
 }
 
 /// How a single-row product launches: the form, its dynamic shared memory, grid and ring buffers,
-/// with the matrix's inputs and group in digits ([`digits`]) and its scales and biases.
+/// with the matrix's inputs and group in digits ([`digits`]) and its scales and biases (of
+/// `params`).
 struct Plan {
     name: &'static str,
     form: Form,
@@ -149,6 +150,7 @@ struct Plan {
     group: usize,
     scales: u64,
     biases: u64,
+    params: AffineParams,
 }
 
 fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
@@ -163,6 +165,7 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
         group,
         scales,
         biases,
+        params,
     } = m.format
     else {
         return Err(unsupported());
@@ -201,6 +204,7 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
         group,
         scales,
         biases,
+        params,
     })
 }
 
@@ -225,6 +229,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
         group,
         scales,
         biases,
+        params,
     } = plan(g, &m, io.conv_c > 0)?;
     if io.conv_c as usize > m.n {
         return Err(CudaError::Unsupported(format!(
@@ -239,10 +244,11 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
         )));
     }
     let (n32, k32, g32, t32) = (m.n as i32, k as i32, group as i32, tiles as i32);
+    let f = g.kernels().affine(name, params)?;
     if form != Form::Streamed {
-        g.raise_smem(name, smem)?;
+        raise_smem_of(f, name, smem)?;
     }
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(f);
     b.arg(&m.w)
         .arg(&scales)
         .arg(&biases)

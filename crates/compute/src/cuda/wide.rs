@@ -7,7 +7,8 @@
 use super::dispatch::{self, weight_bits, wide_stage_inputs, wide_staged_words, MMA_ROWS_INPUTS};
 use super::ops::{blocks, cfg, cfg3, matrix_args, Matvec, Slots, WeightFormat};
 use super::prefill::{Grouped, GroupedArgs};
-use super::{driver_err, CudaError, Gpu, Result};
+use super::{driver_err, raise_smem_of, CudaError, Gpu, Result};
+use cudarc::driver::CudaFunction;
 
 /// The wide form's stage (mma_wide.cu): `dispatch::WIDE_ROWB` bytes of each weight row, in `WIDE_STAGES`
 /// buffers (one fewer for blocks of 4 tiles) of 128 rows `WIDE_WLD` bytes apart, with
@@ -47,16 +48,21 @@ fn smem(bits: usize, mt: usize) -> usize {
         .unwrap_or(0)
 }
 
-/// Lets entry point `name`, compiled for up to `mt_max` tiles, take the most shared memory any
-/// launch of it can ask for (both affine widths, every tile count it takes), so that a graph
-/// holding launches of either stays valid; the bytes a launch for `bits` and up to `mt` tiles
-/// takes.
-fn allow_smem(g: &Gpu, name: &str, bits: usize, (mt, mt_max): (usize, usize)) -> Result<u32> {
+/// Lets entry point `name` (`f`, of the build the launch takes), compiled for up to `mt_max`
+/// tiles, take the most shared memory any launch of it can ask for (both affine widths, every
+/// tile count it takes), so that a graph holding launches of either stays valid; the bytes a
+/// launch for `bits` and up to `mt` tiles takes.
+fn allow_smem(
+    f: &CudaFunction,
+    name: &str,
+    bits: usize,
+    (mt, mt_max): (usize, usize),
+) -> Result<u32> {
     let allow = match bits {
         16 => smem(16, mt_max),
         _ => smem(4, mt_max).max(smem(8, mt_max)),
     };
-    g.raise_smem(name, allow)?;
+    raise_smem_of(f, name, allow)?;
     Ok(smem(bits, mt) as u32)
 }
 
@@ -145,7 +151,8 @@ pub(crate) fn matvec(
     let part = if splits > 1 { ws } else { 0 };
     let (nk, b32, spb32) = ([out_rows as i32, m.k as i32], sl.n as i32, spb as i32);
     let (affine, io) = (m.format.quant_args(), [sl.ws.0, sums, y, part]);
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let f = g.kernels().for_format(name, &m.format)?;
+    let mut b = g.launch_builder(f);
     matrix_args(&mut b, &m.w, &affine, &io, &nk);
     b.arg(&b32);
     if !swiglu {
@@ -158,7 +165,7 @@ pub(crate) fn matvec(
         splits as u32,
     );
     let mt = sl.n.min(MMA_ROWS_INPUTS).div_ceil(8);
-    let smem = allow_smem(g, name, bits, (mt, WIDE_TILES))?;
+    let smem = allow_smem(f, name, bits, (mt, WIDE_TILES))?;
     // SAFETY: W holds N·K weights of its format (N = 2I for SwiGLU; K % 256 == 0 and the
     // format is one the tensor-core kernels take: dispatch), the staged inputs of n rows are at
     // the front of the workspace (checked above), y holds n·N floats (n·I); with splits > 1 the
@@ -214,9 +221,10 @@ pub fn grouped(
     let (sets, out_rows) = if swiglu { (2, m.n / 2) } else { (1, m.n) };
     let affine = matches!(m.format, WeightFormat::Affine { .. });
     let (name, mt_max) = grouped_kernel(affine, swiglu, gr.tile);
-    let smem = allow_smem(g, name, weight_bits(&m), (gr.tile.div_ceil(8), mt_max))?;
+    let f = g.kernels().for_format(name, &m.format)?;
+    let smem = allow_smem(f, name, weight_bits(&m), (gr.tile.div_ceil(8), mt_max))?;
     let args = GroupedArgs::new(&m, vec![ws.0, sums, y], out_rows, &gr, false);
-    let mut b = g.launch_builder(g.kernels().get(name));
+    let mut b = g.launch_builder(f);
     args.push(&mut b);
     let grid = (
         blocks_x.clamp(1, gr.max_tiles.max(1)) as u32,

@@ -44,8 +44,8 @@ impl GatedDeltaNet {
     pub fn load(store: &WeightStore, prefix: &str, c: &ModelConfig) -> Result<GatedDeltaNet> {
         let (h, nv) = (c.hidden_size, c.linear_v_heads);
         let (kd, vd, cd) = (c.linear_key_size(), c.linear_value_size(), c.conv_dim());
-        let packed = format!("{prefix}.in_proj_qkvz.weight");
-        let proj = if store.contains(&packed) {
+        let packed = format!("{prefix}.in_proj_qkvz");
+        let proj = if store.has_linear(&packed) {
             InProj::Packed {
                 qkvz: Linear::load(
                     store,

@@ -1,6 +1,6 @@
 //! A linear layer's weights as loaded: `W: [out, in]` dense in its checkpoint dtype, MLX
 //! affine-quantized ([`AffineWeight`], chosen at load when `{prefix}.scales` exists; see
-//! [`crate::quant`]) or fine-grained FP8 ([`Fp8Weight`], when `{prefix}.weight_scale_inv`
+//! [`crate::quant`]; GPTQ/AWQ `{prefix}.qweight` is repacked into it, see [`crate::gptq`]) or fine-grained FP8 ([`Fp8Weight`], when `{prefix}.weight_scale_inv`
 //! exists; see [`crate::fp8`]), and an optional bias. This enum is the weight formats' seam on the host:
 //! the CPU's products dispatch on it (`crate::layers::linear`), the GPU upload converts each
 //! variant to its device format (`crate::gpu`).
@@ -12,6 +12,7 @@ use deltamoe_compute::{AffineWeight, DType, Fp8Weight, Tensor};
 
 use crate::error::Result;
 use crate::fp8::load_fp8;
+use crate::gptq::load_gptq;
 use crate::quant::load_affine;
 use crate::weights::WeightStore;
 
@@ -43,9 +44,13 @@ impl From<Fp8Weight> for LinearWeight {
 }
 
 impl LinearWeight {
-    /// `{prefix}.weight` as `[out, inp]`: affine when `{prefix}.scales` exists, FP8 when
-    /// `{prefix}.weight_scale_inv` does, else dense.
+    /// `{prefix}.weight` as `[out, inp]`: GPTQ/AWQ repacked to affine when `{prefix}.qweight`
+    /// exists, affine when `{prefix}.scales` does, FP8 when `{prefix}.weight_scale_inv` does,
+    /// else dense.
     pub fn load(store: &WeightStore, prefix: &str, out: usize, inp: usize) -> Result<Self> {
+        if let Some(w) = load_gptq(store, prefix, out, inp)? {
+            return Ok(w.into());
+        }
         if let Some(mut w) = load_affine(store, prefix, &[], out, inp)? {
             return Ok(w.remove(0).into());
         }

@@ -39,6 +39,33 @@ fn quantized(m: &str) -> bool {
 }
 
 impl Plan {
+    /// `module` quantized: to GPTQ with groups of `gptq` when given (or kept as `{module}.weight`
+    /// in `dtype`, and listed in `kept`, when GPTQ cannot hold its shape), else to FP8.
+    fn add_quantized(
+        &mut self,
+        module: &str,
+        part: Part,
+        [out, inp]: [usize; 2],
+        gptq: Option<usize>,
+        (dtype, kept): (&'static str, &mut Vec<String>),
+    ) {
+        match gptq {
+            Some(g) if !super::gptq::fits(out, inp, g) => {
+                kept.push(module.to_string());
+                self.dense += 1;
+                let out_t = self.push(format!("{module}.weight"), dtype, vec![out, inp]);
+                self.jobs.push(Job::Dense {
+                    parts: vec![part],
+                    cols: inp,
+                    add_one: false,
+                    out: out_t,
+                });
+            }
+            Some(g) => self.add_gptq(module, part, [out, inp], g),
+            None => self.add_fp8(module, part, [out, inp]),
+        }
+    }
+
     fn add_fp8(&mut self, module: &str, part: Part, [out, inp]: [usize; 2]) {
         self.quantized += 1;
         let codes = self.push(format!("{module}.weight"), "F8_E4M3", vec![out, inp]);
@@ -67,8 +94,13 @@ impl Plan {
     }
 }
 
-/// The plan of an FP8 conversion of `store` (config `c`) and the modules it keeps unquantized.
-pub(crate) fn plan_fp8(store: &WeightStore, c: &ModelConfig) -> Result<(Plan, Vec<String>)> {
+/// The plan of a per-expert conversion of `store` (config `c`) — FP8, or GPTQ int4 with groups of
+/// `gptq` — and the modules it keeps unquantized.
+pub(crate) fn plan_per_expert(
+    store: &WeightStore,
+    c: &ModelConfig,
+    gptq: Option<usize>,
+) -> Result<(Plan, Vec<String>)> {
     let mut p = Plan {
         outs: vec![],
         jobs: vec![],
@@ -78,16 +110,16 @@ pub(crate) fn plan_fp8(store: &WeightStore, c: &ModelConfig) -> Result<(Plan, Ve
         tensors_in: 0,
     };
     let mut kept = vec![];
-    let mut names: Vec<&str> = store.names().collect();
-    names.sort();
+    let names = crate::gptq::logical_names(store);
     let (i, h) = (c.moe_intermediate_size, c.hidden_size);
-    for name in names {
-        let shape = store.shape_of(name).unwrap_or_default();
+    for (name, shape) in &names {
+        let (name, shape) = (name.as_str(), shape.clone());
         let stored = store.stored_name(name);
         if c.tie_word_embeddings && name == "lm_head.weight" {
             continue;
         }
         p.tensors_in += 1;
+        let dtype = stored_dtype(store, name, &shape)?;
         let part = |row0, rows| Part {
             src: name.to_string(),
             row0,
@@ -97,25 +129,25 @@ pub(crate) fn plan_fp8(store: &WeightStore, c: &ModelConfig) -> Result<(Plan, Ve
             for e in 0..c.num_experts {
                 for (k, proj) in ["gate_proj", "up_proj"].iter().enumerate() {
                     let m = format!("{mlp}.experts.{e}.{proj}");
-                    p.add_fp8(&m, part(e * 2 * i + k * i, i), [i, h]);
+                    let dk = (dtype, &mut kept);
+                    p.add_quantized(&m, part(e * 2 * i + k * i, i), [i, h], gptq, dk);
                 }
             }
         } else if let Some(mlp) = stored.strip_suffix(".experts.down_proj") {
             for e in 0..c.num_experts {
                 let m = format!("{mlp}.experts.{e}.down_proj");
-                p.add_fp8(&m, part(e * h, h), [h, i]);
+                p.add_quantized(&m, part(e * h, h), [h, i], gptq, (dtype, &mut kept));
             }
         } else if let (Some(m), [out, inp]) = (stored.strip_suffix(".weight"), shape.as_slice()) {
             if quantized(m) || per_expert(name).is_some() {
-                p.add_fp8(m, part(0, *out), [*out, *inp]);
+                let dk = (dtype, &mut kept);
+                p.add_quantized(m, part(0, *out), [*out, *inp], gptq, dk);
             } else {
                 kept.push(m.to_string());
                 p.dense += 1;
-                let dtype = stored_dtype(store, name, &shape)?;
                 p.add_dense(stored.clone(), dtype, shape, name);
             }
         } else {
-            let dtype = stored_dtype(store, name, &shape)?;
             p.add_dense(stored.clone(), dtype, shape, name);
         }
     }

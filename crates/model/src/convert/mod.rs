@@ -29,6 +29,7 @@
 //! front from the shapes.
 
 mod fp8;
+mod gptq;
 mod writer;
 
 use std::collections::BTreeMap;
@@ -127,8 +128,19 @@ pub struct ConvertOptions {
     pub group_size: usize,
     pub rules: Vec<BitsRule>,
     pub max_shard_bytes: u64,
-    /// Write fine-grained FP8 in Qwen's `*-FP8` layout instead (bits, group and rules unused).
-    pub fp8: bool,
+    /// What to write.
+    pub output: Output,
+}
+
+/// The format a conversion writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// MLX affine (bits, group size and rules apply).
+    Mlx,
+    /// Fine-grained FP8 in Qwen's `*-FP8` layout ([`fp8`]; bits, group and rules unused).
+    Fp8,
+    /// GPTQ int4 v1, groups of `group_size` ([`gptq`]; bits and rules unused).
+    Gptq,
 }
 
 impl ConvertOptions {
@@ -138,15 +150,23 @@ impl ConvertOptions {
             group_size,
             rules: vec![],
             max_shard_bytes: DEFAULT_SHARD_BYTES,
-            fp8: false,
+            output: Output::Mlx,
         }
     }
 
     /// FP8 output ([`fp8`]).
     pub fn fp8() -> ConvertOptions {
         ConvertOptions {
-            fp8: true,
+            output: Output::Fp8,
             ..ConvertOptions::new(8, 64)
+        }
+    }
+
+    /// GPTQ int4 output with groups of `group_size` ([`gptq`]).
+    pub fn gptq(group_size: usize) -> ConvertOptions {
+        ConvertOptions {
+            output: Output::Gptq,
+            ..ConvertOptions::new(4, group_size)
         }
     }
 
@@ -209,6 +229,13 @@ pub(crate) enum Job {
         cols: usize,
         out: [usize; 2],
     },
+    /// One part quantized to GPTQ int4 (`convert --gptq`): qweight, qzeros, scales, g_idx.
+    Gptq {
+        part: Part,
+        cols: usize,
+        group: usize,
+        out: [usize; 4],
+    },
 }
 
 /// An output tensor.
@@ -259,9 +286,12 @@ pub(crate) struct Plan {
 }
 
 fn stored_dtype(store: &WeightStore, name: &str, shape: &[usize]) -> Result<&'static str> {
-    // FP8 weights are written from their f32 dequantization at the dtype of the rest of an FP8
-    // checkpoint.
-    if store.fp8_codes(name).is_some() {
+    // FP8 and GPTQ/AWQ weights are written from their f32 dequantization, in bf16 where they
+    // stay dense.
+    let gptq = name
+        .strip_suffix(".weight")
+        .is_some_and(|m| crate::gptq::logical_shape(store, m).is_some());
+    if gptq || store.fp8_codes(name).is_some() {
         return Ok("BF16");
     }
     Ok(match store.get(name, shape)?.dtype() {
@@ -359,11 +389,11 @@ pub(crate) fn plan(
             n.to_string()
         }
     };
-    let mut names: Vec<&str> = store.names().collect();
-    names.sort();
+    let names = crate::gptq::logical_names(store);
+    let has = |n: &str| names.binary_search_by(|(m, _)| m.as_str().cmp(n)).is_ok();
     let (e, i, h) = (c.num_experts, c.moe_intermediate_size, c.hidden_size);
-    for name in names {
-        let shape = store.shape_of(name).unwrap_or_default();
+    for (name, shape) in &names {
+        let (name, shape) = (name.as_str(), shape.clone());
         let part = |src: &str, row0, rows| Part {
             src: src.to_string(),
             row0,
@@ -396,7 +426,7 @@ pub(crate) fn plan(
             let parts = (0..e)
                 .map(|x| {
                     let src = format!("{mlp}.experts.{x}.{proj}.weight");
-                    if !store.contains(&src) {
+                    if !has(&src) {
                         return Err(ModelError::MissingTensor {
                             name: store.stored_name(&src),
                             dir: store.dir().to_path_buf(),
@@ -471,7 +501,8 @@ pub fn convert(
     let store = WeightStore::open(src)?;
     if store.layout() == Layout::Mlx
         || store.quantization().is_some()
-        || (opts.fp8 && store.fp8().is_some())
+        || (opts.output == Output::Fp8 && store.fp8().is_some())
+        || (opts.output == Output::Gptq && store.gptq().is_some())
     {
         return Err(ModelError::Input(format!(
             "--model {}: already an mlx-lm (converted or quantized) checkpoint; convert the original HF checkpoint",
@@ -489,9 +520,13 @@ pub fn convert(
         msg: e.to_string(),
     })?;
     let nested = matches!(config.model_type.as_str(), "qwen3_5_moe" | "qwen3_5");
-    let (plan, fp8_kept) = match opts.fp8 {
-        true => fp8::plan_fp8(&store, &config).map(|(p, k)| (p, Some(k)))?,
-        false => (plan(&store, &config, nested, opts)?, None),
+    let (plan, kept) = match opts.output {
+        Output::Fp8 => fp8::plan_per_expert(&store, &config, None).map(|(p, k)| (p, Some(k)))?,
+        Output::Gptq => {
+            let g = Some(opts.group_size);
+            fp8::plan_per_expert(&store, &config, g).map(|(p, k)| (p, Some(k)))?
+        }
+        Output::Mlx => (plan(&store, &config, nested, opts)?, None),
     };
 
     prepare_dst(dst)?;
@@ -505,15 +540,16 @@ pub fn convert(
     };
 
     if let Some(text) = root.get_mut("text_config").and_then(Value::as_object_mut) {
-        text.remove("quantization_config"); // a source's FP8 block
+        text.remove("quantization_config"); // a source's FP8 or GPTQ block
     }
-    let q = match fp8_kept {
-        Some(kept) => fp8::fp8_config(&kept),
-        None => Value::Object(mlx_config(opts, &plan)),
+    let q = match (opts.output, kept) {
+        (Output::Fp8, Some(kept)) => fp8::fp8_config(&kept),
+        (Output::Gptq, _) => gptq::gptq_config(opts.group_size),
+        _ => Value::Object(mlx_config(opts, &plan)),
     };
     if let Some(obj) = root.as_object_mut() {
         obj.remove("vision_config");
-        if !opts.fp8 {
+        if opts.output == Output::Mlx {
             obj.insert("quantization".into(), q.clone());
         }
         obj.insert("quantization_config".into(), q);

@@ -19,9 +19,11 @@ use deltamoe_compute::{Tensor, TensorData};
 use serde_json::{json, Map, Value};
 
 use super::fp8::FP8_BLOCK;
+use super::gptq::quantize_gptq;
 use super::{write_file, Job, OutTensor, Part, Plan};
 use crate::error::{ModelError, Result};
 use crate::fp8::load_fp8;
+use crate::gptq::{load_gptq, logical_shape};
 use crate::weights::WeightStore;
 
 /// Rows per block: about this many bytes of f32.
@@ -40,13 +42,16 @@ fn job_outputs(job: &Job) -> Vec<usize> {
         Job::Dense { out, .. } => vec![*out],
         Job::Quantize { out, .. } => out.to_vec(),
         Job::Fp8 { out, .. } => out.to_vec(),
+        Job::Gptq { out, .. } => out.to_vec(),
     }
 }
 
 fn job_parts(job: &Job) -> (&[Part], usize) {
     match job {
         Job::Dense { parts, cols, .. } | Job::Quantize { parts, cols, .. } => (parts, *cols),
-        Job::Fp8 { part, cols, .. } => (std::slice::from_ref(part), *cols),
+        Job::Fp8 { part, cols, .. } | Job::Gptq { part, cols, .. } => {
+            (std::slice::from_ref(part), *cols)
+        }
     }
 }
 
@@ -196,14 +201,29 @@ pub(crate) fn write_shards(
 
 /// Bytes an element of source tensor `name` takes in its file (progress counts file bytes).
 fn file_elem_bytes(store: &WeightStore, name: &str) -> Result<usize> {
+    if gptq_module(store, name).is_some() {
+        return Ok(1);
+    }
     match store.fp8_codes(name) {
         Some(_) => Ok(1),
         None => Ok(source(store, name)?.dtype().size()),
     }
 }
 
-/// Tensor `name` of the source: as stored, or for an FP8 weight its f32 dequantization.
+/// The module and `[out, in]` of `name` when it is the logical `.weight` of a GPTQ/AWQ linear.
+fn gptq_module<'a>(store: &WeightStore, name: &'a str) -> Option<(&'a str, [usize; 2])> {
+    let m = name.strip_suffix(".weight")?;
+    Some((m, logical_shape(store, m)?))
+}
+
+/// Tensor `name` of the source: as stored, or for an FP8 or GPTQ/AWQ weight its f32
+/// dequantization.
 fn source(store: &WeightStore, name: &str) -> Result<Tensor> {
+    if let Some((m, [out, inp])) = gptq_module(store, name) {
+        if let Some(w) = load_gptq(store, m, out, inp)? {
+            return Ok(Tensor::from_f32(vec![out, inp], w.dequantize()));
+        }
+    }
     let shape = store.shape_of(name).unwrap_or_default();
     if let (Some(module), [out, inp]) = (name.strip_suffix(".weight"), shape.as_slice()) {
         if let Some(w) = load_fp8(store, module, &[], *out, *inp)? {
@@ -281,6 +301,10 @@ impl Ctx<'_> {
             // Whole block rows: each chunk's scales are its own.
             block = block.next_multiple_of(FP8_BLOCK[0]);
         }
+        if let Job::Gptq { .. } = job {
+            // Whole matrices: GPTQ's layout is transposed.
+            block = usize::MAX;
+        }
         let mut row = 0usize; // output row (across parts)
         for p in parts {
             let t = source(self.store, &p.src)?;
@@ -347,6 +371,23 @@ impl Ctx<'_> {
                         let at = (row / FP8_BLOCK[0] * gc * 4) as u64;
                         let sb: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
                         out.write(*scales, at, &sb)?;
+                    }
+                    Job::Gptq {
+                        group,
+                        out: [qw, qz, sc, gi],
+                        ..
+                    } => {
+                        let mut v = vec![0.0f32; b - a];
+                        data.read_f32(a, &mut v);
+                        let g = quantize_gptq(&v, n, cols, *group);
+                        let le = |w: &[u32]| -> Vec<u8> {
+                            w.iter().flat_map(|x| x.to_le_bytes()).collect()
+                        };
+                        out.write(*qw, 0, &le(&g.qweight))?;
+                        out.write(*qz, 0, &le(&g.qzeros))?;
+                        let s: Vec<u8> = g.scales.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        out.write(*sc, 0, &s)?;
+                        out.write(*gi, 0, &le(&g.g_idx))?;
                     }
                 }
                 row += n;

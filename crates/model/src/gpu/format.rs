@@ -5,7 +5,7 @@
 //! `deltamoe_compute::cuda::ops`'s. Adding a format is one arm in each function here (see
 //! `docs/architecture.md`).
 
-use deltamoe_compute::cuda::ops::{Far, Matvec, WeightFormat};
+use deltamoe_compute::cuda::ops::{AffineParams, Far, Matvec, WeightFormat};
 use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 use deltamoe_compute::dtype::f32_to_bf16;
 use deltamoe_compute::TensorData;
@@ -17,8 +17,13 @@ use crate::checkpoint::{DenseSource, Linear, LinearWeight};
 pub enum DevFormat {
     /// bf16 values `[E, N, K]` (f16/f32 checkpoints rounded, other formats dequantized).
     Bf16,
-    /// MLX affine: u32 words `[E, N, K·bits/32]`, bf16 scales and biases `[E, N, K/group]`.
-    Affine { bits: u32, group: usize },
+    /// Affine: u32 words `[E, N, K·bits/32]` and two parameter arrays `[E, N, K/group]`: bf16
+    /// scales and biases (MLX), or f16 scales and zero points (GPTQ/AWQ; see [`AffineParams`]).
+    Affine {
+        bits: u32,
+        group: usize,
+        params: AffineParams,
+    },
     /// Fine-grained FP8: e4m3 bytes `[E, N, K]`, f32 scales `[E, N, ⌈K/group⌉]` (each row's copy
     /// of the scales of the blocks it lies in; `group` the blocks' width along K).
     Fp8 { group: usize },
@@ -47,12 +52,30 @@ impl DevFormat {
             return DevFormat::Bf16;
         };
         let (bits, group) = (a[0].bits(), a[0].group_size());
+        let zero = a[0].has_zero_points();
         let same = a
             .iter()
-            .all(|w| w.bits() == bits && w.group_size() == group);
+            .all(|w| w.bits() == bits && w.group_size() == group && w.has_zero_points() == zero);
+        let params = match zero {
+            true => AffineParams::F16Zero,
+            false => AffineParams::Bf16,
+        };
         match same && GPU_BITS.contains(&bits) {
-            true => DevFormat::Affine { bits, group },
+            true => DevFormat::Affine {
+                bits,
+                group,
+                params,
+            },
             false => DevFormat::Bf16,
+        }
+    }
+
+    /// Compile and load the kernels this format needs beyond the default build (GPTQ/AWQ's),
+    /// before any step is captured.
+    pub fn prepare(&self, g: &Gpu) -> Result<()> {
+        match *self {
+            DevFormat::Affine { params, .. } => g.kernels().prepare(params),
+            _ => Ok(()),
         }
     }
 
@@ -61,7 +84,7 @@ impl DevFormat {
         let nk = n * k;
         match *self {
             DevFormat::Bf16 => vec![2 * nk],
-            DevFormat::Affine { bits, group } => {
+            DevFormat::Affine { bits, group, .. } => {
                 vec![nk * bits as usize / 8, 2 * nk / group, 2 * nk / group]
             }
             DevFormat::Fp8 { group } => vec![nk, 4 * n * k.div_ceil(group)],
@@ -80,13 +103,20 @@ impl DevFormat {
             }
         }
         let affine: Option<Vec<_>> = parts.iter().map(|p| p.as_affine()).collect();
-        let (DevFormat::Affine { .. }, Some(a)) = (self, affine) else {
+        let (DevFormat::Affine { params, .. }, Some(a)) = (self, affine) else {
             return vec![concat(parts.iter().map(|p| bf16_bits(*p)))];
+        };
+        let (scales, biases): (Vec<_>, Vec<_>) = match params {
+            AffineParams::Bf16 => a
+                .iter()
+                .map(|w| (bf16_bits(w.scales()), bf16_bits(w.biases())))
+                .unzip(),
+            AffineParams::F16Zero => a.iter().map(|w| f16_scales_zeros(w)).unzip(),
         };
         vec![
             concat(a.iter().map(|w| w.words())),
-            concat(a.iter().map(|w| bf16_bits(w.scales()))),
-            concat(a.iter().map(|w| bf16_bits(w.biases()))),
+            concat(scales.into_iter()),
+            concat(biases.into_iter()),
         ]
     }
 
@@ -94,13 +124,18 @@ impl DevFormat {
     pub fn operands(&self, ptrs: &[u64]) -> (u64, WeightFormat) {
         match *self {
             DevFormat::Bf16 => (ptrs[0], WeightFormat::Bf16),
-            DevFormat::Affine { bits, group } => (
+            DevFormat::Affine {
+                bits,
+                group,
+                params,
+            } => (
                 ptrs[0],
                 WeightFormat::Affine {
                     bits,
                     group,
                     scales: ptrs[1],
                     biases: ptrs[2],
+                    params,
                 },
             ),
             DevFormat::Fp8 { group } => (
@@ -195,6 +230,7 @@ impl DevMat {
     ) -> Result<DevMat> {
         let bias = bias.map(|b| g.upload(&b)).transpose()?;
         let format = DevFormat::of(parts);
+        format.prepare(g)?;
         let arrays = format.arrays(parts);
         let arrays = arrays.iter().map(|a| g.upload(a)).collect::<Result<_>>()?;
         let w = DevWeights { format, arrays };
@@ -255,6 +291,22 @@ pub(crate) fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
     }
 }
 
+/// The f16 bits of a zero-point weight's scales `s` and zero points `z = −bias/s` (both exact:
+/// the loader made the scales from f16 values and the biases as `−z·s`).
+fn f16_scales_zeros(w: &deltamoe_compute::AffineWeight) -> (Vec<u16>, Vec<u16>) {
+    let (s, b) = (w.scales().to_f32_vec(), w.biases().to_f32_vec());
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits();
+    s.iter()
+        .zip(&b)
+        .map(|(&s, &b)| {
+            (
+                f16(s),
+                f16(deltamoe_compute::AffineWeight::zero_point(s, b)),
+            )
+        })
+        .unzip()
+}
+
 /// The scales of an FP8 matrix as the device holds them: each row's block-row of the grid,
 /// `[out, ⌈in/bk⌉]` f32.
 fn row_scales(w: &deltamoe_compute::Fp8Weight) -> Vec<f32> {
@@ -274,14 +326,22 @@ fn concat<T: bytemuck::Pod, P: AsRef<[T]>>(parts: impl Iterator<Item = P>) -> Ve
 
 #[cfg(test)]
 mod tests {
-    use super::DevFormat;
+    use super::{AffineParams, DevFormat};
 
     #[test]
     fn array_bytes_per_matrix() {
         assert_eq!(DevFormat::Bf16.array_bytes(4, 64), vec![512]);
-        let a4 = DevFormat::Affine { bits: 4, group: 64 };
+        let a4 = DevFormat::Affine {
+            bits: 4,
+            group: 64,
+            params: AffineParams::Bf16,
+        };
         assert_eq!(a4.array_bytes(4, 128), vec![256, 16, 16]);
-        let a8 = DevFormat::Affine { bits: 8, group: 32 };
+        let a8 = DevFormat::Affine {
+            bits: 8,
+            group: 32,
+            params: AffineParams::F16Zero,
+        };
         assert_eq!(a8.array_bytes(2, 64), vec![128, 8, 8]);
     }
 
@@ -290,7 +350,11 @@ mod tests {
         let (w, f) = DevFormat::Bf16.operands(&[7]);
         assert_eq!(w, 7);
         assert!(matches!(f, deltamoe_compute::cuda::ops::WeightFormat::Bf16));
-        let a = DevFormat::Affine { bits: 4, group: 64 };
+        let a = DevFormat::Affine {
+            bits: 4,
+            group: 64,
+            params: AffineParams::Bf16,
+        };
         let far = a.far(&[1, 2, 3], 9);
         assert_eq!((far.w, far.scales, far.biases, far.split), (1, 2, 3, 9));
     }

@@ -112,12 +112,17 @@ impl HostMat {
         let stack = match f.format {
             DevFormat::Fp8 { .. } => return Err(gpu_twin::TwinError::Shape(FP8_HOST.into())),
             DevFormat::Bf16 => TwinMat::Bf16(view(&a[0])),
-            DevFormat::Affine { bits, group } => TwinMat::Affine {
+            DevFormat::Affine {
+                bits,
+                group,
+                params,
+            } => TwinMat::Affine {
                 words: view(&a[0]),
                 scales: view(&a[1]),
                 biases: view(&a[2]),
                 bits,
                 group,
+                params,
             },
         };
         Ok(stack.row_range(f.k, e * f.n..(e + 1) * f.n))

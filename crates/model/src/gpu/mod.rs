@@ -487,7 +487,7 @@ impl GpuModel {
     /// Whether a `b`-row step runs the fused decode form (see the module doc).
     fn fused(&self, b: usize) -> bool {
         let mats = self.layers.iter().flat_map(|l| l.mixer.projections());
-        dispatch::fused_decode(b, mats)
+        self.layers.iter().all(|l| l.mixer.fusable()) && dispatch::fused_decode(b, mats)
     }
 
     /// The scale of the norm that follows layer `i`: the next layer's input norm, or the final

@@ -3,8 +3,9 @@
 
 use std::ops::Range;
 
-use deltamoe_compute::cuda::ops;
+use deltamoe_compute::cuda::ops::{self, AffineParams};
 use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
+use deltamoe_compute::DType;
 
 use super::format::{DevFormat, DevMat, Fmt};
 use super::host_store::{seed_at, Dest, ExpertSource};
@@ -34,8 +35,30 @@ impl<'a> Filler<'a> {
     }
 
     /// `count` stacked `[n, k]` matrices with values of magnitude about 1/sqrt(k), in the
-    /// model's format ([`Self::mats_as`]).
+    /// model's format for matrices other than routed experts ([`Self::mats_as`]): bf16 in a
+    /// GPTQ model, whose checkpoints (Qwen's GPTQ-Int4) quantize only the routed experts.
     pub fn mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
+        self.mats_as(self.dense_format(), count, n, k)
+    }
+
+    fn dense_format(&self) -> DevFormat {
+        match self.format {
+            DevFormat::Affine {
+                params: AffineParams::F16Zero,
+                ..
+            } => DevFormat::Bf16,
+            f => f,
+        }
+    }
+
+    /// Whether a shared expert ([`Self::mats`]) is stored like the routed ones
+    /// ([`Self::expert_mats`]), so that it may be stacked with them.
+    pub fn shared_like_routed(&self) -> bool {
+        self.dense_format() == self.format
+    }
+
+    /// `count` routed experts' `[n, k]` matrices, in the model's format.
+    pub fn expert_mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
         self.mats_as(self.format, count, n, k)
     }
 
@@ -62,24 +85,32 @@ impl<'a> Filler<'a> {
     }
 
     /// An MoE router (its experts' rows and the shared-expert gate's) as `deltamoe convert` and
-    /// mlx-lm store it in an affine model, at [`ROUTER_SPEC`] (8 bits, group 64), and FP8
-    /// checkpoints in bf16.
+    /// mlx-lm store it in an MLX affine model, at [`ROUTER_SPEC`] (8 bits, group 64), and FP8
+    /// and GPTQ checkpoints in bf16.
     pub fn router(&mut self, n: usize, k: usize) -> Result<DevMat> {
         let format = match self.format {
-            DevFormat::Affine { .. } => DevFormat::Affine {
+            DevFormat::Affine {
+                params: AffineParams::Bf16,
+                ..
+            } => DevFormat::Affine {
                 bits: ROUTER_SPEC.bits,
                 group: ROUTER_SPEC.group_size,
+                params: AffineParams::Bf16,
             },
-            DevFormat::Bf16 | DevFormat::Fp8 { .. } => DevFormat::Bf16,
+            _ => DevFormat::Bf16,
         };
         self.mats_as(format, 1, n, k)
     }
 
-    /// The lm_head: in the model's format, but bf16 for FP8 models (Qwen's FP8 checkpoints
-    /// leave it unquantized).
+    /// The lm_head: in the model's format, but bf16 for FP8 and GPTQ models (Qwen's FP8 and
+    /// GPTQ checkpoints leave it unquantized).
     pub fn lm_head(&mut self, n: usize, k: usize) -> Result<DevMat> {
         let format = match self.format {
-            DevFormat::Fp8 { .. } => DevFormat::Bf16,
+            DevFormat::Fp8 { .. }
+            | DevFormat::Affine {
+                params: AffineParams::F16Zero,
+                ..
+            } => DevFormat::Bf16,
             f => f,
         };
         self.mats_as(format, 1, n, k)
@@ -102,7 +133,7 @@ impl<'a> Filler<'a> {
     pub fn vec(&mut self, n: usize, lo: f32, hi: f32) -> Result<DevBuf<f32>> {
         let v: DevBuf<f32> = self.g.zeros(n)?;
         let seed = self.next_seed();
-        ops::fill_uniform(self.g, v.ptr(), n, false, seed, lo, hi)?;
+        ops::fill_uniform(self.g, v.ptr(), n, DType::F32, seed, lo, hi)?;
         Ok(v)
     }
 }
@@ -121,12 +152,12 @@ impl Seeded {
         let (n, k) = (self.fmt.n, self.fmt.k);
         let a = 1.0 / (k as f32).sqrt();
         let nk = n * k;
-        let (bits, group) = match self.fmt.format {
+        let (bits, group, params) = match self.fmt.format {
             DevFormat::Bf16 => {
                 let (d, bytes) = dst[0];
                 let out = d + (at * bytes) as u64;
                 let seed = seed_at(self.seeds[0], first * nk);
-                return ops::fill_uniform(g, out, count * nk, true, seed, -a, a);
+                return ops::fill_uniform(g, out, count * nk, DType::BF16, seed, -a, a);
             }
             DevFormat::Fp8 { group } => {
                 // Codes of exponent ≤ 14 (|code| ≤ 240, no NaN), row scales a/240.
@@ -136,9 +167,13 @@ impl Seeded {
                 let scales = n * k.div_ceil(group);
                 let s1 = seed_at(self.seeds[1], first * scales);
                 let (lo, hi) = (0.5 * a / 240.0, 1.5 * a / 240.0);
-                return ops::fill_uniform(g, at_of(1), count * scales, false, s1, lo, hi);
+                return ops::fill_uniform(g, at_of(1), count * scales, DType::F32, s1, lo, hi);
             }
-            DevFormat::Affine { bits, group } => (bits, group),
+            DevFormat::Affine {
+                bits,
+                group,
+                params,
+            } => (bits, group, params),
         };
         let step = 2.0 * a / ((1u32 << bits) - 1) as f32;
         let (words, groups) = (nk * bits as usize / 32, nk / group);
@@ -150,16 +185,15 @@ impl Seeded {
             seed_at(self.seeds[1], first * groups),
             seed_at(self.seeds[2], first * groups),
         );
-        ops::fill_uniform(
-            g,
-            at_of(1),
-            count * groups,
-            true,
-            s1,
-            0.5 * step,
-            1.5 * step,
-        )?;
-        ops::fill_uniform(g, at_of(2), count * groups, true, s2, -1.5 * a, -0.5 * a)
+        // MLX: bf16 scales and biases in about [−1.5a, −0.5a]; GPTQ: f16 scales and zero points
+        // about the middle code.
+        let (dtype, zero) = match params {
+            AffineParams::Bf16 => (DType::BF16, (-1.5 * a, -0.5 * a)),
+            AffineParams::F16Zero => (DType::F16, (7.0, 8.0)),
+        };
+        let scale = (0.5 * step, 1.5 * step);
+        ops::fill_uniform(g, at_of(1), count * groups, dtype, s1, scale.0, scale.1)?;
+        ops::fill_uniform(g, at_of(2), count * groups, dtype, s2, zero.0, zero.1)
     }
 }
 

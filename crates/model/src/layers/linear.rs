@@ -79,7 +79,9 @@ impl LinearWeight {
             (LinearWeight::Dense(_), LinearWeight::Dense(_)) => true,
             (LinearWeight::Fp8(x), LinearWeight::Fp8(y)) => x.block() == y.block(),
             (LinearWeight::Affine(x), LinearWeight::Affine(y)) => {
-                x.bits() == y.bits() && x.group_size() == y.group_size()
+                x.bits() == y.bits()
+                    && x.group_size() == y.group_size()
+                    && x.has_zero_points() == y.has_zero_points()
             }
             _ => false,
         }

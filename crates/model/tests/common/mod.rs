@@ -115,3 +115,26 @@ pub fn run_chunks(model: &Qwen3Hybrid, tokens: &[u32], chunk: usize) -> Vec<f32>
         .flat_map(|c| model.forward(c, &mut st, Logits::All).unwrap())
         .collect()
 }
+
+/// Fixture `name` loaded, against its transformers reference: each prompt in one prefill, in
+/// pure decode and in passes of 37, at the foundation tolerance ([`check_logits`]).
+pub fn check_fixture(name: &str) {
+    let dir = fixture(name);
+    let model = Qwen3Hybrid::load(&dir).unwrap();
+    let vocab = model.config().vocab_size;
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for i in 0..2 {
+        let tokens = ids(&st, &format!("prompt{i}.tokens"));
+        let logits = f32s(&st, &format!("prompt{i}.logits"));
+        for chunk in [tokens.len(), 1, 37] {
+            let got = run_chunks(&model, &tokens, chunk);
+            check_logits(
+                &format!("{name} prompt{i} chunk {chunk}"),
+                &got,
+                &logits,
+                vocab,
+            );
+        }
+    }
+}

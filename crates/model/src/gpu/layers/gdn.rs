@@ -1,16 +1,16 @@
 //! The Gated DeltaNet mixer on the GPU: the fused input projection `[qkv | z | b | a]`
 //! (Qwen3-Next's per-key-head packing reordered by row runs at upload), the causal conv, the
 //! gated delta rule and the gated RMSNorm, then the output projection. State per slot: the conv
-//! window `[K−1, C]` and the recurrent state `[Hv, Dk, Dv]`. FP8 checkpoints keep `b` and `a`
-//! unquantized: their rows of the FP8 projection are zeros, and a bf16 product of its own
-//! writes them (`GdnMixer::ba`), so that neither is rounded to the other's format.
+//! window `[K−1, C]` and the recurrent state `[Hv, Dk, Dv]`. FP8 and GPTQ/AWQ checkpoints keep
+//! `b` and `a` unquantized: their rows of the quantized projection are zeros, and a bf16 product
+//! of its own writes them (`GdnMixer::ba`), so that neither is rounded to the other's format.
 use deltamoe_compute::cuda::gdn_chunk::{self, GdnChunkBufs, GdnChunkDims};
 use deltamoe_compute::cuda::ops::{self, GdnDims, Matvec, GDN_DK_MAX, GDN_DV_MAX};
 use deltamoe_compute::cuda::prefill::{self as pf, GdnPacked};
 use deltamoe_compute::cuda::vec::VecIo;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu, Result};
 use deltamoe_compute::fp8::Bytes;
-use deltamoe_compute::{DType, Fp8Weight};
+use deltamoe_compute::{AffineWeight, DType, Fp8Weight, PackedWords, Tensor};
 
 use super::{gdn_path, pass_mv, slot_at, GdnPrefill, Mixer, Needs, Pass, State, StateSpec, Step};
 use crate::checkpoint::gdn::InProj;
@@ -59,13 +59,11 @@ impl GdnMixer {
                 )
             }
         };
-        let fp8 = |v: &[LinearWeight]| {
-            let parts: Vec<&LinearWeight> = v.iter().collect();
-            matches!(DevFormat::of(&parts), DevFormat::Fp8 { .. })
-        };
-        let (proj, ba) = match (fp8(&main), fp8(&tail), main[0].as_fp8()) {
-            (true, false, Some(f)) => {
-                let zeros = zero_fp8(2 * s.n_v_heads, hidden, f.block())?;
+        let format = |v: &[LinearWeight]| DevFormat::of(&v.iter().collect::<Vec<_>>());
+        let (fm, ft) = (format(&main), format(&tail));
+        let apart = fm != DevFormat::Bf16 && fm != ft;
+        let (proj, ba) = match zero_rows(&main[0], 2 * s.n_v_heads, hidden)? {
+            Some(zeros) if apart => {
                 let parts: Vec<&LinearWeight> = main.iter().chain([&zeros]).collect();
                 let tail: Vec<&LinearWeight> = tail.iter().collect();
                 let ba = DevMat::stack(g, &tail, 2 * s.n_v_heads, hidden, None)?;
@@ -156,14 +154,33 @@ impl GdnMixer {
     }
 }
 
-/// An all-zero FP8 `[rows, k]` matrix in blocks of `block`: the `[b | a]` rows of an FP8
-/// projection whose `b` and `a` are stored unquantized.
-fn zero_fp8(rows: usize, k: usize, block: [usize; 2]) -> Result<LinearWeight> {
-    let grid = rows.div_ceil(block[0]) * k.div_ceil(block[1]);
-    let codes = Bytes::from_vec(vec![0; rows * k]);
-    Fp8Weight::new(rows, k, block, codes, vec![0.0; grid], DType::F32)
-        .map(LinearWeight::from)
-        .map_err(|e| CudaError::Unsupported(format!("FP8 GDN projection: {e}")))
+/// An all-zero `[rows, k]` matrix in the quantized format of `like` (FP8 blocks, or affine bits,
+/// group and parameter form): the `[b | a]` rows of a quantized projection whose `b` and `a`
+/// are stored unquantized (FP8 and GPTQ/AWQ checkpoints). `None` for a dense `like`.
+fn zero_rows(like: &LinearWeight, rows: usize, k: usize) -> Result<Option<LinearWeight>> {
+    let err = |e: String| CudaError::Unsupported(format!("quantized GDN projection: {e}"));
+    match like {
+        LinearWeight::Fp8(f) => {
+            let block = f.block();
+            let grid = rows.div_ceil(block[0]) * k.div_ceil(block[1]);
+            let codes = Bytes::from_vec(vec![0; rows * k]);
+            Fp8Weight::new(rows, k, block, codes, vec![0.0; grid], DType::F32)
+                .map(|w| Some(w.into()))
+                .map_err(|e| err(e.to_string()))
+        }
+        LinearWeight::Affine(a) => {
+            let (bits, g) = (a.bits(), a.group_size());
+            let words = PackedWords::from_vec(vec![0; rows * k * bits as usize / 32]);
+            let zeros = || Tensor::from_f32(vec![rows, k / g], vec![0.0; rows * k / g]);
+            let w = AffineWeight::new(bits, g, rows, k, words, zeros(), zeros())
+                .map_err(|e| err(e.to_string()))?;
+            Ok(Some(match a.has_zero_points() {
+                true => w.with_zero_points().into(),
+                false => w.into(),
+            }))
+        }
+        LinearWeight::Dense(_) => Ok(None),
+    }
 }
 
 /// The head dims the CUDA kernels take.
@@ -184,6 +201,10 @@ impl Mixer for GdnMixer {
 
     fn projections(&self) -> [Matvec; 2] {
         [self.proj.mv(), self.out.mv()]
+    }
+
+    fn fusable(&self) -> bool {
+        self.ba.is_none()
     }
 
     fn needs(&self, rows: usize) -> Needs {

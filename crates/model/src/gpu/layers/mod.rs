@@ -246,6 +246,11 @@ pub(crate) trait Mixer {
     fn kind(&self) -> &'static str;
     /// Its input and output projections (the fused form needs both taken by the one-row kernel).
     fn projections(&self) -> [Matvec; 2];
+    /// Whether its decode can take the fused form at all (a GDN layer whose `[b | a]` rows are
+    /// stored apart cannot: the fused input projection has no place for their product).
+    fn fusable(&self) -> bool {
+        true
+    }
     /// Scratch it needs, for prefill passes of `rows` tokens.
     fn needs(&self, rows: usize) -> Needs;
     /// Its state per sequence slot at context `ctx`.

@@ -117,8 +117,8 @@ impl MoeFfn {
             c.shared_expert_intermediate_size,
         );
         check(e, c.experts_per_token)?;
-        // As on upload: a shared expert of the experts' shape is stacked as expert E.
-        let stacked = sn == n;
+        // As on upload: a shared expert of the experts' shape and format is stacked as expert E.
+        let stacked = sn == n && f.shared_like_routed();
         let shared = match stacked {
             true => None,
             false => Some((f.mats(1, 2 * sn, h)?, f.mats(1, h, sn)?)),
@@ -129,7 +129,11 @@ impl MoeFfn {
             placed_later(f.g, (layer, e, stacked), Box::new(src))?
         } else {
             let count = e + stacked as usize;
-            (f.mats(count, 2 * n, h)?, f.mats(count, h, n)?, None)
+            (
+                f.expert_mats(count, 2 * n, h)?,
+                f.expert_mats(count, h, n)?,
+                None,
+            )
         };
         let routing = (e, c.experts_per_token, c.norm_topk_prob);
         Ok(made(router, experts, shared, routing))
