@@ -15,6 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use rayon::prelude::*;
 
 use super::ops::{AffineParams, WeightFormat};
 use super::{driver_err, CudaError, Result};
@@ -369,12 +370,12 @@ fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
 /// Compile every kernel file for `arch` (e.g. `compute_90`) without a device, both builds: a
 /// check that needs only NVRTC.
 pub fn compile_all(arch: &'static str) -> Result<()> {
-    for build in [Build::Default, Build::F16Zero] {
-        for (file, src, _) in build.files() {
-            ptx_for(file, src, arch, build)?;
-        }
-    }
-    Ok(())
+    let jobs: Vec<_> = [Build::Default, Build::F16Zero]
+        .into_iter()
+        .flat_map(|b| b.files().map(move |f| (b, f)))
+        .collect();
+    jobs.par_iter()
+        .try_for_each(|(build, (file, src, _))| ptx_for(file, src, arch, *build).map(|_| ()))
 }
 
 /// The kernels of `build` for `arch`, loaded into `ctx`.
@@ -383,9 +384,14 @@ fn load_build(
     arch: &'static str,
     build: Build,
 ) -> Result<HashMap<&'static str, CudaFunction>> {
+    // NVRTC compiles the files in parallel (the first start on a machine); loading is serial.
+    let files: Vec<_> = build.files().collect();
+    let ptxs = files
+        .par_iter()
+        .map(|(file, src, _)| ptx_for(file, src, arch, build))
+        .collect::<Result<Vec<_>>>()?;
     let mut funcs = HashMap::new();
-    for (file, src, names) in build.files() {
-        let ptx = ptx_for(file, src, arch, build)?;
+    for ((file, _, names), ptx) in files.into_iter().zip(ptxs) {
         let module = ctx
             .load_module(Ptx::from_src(ptx))
             .map_err(driver_err(file))?;
