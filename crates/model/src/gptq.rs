@@ -208,35 +208,13 @@ pub(crate) fn load_gptq(
     if !inp.is_multiple_of(pack) || !out.is_multiple_of(pack) {
         return Err(qerr(&qn, format!("[out, in] = [{out}, {inp}] is not a multiple of {pack} in both dims, as {bits}-bit packing needs")));
     }
-    let ints = |n: &str, shape: [usize; 2]| -> Result<PackedWords> {
-        let Some((w, found)) = store.ints(n) else {
-            if !store.contains(n) {
-                return Err(ModelError::MissingTensor {
-                    name: store.stored_name(n),
-                    dir: store.dir().to_path_buf(),
-                });
-            }
-            return Err(qerr(
-                n,
-                "is not int32; GPTQ/AWQ packed tensors are int32".into(),
-            ));
-        };
-        if found != shape {
-            return Err(ModelError::Shape {
-                name: store.stored_name(n),
-                file: store.file_of(n),
-                expected: shape.to_vec(),
-                found: found.to_vec(),
-            });
-        }
-        Ok(w)
-    };
-    let qweight = ints(&qn, qshape)?;
-    let qzeros = ints(&zn, zshape)?;
+    let qweight = ints(store, &qn, &qshape)?;
+    let qzeros = ints(store, &zn, &zshape)?;
     let scales = store.get(&sn, &[groups, out])?;
     if let Packing::Gptq { .. } = cfg.packing {
         if store.contains(&gn) {
-            check_g_idx(&ints_1d(store, &gn, inp)?, g).map_err(|m| qerr(&gn, m))?;
+            let g_idx = ints(store, &gn, &[inp])?;
+            check_g_idx(&g_idx.to_slice(), g).map_err(|m| qerr(&gn, m))?;
         }
     }
     let w = repack(
@@ -315,22 +293,30 @@ pub(crate) fn logical_names(store: &WeightStore) -> Vec<(String, Vec<usize>)> {
     v
 }
 
-/// A 1-D int32 tensor of `len` values.
-fn ints_1d(store: &WeightStore, name: &str, len: usize) -> Result<Vec<u32>> {
-    match store.ints(name) {
-        Some((w, shape)) if shape == [len] => Ok(w.to_slice().into_owned()),
-        Some((_, shape)) => Err(ModelError::Shape {
+/// The int32 tensor `name` (as `u32` bits), which must have `shape`.
+fn ints(store: &WeightStore, name: &str, shape: &[usize]) -> Result<PackedWords> {
+    let Some((w, found)) = store.ints(name) else {
+        if !store.contains(name) {
+            return Err(ModelError::MissingTensor {
+                name: store.stored_name(name),
+                dir: store.dir().to_path_buf(),
+            });
+        }
+        return Err(ModelError::Quant {
             name: store.stored_name(name),
             file: store.file_of(name),
-            expected: vec![len],
-            found: shape.to_vec(),
-        }),
-        None => Err(ModelError::Quant {
+            msg: "is not int32; GPTQ/AWQ packed tensors are int32".into(),
+        });
+    };
+    if found != shape {
+        return Err(ModelError::Shape {
             name: store.stored_name(name),
             file: store.file_of(name),
-            msg: "is not int32".into(),
-        }),
+            expected: shape.to_vec(),
+            found: found.to_vec(),
+        });
     }
+    Ok(w)
 }
 
 /// `g_idx` must put input `k` in group `k / g`: act-order checkpoints permute it.

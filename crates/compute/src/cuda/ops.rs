@@ -601,23 +601,22 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Res
 
 /// Fill `n` u32 words at `out` with random bits (synthetic packed weights).
 pub fn fill_random_u32(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
-    let n64 = n as i64;
-    let mut b = g.launch_builder(g.kernels().get("fill_random_u32"));
-    b.arg(&out).arg(&n64).arg(&seed);
-    // SAFETY: out holds n u32; grid-stride loop bounded by n.
-    unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
-        .map_err(driver_err("fill_random_u32"))?;
-    Ok(())
+    fill_words(g, "fill_random_u32", out, n, seed)
 }
 
 /// Fill `n` u32 words at `out` with random e4m3 codes, four a word, never NaN (fill.cu).
 pub fn fill_random_fp8(g: &Gpu, out: u64, n: usize, seed: u64) -> Result<()> {
+    fill_words(g, "fill_random_fp8", out, n, seed)
+}
+
+/// Launch the fill.cu kernel `name` that writes `n` random u32 words at `out`.
+fn fill_words(g: &Gpu, name: &str, out: u64, n: usize, seed: u64) -> Result<()> {
     let n64 = n as i64;
-    let mut b = g.launch_builder(g.kernels().get("fill_random_fp8"));
+    let mut b = g.launch_builder(g.kernels().get(name));
     b.arg(&out).arg(&n64).arg(&seed);
     // SAFETY: out holds n u32; grid-stride loop bounded by n.
     unsafe { b.launch(cfg((blocks(n, 256).clamp(1, 65_535), 1), 256, 0)) }
-        .map_err(driver_err("fill_random_fp8"))?;
+        .map_err(driver_err(name))?;
     Ok(())
 }
 

@@ -39,8 +39,8 @@ fn quantized(m: &str) -> bool {
 }
 
 impl Plan {
-    /// `module` quantized: to GPTQ with groups of `gptq` when given (or kept as `{module}.weight`
-    /// in `dtype`, and listed in `kept`, when GPTQ cannot hold its shape), else to FP8.
+    /// `module` quantized: to GPTQ with groups of `gptq` when given (or kept, see
+    /// [`Plan::keep`], when GPTQ cannot hold its shape), else to FP8.
     fn add_quantized(
         &mut self,
         module: &str,
@@ -51,19 +51,25 @@ impl Plan {
     ) {
         match gptq {
             Some(g) if !super::gptq::fits(out, inp, g) => {
-                kept.push(module.to_string());
-                self.dense += 1;
-                let out_t = self.push(format!("{module}.weight"), dtype, vec![out, inp]);
-                self.jobs.push(Job::Dense {
-                    parts: vec![part],
-                    cols: inp,
-                    add_one: false,
-                    out: out_t,
-                });
+                self.keep(kept, module, part, (dtype, vec![out, inp]))
             }
             Some(g) => self.add_gptq(module, part, [out, inp], g),
             None => self.add_fp8(module, part, [out, inp]),
         }
+    }
+
+    /// The linear `module` written unquantized as `{module}.weight` (`dtype`, `shape`), from
+    /// `part`, and listed in `kept`.
+    fn keep(
+        &mut self,
+        kept: &mut Vec<String>,
+        module: &str,
+        part: Part,
+        (dtype, shape): (&'static str, Vec<usize>),
+    ) {
+        kept.push(module.to_string());
+        self.dense += 1;
+        self.add_dense_part(format!("{module}.weight"), dtype, shape, part);
     }
 
     fn add_fp8(&mut self, module: &str, part: Part, [out, inp]: [usize; 2]) {
@@ -79,14 +85,21 @@ impl Plan {
     }
 
     fn add_dense(&mut self, name: String, dtype: &'static str, shape: Vec<usize>, src: &str) {
-        let (rows, cols) = flat2d(&shape);
+        let rows = flat2d(&shape).0;
+        let part = Part {
+            src: src.to_string(),
+            row0: 0,
+            rows,
+        };
+        self.add_dense_part(name, dtype, shape, part);
+    }
+
+    /// Output `name` (`dtype`, `shape`) written as it is from `part` of a source tensor.
+    fn add_dense_part(&mut self, name: String, dtype: &'static str, shape: Vec<usize>, part: Part) {
+        let cols = flat2d(&shape).1;
         let out = self.push(name, dtype, shape);
         self.jobs.push(Job::Dense {
-            parts: vec![Part {
-                src: src.to_string(),
-                row0: 0,
-                rows,
-            }],
+            parts: vec![part],
             cols,
             add_one: false,
             out,
@@ -143,9 +156,7 @@ pub(crate) fn plan_per_expert(
                 let dk = (dtype, &mut kept);
                 p.add_quantized(m, part(0, *out), [*out, *inp], gptq, dk);
             } else {
-                kept.push(m.to_string());
-                p.dense += 1;
-                p.add_dense(stored.clone(), dtype, shape, name);
+                p.keep(&mut kept, m, part(0, *out), (dtype, shape));
             }
         } else {
             p.add_dense(stored.clone(), dtype, shape, name);

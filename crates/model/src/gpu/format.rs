@@ -71,7 +71,8 @@ impl DevFormat {
     }
 
     /// Compile and load the kernels this format needs beyond the default build (GPTQ/AWQ's),
-    /// before any step is captured.
+    /// before any step is captured: called by both constructors of a stack ([`DevMat::stack`],
+    /// [`Fmt::device_stack`]).
     pub fn prepare(&self, g: &Gpu) -> Result<()> {
         match *self {
             DevFormat::Affine { params, .. } => g.kernels().prepare(params),
@@ -189,6 +190,7 @@ impl Fmt {
 
     /// A zeroed device stack of `count` matrices.
     pub(crate) fn device_stack(&self, g: &Gpu, count: usize) -> Result<DevMat> {
+        self.format.prepare(g)?;
         let arrays = self.array_bytes().into_iter();
         let arrays = arrays.map(|b| g.zeros(count * b)).collect::<Result<_>>()?;
         Ok(DevMat {

@@ -62,8 +62,12 @@ impl GdnMixer {
         let format = |v: &[LinearWeight]| DevFormat::of(&v.iter().collect::<Vec<_>>());
         let (fm, ft) = (format(&main), format(&tail));
         let apart = fm != DevFormat::Bf16 && fm != ft;
-        let (proj, ba) = match zero_rows(&main[0], 2 * s.n_v_heads, hidden)? {
-            Some(zeros) if apart => {
+        let zeros = match apart {
+            true => zero_rows(&main[0], 2 * s.n_v_heads, hidden)?,
+            false => None,
+        };
+        let (proj, ba) = match zeros {
+            Some(zeros) => {
                 let parts: Vec<&LinearWeight> = main.iter().chain([&zeros]).collect();
                 let tail: Vec<&LinearWeight> = tail.iter().collect();
                 let ba = DevMat::stack(g, &tail, 2 * s.n_v_heads, hidden, None)?;
