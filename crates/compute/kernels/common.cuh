@@ -34,6 +34,26 @@ __device__ __forceinline__ float e4m3f(unsigned b) {
     return (b & 0x7fu) == 0x7fu ? __int_as_float(0x7fffffff) : v;
 }
 
+// The 4 e4m3 codes of w (lowest byte first) as f32, exact. On sm_89 and later the hardware
+// converts two codes to an f16 pair in one instruction (e4m3 values are f16 values; 0x7f / 0xff
+// give NaN as e4m3f does) and an f16 widens to f32 on the FMA pipe.
+__device__ __forceinline__ void e4m3x4(unsigned w, float f[4]) {
+#if __CUDA_ARCH__ >= 890
+    asm("{\n\t.reg .b16 c0, c1, h0, h1, h2, h3;\n\t.reg .b32 p0, p1;\n\t"
+        "mov.b32 {c0, c1}, %4;\n\t"
+        "cvt.rn.f16x2.e4m3x2 p0, c0;\n\t"
+        "cvt.rn.f16x2.e4m3x2 p1, c1;\n\t"
+        "mov.b32 {h0, h1}, p0;\n\t"
+        "mov.b32 {h2, h3}, p1;\n\t"
+        "cvt.f32.f16 %0, h0;\n\tcvt.f32.f16 %1, h1;\n\tcvt.f32.f16 %2, h2;\n\tcvt.f32.f16 %3, h3;\n\t}"
+        : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3])
+        : "r"(w));
+#else
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = e4m3f((w >> (8 * i)) & 0xffu);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

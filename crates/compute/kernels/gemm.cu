@@ -107,8 +107,10 @@ __device__ __forceinline__ void dequant_word(unsigned w, GroupSB sb, unsigned* o
 
 // The 4 FP8 codes of word `w` times `s`, as two bf16x2 pairs.
 __device__ __forceinline__ void dequant_fp8_word(unsigned w, float s, unsigned* out) {
-    out[0] = pack_bf16(e4m3f(w & 255u) * s, e4m3f((w >> 8) & 255u) * s);
-    out[1] = pack_bf16(e4m3f((w >> 16) & 255u) * s, e4m3f(w >> 24) * s);
+    float f[4];
+    e4m3x4(w, f);
+    out[0] = pack_bf16(f[0] * s, f[1] * s);
+    out[1] = pack_bf16(f[2] * s, f[3] * s);
 }
 
 extern "C" __global__ void dequant_fp8_bf16(const unsigned* __restrict__ W, const float* __restrict__ S,

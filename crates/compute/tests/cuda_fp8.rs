@@ -1,6 +1,7 @@
 //! The FP8 kernels (fp8.cu: slots by id, a batch of rows through one matrix, SwiGLU forms)
 //! against the CPU's `fp8_matmul` on random e4m3 codes (every byte but the two NaNs) with random
-//! block scales, odd row counts and K with a partial last block. The device holds each row's
+//! block scales, odd row counts and K with a partial last block (K = 2,320: more than one round
+//! of a lane's loads in flight). The device holds each row's
 //! copy of its block scales, as the model's upload writes them. Both sides sum f32 products in
 //! other orders: 1e-5 of the largest output. Needs a GPU: `#[ignore]`d here, run by
 //! `scripts/gpu-tests.sh`.
@@ -50,6 +51,7 @@ fn fp8_products_match_cpu() {
         (160, 48, 1, 5),
         (258, 392, 2, 3),
         (96, 520, 4, 9),
+        (70, 2320, 3, 4),
     ] {
         let ws = weights(&mut r, experts, n, k);
         let codes: Vec<u8> = ws.iter().flat_map(|w| w.codes().to_vec()).collect();
