@@ -20,7 +20,7 @@ pub struct InfoArgs {
 }
 
 /// Kinds of parameters, in display order.
-const KINDS: [&str; 9] = [
+const KINDS: [&str; 10] = [
     "embedding",
     "lm_head",
     "linear attention (GDN)",
@@ -29,11 +29,17 @@ const KINDS: [&str; 9] = [
     "routed experts",
     "shared expert",
     "dense mlp",
+    "MTP layer",
     "norms",
 ];
 
+/// Index of the MTP layer's parameters in [`KINDS`] (not counted as active per token).
+const MTP: usize = 8;
+
 fn kind_of(name: &str) -> &'static str {
-    if name.starts_with("model.embed_tokens.") {
+    if name.starts_with("mtp.") {
+        KINDS[MTP]
+    } else if name.starts_with("model.embed_tokens.") {
         KINDS[0]
     } else if name.starts_with("lm_head.") {
         KINDS[1]
@@ -50,7 +56,7 @@ fn kind_of(name: &str) -> &'static str {
     } else if name.contains(".mlp.") {
         KINDS[7]
     } else {
-        KINDS[8]
+        KINDS[9]
     }
 }
 
@@ -99,7 +105,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let total: usize = params.iter().sum();
     let total_bytes: usize = bytes.iter().sum();
     let experts = params[5];
-    let active = total - experts
+    let active = total - experts - params[MTP]
         + (experts * c.experts_per_token)
             .checked_div(c.num_experts)
             .unwrap_or(0);
@@ -129,6 +135,14 @@ pub fn run(a: InfoArgs) -> Result<()> {
             c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.norm_topk_prob
         );
     }
+    let mtp = match (c.mtp_layers, store.contains_prefix("mtp.")) {
+        (0, _) => "none".to_string(),
+        (n, true) => format!("{n} layer (mtp.*)"),
+        (n, false) => format!(
+            "the config names {n} layer but the checkpoint has no mtp.* tensors (mlx-lm's converter drops them; convert keeps them)"
+        ),
+    };
+    println!("mtp            {mtp}");
     match store.quantization() {
         Some(q) => {
             let d = q.default_spec();

@@ -75,6 +75,9 @@ pub struct ModelConfig {
     pub moe_intermediate_size: usize,
     pub shared_expert_intermediate_size: usize,
     pub norm_topk_prob: bool,
+    /// MTP layers the config names (`mtp_num_hidden_layers`, or `num_nextn_predict_layers`):
+    /// one full-attention decoder layer predicting the token after next (`mtp.*`).
+    pub mtp_layers: usize,
 }
 
 /// Reads keys from one JSON object, naming the file and key in errors.
@@ -397,6 +400,10 @@ fn parse_text(
         shared_expert_intermediate_size: moe_key("shared_expert_intermediate_size")?,
         // Qwen3.5 MoE always renormalises the top-k weights; Qwen3-Next when configured.
         norm_topk_prob: family == Family::Qwen35Moe || k.bool_or("norm_topk_prob", true)?,
+        mtp_layers: match k.get("mtp_num_hidden_layers") {
+            Some(_) => k.usize("mtp_num_hidden_layers")?,
+            None => k.usize_or("num_nextn_predict_layers", 0)?,
+        },
     };
     validate(&cfg, &k)?;
     Ok(cfg)

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use deltamoe_compute::cpu::norm::rms_norm;
 use deltamoe_compute::cpu::rope::Rope;
 
-use crate::checkpoint::{Checkpoint, Ffn, Mixer, Moe};
+use crate::checkpoint::{Checkpoint, Ffn, Layer, Mixer, Moe};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert_store::{ExpertStore, MoeLayer};
@@ -191,7 +191,11 @@ impl Qwen3Hybrid {
                 Mixer::Full(_) => LayerState::Full(KvCache::default()),
             })
             .collect();
-        SequenceState { pos: 0, layers }
+        SequenceState {
+            pos: 0,
+            layers,
+            mtp: KvCache::default(),
+        }
     }
 
     /// Run `tokens` (appended after the state's position) through the model in one pass per
@@ -202,6 +206,87 @@ impl Qwen3Hybrid {
         state: &mut SequenceState,
         which: Logits,
     ) -> Result<Vec<f32>> {
+        Ok(self.forward_hidden(tokens, state, which)?.0)
+    }
+
+    /// [`Self::forward`], also returning the final hidden states (after the final norm, what
+    /// the lm_head reads) of the rows whose logits are returned: what the MTP layer takes.
+    pub fn forward_hidden(
+        &self,
+        tokens: &[u32],
+        state: &mut SequenceState,
+        which: Logits,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (c, w) = (&self.ckpt.config, &self.ckpt);
+        let mut x = self.embed(tokens)?;
+        let (t, h) = (tokens.len(), c.hidden_size);
+        let pos0 = state.pos;
+        let products = self.products(t);
+        let layers = w.layers.iter().zip(&self.expert_offload);
+        for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
+            self.block(layer, offload.as_deref(), st, &mut x, t, pos0, products)?;
+        }
+        state.pos += t;
+        let mut rows = match which {
+            Logits::All => x,
+            Logits::Last => x.split_off((t - 1) * h),
+        };
+        rms_norm(&mut rows, &w.final_norm, c.rms_norm_eps);
+        Ok((self.lm_head(&rows), rows))
+    }
+
+    /// Run the MTP layer over `tokens.len()` pairs (token t + 1, final hidden state at t) from
+    /// the MTP cache's next position on, appending to `state.mtp`: the logits predicting each
+    /// pair's next token ([T, V]) and the layer's normed outputs ([T, H]), which a further
+    /// draft step takes as its hidden state. The positions are the hidden states' (t), as in
+    /// vLLM; the main model's state is not touched.
+    pub fn mtp_forward(
+        &self,
+        tokens: &[u32],
+        hidden: &[f32],
+        state: &mut SequenceState,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (c, w) = (&self.ckpt.config, &self.ckpt);
+        let Some(m) = &w.mtp else {
+            return Err(ModelError::Input(
+                "this checkpoint has no MTP layer (no mtp.* tensors)".into(),
+            ));
+        };
+        let e = self.embed(tokens)?;
+        let (t, h) = (tokens.len(), c.hidden_size);
+        if hidden.len() != t * h {
+            return Err(ModelError::Input(format!(
+                "MTP: {} hidden values for {t} tokens of hidden size {h}",
+                hidden.len()
+            )));
+        }
+        let mut cat = vec![0.0f32; t * 2 * h];
+        for ((row, e), hd) in cat
+            .chunks_exact_mut(2 * h)
+            .zip(e.chunks_exact(h))
+            .zip(hidden.chunks_exact(h))
+        {
+            let (a, b) = row.split_at_mut(h);
+            a.copy_from_slice(e);
+            rms_norm(a, &m.embed_norm, c.rms_norm_eps);
+            b.copy_from_slice(hd);
+            rms_norm(b, &m.hidden_norm, c.rms_norm_eps);
+        }
+        let products = self.products(t);
+        let mut x = m.fc.forward(&cat, t, products);
+        let pos0 = state.mtp.k.len() / (c.num_kv_heads * c.head_dim);
+        let mut st = LayerState::Full(std::mem::take(&mut state.mtp));
+        let ran = self.block(&m.layer, None, &mut st, &mut x, t, pos0, products);
+        if let LayerState::Full(cache) = st {
+            state.mtp = cache;
+        }
+        ran?;
+        rms_norm(&mut x, &m.norm, c.rms_norm_eps);
+        Ok((self.lm_head(&x), x))
+    }
+
+    /// Embedding rows of `tokens` ([T, H]), checked against the vocabulary.
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let (c, w) = (&self.ckpt.config, &self.ckpt);
         if tokens.is_empty() {
             return Err(ModelError::Input(
@@ -214,52 +299,68 @@ impl Qwen3Hybrid {
                 c.vocab_size
             )));
         }
-        let (t, h) = (tokens.len(), c.hidden_size);
-        let mut x = vec![0.0f32; t * h];
+        let h = c.hidden_size;
+        let mut x = vec![0.0f32; tokens.len() * h];
         for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
             w.embed.row_f32(id as usize, row);
         }
-        let pos0 = state.pos;
-        // Multi-token passes take the GPU prefill's bf16 products when asked to.
-        let products = match self.bf16_products && t > 1 {
+        Ok(x)
+    }
+
+    /// Multi-token passes take the GPU prefill's bf16 products when asked to.
+    fn products(&self, t: usize) -> Products {
+        match self.bf16_products && t > 1 {
             true => Products::Bf16,
             false => Products::Exact,
-        };
-        let layers = w.layers.iter().zip(&self.expert_offload);
-        for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
-            let mut n = x.clone();
-            rms_norm(&mut n, &layer.input_norm, c.rms_norm_eps);
-            let mixed = match (&layer.mixer, st) {
-                (Mixer::Linear(g), LayerState::Linear { conv, recurrent }) => {
-                    g.forward(&n, t, (conv, recurrent), (self.gdn_gpu_roundings, products))
-                }
-                (Mixer::Full(a), LayerState::Full(cache)) => {
-                    a.forward(&n, t, pos0, &self.rope, cache, products)
-                }
-                _ => {
-                    return Err(ModelError::Input(
-                        "sequence state does not belong to this model".into(),
-                    ))
-                }
-            };
-            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
-            let mut n = x.clone();
-            rms_norm(&mut n, &layer.post_norm, c.rms_norm_eps);
-            let f = match &layer.ffn {
-                Ffn::Dense(m) => m.forward(&n, t, products),
-                Ffn::Moe(m) => m.forward(&n, t, offload.as_deref(), products)?,
-            };
-            x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
         }
-        state.pos += t;
-        let rows = match which {
-            Logits::All => &mut x[..],
-            Logits::Last => &mut x[(t - 1) * h..],
+    }
+
+    /// One decoder block over `x` ([t, H], positions `pos0..`), in place:
+    /// `h = x + mixer(norm(x))`, `out = h + ffn(norm(h))`.
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        layer: &Layer,
+        offload: Option<&OffloadedExperts>,
+        st: &mut LayerState,
+        x: &mut [f32],
+        t: usize,
+        pos0: usize,
+        products: Products,
+    ) -> Result<()> {
+        let c = &self.ckpt.config;
+        let mut n = x.to_vec();
+        rms_norm(&mut n, &layer.input_norm, c.rms_norm_eps);
+        let mixed = match (&layer.mixer, st) {
+            (Mixer::Linear(g), LayerState::Linear { conv, recurrent }) => {
+                g.forward(&n, t, (conv, recurrent), (self.gdn_gpu_roundings, products))
+            }
+            (Mixer::Full(a), LayerState::Full(cache)) => {
+                a.forward(&n, t, pos0, &self.rope, cache, products)
+            }
+            _ => {
+                return Err(ModelError::Input(
+                    "sequence state does not belong to this model".into(),
+                ))
+            }
         };
-        rms_norm(rows, &w.final_norm, c.rms_norm_eps);
-        let n = rows.len() / h;
+        x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+        let mut n = x.to_vec();
+        rms_norm(&mut n, &layer.post_norm, c.rms_norm_eps);
+        let f = match &layer.ffn {
+            Ffn::Dense(m) => m.forward(&n, t, products),
+            Ffn::Moe(m) => m.forward(&n, t, offload, products)?,
+        };
+        x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    /// Logits of normed rows `[n, H]`.
+    fn lm_head(&self, rows: &[f32]) -> Vec<f32> {
+        let c = &self.ckpt.config;
+        let n = rows.len() / c.hidden_size;
         let mut logits = vec![0.0; n * c.vocab_size];
-        w.lm_head.matmul(rows, n, &mut logits);
-        Ok(logits)
+        self.ckpt.lm_head.matmul(rows, n, &mut logits);
+        logits
     }
 }

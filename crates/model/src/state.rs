@@ -19,6 +19,9 @@ pub struct SequenceState {
     /// Tokens processed so far (the next token's position).
     pub pos: usize,
     pub layers: Vec<LayerState>,
+    /// The MTP layer's KV cache: one row per (token, hidden state) pair it has run, at the
+    /// position of the hidden state (empty without an MTP layer).
+    pub mtp: KvCache,
 }
 
 impl SequenceState {
@@ -32,5 +35,6 @@ impl SequenceState {
             })
             .sum::<usize>()
             * 4
+            + (self.mtp.k.len() + self.mtp.v.len()) * 4
     }
 }

@@ -1,8 +1,8 @@
 //! Safetensors checkpoints: one file or shards listed in `model.safetensors.index.json`, memory
 //! mapped. Tensor names are normalised: the multimodal prefix `model.language_model.` (HF) or
 //! `language_model.model.` (mlx-lm) becomes `model.`, `language_model.lm_head.` becomes
-//! `lm_head.`; vision (`model.visual.*`, `visual.*`, `vision_tower.*`) and multi-token-prediction
-//! (`mtp.*`) tensors are ignored. Packed `uint32` tensors of MLX affine-quantized checkpoints are
+//! `lm_head.`, the multi-token-prediction layer's `model.mtp.` or `language_model.mtp.` becomes
+//! `mtp.`; vision tensors (`model.visual.*`, `visual.*`, `vision_tower.*`) are ignored. Packed `uint32` tensors of MLX affine-quantized checkpoints are
 //! kept as words; `config.json`'s `quantization` block and the tensor layout (HF or mlx-lm, see
 //! [`crate::quant`]) are read at open. Every lookup states the shape the config implies and
 //! fails with the tensor's name when the checkpoint disagrees.
@@ -90,14 +90,7 @@ const MULTIMODAL_PREFIXES: [&str; 2] = ["model.language_model.", "language_model
 /// Normalised name (of a tensor or, for quantization overrides, a module), or `None` for
 /// tensors this engine does not use.
 pub(crate) fn normalise(name: &str) -> Option<String> {
-    const IGNORED: [&str; 6] = [
-        "model.visual.",
-        "visual.",
-        "vision_tower.",
-        "mtp.",
-        "model.mtp.",
-        "language_model.mtp.",
-    ];
+    const IGNORED: [&str; 3] = ["model.visual.", "visual.", "vision_tower."];
     if IGNORED.iter().any(|p| name.starts_with(p)) {
         return None;
     }
@@ -105,6 +98,8 @@ pub(crate) fn normalise(name: &str) -> Option<String> {
         (MULTIMODAL_PREFIXES[0], "model."),
         (MULTIMODAL_PREFIXES[1], "model."),
         ("language_model.lm_head", "lm_head"),
+        ("model.mtp.", "mtp."),
+        ("language_model.mtp.", "mtp."),
     ] {
         if let Some(rest) = name.strip_prefix(prefix) {
             return Some(format!("{to}{rest}"));
@@ -259,6 +254,11 @@ impl WeightStore {
 
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
+    }
+
+    /// Whether any tensor's (normalised) name starts with `prefix`.
+    pub fn contains_prefix(&self, prefix: &str) -> bool {
+        self.names().any(|n| n.starts_with(prefix))
     }
 
     /// Whether the linear `module` is stored: `{module}.weight`, or GPTQ/AWQ `{module}.qweight`.
@@ -647,13 +647,13 @@ mod tests {
             &[
                 ("model.language_model.norm.weight", vec![2], vec![1.0, 2.0]),
                 ("model.visual.x", vec![1], vec![0.0]),
-                ("mtp.fc.weight", vec![1], vec![0.0]),
+                ("model.mtp.fc.weight", vec![1], vec![0.0]),
                 ("lm_head.weight", vec![1, 2], vec![3.0, 4.0]),
             ],
         );
         let s = WeightStore::open(d.path()).unwrap();
         assert_eq!(s.vec_f32("model.norm.weight", 2).unwrap(), vec![1.0, 2.0]);
-        assert!(!s.contains("model.visual.x") && !s.contains("mtp.fc.weight"));
+        assert!(!s.contains("model.visual.x") && s.contains("mtp.fc.weight"));
         let e = s.get("lm_head.weight", &[2, 2]).unwrap_err().to_string();
         assert!(
             e.contains("lm_head.weight") && e.contains("[1, 2]") && e.contains("[2, 2]"),

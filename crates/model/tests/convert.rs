@@ -82,7 +82,10 @@ fn output_is_identical_to_mlx_lm_convert() {
         )
         .unwrap();
         assert!(calls > 0 && report.shards == 1, "{report:?}");
-        let (ours, theirs) = (tensors(&dst), tensors(&fixture(mlx)));
+        // mlx-lm drops the MTP tensors (here the fixture's stray `mtp.fc.weight`); convert keeps them.
+        let mut ours = tensors(&dst);
+        ours.retain(|k, _| !k.starts_with("language_model.mtp."));
+        let theirs = tensors(&fixture(mlx));
         assert_eq!(
             ours.keys().collect::<Vec<_>>(),
             theirs.keys().collect::<Vec<_>>(),
@@ -502,4 +505,52 @@ fn quant_block_fp8(dir: &Path) -> serde_json::Value {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     v["quantization_config"].clone()
+}
+
+#[test]
+fn convert_keeps_the_mtp_layer() {
+    let out = tempfile::tempdir().unwrap();
+    let dst = out.path().join("m");
+    convert(
+        &fixture("mtp_qwen3_next"),
+        &dst,
+        &ConvertOptions::new(8, 64),
+        &mut |_| {},
+    )
+    .unwrap();
+    let names = tensors(&dst);
+    for n in [
+        "mtp.fc.scales",
+        "mtp.layers.0.mlp.switch_mlp.down_proj.weight",
+        "mtp.norm.weight",
+    ] {
+        assert!(names.contains_key(n), "{n} missing");
+    }
+    let model = Qwen3Hybrid::load(&dst).unwrap();
+    let m = model
+        .checkpoint()
+        .mtp
+        .as_ref()
+        .expect("MTP layer after convert");
+    assert_eq!(m.fc.weight.in_features(), 2 * model.config().hidden_size);
+    // Its norms were stored as 1 + w (rounded to bf16), as mlx-lm stores the main ones, and
+    // read back as such.
+    let src = Qwen3Hybrid::load(&fixture("mtp_qwen3_next")).unwrap();
+    let s = src.checkpoint().mtp.as_ref().unwrap();
+    for (a, b) in [
+        (&m.norm, &s.norm),
+        (&m.embed_norm, &s.embed_norm),
+        (&m.hidden_norm, &s.hidden_norm),
+    ] {
+        assert!(
+            a.iter()
+                .zip(b)
+                .all(|(x, y)| (x - y).abs() <= y.abs() / 256.0),
+            "{a:?} vs {b:?}"
+        );
+    }
+    let mut st = model.new_state();
+    let h = vec![0.5; model.config().hidden_size];
+    let (logits, _) = model.mtp_forward(&[3], &h, &mut st).unwrap();
+    assert!(logits.iter().all(|v| v.is_finite()));
 }

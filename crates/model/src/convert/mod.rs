@@ -56,12 +56,15 @@ pub const ROUTER_SPEC: QuantSpec = QuantSpec {
 };
 
 /// Zero-centred RMSNorm weights (stored as `1 + w` in mlx-lm checkpoints).
-const ZERO_CENTRED: [&str; 5] = [
+const ZERO_CENTRED: [&str; 8] = [
     ".input_layernorm.weight",
     ".post_attention_layernorm.weight",
     "model.norm.weight",
     ".q_norm.weight",
     ".k_norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
 ];
 
 /// One `--bits-for PATTERN=N[:G]` rule.

@@ -1,0 +1,141 @@
+//! The MTP layer (`mtp.*`) on the CPU against `scripts/make_mtp_fixtures.py`'s reference
+//! (transformers' decoder layer, vLLM's MTP semantics): the main model's final hidden states,
+//! the MTP layer over the prompt's (token t + 1, hidden t) pairs, and two chained draft steps,
+//! each in one pass, in single steps and in passes of 7, at the foundation tolerance.
+
+mod common;
+
+use common::{check_logits, copy_fixture, edit_quantization, f32s, fixture, ids, load_err};
+use deltamoe_model::{Logits, Qwen3Hybrid};
+use safetensors::SafeTensors;
+
+fn argmax(r: &[f32]) -> u32 {
+    r.iter()
+        .enumerate()
+        .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi }) as u32
+}
+
+/// Max |got − want| within 5e-3·max|want|.
+fn check_close(name: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    eprintln!("{name}: max err {err:.2e} of max|ref| {max_ref:.3}");
+    assert!(
+        err <= 5e-3 * max_ref,
+        "{name}: max err {err} > 5e-3 * {max_ref}"
+    );
+}
+
+fn check(name: &str) {
+    let dir = fixture(name);
+    let model = Qwen3Hybrid::load(&dir).unwrap();
+    assert!(
+        model.checkpoint().mtp.is_some(),
+        "{name}: MTP layer not loaded"
+    );
+    let (v, h) = (model.config().vocab_size, model.config().hidden_size);
+    let bytes = std::fs::read(dir.join("mtp_reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let tokens = ids(&st, "mtp_prompt.tokens");
+    let n = tokens.len();
+    let draft = ids(&st, "draft.tokens");
+    for chunk in [n, 1, 7] {
+        let tag = format!("{name} passes of {chunk}");
+        let mut s = model.new_state();
+        let (mut logits, mut hidden) = (vec![], vec![]);
+        for c in tokens.chunks(chunk) {
+            let (l, hd) = model.forward_hidden(c, &mut s, Logits::All).unwrap();
+            logits.extend(l);
+            hidden.extend(hd);
+        }
+        check_logits(
+            &format!("{tag}: logits"),
+            &logits,
+            &f32s(&st, "mtp_prompt.logits"),
+            v,
+        );
+        check_close(
+            &format!("{tag}: hidden"),
+            &hidden,
+            &f32s(&st, "mtp_prompt.hidden"),
+        );
+        let (mut mlogits, mut mhidden) = (vec![], vec![]);
+        for (i, c) in tokens[1..].chunks(chunk).enumerate() {
+            let at = i * chunk * h;
+            let hd = &hidden[at..at + c.len() * h];
+            let (l, o) = model.mtp_forward(c, hd, &mut s).unwrap();
+            mlogits.extend(l);
+            mhidden.extend(o);
+        }
+        check_logits(
+            &format!("{tag}: mtp logits"),
+            &mlogits,
+            &f32s(&st, "mtp_prompt.mtp_logits"),
+            v,
+        );
+        check_close(
+            &format!("{tag}: mtp hidden"),
+            &mhidden,
+            &f32s(&st, "mtp_prompt.mtp_hidden"),
+        );
+        // Two chained drafts after the prompt: the main model's next token with its last hidden
+        // state, then the first draft with the MTP layer's own output.
+        let g = argmax(&logits[(n - 1) * v..]);
+        assert_eq!(g, draft[0], "{tag}: greedy next token");
+        let (d1, o1) = model
+            .mtp_forward(&[g], &hidden[(n - 1) * h..], &mut s)
+            .unwrap();
+        assert_eq!(argmax(&d1), draft[1], "{tag}: first draft");
+        let (d2, o2) = model.mtp_forward(&[draft[1]], &o1, &mut s).unwrap();
+        let (dl, dh) = ([d1, d2].concat(), [o1, o2].concat());
+        check_logits(
+            &format!("{tag}: draft logits"),
+            &dl,
+            &f32s(&st, "draft.logits"),
+            v,
+        );
+        check_close(
+            &format!("{tag}: draft hidden"),
+            &dh,
+            &f32s(&st, "draft.hidden"),
+        );
+        assert_eq!(s.pos, n, "{tag}: the MTP layer moved the main state");
+    }
+}
+
+#[test]
+fn mtp_layer_matches_reference_qwen3_5_moe() {
+    check("mtp_qwen3_5_moe");
+}
+
+#[test]
+fn mtp_layer_matches_reference_qwen3_next() {
+    check("mtp_qwen3_next");
+}
+
+#[test]
+fn a_config_naming_an_mtp_layer_the_files_lack_loads_without_it() {
+    let d = copy_fixture("qwen3_next");
+    edit_quantization(d.path(), |v| v["mtp_num_hidden_layers"] = 1.into());
+    let model = Qwen3Hybrid::load(d.path()).unwrap();
+    assert!(model.checkpoint().mtp.is_none());
+    let mut s = model.new_state();
+    let e = model.mtp_forward(&[1], &vec![0.0; model.config().hidden_size], &mut s);
+    let e = e.unwrap_err().to_string();
+    assert!(e.contains("no MTP layer") && !e.contains('\n'), "{e}");
+}
+
+#[test]
+fn an_incomplete_mtp_layer_is_refused_by_name() {
+    // qwen3_5_moe carries a stray `mtp.fc.weight` and nothing else of the layer.
+    let d = copy_fixture("qwen3_5_moe");
+    edit_quantization(d.path(), |v| {
+        v["text_config"]["mtp_num_hidden_layers"] = 1.into()
+    });
+    let e = load_err(d.path());
+    assert!(e.contains("mtp.pre_fc_norm_embedding.weight"), "{e}");
+}
