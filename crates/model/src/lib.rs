@@ -22,7 +22,7 @@ pub use checkpoint::Checkpoint;
 pub use config::{Family, FfnKind, LayerKind, ModelConfig};
 pub use error::{ModelError, Result};
 pub use quant::{Layout, QuantConfig, QuantSpec};
-pub use qwen3_hybrid::Qwen3Hybrid;
+pub use qwen3_hybrid::{Qwen3Hybrid, Verified};
 pub use state::SequenceState;
 pub use weights::{TensorBytes, TensorInfo, WeightStore};
 

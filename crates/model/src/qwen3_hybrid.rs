@@ -22,6 +22,18 @@ use crate::state::{LayerState, SequenceState};
 use crate::weights::WeightStore;
 use crate::Logits;
 
+/// A verify pass's results ([`Qwen3Hybrid::verify`]).
+pub struct Verified {
+    /// Logits of every position, `[T, V]`.
+    pub logits: Vec<f32>,
+    /// Final hidden states (after the final norm) of every position, `[T, H]`.
+    pub hidden: Vec<f32>,
+    /// Per layer, per position: the GDN (conv, recurrent) states after it (empty for attention).
+    states: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// The sequence's position before the pass.
+    pos0: usize,
+}
+
 /// A loaded model on the CPU: its checkpoint's weights and how the CPU runs them.
 pub struct Qwen3Hybrid {
     ckpt: Checkpoint,
@@ -224,7 +236,15 @@ impl Qwen3Hybrid {
         let products = self.products(t);
         let layers = w.layers.iter().zip(&self.expert_offload);
         for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
-            self.block(layer, offload.as_deref(), st, &mut x, t, pos0, products)?;
+            self.block(
+                layer,
+                offload.as_deref(),
+                st,
+                &mut x,
+                (t, pos0),
+                products,
+                None,
+            )?;
         }
         state.pos += t;
         let mut rows = match which {
@@ -276,13 +296,86 @@ impl Qwen3Hybrid {
         let mut x = m.fc.forward(&cat, t, products);
         let pos0 = state.mtp.k.len() / (c.num_kv_heads * c.head_dim);
         let mut st = LayerState::Full(std::mem::take(&mut state.mtp));
-        let ran = self.block(&m.layer, None, &mut st, &mut x, t, pos0, products);
+        let ran = self.block(&m.layer, None, &mut st, &mut x, (t, pos0), products, None);
         if let LayerState::Full(cache) = st {
             state.mtp = cache;
         }
         ran?;
         rms_norm(&mut x, &m.norm, c.rms_norm_eps);
         Ok((self.lm_head(&x), x))
+    }
+
+    /// The verify pass of speculative decoding: `tokens` (the last sampled token, then the
+    /// drafts) from the state's position on, in one pass whose every row is bitwise what decode
+    /// would give it (products over all rows, each GDN layer's conv and delta rule one token at a
+    /// time), keeping each position's GDN states so that [`Self::commit`] can leave the state
+    /// of any prefix without running anything again.
+    pub fn verify(&self, tokens: &[u32], state: &mut SequenceState) -> Result<Verified> {
+        let (c, w) = (&self.ckpt.config, &self.ckpt);
+        let mut x = self.embed(tokens)?;
+        let (t, pos0) = (tokens.len(), state.pos);
+        let mut states = Vec::with_capacity(w.layers.len());
+        let layers = w.layers.iter().zip(&self.expert_offload);
+        for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
+            let mut keep = Vec::new();
+            let p = (t, pos0);
+            self.block(
+                layer,
+                offload.as_deref(),
+                st,
+                &mut x,
+                p,
+                Products::Exact,
+                Some(&mut keep),
+            )?;
+            states.push(keep);
+        }
+        state.pos += t;
+        rms_norm(&mut x, &w.final_norm, c.rms_norm_eps);
+        Ok(Verified {
+            logits: self.lm_head(&x),
+            hidden: x,
+            states,
+            pos0,
+        })
+    }
+
+    /// Keep the first `n` positions of a verify pass (1 ≤ n ≤ its length): the state becomes
+    /// exactly what decoding those `n` tokens one by one leaves (GDN states as kept, KV caches
+    /// cut back), the rejected positions gone.
+    pub fn commit(&self, state: &mut SequenceState, v: &Verified, n: usize) -> Result<()> {
+        let t = state.pos - v.pos0;
+        if n == 0 || n > t {
+            return Err(ModelError::Input(format!(
+                "commit of {n} positions of a verify pass of {t}"
+            )));
+        }
+        let c = &self.ckpt.config;
+        let row = c.num_kv_heads * c.head_dim;
+        for (st, keep) in state.layers.iter_mut().zip(&v.states) {
+            match st {
+                LayerState::Linear { conv, recurrent } => {
+                    let (kc, kr) = &keep[n - 1];
+                    conv.copy_from_slice(kc);
+                    recurrent.copy_from_slice(kr);
+                }
+                LayerState::Full(cache) => {
+                    cache.k.truncate((v.pos0 + n) * row);
+                    cache.v.truncate((v.pos0 + n) * row);
+                }
+            }
+        }
+        state.pos = v.pos0 + n;
+        Ok(())
+    }
+
+    /// Cut the MTP layer's KV cache back to its first `rows` pairs (drafts whose tokens were
+    /// rejected).
+    pub fn truncate_mtp(&self, state: &mut SequenceState, rows: usize) {
+        let c = &self.ckpt.config;
+        let row = c.num_kv_heads * c.head_dim;
+        state.mtp.k.truncate(rows * row);
+        state.mtp.v.truncate(rows * row);
     }
 
     /// Embedding rows of `tokens` ([T, H]), checked against the vocabulary.
@@ -316,7 +409,8 @@ impl Qwen3Hybrid {
     }
 
     /// One decoder block over `x` ([t, H], positions `pos0..`), in place:
-    /// `h = x + mixer(norm(x))`, `out = h + ffn(norm(h))`.
+    /// `h = x + mixer(norm(x))`, `out = h + ffn(norm(h))`. With `keep`, a GDN mixer runs its
+    /// steps one token at a time and keeps each position's state there (a verify pass).
     #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
@@ -324,17 +418,18 @@ impl Qwen3Hybrid {
         offload: Option<&OffloadedExperts>,
         st: &mut LayerState,
         x: &mut [f32],
-        t: usize,
-        pos0: usize,
+        (t, pos0): (usize, usize),
         products: Products,
+        keep: Option<&mut Vec<(Vec<f32>, Vec<f32>)>>,
     ) -> Result<()> {
         let c = &self.ckpt.config;
         let mut n = x.to_vec();
         rms_norm(&mut n, &layer.input_norm, c.rms_norm_eps);
         let mixed = match (&layer.mixer, st) {
-            (Mixer::Linear(g), LayerState::Linear { conv, recurrent }) => {
-                g.forward(&n, t, (conv, recurrent), (self.gdn_gpu_roundings, products))
-            }
+            (Mixer::Linear(g), LayerState::Linear { conv, recurrent }) => match keep {
+                Some(keep) => g.forward_steps(&n, t, (conv, recurrent), products, keep),
+                None => g.forward(&n, t, (conv, recurrent), (self.gdn_gpu_roundings, products)),
+            },
             (Mixer::Full(a), LayerState::Full(cache)) => {
                 a.forward(&n, t, pos0, &self.rope, cache, products)
             }

@@ -102,22 +102,60 @@ impl GatedDeltaNet {
         (conv_state, state): (&mut [f32], &mut [f32]),
         (gpu_roundings, products): (bool, Products),
     ) -> Vec<f32> {
-        let s = self.shape;
         let p = self.project(x, t, products);
+        let mut o = vec![0.0; t * self.shape.n_v_heads * self.shape.v_dim];
+        self.mix(&p, 0..t, (conv_state, state), gpu_roundings, &mut o);
+        self.finish(o, &p.z, t, products)
+    }
+
+    /// [`Self::forward`] for a verify pass: the products over all `t` rows, the conv and delta
+    /// rule one token at a time as decode runs them (so each row is bitwise decode's), the
+    /// (conv, recurrent) state after each token pushed to `keep`.
+    pub fn forward_steps(
+        &self,
+        x: &[f32],
+        t: usize,
+        (conv_state, state): (&mut [f32], &mut [f32]),
+        products: Products,
+        keep: &mut Vec<(Vec<f32>, Vec<f32>)>,
+    ) -> Vec<f32> {
+        let p = self.project(x, t, products);
+        let vd = self.shape.n_v_heads * self.shape.v_dim;
+        let mut o = vec![0.0; t * vd];
+        for j in 0..t {
+            let oj = &mut o[j * vd..(j + 1) * vd];
+            self.mix(&p, j..j + 1, (conv_state, state), false, oj);
+            keep.push((conv_state.to_vec(), state.to_vec()));
+        }
+        self.finish(o, &p.z, t, products)
+    }
+
+    /// Steps 2–5 for the projected rows `rows`, advancing the states; `o` gets their outputs.
+    fn mix(
+        &self,
+        p: &Projected,
+        rows: std::ops::Range<usize>,
+        (conv_state, state): (&mut [f32], &mut [f32]),
+        gpu_roundings: bool,
+        o: &mut [f32],
+    ) {
+        let s = self.shape;
+        let t = rows.len();
         let cd = self.conv_w.len() / self.conv_kernel;
+        let nv = s.n_v_heads;
         let mut mixed = vec![0.0; t * cd];
         causal_conv1d_silu(
-            &p.qkv,
+            &p.qkv[rows.start * cd..rows.end * cd],
             &self.conv_w,
             self.conv_kernel,
             conv_state,
             &mut mixed,
         );
 
-        let (kd, vd) = (s.n_k_heads * s.k_dim, s.n_v_heads * s.v_dim);
+        let kd = s.n_k_heads * s.k_dim;
         let mut q = Vec::with_capacity(t * kd);
         let mut k = Vec::with_capacity(t * kd);
-        let mut v = Vec::with_capacity(t * vd);
+        let mut v = Vec::with_capacity(t * nv * s.v_dim);
         for row in mixed.chunks_exact(cd) {
             q.extend_from_slice(&row[..kd]);
             k.extend_from_slice(&row[kd..2 * kd]);
@@ -137,13 +175,16 @@ impl GatedDeltaNet {
             q.iter_mut().for_each(|v| *v *= scale);
         }
 
-        let nv = s.n_v_heads;
-        let g: Vec<f32> =
-            p.a.iter()
-                .enumerate()
-                .map(|(i, a)| self.neg_a[i % nv] * softplus(a + self.dt_bias[i % nv]))
-                .collect();
-        let beta: Vec<f32> = p.b.iter().map(|b| sigmoid(*b)).collect();
+        let (a, b) = (
+            &p.a[rows.start * nv..rows.end * nv],
+            &p.b[rows.start * nv..rows.end * nv],
+        );
+        let g: Vec<f32> = a
+            .iter()
+            .enumerate()
+            .map(|(i, a)| self.neg_a[i % nv] * softplus(a + self.dt_bias[i % nv]))
+            .collect();
+        let beta: Vec<f32> = b.iter().map(|b| sigmoid(*b)).collect();
 
         let inputs = GdnInputs {
             q: &q,
@@ -152,15 +193,18 @@ impl GatedDeltaNet {
             g: &g,
             beta: &beta,
         };
-        let mut o = vec![0.0; t * vd];
         if twin {
-            gdn_chunked_bf16(&inputs, s, state, &mut o);
+            gdn_chunked_bf16(&inputs, s, state, o);
         } else if t == 1 {
-            gdn_recurrent(&inputs, s, state, &mut o);
+            gdn_recurrent(&inputs, s, state, o);
         } else {
-            gdn_chunked(&inputs, s, CHUNK, state, &mut o);
+            gdn_chunked(&inputs, s, CHUNK, state, o);
         }
-        gated_rms_norm(&mut o, &p.z, &self.norm_w, self.eps);
+    }
+
+    /// Steps 6–7: gated RMSNorm of the rule's outputs `o` with `z`, then `out_proj`.
+    fn finish(&self, mut o: Vec<f32>, z: &[f32], t: usize, products: Products) -> Vec<f32> {
+        gated_rms_norm(&mut o, z, &self.norm_w, self.eps);
         self.out_proj.forward(&o, t, products)
     }
 }
