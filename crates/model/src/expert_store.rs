@@ -176,6 +176,14 @@ impl ExpertStore {
         &self.files[file].0
     }
 
+    /// The error for expert weights of `file` that do not form a matrix.
+    fn bad_expert(&self, file: usize, e: impl std::fmt::Display) -> ModelError {
+        ModelError::Input(format!(
+            "{}: expert weights: {e}",
+            self.file(file).display()
+        ))
+    }
+
     /// Read expert `expert` of indexed layer `layer` into owned weights.
     pub fn read(&self, layer: usize, expert: usize) -> Result<Mlp> {
         let b = &self.layers[layer][expert];
@@ -214,12 +222,7 @@ impl ExpertStore {
                     self.tensor(dtype, groups.clone(), scales)?,
                     self.tensor(dtype, groups, biases)?,
                 )
-                .map_err(|e| {
-                    ModelError::Input(format!(
-                        "{}: expert weights: {e}",
-                        self.file(words.file).display()
-                    ))
-                })?;
+                .map_err(|e| self.bad_expert(words.file, e))?;
                 Ok(w.into())
             }
             MatrixBytes::Gptq {
@@ -239,12 +242,7 @@ impl ExpertStore {
                     &self.read_range::<u32>(qzeros)?,
                     &self.tensor(dtype, vec![groups, out], scales)?,
                 )
-                .map_err(|e| {
-                    ModelError::Input(format!(
-                        "{}: expert weights: {e}",
-                        self.file(qweight.file).display()
-                    ))
-                })?;
+                .map_err(|e| self.bad_expert(qweight.file, e))?;
                 Ok(w.into())
             }
             MatrixBytes::Fp8 {
@@ -264,12 +262,7 @@ impl ExpertStore {
                     self.tensor(dtype, grid, scales)?.to_f32_vec(),
                     dtype,
                 )
-                .map_err(|e| {
-                    ModelError::Input(format!(
-                        "{}: expert weights: {e}",
-                        self.file(codes.file).display()
-                    ))
-                })?;
+                .map_err(|e| self.bad_expert(codes.file, e))?;
                 Ok(w.into())
             }
         }

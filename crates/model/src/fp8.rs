@@ -16,6 +16,7 @@ use deltamoe_compute::Fp8Weight;
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
+use crate::quant::method_block;
 use crate::weights::WeightStore;
 
 /// The FP8 `quantization_config` block.
@@ -32,13 +33,7 @@ impl Fp8Config {
     /// The block of a parsed `config.json` when its quantization method is `fp8`; `None` for
     /// any other or no quantization block.
     pub fn from_json(root: &Value, path: &Path) -> Result<Option<Fp8Config>> {
-        let scopes = [Some(root), root.get("text_config")];
-        let Some(block) = scopes
-            .iter()
-            .flatten()
-            .find_map(|o| o.get("quantization_config"))
-            .filter(|b| b.get("quant_method").and_then(Value::as_str) == Some("fp8"))
-        else {
+        let Some(block) = method_block(root, &["fp8"]) else {
             return Ok(None);
         };
         let err = |key: &str, msg: String| ModelError::Config {

@@ -31,6 +31,7 @@ use deltamoe_compute::{AffineWeight, PackedWords, QuantError, Tensor};
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
+use crate::quant::{method_block, quant_method, read_json};
 use crate::weights::WeightStore;
 
 /// Which packing a checkpoint uses.
@@ -59,13 +60,7 @@ impl GptqConfig {
     /// The block of a parsed `config.json` when its method is `gptq` or `awq`; `None` for any
     /// other or no block.
     pub fn from_json(root: &Value, path: &Path) -> Result<Option<GptqConfig>> {
-        let scopes = [Some(root), root.get("text_config")];
-        let Some(block) = scopes
-            .iter()
-            .flatten()
-            .find_map(|o| o.get("quantization_config"))
-            .filter(|b| matches!(method(b), Some("gptq" | "awq")))
-        else {
+        let Some(block) = method_block(root, &["gptq", "awq"]) else {
             return Ok(None);
         };
         GptqConfig::from_block(block, path, "quantization_config.").map(Some)
@@ -74,13 +69,9 @@ impl GptqConfig {
     /// AutoGPTQ's `quantize_config.json` (GPTQ without `quant_method`).
     pub fn from_quantize_config(dir: &Path) -> Result<Option<GptqConfig>> {
         let path = dir.join("quantize_config.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
+        let Some(block) = read_json(&path)? else {
             return Ok(None);
         };
-        let block: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
-            path: path.clone(),
-            msg: e.to_string(),
-        })?;
         GptqConfig::from_block(&block, &path, "").map(Some)
     }
 
@@ -90,7 +81,7 @@ impl GptqConfig {
             key: format!("{scope}{key}"),
             msg,
         };
-        let awq = method(block) == Some("awq");
+        let awq = quant_method(block) == Some("awq");
         let bits = block.get("bits").or_else(|| block.get("w_bit"));
         let bits = match bits.and_then(Value::as_u64) {
             Some(b @ (2 | 4 | 8)) if !awq || b == 4 => b as u32,
@@ -158,10 +149,6 @@ impl GptqConfig {
             group_size,
         })
     }
-}
-
-fn method(block: &Value) -> Option<&str> {
-    block.get("quant_method").and_then(Value::as_str)
 }
 
 /// The GPTQ/AWQ weight of `prefix` when `{prefix}.qweight` exists, repacked into the affine form

@@ -104,14 +104,36 @@ fn spec_of(v: &Value, key: &str, path: &Path) -> Result<QuantSpec> {
 /// `dir/config.json` parsed, and its path; `None` when the file cannot be read.
 pub(crate) fn config_json(dir: &Path) -> Result<Option<(Value, PathBuf)>> {
     let path = dir.join("config.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
+    Ok(read_json(&path)?.map(|root| (root, path)))
+}
+
+/// A JSON file parsed; `None` when it cannot be read, an error naming it when it does not parse.
+pub(crate) fn read_json(path: &Path) -> Result<Option<Value>> {
+    let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(None);
     };
-    let root: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
-        path: path.clone(),
-        msg: e.to_string(),
-    })?;
-    Ok(Some((root, path)))
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| ModelError::Json {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })
+}
+
+/// `quant_method` of a quantization block.
+pub(crate) fn quant_method(block: &Value) -> Option<&str> {
+    block.get("quant_method").and_then(Value::as_str)
+}
+
+/// The `quantization_config` block of a parsed `config.json` (at the top level or in
+/// `text_config`) when its `quant_method` is one of `methods`.
+pub(crate) fn method_block<'a>(root: &'a Value, methods: &[&str]) -> Option<&'a Value> {
+    let scopes = [Some(root), root.get("text_config")];
+    scopes
+        .into_iter()
+        .flatten()
+        .find_map(|o| o.get("quantization_config"))
+        .filter(|b| quant_method(b).is_some_and(|m| methods.contains(&m)))
 }
 
 impl QuantConfig {
@@ -128,14 +150,11 @@ impl QuantConfig {
         };
         // FP8, GPTQ and AWQ have their own blocks ([`crate::fp8::Fp8Config`],
         // [`crate::gptq::GptqConfig`]).
-        if let Some("fp8" | "gptq" | "awq") = block.get("quant_method").and_then(|m| m.as_str()) {
+        if let Some("fp8" | "gptq" | "awq") = quant_method(block) {
             return Ok(None);
         }
         if block.get("bits").is_none() {
-            let method = block
-                .get("quant_method")
-                .and_then(|m| m.as_str())
-                .unwrap_or("unknown");
+            let method = quant_method(block).unwrap_or("unknown");
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
                 key: key.to_string(),

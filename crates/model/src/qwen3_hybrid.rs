@@ -22,14 +22,17 @@ use crate::state::{LayerState, SequenceState};
 use crate::weights::WeightStore;
 use crate::Logits;
 
+/// A GDN layer's (conv, recurrent) states after one position of a verify pass.
+type GdnStates = (Vec<f32>, Vec<f32>);
+
 /// A verify pass's results ([`Qwen3Hybrid::verify`]).
 pub struct Verified {
     /// Logits of every position, `[T, V]`.
     pub logits: Vec<f32>,
     /// Final hidden states (after the final norm) of every position, `[T, H]`.
     pub hidden: Vec<f32>,
-    /// Per layer, per position: the GDN (conv, recurrent) states after it (empty for attention).
-    states: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// Per layer, per position: the GDN states after it (empty for attention).
+    states: Vec<Vec<GdnStates>>,
     /// The sequence's position before the pass.
     pos0: usize,
 }
@@ -232,21 +235,7 @@ impl Qwen3Hybrid {
         let (c, w) = (&self.ckpt.config, &self.ckpt);
         let mut x = self.embed(tokens)?;
         let (t, h) = (tokens.len(), c.hidden_size);
-        let pos0 = state.pos;
-        let products = self.products(t);
-        let layers = w.layers.iter().zip(&self.expert_offload);
-        for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
-            self.block(
-                layer,
-                offload.as_deref(),
-                st,
-                &mut x,
-                (t, pos0),
-                products,
-                None,
-            )?;
-        }
-        state.pos += t;
+        self.run_layers(&mut x, state, self.products(t), None)?;
         let mut rows = match which {
             Logits::All => x,
             Logits::Last => x.split_off((t - 1) * h),
@@ -294,7 +283,7 @@ impl Qwen3Hybrid {
         }
         let products = self.products(t);
         let mut x = m.fc.forward(&cat, t, products);
-        let pos0 = state.mtp.k.len() / (c.num_kv_heads * c.head_dim);
+        let pos0 = state.mtp.k.len() / self.kv_row();
         let mut st = LayerState::Full(std::mem::take(&mut state.mtp));
         let ran = self.block(&m.layer, None, &mut st, &mut x, (t, pos0), products, None);
         if let LayerState::Full(cache) = st {
@@ -313,24 +302,9 @@ impl Qwen3Hybrid {
     pub fn verify(&self, tokens: &[u32], state: &mut SequenceState) -> Result<Verified> {
         let (c, w) = (&self.ckpt.config, &self.ckpt);
         let mut x = self.embed(tokens)?;
-        let (t, pos0) = (tokens.len(), state.pos);
+        let pos0 = state.pos;
         let mut states = Vec::with_capacity(w.layers.len());
-        let layers = w.layers.iter().zip(&self.expert_offload);
-        for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
-            let mut keep = Vec::new();
-            let p = (t, pos0);
-            self.block(
-                layer,
-                offload.as_deref(),
-                st,
-                &mut x,
-                p,
-                Products::Exact,
-                Some(&mut keep),
-            )?;
-            states.push(keep);
-        }
-        state.pos += t;
+        self.run_layers(&mut x, state, Products::Exact, Some(&mut states))?;
         rms_norm(&mut x, &w.final_norm, c.rms_norm_eps);
         Ok(Verified {
             logits: self.lm_head(&x),
@@ -350,8 +324,7 @@ impl Qwen3Hybrid {
                 "commit of {n} positions of a verify pass of {t}"
             )));
         }
-        let c = &self.ckpt.config;
-        let row = c.num_kv_heads * c.head_dim;
+        let row = self.kv_row();
         for (st, keep) in state.layers.iter_mut().zip(&v.states) {
             match st {
                 LayerState::Linear { conv, recurrent } => {
@@ -359,10 +332,7 @@ impl Qwen3Hybrid {
                     conv.copy_from_slice(kc);
                     recurrent.copy_from_slice(kr);
                 }
-                LayerState::Full(cache) => {
-                    cache.k.truncate((v.pos0 + n) * row);
-                    cache.v.truncate((v.pos0 + n) * row);
-                }
+                LayerState::Full(cache) => cache.truncate((v.pos0 + n) * row),
             }
         }
         state.pos = v.pos0 + n;
@@ -372,10 +342,37 @@ impl Qwen3Hybrid {
     /// Cut the MTP layer's KV cache back to its first `rows` pairs (drafts whose tokens were
     /// rejected).
     pub fn truncate_mtp(&self, state: &mut SequenceState, rows: usize) {
+        state.mtp.truncate(rows * self.kv_row());
+    }
+
+    /// Every decoder layer over `x` ([T, H]) from the state's position on, advancing the state.
+    /// With `steps` (a verify pass), each layer's GDN states after every position are pushed
+    /// there, one list per layer (empty for attention layers).
+    fn run_layers(
+        &self,
+        x: &mut [f32],
+        state: &mut SequenceState,
+        products: Products,
+        mut steps: Option<&mut Vec<Vec<GdnStates>>>,
+    ) -> Result<()> {
+        let (t, pos0) = (x.len() / self.ckpt.config.hidden_size, state.pos);
+        let layers = self.ckpt.layers.iter().zip(&self.expert_offload);
+        for ((layer, offload), st) in layers.zip(state.layers.iter_mut()) {
+            let mut keep = Vec::new();
+            let k = steps.is_some().then_some(&mut keep);
+            self.block(layer, offload.as_deref(), st, x, (t, pos0), products, k)?;
+            if let Some(steps) = steps.as_deref_mut() {
+                steps.push(keep);
+            }
+        }
+        state.pos += t;
+        Ok(())
+    }
+
+    /// Floats of one position in a full-attention layer's K (or V) cache.
+    fn kv_row(&self) -> usize {
         let c = &self.ckpt.config;
-        let row = c.num_kv_heads * c.head_dim;
-        state.mtp.k.truncate(rows * row);
-        state.mtp.v.truncate(rows * row);
+        c.num_kv_heads * c.head_dim
     }
 
     /// Embedding rows of `tokens` ([T, H]), checked against the vocabulary.
@@ -420,7 +417,7 @@ impl Qwen3Hybrid {
         x: &mut [f32],
         (t, pos0): (usize, usize),
         products: Products,
-        keep: Option<&mut Vec<(Vec<f32>, Vec<f32>)>>,
+        keep: Option<&mut Vec<GdnStates>>,
     ) -> Result<()> {
         let c = &self.ckpt.config;
         let mut n = x.to_vec();

@@ -7,30 +7,21 @@
 
 mod common;
 
-use common::{check_logits, copy_fixture, edit_quantization, f32s, fixture, ids, load_err};
+use common::{
+    check_close, check_logits, copy_fixture, edit_quantization, f32s, fixture, ids, load_err,
+};
 use deltamoe_model::state::LayerState;
 use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
 use safetensors::SafeTensors;
 
 fn argmax(r: &[f32]) -> u32 {
-    r.iter()
-        .enumerate()
-        .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi }) as u32
+    common::argmax(r) as u32
 }
 
 /// Max |got − want| within 5e-3·max|want|.
-fn check_close(name: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{name}: length");
-    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+fn check_hidden(name: &str, got: &[f32], want: &[f32]) {
+    let (err, max_ref) = check_close(name, got, want);
     eprintln!("{name}: max err {err:.2e} of max|ref| {max_ref:.3}");
-    assert!(
-        err <= 5e-3 * max_ref,
-        "{name}: max err {err} > 5e-3 * {max_ref}"
-    );
 }
 
 fn check(name: &str) {
@@ -61,7 +52,7 @@ fn check(name: &str) {
             &f32s(&st, "mtp_prompt.logits"),
             v,
         );
-        check_close(
+        check_hidden(
             &format!("{tag}: hidden"),
             &hidden,
             &f32s(&st, "mtp_prompt.hidden"),
@@ -80,7 +71,7 @@ fn check(name: &str) {
             &f32s(&st, "mtp_prompt.mtp_logits"),
             v,
         );
-        check_close(
+        check_hidden(
             &format!("{tag}: mtp hidden"),
             &mhidden,
             &f32s(&st, "mtp_prompt.mtp_hidden"),
@@ -101,7 +92,7 @@ fn check(name: &str) {
             &f32s(&st, "draft.logits"),
             v,
         );
-        check_close(
+        check_hidden(
             &format!("{tag}: draft hidden"),
             &dh,
             &f32s(&st, "draft.hidden"),

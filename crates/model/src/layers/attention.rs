@@ -21,6 +21,14 @@ pub struct KvCache {
     pub v: Vec<f32>,
 }
 
+impl KvCache {
+    /// Keep the first `len` floats of K and of V (the positions before a cut).
+    pub fn truncate(&mut self, len: usize) {
+        self.k.truncate(len);
+        self.v.truncate(len);
+    }
+}
+
 impl Attention {
     /// `x: [t, H]` for positions `pos0..pos0 + t` → `[t, H]`, appending to `cache`.
     pub fn forward(

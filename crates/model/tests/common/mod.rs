@@ -34,19 +34,31 @@ pub fn ids(st: &SafeTensors, name: &str) -> Vec<u32> {
         .collect()
 }
 
-/// Asserts the tolerance; returns the relative max error.
-pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
-    assert_eq!(got.len(), want.len(), "{name}: logits length");
+/// Index of the largest value (the first of equals).
+pub fn argmax(r: &[f32]) -> usize {
+    r.iter()
+        .enumerate()
+        .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
+}
+
+/// Max |got − want| and max |want|, the first asserted within 5e-3 of the second.
+pub fn check_close(name: &str, got: &[f32], want: &[f32]) -> (f32, f32) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
     let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let max_err = got
         .iter()
         .zip(want)
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    let argmax = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold(0, |bi, (i, v)| if *v > r[bi] { i } else { bi })
-    };
+    assert!(
+        max_err <= 5e-3 * max_ref,
+        "{name}: max err {max_err} > 5e-3 * {max_ref}"
+    );
+    (max_err, max_ref)
+}
+
+/// Asserts the tolerance; returns the relative max error.
+pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 {
+    let (max_err, max_ref) = check_close(name, got, want);
     let rows = want.len() / vocab;
     let agree = got
         .chunks_exact(vocab)
@@ -56,10 +68,6 @@ pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) -> f32 
     eprintln!(
         "{name}: max err {max_err:.2e} of max|ref| {max_ref:.3} ({:.2e}), argmax {agree}/{rows}",
         max_err / max_ref
-    );
-    assert!(
-        max_err <= 5e-3 * max_ref,
-        "{name}: max err {max_err} > 5e-3 * {max_ref}"
     );
     assert!(
         agree * 100 >= rows * 98,
