@@ -19,3 +19,20 @@ for line in sys.stdin:
 '
 strip .gpu/*
 ls -la .gpu
+# One compressed file to copy instead of .gpu/ (the checkout already holds models/tiny, which the
+# binary embeds): the binary with the built-in model's bytes zeroed, and every other executable,
+# xz-packed into .gpu-pack/; scripts/gpu-unpack.sh there writes the model's bytes back.
+rm -rf .gpu-pack && mkdir -p .gpu-pack/files
+python3 - <<'P'
+model = open("models/tiny/model.safetensors", "rb").read()
+binary = bytearray(open(".gpu/deltamoe", "rb").read())
+at = binary.find(model[:65536])
+assert at >= 0 and binary[at:at + len(model)] == model, "the built-in model is not in .gpu/deltamoe"
+binary[at:at + len(model)] = bytes(len(model))
+open(".gpu-pack/files/deltamoe", "wb").write(binary)
+open(".gpu-pack/model-offset", "w").write(str(at))
+P
+for f in .gpu/*; do [ "$f" = .gpu/deltamoe ] || cp "$f" .gpu-pack/files/; done
+tar -C .gpu-pack/files -cf - . | xz -T0 -9 --lzma2=dict=192MiB > .gpu-pack/gpu.tar.xz
+rm -rf .gpu-pack/files
+ls -la .gpu-pack

@@ -70,7 +70,8 @@ pub fn run(a: &GenerateArgs, file: &Path) -> Result<()> {
         None => DEFAULT_MAX_SEQS,
     };
     let max_seqs = max_seqs.min(prompts.len());
-    let engine = engine_for(model, &a.model, max_seqs)?;
+    let mut engine = engine_for(model, &a.model, max_seqs)?;
+    a.speculative.apply(&mut engine)?;
     let cfg = SchedulerConfig {
         max_seqs,
         prefill_chunk: a.prefill_chunk.unwrap_or(usize::MAX),
@@ -159,4 +160,13 @@ fn report(sched: &Scheduler, secs: f64) {
         s.decode_steps,
         s.decode_rows as f64 / s.decode_steps.max(1) as f64
     );
+    let drafts = sched.engine().speculative_tokens();
+    if drafts > 0 {
+        eprintln!(
+            "speculative: {} drafts kept in {} sequence steps of up to {drafts} ({:.2} tokens per sequence step)",
+            s.accepted_drafts,
+            s.decode_rows,
+            (s.decode_rows + s.accepted_drafts) as f64 / s.decode_rows.max(1) as f64
+        );
+    }
 }

@@ -18,7 +18,7 @@ use deltamoe_engine::{Engine, SeqId};
 use deltamoe_model::Logits;
 use rustyline::error::ReadlineError;
 
-use crate::commands::{engine_for, load_model, sampling, SamplingArgs};
+use crate::commands::{engine_for, load_model, sampling, SamplingArgs, SpeculativeArgs};
 use crate::ModelArgs;
 
 mod conversation;
@@ -38,6 +38,8 @@ pub struct ChatArgs {
     /// Most tokens per reply.
     #[arg(long, default_value_t = 1024)]
     max_tokens: usize,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
 }
 
 /// A conversation bound to an engine sequence, a template, a tokenizer and a sampler.
@@ -71,6 +73,13 @@ impl Session<'_> {
             self.conv.abort_turn();
         }
         result
+    }
+
+    /// Records the drafts a step kept (all its tokens but the last) as fed.
+    fn push_kept(&mut self, got: &[u32]) {
+        for &d in &got[..got.len().saturating_sub(1)] {
+            self.conv.push_fed(d);
+        }
     }
 
     fn reply(&mut self, out: &mut impl Write) -> Result<TurnStats> {
@@ -109,34 +118,40 @@ impl Session<'_> {
         if !head.is_empty() {
             self.engine.prefill(seq, head, None, Logits::Last)?;
         }
-        let mut next = self.engine.step(&[(seq, last)])?[0];
+        // Each step returns the drafts it kept (speculative decoding; fed already) and the
+        // next token.
+        let mut got = self.engine.speculate(&[(seq, last)])?.swap_remove(0);
         stats.prefill_secs = t0.elapsed().as_secs_f64();
         self.conv.apply(&plan);
+        self.push_kept(&got);
         let max_pos = self.engine.config().max_position_embeddings;
         let mut stream = self.tok.stream();
         let mut reply = Vec::new();
         let t1 = Instant::now();
-        while reply.len() < self.max_tokens {
-            if interrupt::requested() {
-                stats.interrupted = true;
-                break;
+        'steps: while reply.len() < self.max_tokens {
+            for &id in &got {
+                if interrupt::requested() {
+                    stats.interrupted = true;
+                    break 'steps;
+                }
+                if self.eos.contains(&id) {
+                    stats.hit_eos = true;
+                    break 'steps;
+                }
+                reply.push(id);
+                if let Some(text) = stream.push(id)? {
+                    write!(out, "{text}").ok();
+                    out.flush().ok();
+                }
+                // The last id is fed with the next turn's prompt, if the history keeps it.
+                if reply.len() == self.max_tokens || self.conv.fed().len() >= max_pos {
+                    break 'steps;
+                }
             }
-            let id = next;
-            if self.eos.contains(&id) {
-                stats.hit_eos = true;
-                break;
-            }
-            reply.push(id);
-            if let Some(text) = stream.push(id)? {
-                write!(out, "{text}").ok();
-                out.flush().ok();
-            }
-            // The last id is fed with the next turn's prompt, if the history keeps it.
-            if reply.len() == self.max_tokens || self.conv.fed().len() >= max_pos {
-                break;
-            }
-            next = self.engine.step(&[(seq, id)])?[0];
+            let id = got.last().copied().unwrap_or_default();
+            got = self.engine.speculate(&[(seq, id)])?.swap_remove(0);
             self.conv.push_fed(id);
+            self.push_kept(&got);
         }
         stats.decode_secs = t1.elapsed().as_secs_f64();
         stats.generated = reply.len();
@@ -175,7 +190,11 @@ pub fn run(a: ChatArgs) -> Result<()> {
     let mut eos = defaults.eos_token_ids.clone();
     eos.extend(tpl.eos_token().and_then(|t| tok.token_id(t)));
     let mut session = Session {
-        engine: engine_for(model, &a.model, 1)?,
+        engine: {
+            let mut engine = engine_for(model, &a.model, 1)?;
+            a.speculative.apply(&mut engine)?;
+            engine
+        },
         seq: None,
         conv: Conversation::new(a.system.clone()),
         tpl,

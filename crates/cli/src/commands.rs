@@ -63,6 +63,8 @@ pub struct GenerateArgs {
     /// tokens between two decode steps).
     #[arg(long)]
     pub(crate) prefill_chunk: Option<usize>,
+    #[command(flatten)]
+    pub(crate) speculative: SpeculativeArgs,
 }
 
 /// Sampling flags shared by `generate` and `chat`; unset ones come from generation_config.json.
@@ -86,6 +88,27 @@ pub struct SamplingArgs {
     /// Random seed for sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+/// Speculative decoding, shared by `generate`, `chat` and `serve`.
+#[derive(Args, Clone, Debug)]
+pub struct SpeculativeArgs {
+    /// Speculative decoding: the model's MTP layer drafts up to N tokens (1 to 4) that one
+    /// pass of the model verifies, keeping those the model agrees with (greedy output is the
+    /// same token for token; sampled output has the same distribution). Needs a checkpoint
+    /// with its MTP layer (mtp.* tensors); the CPU backend only, for now. Default: off.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    speculative_tokens: usize,
+}
+
+impl SpeculativeArgs {
+    /// Turns speculative decoding on in `engine` when asked.
+    pub fn apply(&self, engine: &mut Engine) -> Result<()> {
+        if self.speculative_tokens > 0 {
+            engine.set_speculative(self.speculative_tokens)?;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Args)]
@@ -314,6 +337,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
     let sampling = sampling(&a.sampling, &defaults)?;
     let mut engine = engine_for(model, &a.model, 1)?;
+    a.speculative.apply(&mut engine)?;
     let req = GenerateRequest {
         prompt: &prompt,
         max_tokens: fit_context(prompt.len(), a.max_tokens, engine.max_context())?,
@@ -345,13 +369,18 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     })?;
     writeln!(out).ok();
     eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.1} tok/s) | decode: {} tokens in {:.3} s ({:.1} tok/s){}",
+        "prefill: {} tokens in {:.3} s ({:.1} tok/s) | decode: {} tokens in {:.3} s ({:.1} tok/s){}{}",
         stats.prompt_tokens,
         stats.prefill_secs,
         stats.prefill_tok_s(),
         stats.generated,
         stats.decode_secs,
         stats.decode_tok_s(),
+        if engine.speculative_tokens() > 0 {
+            format!(" | {:.2} tokens/step", stats.tokens_per_step())
+        } else {
+            String::new()
+        },
         if stats.hit_eos {
             " | stopped at end-of-sequence".to_string()
         } else if stats.hit_context {

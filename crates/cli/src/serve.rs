@@ -97,6 +97,15 @@ pub struct ServeArgs {
     /// Model name clients use (default: the model directory's name).
     #[arg(long)]
     api_name: Option<String>,
+    /// Speculative decoding with the model's MTP layer drafting up to N tokens a step (1 to 4;
+    /// not with --synthetic); see `generate --help`. Default: off.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        conflicts_with = "synthetic"
+    )]
+    speculative_tokens: usize,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -131,23 +140,27 @@ fn factory(
     max_seqs: usize,
     cache: ExpertCache,
     cpu_experts: bool,
+    drafts: usize,
 ) -> EngineFactory {
     Box::new(move || {
         let mut model = Qwen3Hybrid::load(&dir)?;
-        if !cuda {
+        let mut engine = if cuda {
+            let gpu =
+                cuda::Gpu::new(0).map_err(|e| EngineError::Input(format!("--device cuda: {e}")))?;
+            let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
+            let mut engine = Engine::new_cuda_with(model, Arc::new(gpu), ctx, max_seqs, cache)?;
+            if cpu_experts {
+                engine.set_host_experts(true)?;
+            }
+            engine
+        } else {
             if let ExpertCache::Bytes(bytes) = cache {
                 let slots = model.expert_slots_for_bytes(bytes);
                 model.offload_experts(&dir, slots)?;
             }
-            return Ok(Engine::new(model));
-        }
-        let gpu =
-            cuda::Gpu::new(0).map_err(|e| EngineError::Input(format!("--device cuda: {e}")))?;
-        let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
-        let mut engine = Engine::new_cuda_with(model, Arc::new(gpu), ctx, max_seqs, cache)?;
-        if cpu_experts {
-            engine.set_host_experts(true)?;
-        }
+            Engine::new(model)
+        };
+        engine.set_speculative(drafts)?;
         Ok(engine)
     })
 }
@@ -285,6 +298,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             slots,
             cache,
             a.model.cpu_experts(),
+            a.speculative_tokens,
         ),
         opts,
     )

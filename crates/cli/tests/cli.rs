@@ -279,3 +279,50 @@ fn bad_tokens_and_prompts_are_rejected() {
         &["--device cuda"],
     );
 }
+
+#[test]
+fn speculative_generation_of_the_built_in_model_is_plain_generation() {
+    let args = |n: &'static str| {
+        [
+            "generate",
+            "--prompt",
+            "It is a truth universally acknowledged",
+            "--max-tokens",
+            "48",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+            "--speculative-tokens",
+            n,
+        ]
+    };
+    let (ok, plain, err) = run(&args("0"));
+    assert!(ok, "{err}");
+    let (ok, spec, err) = run(&args("3"));
+    assert!(ok, "{err}");
+    assert_eq!(spec, plain);
+    assert!(err.contains("tokens/step"), "{err}");
+}
+
+#[test]
+fn speculative_tokens_need_an_mtp_layer_and_a_range() {
+    for (model, n, want) in [
+        ("qwen3_next", "2", "MTP layer"),
+        ("mtp_qwen3_next", "5", "1 to 4"),
+    ] {
+        let dir = fixture(model);
+        let args = [
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-tokens",
+            "1,2",
+            "--device",
+            "cpu",
+            "--speculative-tokens",
+            n,
+        ];
+        expect_error(&args, &[want]);
+    }
+}

@@ -39,6 +39,9 @@ impl Snapshot {
     }
 }
 
+/// Drafts a speculative step may verify at most.
+pub const MAX_DRAFTS: usize = 4;
+
 pub struct Engine {
     /// The served model's config (the weights belong to the backend).
     config: ModelConfig,
@@ -47,6 +50,8 @@ pub struct Engine {
     max_ctx: usize,
     sequences: BTreeMap<SeqId, Sequence>,
     next_id: u64,
+    /// Drafts a speculative step verifies at most (0: off; see [`Engine::set_speculative`]).
+    drafts: usize,
 }
 
 impl Engine {
@@ -109,6 +114,7 @@ impl Engine {
             max_ctx,
             sequences: BTreeMap::new(),
             next_id: 0,
+            drafts: 0,
         }
     }
 
@@ -293,11 +299,60 @@ impl Engine {
         self.backend.set_sampling(id, p)
     }
 
+    /// Speculative decoding: [`Self::speculate`] lets the model's MTP layer draft up to
+    /// `drafts` tokens (1 to 4; 0 turns it off) that one pass verifies. Set before any sequence
+    /// starts; fails for a model without an MTP layer or a backend that cannot.
+    pub fn set_speculative(&mut self, drafts: usize) -> Result<()> {
+        if drafts > MAX_DRAFTS {
+            return Err(EngineError::Input(format!(
+                "--speculative-tokens {drafts} is out of range: use 1 to {MAX_DRAFTS} (0 = off)"
+            )));
+        }
+        self.backend.set_speculative(drafts)?;
+        self.drafts = drafts;
+        Ok(())
+    }
+
+    /// Drafts a speculative step verifies at most (0: speculative decoding is off).
+    pub fn speculative_tokens(&self) -> usize {
+        self.drafts
+    }
+
+    /// [`Self::step`] with speculative decoding: feeds each listed sequence its token and
+    /// returns, per sequence, the drafts the verify pass kept followed by its next token (one
+    /// token when speculative decoding is off). Greedy output is the same token for token as
+    /// [`Self::step`]'s; sampled output has the same distribution. The sequence holds the fed
+    /// token and the kept drafts; the last returned token is the one to feed next.
+    pub fn speculate(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<u32>>> {
+        self.check_step(batch)?;
+        let (max_ctx, drafts) = (self.max_ctx, self.drafts);
+        let mut rows = step_rows(&mut self.sequences, batch);
+        for row in rows.iter_mut() {
+            row.drafts = drafts.min(max_ctx.saturating_sub(row.history.len()));
+        }
+        let out = self.backend.speculate(&mut rows)?;
+        drop(rows);
+        for (&(id, _), toks) in batch.iter().zip(&out) {
+            if let Some(seq) = self.sequences.get_mut(&id) {
+                seq.tokens
+                    .extend_from_slice(&toks[..toks.len().saturating_sub(1)]);
+            }
+        }
+        Ok(out)
+    }
+
     /// Feed one token to each listed sequence (each at most once) and return each one's next
     /// token, picked with its sampling parameters (see [`Self::set_sampling`]). On CUDA all of
     /// them run as one batched step and, without repetition penalty, only token ids cross
     /// between host and device.
     pub fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<u32>> {
+        self.check_step(batch)?;
+        let mut rows = step_rows(&mut self.sequences, batch);
+        self.backend.step(&mut rows)
+    }
+
+    /// Checks a step's tokens and that no sequence appears twice.
+    fn check_step(&self, batch: &[(SeqId, u32)]) -> Result<()> {
         for (i, &(id, tok)) in batch.iter().enumerate() {
             self.check(id, &[tok])?;
             if batch[..i].iter().any(|&(other, _)| other == id) {
@@ -307,8 +362,7 @@ impl Engine {
                 )));
             }
         }
-        let mut rows = step_rows(&mut self.sequences, batch);
-        self.backend.step(&mut rows)
+        Ok(())
     }
 }
 
@@ -331,6 +385,7 @@ fn step_rows<'a>(
                 token,
                 sampler: &mut s.sampler,
                 history: &s.tokens,
+                drafts: 0,
             }
         })
         .collect()

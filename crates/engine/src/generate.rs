@@ -30,6 +30,9 @@ pub struct GenerateStats {
     pub prefill_secs: f64,
     /// Seconds for the decode steps after the first token.
     pub decode_secs: f64,
+    /// Decode steps after the first token (each one forward pass; with speculative decoding
+    /// one draft and verify pass, giving one token or more).
+    pub decode_steps: usize,
     pub hit_eos: bool,
     /// Generation stopped because the context was full (prompt plus tokens fed).
     pub hit_context: bool,
@@ -43,6 +46,12 @@ impl GenerateStats {
     /// Decode rate over the steps after the first token (each step is one forward pass).
     pub fn decode_tok_s(&self) -> f64 {
         self.generated.saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
+    }
+
+    /// Tokens a step gave on average, the prompt's last one included (1 without speculative
+    /// decoding).
+    pub fn tokens_per_step(&self) -> f64 {
+        self.generated as f64 / (self.decode_steps + 1) as f64
     }
 }
 
@@ -79,30 +88,40 @@ fn run(
     if !head.is_empty() {
         engine.prefill(id, head, req.prefill_chunk, Logits::Last)?;
     }
-    let mut next = engine.step(&[(id, last)])?[0];
+    // Each step returns the drafts it kept (speculative decoding) and the next token.
+    let mut got = first_row(engine.speculate(&[(id, last)])?);
     stats.prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut out = Vec::new();
-    while out.len() < req.max_tokens {
-        if req.eos.contains(&next) {
-            stats.hit_eos = true;
-            break;
+    'steps: while out.len() < req.max_tokens {
+        for &tok in &got {
+            if req.eos.contains(&tok) {
+                stats.hit_eos = true;
+                break 'steps;
+            }
+            out.push(tok);
+            if !on_token(tok)? || out.len() == req.max_tokens {
+                break 'steps;
+            }
         }
-        out.push(next);
-        if !on_token(next)? || out.len() == req.max_tokens {
-            break;
-        }
-        // The token just emitted must be fed to sample another; with the context full, stop.
+        // The last token must be fed to sample another; with the context full, stop.
         let fed = engine.sequence(id).map_or(0, |s| s.tokens.len());
         if fed >= engine.max_context() {
             stats.hit_context = true;
             break;
         }
-        next = engine.step(&[(id, next)])?[0];
+        let next = got.last().copied().unwrap_or_default();
+        got = first_row(engine.speculate(&[(id, next)])?);
+        stats.decode_steps += 1;
     }
     stats.decode_secs = t1.elapsed().as_secs_f64();
     stats.generated = out.len();
     Ok((out, stats))
+}
+
+/// The tokens a one-row step returned.
+fn first_row(mut rows: Vec<Vec<u32>>) -> Vec<u32> {
+    rows.swap_remove(0)
 }
 
 #[cfg(test)]

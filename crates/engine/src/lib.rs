@@ -12,6 +12,7 @@ pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod speculative;
 pub mod tokenizer;
 
 pub use engine::Engine;

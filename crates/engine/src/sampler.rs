@@ -121,6 +121,41 @@ impl Sampler {
         self.draw(&probs)
     }
 
+    /// The distribution [`Self::sample`] draws from: `(id, probability)` pairs summing to 1
+    /// (one pair, the argmax, when greedy).
+    pub fn probs(&self, logits: &[f32], history: &[u32]) -> Vec<(u32, f32)> {
+        let penalised;
+        let logits = if self.params.repetition_penalty != 1.0 && !history.is_empty() {
+            penalised = apply_repetition_penalty(logits, history, self.params.repetition_penalty);
+            &penalised[..]
+        } else {
+            logits
+        };
+        let mut probs = if self.params.is_greedy() {
+            Vec::new()
+        } else {
+            self.filtered_probs(logits)
+        };
+        let total: f32 = probs.iter().map(|c| c.1).sum();
+        if total.is_nan() || total <= 0.0 {
+            return vec![(argmax(logits) as u32, 1.0)];
+        }
+        for c in probs.iter_mut() {
+            c.1 /= total;
+        }
+        probs
+    }
+
+    /// Draws one id from `(id, probability)` pairs (not necessarily normalised).
+    pub fn pick(&mut self, probs: &[(u32, f32)]) -> u32 {
+        self.draw(probs)
+    }
+
+    /// A uniform draw from [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
     /// Candidate `(id, probability)` pairs left after temperature, top-k, softmax, top-p and
     /// min-p; not renormalised (`draw` divides by their sum).
     fn filtered_probs(&self, logits: &[f32]) -> Vec<(u32, f32)> {

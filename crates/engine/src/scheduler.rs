@@ -5,7 +5,8 @@
 //! Each step admits waiting requests while sequences are free (at most `max_seqs`, and on CUDA
 //! only while the engine has free state slots: admission by memory), starting each from the
 //! longest cached prefix of its prompt; prefills prompt chunks up to a token budget; then runs
-//! one [`Engine::step`] for every sequence that is decoding. So new prompts are prefilled
+//! one [`Engine::speculate`] for every sequence that is decoding (a step of one token each unless
+//! the engine decodes speculatively). So new prompts are prefilled
 //! between decode steps and running sequences keep moving.
 
 use std::collections::VecDeque;
@@ -100,6 +101,8 @@ pub struct SchedulerStats {
     /// Batched decode steps and the rows they fed.
     pub decode_steps: usize,
     pub decode_rows: usize,
+    /// Drafts that speculative decoding's verify passes kept (tokens beyond one a row).
+    pub accepted_drafts: usize,
     /// Requests holding a sequence, and those waiting for one.
     pub running: usize,
     pub waiting: usize,
@@ -355,7 +358,7 @@ impl Scheduler {
         }
         self.stats.decode_steps += 1;
         self.stats.decode_rows += batch.len();
-        let picked = match self.engine.step(&batch) {
+        let picked = match self.engine.speculate(&batch) {
             Ok(p) => p,
             Err(e) => {
                 let ids: Vec<SeqId> = batch.iter().map(|b| b.0).collect();
@@ -364,11 +367,13 @@ impl Scheduler {
             }
         };
         let mut finished = Vec::new();
-        for (&(seq, _), tok) in batch.iter().zip(picked) {
-            if let Some(i) = self.running.iter().position(|a| a.seq == seq) {
-                if let Some(reason) = self.on_token(i, tok) {
-                    finished.push((seq, reason));
-                }
+        for (&(seq, _), toks) in batch.iter().zip(picked) {
+            self.stats.accepted_drafts += toks.len().saturating_sub(1);
+            let Some(i) = self.running.iter().position(|a| a.seq == seq) else {
+                continue;
+            };
+            if let Some(reason) = toks.into_iter().find_map(|tok| self.on_token(i, tok)) {
+                finished.push((seq, reason));
             }
         }
         for (seq, reason) in finished {

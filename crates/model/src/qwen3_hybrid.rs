@@ -225,7 +225,7 @@ impl Qwen3Hybrid {
     }
 
     /// [`Self::forward`], also returning the final hidden states (after the final norm, what
-    /// the lm_head reads) of the rows whose logits are returned: what the MTP layer takes.
+    /// the lm_head reads) of every row, `[T, H]`: what the MTP layer takes.
     pub fn forward_hidden(
         &self,
         tokens: &[u32],
@@ -234,26 +234,23 @@ impl Qwen3Hybrid {
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let (c, w) = (&self.ckpt.config, &self.ckpt);
         let mut x = self.embed(tokens)?;
-        let (t, h) = (tokens.len(), c.hidden_size);
-        self.run_layers(&mut x, state, self.products(t), None)?;
-        let mut rows = match which {
-            Logits::All => x,
-            Logits::Last => x.split_off((t - 1) * h),
-        };
-        rms_norm(&mut rows, &w.final_norm, c.rms_norm_eps);
-        Ok((self.lm_head(&rows), rows))
+        self.run_layers(&mut x, state, self.products(tokens.len()), None)?;
+        rms_norm(&mut x, &w.final_norm, c.rms_norm_eps);
+        let logits = self.lm_head(last_rows(&x, c.hidden_size, which));
+        Ok((logits, x))
     }
 
     /// Run the MTP layer over `tokens.len()` pairs (token t + 1, final hidden state at t) from
     /// the MTP cache's next position on, appending to `state.mtp`: the logits predicting each
-    /// pair's next token ([T, V]) and the layer's normed outputs ([T, H]), which a further
-    /// draft step takes as its hidden state. The positions are the hidden states' (t), as in
-    /// vLLM; the main model's state is not touched.
+    /// pair's next token and the layer's normed outputs, which a further draft step takes as
+    /// its hidden state, of every row (`[T, V]`, `[T, H]`) or of the last as `which` says. The
+    /// positions are the hidden states' (t), as in vLLM; the main model's state is not touched.
     pub fn mtp_forward(
         &self,
         tokens: &[u32],
         hidden: &[f32],
         state: &mut SequenceState,
+        which: Logits,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let (c, w) = (&self.ckpt.config, &self.ckpt);
         let Some(m) = &w.mtp else {
@@ -290,8 +287,9 @@ impl Qwen3Hybrid {
             state.mtp = cache;
         }
         ran?;
-        rms_norm(&mut x, &m.norm, c.rms_norm_eps);
-        Ok((self.lm_head(&x), x))
+        let mut rows = last_rows(&x, h, which).to_vec();
+        rms_norm(&mut rows, &m.norm, c.rms_norm_eps);
+        Ok((self.lm_head(&rows), rows))
     }
 
     /// The verify pass of speculative decoding: `tokens` (the last sampled token, then the
@@ -454,5 +452,13 @@ impl Qwen3Hybrid {
         let mut logits = vec![0.0; n * c.vocab_size];
         self.ckpt.lm_head.matmul(rows, n, &mut logits);
         logits
+    }
+}
+
+/// The rows of `x` ([T, h]) that `which` asks for: all, or the last.
+fn last_rows(x: &[f32], h: usize, which: Logits) -> &[f32] {
+    match which {
+        Logits::All => x,
+        Logits::Last => &x[x.len().saturating_sub(h)..],
     }
 }

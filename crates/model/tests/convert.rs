@@ -551,6 +551,6 @@ fn convert_keeps_the_mtp_layer() {
     }
     let mut st = model.new_state();
     let h = vec![0.5; model.config().hidden_size];
-    let (logits, _) = model.mtp_forward(&[3], &h, &mut st).unwrap();
+    let (logits, _) = model.mtp_forward(&[3], &h, &mut st, Logits::Last).unwrap();
     assert!(logits.iter().all(|v| v.is_finite()));
 }

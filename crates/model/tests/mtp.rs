@@ -61,7 +61,7 @@ fn check(name: &str) {
         for (i, c) in tokens[1..].chunks(chunk).enumerate() {
             let at = i * chunk * h;
             let hd = &hidden[at..at + c.len() * h];
-            let (l, o) = model.mtp_forward(c, hd, &mut s).unwrap();
+            let (l, o) = model.mtp_forward(c, hd, &mut s, Logits::All).unwrap();
             mlogits.extend(l);
             mhidden.extend(o);
         }
@@ -81,10 +81,12 @@ fn check(name: &str) {
         let g = argmax(&logits[(n - 1) * v..]);
         assert_eq!(g, draft[0], "{tag}: greedy next token");
         let (d1, o1) = model
-            .mtp_forward(&[g], &hidden[(n - 1) * h..], &mut s)
+            .mtp_forward(&[g], &hidden[(n - 1) * h..], &mut s, Logits::Last)
             .unwrap();
         assert_eq!(argmax(&d1), draft[1], "{tag}: first draft");
-        let (d2, o2) = model.mtp_forward(&[draft[1]], &o1, &mut s).unwrap();
+        let (d2, o2) = model
+            .mtp_forward(&[draft[1]], &o1, &mut s, Logits::Last)
+            .unwrap();
         let (dl, dh) = ([d1, d2].concat(), [o1, o2].concat());
         check_logits(
             &format!("{tag}: draft logits"),
@@ -118,7 +120,12 @@ fn a_config_naming_an_mtp_layer_the_files_lack_loads_without_it() {
     let model = Qwen3Hybrid::load(d.path()).unwrap();
     assert!(model.checkpoint().mtp.is_none());
     let mut s = model.new_state();
-    let e = model.mtp_forward(&[1], &vec![0.0; model.config().hidden_size], &mut s);
+    let e = model.mtp_forward(
+        &[1],
+        &vec![0.0; model.config().hidden_size],
+        &mut s,
+        Logits::Last,
+    );
     let e = e.unwrap_err().to_string();
     assert!(e.contains("no MTP layer") && !e.contains('\n'), "{e}");
 }

@@ -27,6 +27,8 @@ pub struct StepRow<'a> {
     pub sampler: &'a mut Sampler,
     /// The sequence's tokens, `token` included (the repetition penalty's history).
     pub history: &'a [u32],
+    /// Drafts a speculative step may verify after `token` (see [`Backend::speculate`]).
+    pub drafts: usize,
 }
 
 /// A copy of one sequence's model state, opaque outside the backend that made it.
@@ -77,6 +79,27 @@ pub trait Backend {
 
     /// Feeds each row's token to its sequence and returns each row's next token.
     fn step(&mut self, rows: &mut [StepRow]) -> Result<Vec<u32>>;
+
+    /// Speculative decoding with the model's MTP layer drafting up to `drafts` tokens a step
+    /// (0: off), set before any sequence starts; later prefills keep what drafting needs.
+    fn set_speculative(&mut self, drafts: usize) -> Result<()> {
+        if drafts == 0 {
+            return Ok(());
+        }
+        Err(EngineError::Input(format!(
+            "--speculative-tokens runs on the CPU backend only for now, not on {}: leave it out \
+             or use --device cpu",
+            self.name()
+        )))
+    }
+
+    /// Feeds each row's token to its sequence, verifies up to `row.drafts` drafts after it in
+    /// the same pass, and returns each row's kept drafts followed by its next token. The state
+    /// keeps exactly the fed tokens: the row's token and its kept drafts. With speculative
+    /// decoding off it is [`Self::step`].
+    fn speculate(&mut self, rows: &mut [StepRow]) -> Result<Vec<Vec<u32>>> {
+        Ok(self.step(rows)?.into_iter().map(|t| vec![t]).collect())
+    }
 
     /// How later prefills run the Gated DeltaNet delta rule (only CUDA has a choice).
     fn set_gdn_prefill(&mut self, _mode: GdnPrefill) {}

@@ -5,8 +5,8 @@ use super::{FfnKind, LayerKind, ModelConfig};
 
 impl ModelConfig {
     /// Weights the model holds, counted from the shapes its loaders ask for (embedding, lm_head
-    /// when untied, each layer's mixer, feed-forward and norms, the final norm). Saturates
-    /// instead of overflowing on absurd shapes.
+    /// when untied, each layer's mixer, feed-forward and norms, the final norm; not the MTP
+    /// layer). Saturates instead of overflowing on absurd shapes.
     pub fn weight_params(&self) -> u64 {
         let c = self;
         let w = |n: usize| n as u128;

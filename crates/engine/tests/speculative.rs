@@ -1,0 +1,194 @@
+//! Speculative decoding with the MTP layer on the CPU backend: greedy output equals plain
+//! greedy token for token (one prompt and under the scheduler, through the prompt cache), and
+//! sampled output follows the same distribution as plain sampling (a two-sample chi-square test
+//! per position). The fixtures' MTP layers are random, so their drafts agree with the model now
+//! and then: the rule's every branch runs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use deltamoe_engine::sampler::SamplingParams;
+use deltamoe_engine::scheduler::{Event, Request, Scheduler};
+use deltamoe_engine::{generate, Engine, GenerateRequest, GenerateStats, SchedulerConfig};
+use deltamoe_model::Qwen3Hybrid;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+}
+
+const FIXTURES: [&str; 2] = ["mtp_qwen3_5_moe", "mtp_qwen3_next"];
+
+fn engine(name: &str, drafts: usize) -> Engine {
+    let mut e = Engine::new(Qwen3Hybrid::load(&fixture(name)).unwrap());
+    e.set_speculative(drafts).unwrap();
+    e
+}
+
+fn run(e: &mut Engine, prompt: &[u32], max_tokens: usize, sampling: &SamplingParams) -> Vec<u32> {
+    run_stats(e, prompt, max_tokens, sampling).0
+}
+
+fn run_stats(
+    e: &mut Engine,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: &SamplingParams,
+) -> (Vec<u32>, GenerateStats) {
+    let req = GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: sampling.clone(),
+        eos: &[],
+        prefill_chunk: Some(5),
+    };
+    generate(e, &req, |_| Ok(true)).unwrap()
+}
+
+const PROMPT: [u32; 9] = [5, 17, 300, 2, 44, 44, 9, 128, 77];
+
+#[test]
+fn greedy_output_is_plain_greedy_output() {
+    let greedy = SamplingParams::default();
+    for name in FIXTURES {
+        let plain = run(&mut engine(name, 0), &PROMPT, 40, &greedy);
+        for n in 1..=3 {
+            let mut e = engine(name, n);
+            assert_eq!(run(&mut e, &PROMPT, 40, &greedy), plain, "{name}, N = {n}");
+            // A repetition penalty reads the drafts as history.
+            let pen = SamplingParams {
+                repetition_penalty: 1.3,
+                ..greedy.clone()
+            };
+            let want = run(&mut engine(name, 0), &PROMPT, 30, &pen);
+            assert_eq!(
+                run(&mut e, &PROMPT, 30, &pen),
+                want,
+                "{name}, N = {n}, penalty"
+            );
+        }
+    }
+}
+
+/// Every request's tokens, stepping the scheduler until idle.
+fn tokens_of(s: &mut Scheduler) -> BTreeMap<u64, Vec<u32>> {
+    let mut out: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    while !s.is_idle() {
+        for (id, ev) in s.step() {
+            if let Event::Token(t) = ev {
+                out.entry(id.0).or_default().push(t);
+            }
+            assert!(!matches!(ev, Event::Failed(_)), "{ev:?}");
+        }
+    }
+    out
+}
+
+#[test]
+fn the_scheduler_batches_speculative_sequences_exactly() {
+    let name = FIXTURES[0];
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| PROMPT.iter().map(|&t| (t + 31 * i) % 512).collect())
+        .collect();
+    let greedy = SamplingParams::default();
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| run(&mut engine(name, 0), p, 24, &greedy))
+        .collect();
+    let e = engine(name, 2);
+    let cfg = SchedulerConfig {
+        max_seqs: 3,
+        prefill_chunk: 4,
+        checkpoint_every: 4,
+        cache_bytes: 1 << 28,
+        max_context: e.max_context(),
+    };
+    let mut s = Scheduler::new(e, cfg);
+    // Twice: the second round starts from the prompt cache's snapshots.
+    for round in 0..2 {
+        for p in &prompts {
+            s.submit(Request {
+                prompt: p.clone(),
+                sampling: greedy.clone(),
+                max_tokens: 24,
+                stop_ids: Vec::new(),
+            });
+        }
+        let got: Vec<Vec<u32>> = tokens_of(&mut s).into_values().collect();
+        assert_eq!(got, want, "round {round}");
+    }
+    assert!(s.stats().cache_hits > 0);
+}
+
+/// Two-sample chi-square statistic of counts `a` and `b` (same totals) over the ids seen at
+/// least 10 times in all, and its degrees of freedom.
+fn chi2(a: &BTreeMap<u32, usize>, b: &BTreeMap<u32, usize>) -> (f64, usize) {
+    let ids: Vec<u32> = a.keys().chain(b.keys()).copied().collect();
+    let (mut stat, mut bins, mut rest) = (0.0, 0usize, (0usize, 0usize));
+    for id in ids.into_iter().collect::<std::collections::BTreeSet<_>>() {
+        let (x, y) = (
+            a.get(&id).copied().unwrap_or(0),
+            b.get(&id).copied().unwrap_or(0),
+        );
+        if x + y < 10 {
+            rest = (rest.0 + x, rest.1 + y);
+            continue;
+        }
+        stat += (x as f64 - y as f64).powi(2) / (x + y) as f64;
+        bins += 1;
+    }
+    if rest.0 + rest.1 > 0 {
+        stat += (rest.0 as f64 - rest.1 as f64).powi(2) / (rest.0 + rest.1) as f64;
+        bins += 1;
+    }
+    (stat, bins.saturating_sub(1))
+}
+
+/// The chi-square distribution's upper 0.1% point (Wilson-Hilferty).
+fn critical(df: usize) -> f64 {
+    let d = df.max(1) as f64;
+    let c = 2.0 / (9.0 * d);
+    d * (1.0 - c + 3.09 * c.sqrt()).powi(3)
+}
+
+#[test]
+fn sampled_tokens_follow_the_plain_distribution() {
+    let name = FIXTURES[1];
+    let (runs, len) = (1500u64, 3);
+    let mut counts = vec![[BTreeMap::<u32, usize>::new(), BTreeMap::new()]; len];
+    let (mut plain, mut spec) = (engine(name, 0), engine(name, 2));
+    let (mut steps, mut tokens) = (0, 0);
+    for seed in 0..runs {
+        let p = SamplingParams {
+            temperature: 1.5,
+            seed,
+            ..SamplingParams::default()
+        };
+        for (k, e) in [&mut plain, &mut spec].into_iter().enumerate() {
+            // Distinct seeds for the two engines: the samples must be independent.
+            let p = SamplingParams {
+                seed: seed + k as u64 * runs,
+                ..p.clone()
+            };
+            let (out, stats) = run_stats(e, &PROMPT, len, &p);
+            if k == 1 {
+                (steps, tokens) = (steps + stats.decode_steps + 1, tokens + out.len());
+            }
+            for (i, t) in out.into_iter().enumerate() {
+                *counts[i][k].entry(t).or_default() += 1;
+            }
+        }
+    }
+    // The drafts are kept often enough for the rule's acceptance branch to matter.
+    let per_step = tokens as f64 / steps as f64;
+    assert!(per_step > 1.2, "{per_step} tokens per step");
+    for (i, [a, b]) in counts.iter().enumerate() {
+        let (stat, df) = chi2(a, b);
+        assert!(
+            stat < critical(df),
+            "token {i}: chi2 {stat:.1} over {df} degrees of freedom (0.1% point {:.1})",
+            critical(df)
+        );
+    }
+}
