@@ -15,9 +15,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use deltamoe_compute::cuda::{self, Gpu};
-use deltamoe_compute::DType;
 use deltamoe_model::gpu::{ExpertCache, GpuModel, OffloadStats};
-use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid, WeightStore};
+use deltamoe_model::{Logits, ModelConfig};
 use serde_json::{json, Value};
 
 use crate::{synthetic, Device, ModelArgs};
@@ -26,76 +25,85 @@ use crate::{synthetic, Device, ModelArgs};
 pub struct BenchArgs {
     /// Model directory (real weights).
     #[arg(long, conflicts_with_all = ["config", "synthetic"])]
-    model: Option<PathBuf>,
+    pub(crate) model: Option<PathBuf>,
     /// A config.json to instantiate with random bf16 weights.
     #[arg(long, conflicts_with = "synthetic")]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// A named real shape with random bf16 weights: qwen3.6-35b-a3b, qwen3-next-80b-a3b, qwen3.5-397b-a17b.
     #[arg(long)]
-    synthetic: Option<String>,
+    pub(crate) synthetic: Option<String>,
     /// Synthetic matrices MLX-affine quantized to this many bits (2, 4 or 8; CUDA only).
     #[arg(long)]
-    bits: Option<u32>,
+    pub(crate) bits: Option<u32>,
     /// Group size for --bits (default 64) or --gptq (default 128).
     #[arg(long)]
-    group_size: Option<usize>,
+    pub(crate) group_size: Option<usize>,
     /// Synthetic matrices in fine-grained FP8 (e4m3, a scale per 128x128 block; routers and
     /// lm_head bf16, as Qwen's FP8 checkpoints; CUDA only).
     #[arg(long, conflicts_with = "bits")]
-    fp8: bool,
+    pub(crate) fp8: bool,
     /// Synthetic routed experts in GPTQ int4 (f16 scales and zero points), everything else bf16,
     /// as Qwen's GPTQ-Int4 checkpoints (CUDA only).
     #[arg(long, conflicts_with_all = ["bits", "fp8"])]
-    gptq: bool,
+    pub(crate) gptq: bool,
     /// Prompt lengths for the prefill measurements (the CPU measures the first).
     #[arg(long, value_delimiter = ',', default_values_t = [512usize])]
-    prompt_len: Vec<usize>,
+    pub(crate) prompt_len: Vec<usize>,
     /// Decode steps timed per measurement.
     #[arg(long, default_value_t = 32)]
-    gen_len: usize,
+    pub(crate) gen_len: usize,
     /// Decode steps run before each timed measurement (with offload: lets the expert cache
     /// settle on the routing before it is timed).
     #[arg(long, default_value_t = 3)]
-    warmup: usize,
+    pub(crate) warmup: usize,
     /// Context lengths for the CUDA decode measurements.
     #[arg(long, value_delimiter = ',', default_values_t = [128usize, 4096, 32768])]
-    contexts: Vec<usize>,
+    pub(crate) contexts: Vec<usize>,
     /// Sequences decoded together per step on CUDA (batched decode; tok/s counts all of them).
     #[arg(long, value_delimiter = ',', default_values_t = [1usize])]
-    batch: Vec<usize>,
+    pub(crate) batch: Vec<usize>,
     /// Backend.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
-    device: Device,
+    pub(crate) device: Device,
     /// Instead of a model, time single matrix-vector products at real shapes on CUDA (bf16 and
     /// 2/4/8-bit affine) against the measured copy bandwidth.
     #[arg(long, conflicts_with_all = ["model", "config", "synthetic"])]
-    matvec: bool,
+    pub(crate) matvec: bool,
     /// CUDA: offload the routed experts to pinned host memory and cache this fraction of each
     /// layer's experts on the GPU; several values are measured one after another.
     #[arg(long, value_delimiter = ',', conflicts_with = "gpu_memory")]
-    expert_cache_fraction: Vec<f64>,
+    pub(crate) expert_cache_fraction: Vec<f64>,
     /// CUDA: offload the routed experts and give the whole model this many GB of GPU memory
     /// (the expert cache gets what the other weights leave, less 8 GiB for sequences).
     #[arg(long, value_name = "GB")]
-    gpu_memory: Option<f64>,
+    pub(crate) gpu_memory: Option<f64>,
     /// With offloaded experts: pin at most this many GB of host memory for them. The experts
     /// outside the GPU's cache always take theirs; the rest holds clean copies of cached
     /// experts, which an eviction then need not write back (default: what the host has
     /// available, less 16 GiB).
     #[arg(long, value_name = "GB")]
-    host_memory: Option<f64>,
+    pub(crate) host_memory: Option<f64>,
     /// Synthetic models: skew routing towards a Zipf(ALPHA) popularity of the experts (a
     /// router bias of −ALPHA·ln(rank + 1), ranks shuffled per layer) instead of the uniform-like
     /// routing of random weights.
     #[arg(long, value_name = "ALPHA")]
-    zipf: Option<f64>,
+    pub(crate) zipf: Option<f64>,
     /// With offloaded experts: let the CPU compute some of the experts outside the GPU's cache
     /// (on) or read them all over PCIe (off); several values are measured one after another.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OnOff::Off])]
     cpu_experts: Vec<OnOff>,
     /// Also write the results as JSON here.
     #[arg(long)]
-    json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
+    /// Also measure speculative decoding with the model's MTP layer drafting N tokens a step
+    /// (CPU; a --config or --synthetic shape gets a random MTP layer when its config names one,
+    /// `mtp_num_hidden_layers`).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) speculative_tokens: usize,
+    /// With --speculative-tokens: keep each draft with probability P instead of by the model
+    /// (random weights agree with nothing), to time what that acceptance gives.
+    #[arg(long, value_name = "P", requires = "speculative_tokens")]
+    pub(crate) acceptance: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -136,7 +144,7 @@ fn precision(a: &BenchArgs) -> String {
 }
 
 /// The config of a synthetic source and its display name.
-fn synthetic_config(a: &BenchArgs) -> Result<Option<(ModelConfig, String)>> {
+pub(crate) fn synthetic_config(a: &BenchArgs) -> Result<Option<(ModelConfig, String)>> {
     if let Some(name) = &a.synthetic {
         let cfg = synthetic::shape(name)?;
         return Ok(Some((cfg, format!("{name} (synthetic {})", precision(a)))));
@@ -176,101 +184,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
         (_, None) => true,
         (Device::Auto, Some(_)) => false,
     };
-    let result = if on_cuda { run_cuda(&a)? } else { run_cpu(&a)? };
+    let result = if on_cuda {
+        if a.speculative_tokens > 0 {
+            bail!("--speculative-tokens: the CUDA backend does not decode speculatively yet; use --device cpu");
+        }
+        run_cuda(&a)?
+    } else {
+        crate::bench_cpu::run(&a)?
+    };
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&result)?)
             .with_context(|| format!("--json {}", p.display()))?;
-    }
-    Ok(())
-}
-
-fn run_cpu(a: &BenchArgs) -> Result<Value> {
-    if a.zipf.is_some()
-        || a.gpu_memory.is_some()
-        || a.host_memory.is_some()
-        || !a.expert_cache_fraction.is_empty()
-    {
-        bail!("--zipf, --gpu-memory, --host-memory and --expert-cache-fraction measure expert offload on the GPU; use --device cuda");
-    }
-    if a.bits.is_some() || a.fp8 || a.gptq {
-        bail!("--bits, --fp8, --gptq: synthetic quantized weights are made on the GPU only; use --device cuda, or --model with a quantized checkpoint");
-    }
-    let (model, name) = match synthetic_config(a)? {
-        Some((cfg, name)) => {
-            check_host_memory(&cfg, &name)?;
-            let t0 = Instant::now();
-            let m = Qwen3Hybrid::from_store(cfg, &WeightStore::synthetic(DType::BF16, 1))?;
-            eprintln!(
-                "synthetic bf16 weights made in {:.1} s",
-                t0.elapsed().as_secs_f64()
-            );
-            (m, name)
-        }
-        None => {
-            let dir = a.model.clone().unwrap_or_default();
-            let m = crate::commands::load_model(&ModelArgs {
-                model: Some(dir.clone()),
-                device: Device::Cpu,
-                expert_cache: None,
-                cpu_experts: false,
-            })?;
-            (m, dir.display().to_string())
-        }
-    };
-    let vocab = model.config().vocab_size as u32;
-    let prompt_len = a.prompt_len[0];
-    let prompt: Vec<u32> = (0..prompt_len as u32)
-        .map(|i| (i * 7919 + 13) % vocab)
-        .collect();
-    let mut engine = deltamoe_engine::Engine::new(model);
-    let threads = rayon::current_num_threads();
-    let id = engine.add_sequence()?;
-    let t0 = Instant::now();
-    engine.prefill(id, &prompt, None, Logits::Last)?;
-    let prefill_s = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let mut tok = 1u32;
-    for _ in 0..a.gen_len {
-        tok = engine.step(&[(id, tok)])?[0];
-    }
-    let decode_s = t1.elapsed().as_secs_f64();
-    let (prefill_tps, decode_tps) = (prompt_len as f64 / prefill_s, a.gen_len as f64 / decode_s);
-    println!("model    {name}");
-    println!("backend  cpu, {threads} threads");
-    println!(
-        "prefill  {} tokens in {:.3} s: {:.1} tok/s",
-        prompt_len, prefill_s, prefill_tps
-    );
-    println!(
-        "decode   {} tokens at context {}: {:.3} s: {:.2} tok/s",
-        a.gen_len, prompt_len, decode_s, decode_tps
-    );
-    Ok(json!({
-        "model": name, "backend": "cpu", "threads": threads,
-        "prompt_len": prompt_len, "prefill_s": prefill_s, "prefill_tok_s": prefill_tps,
-        "gen_len": a.gen_len, "decode_s": decode_s, "decode_tok_s": decode_tps,
-    }))
-}
-
-/// Refuses, before anything is allocated, a synthetic CPU model whose random bf16 weights (plus
-/// the f32 scratch of the largest tensor while it is made) exceed the host's available memory:
-/// the kernel would otherwise kill the process mid-way with no message.
-fn check_host_memory(cfg: &ModelConfig, name: &str) -> Result<()> {
-    let Some(available) = deltamoe_model::host_memory::available() else {
-        return Ok(());
-    };
-    let needed = cfg
-        .weight_params()
-        .saturating_mul(2)
-        .saturating_add(cfg.largest_tensor_params().saturating_mul(4));
-    if needed > available as u64 {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        bail!(
-            "{name}: needs {:.1} GiB of memory for its weights but {:.1} GiB is available; \
-             use a smaller shape (--config FILE), --device cuda, or a machine with more memory",
-            gib(needed),
-            gib(available as u64)
-        );
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 mod batch;
 mod bench;
+mod bench_cpu;
 mod chat;
 mod commands;
 mod convert;

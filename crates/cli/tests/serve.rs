@@ -269,6 +269,32 @@ fn serve_logs_each_request() {
     );
 }
 
+/// The built-in model served with speculative decoding gives the greedy completion it gives
+/// without, and counts the drafts it kept.
+#[test]
+fn serve_with_speculative_decoding_gives_the_same_completion() {
+    let body = r#"{"prompt": "It is a truth universally acknowledged", "max_tokens": 40, "temperature": 0}"#;
+    let text = |args: &[&str]| {
+        let s = serve(args);
+        let r = post(&s.base, "/v1/completions", body);
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        let json = &r[r.find("\r\n\r\n").unwrap() + 4..];
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        (
+            v["choices"][0]["text"].as_str().unwrap().to_string(),
+            get(&s.base, "/metrics"),
+        )
+    };
+    let (plain, _) = text(&[]);
+    let (spec, metrics) = text(&["--speculative-tokens", "2"]);
+    assert_eq!(spec, plain);
+    let kept = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("deltamoe_speculative_drafts_accepted_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(kept.is_some_and(|k| k > 0), "{metrics}");
+}
+
 /// A bare HTTP/1.1 POST of JSON; returns the whole response.
 fn post(base: &str, path: &str, body: &str) -> String {
     let mut s = open_post(base, path, body);

@@ -313,6 +313,18 @@ impl Engine {
         Ok(())
     }
 
+    /// Benchmarks only: speculative steps keep each draft with probability `p` (in [0, 1])
+    /// instead of by the acceptance rule, so that random weights, whose drafts agree with
+    /// nothing, cost what a model accepting that often would. The tokens mean nothing.
+    pub fn force_acceptance(&mut self, p: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(EngineError::Input(format!(
+                "--acceptance {p} is out of range: use a probability in [0, 1]"
+            )));
+        }
+        self.backend.force_acceptance(p)
+    }
+
     /// Drafts a speculative step verifies at most (0: speculative decoding is off).
     pub fn speculative_tokens(&self) -> usize {
         self.drafts

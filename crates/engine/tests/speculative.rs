@@ -192,3 +192,21 @@ fn sampled_tokens_follow_the_plain_distribution() {
         );
     }
 }
+
+#[test]
+fn forced_acceptance_keeps_that_share_of_drafts() {
+    let name = FIXTURES[0];
+    let greedy = SamplingParams::default();
+    let plain = run(&mut engine(name, 0), &PROMPT, 20, &greedy);
+    // Keeping no draft is plain decoding; keeping every draft gives N + 1 tokens a step.
+    for (p, per_step) in [(0.0, 1.0), (1.0, 3.0)] {
+        let mut e = engine(name, 2);
+        e.force_acceptance(p).unwrap();
+        let (out, stats) = run_stats(&mut e, &PROMPT, 21, &greedy);
+        assert_eq!(stats.tokens_per_step(), per_step, "p = {p}");
+        if p == 0.0 {
+            assert_eq!(out[..20], plain[..], "p = 0");
+        }
+    }
+    assert!(engine(name, 2).force_acceptance(1.5).is_err());
+}

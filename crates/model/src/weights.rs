@@ -256,9 +256,10 @@ impl WeightStore {
         self.entries.contains_key(name)
     }
 
-    /// Whether any tensor's (normalised) name starts with `prefix`.
+    /// Whether any tensor's (normalised) name starts with `prefix` (a synthetic store makes
+    /// every tensor asked for, so it holds every prefix).
     pub fn contains_prefix(&self, prefix: &str) -> bool {
-        self.names().any(|n| n.starts_with(prefix))
+        self.synthetic.is_some() || self.names().any(|n| n.starts_with(prefix))
     }
 
     /// Whether the linear `module` is stored: `{module}.weight`, or GPTQ/AWQ `{module}.qweight`.

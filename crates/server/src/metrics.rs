@@ -69,6 +69,7 @@ pub struct Metrics {
     pub cancelled: AtomicU64,
     pub decode_steps: AtomicU64,
     pub decode_rows: AtomicU64,
+    pub accepted_drafts: AtomicU64,
     pub running: AtomicU64,
     pub waiting: AtomicU64,
     pub max_running: AtomicU64,
@@ -123,7 +124,7 @@ impl Metrics {
                 "deltamoe_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
             );
         }
-        let figures: [(&str, &str, &str, &AtomicU64); 22] = [
+        let figures: [(&str, &str, &str, &AtomicU64); 23] = [
             (
                 "deltamoe_prompt_tokens_total",
                 "counter",
@@ -201,6 +202,12 @@ impl Metrics {
                 "counter",
                 "Sequences fed by decode steps (rows / steps = mean batch size).",
                 &self.decode_rows,
+            ),
+            (
+                "deltamoe_speculative_drafts_accepted_total",
+                "counter",
+                "Drafts of speculative decoding that verify passes kept (tokens beyond one a row).",
+                &self.accepted_drafts,
             ),
             (
                 "deltamoe_sequences_running",

@@ -174,6 +174,7 @@ impl Worker {
         set(&m.cache_stores, s.cache_stores);
         set(&m.cache_evictions, s.cache_evictions);
         set(&m.decode_steps, s.decode_steps);
+        set(&m.accepted_drafts, s.accepted_drafts);
         set(&m.decode_rows, s.decode_rows);
         set(&m.running, s.running);
         set(&m.waiting, s.waiting);

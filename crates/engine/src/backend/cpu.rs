@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 
 use deltamoe_model::layers::ExpertStats;
 use deltamoe_model::{Logits, Qwen3Hybrid, SequenceState};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use super::{wrong_backend, Backend, SavedState, StepRow};
 use crate::error::{no_such_sequence, EngineError, Result};
@@ -29,6 +31,8 @@ pub struct CpuBackend {
     seqs: BTreeMap<SeqId, Seq>,
     /// Drafts a speculative step makes at most (0: speculative decoding off).
     drafts: usize,
+    /// Benchmarks: each draft kept with this probability instead of by the rule, drawn here.
+    forced: Option<(f64, StdRng)>,
 }
 
 impl CpuBackend {
@@ -37,6 +41,7 @@ impl CpuBackend {
             model,
             seqs: BTreeMap::new(),
             drafts: 0,
+            forced: None,
         }
     }
 
@@ -91,7 +96,15 @@ impl CpuBackend {
                     .probs(&v.logits[j * vocab..(j + 1) * vocab], &hist)
             })
             .collect();
-        let (kept, next) = accept(&drafts, &q, &p, row.sampler);
+        let (kept, next) = match &mut self.forced {
+            None => accept(&drafts, &q, &p, row.sampler),
+            Some((prob, rng)) => {
+                let kept = (0..drafts.len())
+                    .find(|_| rng.random::<f64>() >= *prob)
+                    .unwrap_or(drafts.len());
+                (kept, row.sampler.pick(&p[kept]))
+            }
+        };
         model.commit(&mut seq.state, &v, kept + 1)?;
         seq.pending_hidden = v.hidden[..(kept + 1) * h].to_vec();
         seq.pending_tokens = drafts[..kept].to_vec();
@@ -206,6 +219,11 @@ impl Backend for CpuBackend {
             ));
         }
         self.drafts = drafts;
+        Ok(())
+    }
+
+    fn force_acceptance(&mut self, p: f64) -> Result<()> {
+        self.forced = Some((p, StdRng::seed_from_u64(0)));
         Ok(())
     }
 

@@ -93,6 +93,16 @@ pub trait Backend {
         )))
     }
 
+    /// For benchmarks of models whose drafts agree with nothing (random weights): each draft is
+    /// kept with probability `p` whatever the model says, the next token being the model's pick
+    /// after the kept ones. Costs as real speculative steps do; the tokens mean nothing.
+    fn force_acceptance(&mut self, _p: f64) -> Result<()> {
+        Err(EngineError::Input(format!(
+            "--acceptance runs on the CPU backend only for now, not on {}",
+            self.name()
+        )))
+    }
+
     /// Feeds each row's token to its sequence, verifies up to `row.drafts` drafts after it in
     /// the same pass, and returns each row's kept drafts followed by its next token. The state
     /// keeps exactly the fed tokens: the row's token and its kept drafts. With speculative
