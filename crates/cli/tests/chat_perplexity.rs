@@ -194,3 +194,31 @@ fn chat_errors_without_template_or_tokenizer() {
         &["--temperature", "out of range"],
     );
 }
+
+/// Chat with the built-in model's MTP layer drafting: the same replies, and the same reuse of the
+/// sequence from turn to turn, as without (the kept drafts are part of the fed history).
+#[test]
+fn chat_with_speculative_decoding_is_chat_without() {
+    let input = "Who is Mr. Darcy?\nAnd Elizabeth?\nTell me more.\n";
+    let chat = |n: &str| {
+        let args = [
+            "chat",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+            "--speculative-tokens",
+            n,
+        ];
+        let (ok, out, err) = run_with_stdin(&args, input);
+        assert!(ok, "{err}");
+        (out, prefills(&err))
+    };
+    let (plain, plain_prefills) = chat("0");
+    let (spec, spec_prefills) = chat("2");
+    assert_eq!(spec, plain);
+    assert_eq!(spec_prefills, plain_prefills);
+    assert_eq!(plain_prefills.len(), 3);
+}
