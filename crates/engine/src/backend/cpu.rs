@@ -55,10 +55,9 @@ impl CpuBackend {
             return Ok(model.forward(tokens, &mut seq.state, which)?);
         }
         let (logits, hidden) = model.forward_hidden(tokens, &mut seq.state, which)?;
-        if !seq.pending_hidden.is_empty() {
-            seq.pending_tokens.push(tokens[0]);
-        }
-        seq.pending_tokens.extend_from_slice(&tokens[1..]);
+        // Each earlier pending hidden state now has its next token.
+        let skip = usize::from(seq.pending_hidden.is_empty());
+        seq.pending_tokens.extend(tokens.iter().skip(skip));
         seq.pending_hidden.extend_from_slice(&hidden);
         Ok(logits)
     }
