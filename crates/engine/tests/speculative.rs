@@ -1,8 +1,8 @@
 //! Speculative decoding with the MTP layer on the CPU backend: greedy output equals plain
-//! greedy token for token (one prompt and under the scheduler, through the prompt cache), and
-//! sampled output follows the same distribution as plain sampling (a two-sample chi-square test
-//! per position). The fixtures' MTP layers are random, so their drafts agree with the model now
-//! and then: the rule's every branch runs.
+//! greedy token for token (one prompt; under the scheduler, through the prompt cache; with the
+//! routed experts read from the files), and sampled output follows the same distribution as
+//! plain sampling (a two-sample chi-square test per position). The fixtures' MTP layers are
+//! random, so their drafts agree with the model now and then: the rule's every branch runs.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -209,4 +209,19 @@ fn forced_acceptance_keeps_that_share_of_drafts() {
         }
     }
     assert!(engine(name, 2).force_acceptance(1.5).is_err());
+}
+
+#[test]
+fn offloaded_experts_decode_speculatively_as_resident_ones() {
+    let greedy = SamplingParams::default();
+    for name in FIXTURES {
+        let want = run(&mut engine(name, 0), &PROMPT, 24, &greedy);
+        let dir = fixture(name);
+        let mut model = Qwen3Hybrid::load(&dir).unwrap();
+        model.offload_experts(&dir, 1).unwrap();
+        let mut e = Engine::new(model);
+        e.set_speculative(3).unwrap();
+        assert_eq!(run(&mut e, &PROMPT, 24, &greedy), want, "{name}");
+        assert!(e.expert_stats().is_some_and(|s| s.misses > 0), "{name}");
+    }
 }
