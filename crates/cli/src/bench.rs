@@ -19,7 +19,7 @@ use deltamoe_model::gpu::{ExpertCache, GpuModel, OffloadStats};
 use deltamoe_model::{Logits, ModelConfig};
 use serde_json::{json, Value};
 
-use crate::{synthetic, Device, ModelArgs};
+use crate::{synthetic, Device};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -344,12 +344,7 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
                 bail!("--zipf skews the routing of synthetic models only; drop it or use --synthetic/--config");
             }
             let dir = a.model.clone().unwrap_or_default();
-            let m = crate::commands::load_model(&ModelArgs {
-                model: Some(dir.clone()),
-                device: Device::Cuda,
-                expert_cache: None,
-                cpu_experts: false,
-            })?;
+            let m = crate::commands::load_dir(&dir)?;
             let max = m.config().max_position_embeddings;
             (
                 GpuModel::upload_with(&m, gpu.clone(), caches[0])?,

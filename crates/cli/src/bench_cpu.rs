@@ -12,7 +12,6 @@ use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid, WeightStore};
 use serde_json::{json, Value};
 
 use crate::bench::{synthetic_config, BenchArgs};
-use crate::{Device, ModelArgs};
 
 pub fn run(a: &BenchArgs) -> Result<Value> {
     if a.zipf.is_some()
@@ -38,12 +37,7 @@ pub fn run(a: &BenchArgs) -> Result<Value> {
         }
         None => {
             let dir = a.model.clone().unwrap_or_default();
-            let m = crate::commands::load_model(&ModelArgs {
-                model: Some(dir.clone()),
-                device: Device::Cpu,
-                expert_cache: None,
-                cpu_experts: false,
-            })?;
+            let m = crate::commands::load_dir(&dir)?;
             (m, dir.display().to_string())
         }
     };

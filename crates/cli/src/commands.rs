@@ -142,12 +142,16 @@ pub fn parse_ids(s: &str, flag: &str) -> Result<Vec<u32>> {
 
 /// Load the model of `--model` (weights memory-mapped on the host).
 pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
-    let dir = args.dir()?;
+    load_dir(&args.dir()?)
+}
+
+/// Load the model in `dir` (named `--model` in errors; weights memory-mapped on the host).
+pub fn load_dir(dir: &Path) -> Result<Qwen3Hybrid> {
     if !dir.is_dir() {
         bail!("--model {}: not a directory; point it at a model directory with config.json and *.safetensors", dir.display());
     }
     let t0 = Instant::now();
-    let model = Qwen3Hybrid::load(&dir)?;
+    let model = Qwen3Hybrid::load(dir)?;
     eprintln!(
         "loaded {} ({} layers, {}) from {} in {:.2} s",
         model.config().model_type,

@@ -1,6 +1,8 @@
 //! Token sampling: repetition penalty, then greedy argmax or temperature / top-k / top-p /
 //! min-p sampling with a seeded, deterministic random number generator.
 
+use std::borrow::Cow;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -104,13 +106,7 @@ impl Sampler {
     /// Picks the next token id from `logits`, penalising the ids in `history`.
     /// Returns 0 for empty logits.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let penalised;
-        let logits = if self.params.repetition_penalty != 1.0 && !history.is_empty() {
-            penalised = apply_repetition_penalty(logits, history, self.params.repetition_penalty);
-            &penalised[..]
-        } else {
-            logits
-        };
+        let logits = &self.penalised(logits, history)[..];
         if self.params.is_greedy() {
             return argmax(logits) as u32;
         }
@@ -118,19 +114,24 @@ impl Sampler {
         if probs.is_empty() {
             return argmax(logits) as u32;
         }
-        self.draw(&probs)
+        self.pick(&probs)
+    }
+
+    /// `logits` with the repetition penalty applied to the ids in `history` (borrowed as they
+    /// are when the penalty is off).
+    fn penalised<'a>(&self, logits: &'a [f32], history: &[u32]) -> Cow<'a, [f32]> {
+        let penalty = self.params.repetition_penalty;
+        if penalty != 1.0 && !history.is_empty() {
+            Cow::Owned(apply_repetition_penalty(logits, history, penalty))
+        } else {
+            Cow::Borrowed(logits)
+        }
     }
 
     /// The distribution [`Self::sample`] draws from: `(id, probability)` pairs summing to 1
     /// (one pair, the argmax, when greedy).
     pub fn probs(&self, logits: &[f32], history: &[u32]) -> Vec<(u32, f32)> {
-        let penalised;
-        let logits = if self.params.repetition_penalty != 1.0 && !history.is_empty() {
-            penalised = apply_repetition_penalty(logits, history, self.params.repetition_penalty);
-            &penalised[..]
-        } else {
-            logits
-        };
+        let logits = &self.penalised(logits, history)[..];
         let mut probs = if self.params.is_greedy() {
             Vec::new()
         } else {
@@ -146,18 +147,13 @@ impl Sampler {
         probs
     }
 
-    /// Draws one id from `(id, probability)` pairs (not necessarily normalised).
-    pub fn pick(&mut self, probs: &[(u32, f32)]) -> u32 {
-        self.draw(probs)
-    }
-
     /// A uniform draw from [0, 1).
     pub fn uniform(&mut self) -> f64 {
         self.rng.random::<f64>()
     }
 
     /// Candidate `(id, probability)` pairs left after temperature, top-k, softmax, top-p and
-    /// min-p; not renormalised (`draw` divides by their sum).
+    /// min-p; not renormalised (`pick` divides by their sum).
     fn filtered_probs(&self, logits: &[f32]) -> Vec<(u32, f32)> {
         let inv_t = 1.0 / self.params.temperature;
         let mut cand: Vec<(u32, f32)> = logits
@@ -181,8 +177,8 @@ impl Sampler {
         cand
     }
 
-    /// Draws one id from unnormalised probabilities.
-    fn draw(&mut self, probs: &[(u32, f32)]) -> u32 {
+    /// Draws one id from `(id, probability)` pairs (not necessarily normalised).
+    pub fn pick(&mut self, probs: &[(u32, f32)]) -> u32 {
         let total: f64 = probs.iter().map(|&(_, p)| p as f64).sum();
         let target = self.rng.random::<f64>() * total;
         let mut acc = 0.0f64;

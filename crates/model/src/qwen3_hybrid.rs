@@ -221,7 +221,7 @@ impl Qwen3Hybrid {
         state: &mut SequenceState,
         which: Logits,
     ) -> Result<Vec<f32>> {
-        Ok(self.forward_hidden(tokens, state, which)?.0)
+        Ok(self.forward_rows(tokens, state, which, which)?.0)
     }
 
     /// [`Self::forward`], also returning the final hidden states (after the final norm, what
@@ -232,12 +232,29 @@ impl Qwen3Hybrid {
         state: &mut SequenceState,
         which: Logits,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.forward_rows(tokens, state, which, Logits::All)
+    }
+
+    /// The layers over `tokens`, then the final norm over the rows `hidden` asks for (which
+    /// holds those `which` asks for) and the lm_head over `which`'s: (logits, normed rows).
+    fn forward_rows(
+        &self,
+        tokens: &[u32],
+        state: &mut SequenceState,
+        which: Logits,
+        hidden: Logits,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let (c, w) = (&self.ckpt.config, &self.ckpt);
         let mut x = self.embed(tokens)?;
         self.run_layers(&mut x, state, self.products(tokens.len()), None)?;
-        rms_norm(&mut x, &w.final_norm, c.rms_norm_eps);
-        let logits = self.lm_head(last_rows(&x, c.hidden_size, which));
-        Ok((logits, x))
+        let h = c.hidden_size;
+        let mut rows = match hidden {
+            Logits::All => x,
+            Logits::Last => x.split_off(x.len().saturating_sub(h)),
+        };
+        rms_norm(&mut rows, &w.final_norm, c.rms_norm_eps);
+        let logits = self.lm_head(last_rows(&rows, h, which));
+        Ok((logits, rows))
     }
 
     /// Run the MTP layer over `tokens.len()` pairs (token t + 1, final hidden state at t) from

@@ -19,8 +19,18 @@ fn argmax(r: &[f32]) -> u32 {
 }
 
 /// Max |got − want| within 5e-3·max|want|.
-fn check_hidden(name: &str, got: &[f32], want: &[f32]) {
-    let (err, max_ref) = check_close(name, got, want);
+/// Checks `logits` and `hidden` against the reference's `{key}logits` and `{key}hidden`.
+fn check_rows(
+    tag: &str,
+    st: &SafeTensors,
+    key: &str,
+    (logits, hidden): (&[f32], &[f32]),
+    v: usize,
+) {
+    let want = |what: &str| f32s(st, &format!("{key}{what}"));
+    check_logits(&format!("{tag}: {key}logits"), logits, &want("logits"), v);
+    let name = format!("{tag}: {key}hidden");
+    let (err, max_ref) = check_close(&name, hidden, &want("hidden"));
     eprintln!("{name}: max err {err:.2e} of max|ref| {max_ref:.3}");
 }
 
@@ -46,17 +56,7 @@ fn check(name: &str) {
             logits.extend(l);
             hidden.extend(hd);
         }
-        check_logits(
-            &format!("{tag}: logits"),
-            &logits,
-            &f32s(&st, "mtp_prompt.logits"),
-            v,
-        );
-        check_hidden(
-            &format!("{tag}: hidden"),
-            &hidden,
-            &f32s(&st, "mtp_prompt.hidden"),
-        );
+        check_rows(&tag, &st, "mtp_prompt.", (&logits, &hidden), v);
         let (mut mlogits, mut mhidden) = (vec![], vec![]);
         for (i, c) in tokens[1..].chunks(chunk).enumerate() {
             let at = i * chunk * h;
@@ -65,17 +65,7 @@ fn check(name: &str) {
             mlogits.extend(l);
             mhidden.extend(o);
         }
-        check_logits(
-            &format!("{tag}: mtp logits"),
-            &mlogits,
-            &f32s(&st, "mtp_prompt.mtp_logits"),
-            v,
-        );
-        check_hidden(
-            &format!("{tag}: mtp hidden"),
-            &mhidden,
-            &f32s(&st, "mtp_prompt.mtp_hidden"),
-        );
+        check_rows(&tag, &st, "mtp_prompt.mtp_", (&mlogits, &mhidden), v);
         // Two chained drafts after the prompt: the main model's next token with its last hidden
         // state, then the first draft with the MTP layer's own output.
         let g = argmax(&logits[(n - 1) * v..]);
@@ -88,17 +78,7 @@ fn check(name: &str) {
             .mtp_forward(&[draft[1]], &o1, &mut s, Logits::Last)
             .unwrap();
         let (dl, dh) = ([d1, d2].concat(), [o1, o2].concat());
-        check_logits(
-            &format!("{tag}: draft logits"),
-            &dl,
-            &f32s(&st, "draft.logits"),
-            v,
-        );
-        check_hidden(
-            &format!("{tag}: draft hidden"),
-            &dh,
-            &f32s(&st, "draft.hidden"),
-        );
+        check_rows(&tag, &st, "draft.", (&dl, &dh), v);
         assert_eq!(s.pos, n, "{tag}: the MTP layer moved the main state");
     }
 }
