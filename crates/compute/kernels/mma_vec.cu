@@ -43,6 +43,14 @@
 // each group, lanes t = 0 (which hold columns 0 and 1) fold the group's two partial sums in
 // with its scale and bias; the warps' sums meet in shared memory.
 //
+// Several rows (the _rows entries): io.rows = R ≤ 4 input rows io.x_stride floats apart through
+// the one matrix, y [R, N]. Row r's x_hi and x_lo are columns 2r and 2r + 1 of B (lanes gid = 2r,
+// 2r + 1 load them), so the products cost what one row's do and the weights are read once; lane t
+// of the mma, which holds columns 2t and 2t + 1 of D, folds row t's groups. A column of an mma
+// accumulates on its own, so each row's arithmetic is the one-row kernel's, bit for bit, when the
+// block has as many warps (the order the warps' sums meet in). The norm, normed and accumulate of
+// VecIo apply per row (normed [R, K]); conv and best take one row.
+//
 // VecIo (one per launch, by value) adds to either entry, for a decode layer's fused steps:
 // - norm: x is a raw residual row to be taken through an RMSNorm first: the block stages
 //   x·norm and takes Σ x² on the way, and scales its outputs by r = 1/sqrt(mean(x²) + eps)
@@ -84,6 +92,7 @@ struct VecIo {
     float* mixed;
     int conv_c, conv_k;
     float* best;
+    int rows, x_stride;
 };
 
 // Nibbles i and i + 4 of w as exact bf16x2 (128 + q_i, 128 + q_{i+4}): (q | 0x4300) is 128 + q
@@ -95,10 +104,10 @@ __device__ __forceinline__ unsigned nib_pair(unsigned w, int i) {
     return r;
 }
 
-// Bytes of the staged input (x_hi/x_lo pairs, group sums) rounded to 16: the staged
+// Bytes of the staged input of R rows (x_hi/x_lo pairs, group sums) rounded to 16: the staged
 // weight tile follows it.
-__device__ __forceinline__ int vec_stage_bytes(int K, int ng) {
-    return (K * 4 + ng * 8 + 15) & ~15;
+__device__ __forceinline__ int vec_stage_bytes(int K, int ng, int R) {
+    return (R * (K * 4 + ng * 8) + 15) & ~15;
 }
 
 // The bulk copies and their barrier exist from sm_90 on; before, these helpers are empty and the
@@ -224,11 +233,11 @@ __device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, con
     }
 }
 
-template <int P, int T, int MODE, bool C8, int NW>
+template <int P, int T, int MODE, bool C8, int NW, int RM>
 __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
                           const bf16_t* __restrict__ Bs, const float* x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, const VecIo& io, int nbuf,
-                          float (*red)[64]) {
+                          float (*red)[64 * RM]) {
     constexpr bool SM = MODE != VEC_GLOBAL;
     // Groups in flight per warp iteration when streaming from global memory: 2·T·P·U ≤ 24 words
     // per lane (at most 4 groups). From shared memory (staged, ring) one group an iteration: a
@@ -239,15 +248,22 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     extern __shared__ __align__(16) unsigned char vec_smem[];
     // With 8-bit codes K and G count digits, two per input (see the header): x has K / 2 inputs.
     const int G = 32 * P, nw = K / 8, ng = K / G, k_in = C8 ? K / 2 : K;
-    uint4* xs = reinterpret_cast<uint4*>(vec_smem);                    // [nw][2]: hi, lo pairs
-    float* gs = reinterpret_cast<float*>(vec_smem + (size_t)nw * 32);  // [ng] group sums of x
-    float* gh = gs + ng;                                               // [ng] of hi + lo
+    // Input rows: one, or io.rows (at most RM) of them io.x_stride floats apart.
+    const int R = RM == 1 ? 1 : io.rows;
+    const long long xst = RM == 1 ? 0 : io.x_stride;
+    uint4* xs = reinterpret_cast<uint4*>(vec_smem);                        // [R][nw][2]: hi, lo pairs
+    float* gs = reinterpret_cast<float*>(vec_smem + (size_t)R * nw * 32);  // [R][ng] group sums of x
+    float* gh = gs + R * ng;                                               // [R][ng] of hi + lo
     const int tid = threadIdx.x, v = tid >> 5, lane = tid & 31, gid = lane >> 2, t = lane & 3;
+    // Outputs of a tile: R rows of 16·T, row-major in the partial sums (red). With one row the
+    // row indices below are constants, so the one-row entries' code is that of one row alone.
+    const int E = 16 * T * R;
+    const int tr = RM == 1 ? 0 : t;  // the input row lane t folds
     // One-wave launches stage their tiles in runs, the ring whole (see vec_run_words).
     constexpr bool RUNS = MODE == VEC_STAGED;
     const int ntiles = (N + 16 * T - 1) / (16 * T);
     // Staged tiles (SM): nbuf of them after the staged x, then one barrier each.
-    unsigned char* tiles0 = vec_smem + vec_stage_bytes(K, ng);
+    unsigned char* tiles0 = vec_smem + vec_stage_bytes(K, ng, R);
     const int tile_bytes = vec_tile_bytes(K, G, T, RUNS);
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(tiles0 + (size_t)nbuf * tile_bytes);
     const int step = MODE == VEC_RING ? gridDim.x : ntiles;
@@ -332,8 +348,9 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     // shared memory now, under the staging and the products, rather than loaded after them: one
     // round trip to L2 fewer on the way out, and no register held.
     float* y_old = red[NW];
-    if (MODE != VEC_RING && io.accumulate && tid < min(16 * T, N - n0)) {
-        cp_async4(&y_old[tid], y + n0 + tid);
+    const int y_row = RM == 1 ? 0 : tid / (16 * T), y_at = tid - y_row * 16 * T;
+    if (MODE != VEC_RING && io.accumulate && tid < E && n0 + y_at < N) {
+        cp_async4(&y_old[tid], y + (long long)y_row * N + n0 + y_at);
         cp_async_commit();
     }
 
@@ -342,82 +359,93 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
     // A thread stages VEC_X_WORDS words of x a pass (one pass when the block has a thread per
     // word). A group's G/8 words sit on consecutive lanes of one warp, which sum them by
     // shuffles; lanes past the last word take part with zeros.
-    float ss = 0.f;
+    __shared__ float ssq[RM][NW];
     const int wpg = G / 8;
-    for (int wb = tid; wb - lane < nw; wb += VEC_X_WORDS * blockDim.x) {
-        float4 xa[VEC_X_WORDS], xb[VEC_X_WORDS];
-#pragma unroll
-        for (int u = 0; u < VEC_X_WORDS; ++u) {
-            const int w = wb + u * blockDim.x;
-            xa[u] = xb[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (w < nw && C8) {
-                xa[u] = *reinterpret_cast<const float4*>(x + 4 * w);
-            } else if (w < nw) {
-                xa[u] = *reinterpret_cast<const float4*>(x + 8 * w);
-                xb[u] = *reinterpret_cast<const float4*>(x + 8 * w + 4);
+    for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * xst;
+        uint4* xsr = xs + (size_t)r * 2 * nw;
+        float *gsr = gs + r * ng, *ghr = gh + r * ng;
+        float ss = 0.f;
+        for (int wb = tid; wb - lane < nw; wb += VEC_X_WORDS * blockDim.x) {
+            float4 xa[VEC_X_WORDS], xb[VEC_X_WORDS];
+    #pragma unroll
+            for (int u = 0; u < VEC_X_WORDS; ++u) {
+                const int w = wb + u * blockDim.x;
+                xa[u] = xb[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (w < nw && C8) {
+                    xa[u] = *reinterpret_cast<const float4*>(xr + 4 * w);
+                } else if (w < nw) {
+                    xa[u] = *reinterpret_cast<const float4*>(xr + 8 * w);
+                    xb[u] = *reinterpret_cast<const float4*>(xr + 8 * w + 4);
+                }
+            }
+    #pragma unroll
+            for (int u = 0; u < VEC_X_WORDS; ++u) {
+                const int w = wb + u * blockDim.x;
+                if (w - lane >= nw) break;
+                float4 a = xa[u], b = xb[u];
+                if (io.norm && w < nw && C8) {
+                    ss += (a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w);
+                    const float4 sa = *reinterpret_cast<const float4*>(io.norm + 4 * w);
+                    a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
+                } else if (io.norm && w < nw) {
+                    ss += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) + ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
+                    const float4 sa = *reinterpret_cast<const float4*>(io.norm + 8 * w);
+                    const float4 sb = *reinterpret_cast<const float4*>(io.norm + 8 * w + 4);
+                    a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
+                    b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
+                }
+                // The bias term's sum of the word's inputs (with 8-bit codes the 4 inputs, before they
+                // are spread over the digits: x_i meets the low digit, 16·x_i the high one).
+                float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+                if (C8) {
+                    b = make_float4(a.z, 16.f * a.z, a.w, 16.f * a.w);
+                    a = make_float4(a.x, 16.f * a.x, a.y, 16.f * a.y);
+                }
+                float lo4[4] = {a.x, a.y, a.z, a.w}, hi4[4] = {b.x, b.y, b.z, b.w};
+                unsigned h[4], l[4];
+    #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    h[i] = pack_bf16(lo4[i], hi4[i]);
+                    l[i] = pack_bf16(lo4[i] - bf16lo(h[i]), hi4[i] - bf16hi(h[i]));
+                }
+                if (w < nw) {
+                    xsr[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
+                    xsr[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
+                }
+                float sum_hl = 0.f;
+    #pragma unroll
+                for (int i = 0; i < 4; ++i) sum_hl += (bf16lo(h[i]) + bf16hi(h[i])) + (bf16lo(l[i]) + bf16hi(l[i]));
+                for (int o = 1; o < wpg; o <<= 1) {
+                    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                    sum_hl += __shfl_xor_sync(0xffffffffu, sum_hl, o);
+                }
+                if (w < nw && w % wpg == 0) {
+                    gsr[w / wpg] = sum;
+                    ghr[w / wpg] = sum_hl;
+                }
             }
         }
-#pragma unroll
-        for (int u = 0; u < VEC_X_WORDS; ++u) {
-            const int w = wb + u * blockDim.x;
-            if (w - lane >= nw) break;
-            float4 a = xa[u], b = xb[u];
-            if (io.norm && w < nw && C8) {
-                ss += (a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w);
-                const float4 sa = *reinterpret_cast<const float4*>(io.norm + 4 * w);
-                a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
-            } else if (io.norm && w < nw) {
-                ss += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) + ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
-                const float4 sa = *reinterpret_cast<const float4*>(io.norm + 8 * w);
-                const float4 sb = *reinterpret_cast<const float4*>(io.norm + 8 * w + 4);
-                a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
-                b = make_float4(b.x * sb.x, b.y * sb.y, b.z * sb.z, b.w * sb.w);
-            }
-            // The bias term's sum of the word's inputs (with 8-bit codes the 4 inputs, before they
-            // are spread over the digits: x_i meets the low digit, 16·x_i the high one).
-            float sum = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-            if (C8) {
-                b = make_float4(a.z, 16.f * a.z, a.w, 16.f * a.w);
-                a = make_float4(a.x, 16.f * a.x, a.y, 16.f * a.y);
-            }
-            float lo4[4] = {a.x, a.y, a.z, a.w}, hi4[4] = {b.x, b.y, b.z, b.w};
-            unsigned h[4], l[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                h[i] = pack_bf16(lo4[i], hi4[i]);
-                l[i] = pack_bf16(lo4[i] - bf16lo(h[i]), hi4[i] - bf16hi(h[i]));
-            }
-            if (w < nw) {
-                xs[2 * w] = make_uint4(h[0], h[1], h[2], h[3]);
-                xs[2 * w + 1] = make_uint4(l[0], l[1], l[2], l[3]);
-            }
-            float sum_hl = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) sum_hl += (bf16lo(h[i]) + bf16hi(h[i])) + (bf16lo(l[i]) + bf16hi(l[i]));
-            for (int o = 1; o < wpg; o <<= 1) {
-                sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                sum_hl += __shfl_xor_sync(0xffffffffu, sum_hl, o);
-            }
-            if (w < nw && w % wpg == 0) {
-                gs[w / wpg] = sum;
-                gh[w / wpg] = sum_hl;
-            }
+        // The warps' sums of squares meet in shared memory with the staged x.
+        if (io.norm) {
+            ss = warp_sum(ss);
+            if (lane == 0) ssq[r][v] = ss;
         }
-    }
-    // The warps' sums of squares meet in shared memory with the staged x.
-    __shared__ float ssq[NW];
-    if (io.norm) {
-        ss = warp_sum(ss);
-        if (lane == 0) ssq[v] = ss;
     }
     __syncthreads();
-    float r_norm = 1.f;
-    if (io.norm) {
-        float total = 0.f;
+    float r_norm[RM];
 #pragma unroll
-        for (int i = 0; i < NW; ++i) total += ssq[i];
-        r_norm = rsqrtf(total / k_in + io.eps);
+    for (int r = 0; r < RM; ++r) {
+        r_norm[r] = 1.f;
+        if (io.norm && r < R) {
+            float total = 0.f;
+#pragma unroll
+            for (int i = 0; i < NW; ++i) total += ssq[r][i];
+            r_norm[r] = rsqrtf(total / k_in + io.eps);
+        }
     }
+    // Lanes gid < 2R feed B's columns: column 2r is row r's x_hi, column 2r + 1 its x_lo.
+    const uint4* xl = RM == 1 ? xs + gid : xs + (size_t)(gid >> 1) * 2 * nw + (gid & 1);
 
     // With `best`: this thread's largest output and its row (rows come in increasing order).
     float best_v = NEG_INF;
@@ -447,10 +475,10 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 #pragma unroll
                 for (int j = 0; j < P; ++j) {
                     int wpos = g * (G / 8) + t * P + j;
-                    // Column 0 of B is x_hi (lanes gid = 0), column 1 x_lo (gid = 1): one product
-                    // takes both halves.
+                    // Column 2r of B is row r's x_hi (lanes gid = 2r), column 2r + 1 its x_lo: one
+                    // product takes both halves of every row.
                     uint4 xb = make_uint4(0u, 0u, 0u, 0u);
-                    if (gid < 2) xb = xs[2 * wpos + gid];
+                    if (gid < 2 * R) xb = xl[2 * wpos];
 #pragma unroll
                     for (int st = 0; st < 2; ++st) {
                         unsigned b0 = st == 0 ? xb.x : xb.z, b1 = st == 0 ? xb.y : xb.w;
@@ -462,8 +490,9 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                         }
                     }
                 }
-                if (t == 0) {
-                    float xg = gs[g], off = 128.f * gh[g];
+                // Lane t holds columns 2t and 2t + 1 of D: row t's sums.
+                if (t < R) {
+                    float xg = gs[tr * ng + g], off = 128.f * gh[tr * ng + g];
 #pragma unroll
                     for (int i = 0; i < T; ++i) {
                         const int a0 = vec_scale_at(o0[i], K, G, T, RUNS) + g;
@@ -480,12 +509,12 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
         // The ring alternates two sets of partial sums, so warps start the next tile while the
         // first threads still add up this one's (one barrier a tile).
-        float(*rd)[64] = MODE == VEC_RING ? red + (it & 1) * 8 : red;
-        if (t == 0) {
+        float(*rd)[64 * RM] = MODE == VEC_RING ? red + (it & 1) * 8 : red;
+        if (t < R) {
 #pragma unroll
             for (int i = 0; i < T; ++i) {
-                rd[v][row0[i]] = acc0[i];
-                rd[v][row1[i]] = acc1[i];
+                rd[v][tr * 16 * T + row0[i]] = acc0[i];
+                rd[v][tr * 16 * T + row1[i]] = acc1[i];
             }
         }
         __syncthreads();
@@ -497,20 +526,29 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
             vec_fill(W, S, Bs, K, G, T, m0, min(16 * T, N - m0),
                      reinterpret_cast<unsigned*>(tiles0 + (size_t)buf * tile_bytes), &bars[buf], lane, RUNS);
         }
-        // In the ring every warp adds up 2·T of the rows, so no warp starts the next tile late.
-        const int r0 = MODE == VEC_RING ? (lane < 2 * T ? v * 2 * T + lane : 16 * T) : tid;
-        for (int r = r0; r < 16 * T; r += blockDim.x) {
+        // In the ring every warp adds up 2·T·R of the outputs, so no warp starts the next tile
+        // late. Output e is row e / (16·T), weight row n0 + e % (16·T).
+        const int e0 = MODE == VEC_RING ? (lane < 2 * T * R ? v * 2 * T * R + lane : E) : tid;
+        for (int e = e0; e < E; e += blockDim.x) {
+            const int row = RM == 1 ? 0 : e / (16 * T), r = e - row * 16 * T;
             if (n0 + r < N) {
                 float sum = 0.f;
 #pragma unroll
-                for (int i = 0; i < NW; ++i) sum += rd[i][r];
-                float out = sum * r_norm + (bias ? bias[n0 + r] : 0.f);
-                if (io.accumulate && MODE == VEC_RING) out = y[n0 + r] + out;
+                for (int i = 0; i < NW; ++i) sum += rd[i][e];
+                float rn = r_norm[0];
+#pragma unroll
+                for (int i = 1; i < RM; ++i)
+                    if (row == i) rn = r_norm[i];
+                // One explicit fma: left to contraction, the one-row and several-row entries
+                // rounded this differently.
+                float out = fmaf(sum, rn, bias ? bias[n0 + r] : 0.f);
+                float* yo = y + (long long)row * N + n0 + r;
+                if (io.accumulate && MODE == VEC_RING) out = *yo + out;
                 if (io.accumulate && MODE != VEC_RING) {
                     cp_async_wait_all();
-                    out = y_old[r] + out;
+                    out = y_old[e] + out;
                 }
-                y[n0 + r] = out;
+                *yo = out;
                 if (MODE == VEC_RING && out > best_v) {
                     best_v = out;
                     best_i = n0 + r;
@@ -532,40 +570,71 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
     }
     if (io.norm && io.normed && blockIdx.x == 0)
-        for (int k = tid; k < k_in; k += blockDim.x) io.normed[k] = x[k] * r_norm * io.norm[k];
+#pragma unroll
+        for (int r = 0; r < RM; ++r)
+            if (r < R)
+                for (int k = tid; k < k_in; k += blockDim.x)
+                    io.normed[r * k_in + k] = x[r * xst + k] * r_norm[r] * io.norm[k];
 }
 
 // The group's digit count picks P (G = 32·P digits); 8-bit codes take groups of 32 or 64 inputs
 // (G = 64 or 128 digits).
-template <int T, int MODE, bool C8, int NW>
+template <int T, int MODE, bool C8, int NW, int RM>
 __device__ __forceinline__ void vec_dispatch(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
                                              float* y, int N, int K, int G, const float* bias, const VecIo& io,
-                                             int nbuf, float (*red)[64]) {
-    if (G == 128) mma_vec_t<4, T, MODE, C8, NW>(W, S, B, x, y, N, K, bias, io, nbuf, red);
-    else if (G == 64) mma_vec_t<2, T, MODE, C8, NW>(W, S, B, x, y, N, K, bias, io, nbuf, red);
-    else if constexpr (!C8) mma_vec_t<1, T, MODE, C8, NW>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+                                             int nbuf, float (*red)[64 * RM]) {
+    if (G == 128) mma_vec_t<4, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    else if (G == 64) mma_vec_t<2, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    else if constexpr (!C8) mma_vec_t<1, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
 }
 
-template <int MODE, bool C8, int NW>
+template <int MODE, bool C8, int NW, int RM>
 __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
                                           float* y, int N, int K, int G, int tiles, const float* bias,
-                                          const VecIo& io, float (*red)[64]) {
-    if (tiles == 4) vec_dispatch<4, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else if (tiles == 3) vec_dispatch<3, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else if (tiles == 2) vec_dispatch<2, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else vec_dispatch<1, MODE, C8, NW>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+                                          const VecIo& io, float (*red)[64 * RM]) {
+    if (tiles == 4) vec_dispatch<4, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 3) vec_dispatch<3, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 2) vec_dispatch<2, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else vec_dispatch<1, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
 }
 
 // Row tiles of 16 per tile of the ring kernel.
 #define VEC_RING_TILES 2
 
-// A staged entry (_staged, _staged16) of NW warps a block.
-#define VEC_STAGED_ENTRY(BITS, C8, SFX, NW)                                                                          \
-    extern "C" __global__ void __maxnreg__(96) mma_vec_affine##BITS##SFX(                                           \
+// Input rows the _rows entries take at most (VEC_MAX_ROWS in cuda/vec.rs).
+#define VEC_MAX_ROWS 4
+
+// A streamed entry of NW warps a block (MINB blocks an SM), for RM input rows at most: its first
+// blocks ask L2 for their rows (K/2 bytes a row of words: K digits of 4 bits) before mma_vec_t
+// waits for the kernel before (pdl_entry) after its first weight loads.
+#define VEC_GLOBAL_ENTRY(NAME, C8, NW, MINB, RM)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * NW, MINB) NAME(                                               \
         const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
         float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
-        __shared__ float red[NW + 1][64];                                                                           \
-        vec_tiles<VEC_STAGED, C8, NW>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                \
+        long long n0 = (long long)blockIdx.x * 16 * tiles;                                                          \
+        l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);                                                  \
+        l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
+        l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
+        __shared__ float red[NW + 1][64 * RM];                                                                      \
+        vec_tiles<VEC_GLOBAL, C8, NW, RM>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                            \
+    }
+
+// A staged entry (_staged, _staged16) of NW warps a block.
+#define VEC_STAGED_ENTRY(NAME, C8, NW, RM)                                                                           \
+    extern "C" __global__ void __maxnreg__(96) NAME(                                                                \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
+        __shared__ float red[NW + 1][64 * RM];                                                                      \
+        vec_tiles<VEC_STAGED, C8, NW, RM>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                            \
+    }
+
+// The ring entry (the ring alternates two sets of sums of 8 warps).
+#define VEC_RING_ENTRY(NAME, C8, RM)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                      \
+        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        float* __restrict__ y, int N, int K, int G, const float* __restrict__ bias, const VecIo io, int nbuf) {     \
+        __shared__ float red[16][64 * RM];                                                                          \
+        vec_dispatch<VEC_RING_TILES, VEC_RING, C8, 8, RM>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);            \
     }
 
 // The entries for 4-bit (C8 false) and 8-bit codes (K and G in digits, twice the inputs).
@@ -591,29 +660,23 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 // tiles, each refilled by bulk copies as soon as the block is past it (no conv epilogue). The
 // input is staged once per block.
 //
-// The global entry's first blocks ask L2 for their rows (K/2 bytes a row of words: K digits of 4
-// bits) before mma_vec_t waits for the kernel before (pdl_entry) after its first weight loads.
-// red: the NW warps' sums of the block's rows, then the residual rows of `accumulate` (the ring
-// alternates two sets of sums of 8 warps).
+// mma_vec_rows_affine{BITS}{,_staged,_ring,_staged16,_streamed16}: the same forms for io.rows
+// input rows (1 to VEC_MAX_ROWS) through the one matrix (no conv epilogue, no `best`), and a
+// streamed form in 16-warp blocks for the launches whose one-row form is _staged16 but whose rows
+// do not fit its shared memory: each row's sums meet in the one-row form's order, so every row is
+// bitwise what its one-row launch gives.
+//
+// red: the NW warps' sums of the block's rows, then the residual rows of `accumulate`.
 #define VEC_ENTRIES(BITS, C8)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine##BITS(                                      \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
-        float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
-        long long n0 = (long long)blockIdx.x * 16 * tiles;                                                          \
-        l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);                                                  \
-        l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
-        l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
-        __shared__ float red[9][64];                                                                                \
-        vec_tiles<VEC_GLOBAL, C8, 8>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                                    \
-    }                                                                                                               \
-    VEC_STAGED_ENTRY(BITS, C8, _staged, 8)                                                                         \
-    VEC_STAGED_ENTRY(BITS, C8, _staged16, 16)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 2) mma_vec_affine##BITS##_ring(                               \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
-        float* __restrict__ y, int N, int K, int G, const float* __restrict__ bias, const VecIo io, int nbuf) {     \
-        __shared__ float red[16][64];                                                                               \
-        vec_dispatch<VEC_RING_TILES, VEC_RING, C8, 8>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);                    \
-    }
+    VEC_GLOBAL_ENTRY(mma_vec_affine##BITS, C8, 8, 2, 1)                                                             \
+    VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged, C8, 8, 1)                                                       \
+    VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged16, C8, 16, 1)                                                    \
+    VEC_RING_ENTRY(mma_vec_affine##BITS##_ring, C8, 1)                                                              \
+    VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS, C8, 8, 2, VEC_MAX_ROWS)                                             \
+    VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged, C8, 8, VEC_MAX_ROWS)                                       \
+    VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged16, C8, 16, VEC_MAX_ROWS)                                    \
+    VEC_RING_ENTRY(mma_vec_rows_affine##BITS##_ring, C8, VEC_MAX_ROWS)                                              \
+    VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS##_streamed16, C8, 16, 1, VEC_MAX_ROWS)
 
 VEC_ENTRIES(4, false)
 VEC_ENTRIES(8, true)

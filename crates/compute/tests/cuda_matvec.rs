@@ -458,7 +458,7 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
             mixed: mixed_b.ptr(),
             conv_c: c as i32,
             conv_k: taps as i32,
-            best: 0,
+            ..VecIo::default()
         };
         vec::matvec(&g, m, dx.ptr(), y_b.ptr(), io).unwrap();
         let name = format!("fused {bits}-bit g{group} {n}x{k} conv {c}x{taps}");
@@ -656,4 +656,96 @@ fn ring_best_pairs_give_the_greedy_token() {
         .unwrap();
         assert_eq!(g.read(&tok, 1).unwrap()[0] as usize, want, "{best:?}");
     }
+}
+
+/// Two to four rows in one launch of the single-row kernel's several-row entries: every row
+/// bitwise its one-row launch, plain and with the fused input norm (the normalized rows too) and
+/// residual add, in each form the rows take (staged in 16-warp blocks or streamed in them when
+/// the rows do not fit, staged, ring, streamed), 4- and 8-bit codes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn several_rows_equal_their_one_row_launches_bitwise() {
+    use deltamoe_compute::cuda::vec::{self, VecIo};
+    let g = gpu();
+    let mut r = rng();
+    let mut failed = Vec::new();
+    for &(bits, group, n, k) in &[
+        (4u32, 64usize, 257usize, 2048usize),
+        (4, 64, 12352, 2048),
+        (4, 64, 2048, 8192),
+        (4, 64, 20011, 1024),
+        (4, 64, 30001, 2048),
+        (4, 32, 37, 256),
+        (4, 128, 1001, 4096),
+        (8, 64, 257, 2048),
+        (8, 32, 20011, 512),
+    ] {
+        let w = rand_vec(&mut r, n * k, -1.0, 1.0);
+        let a = Affine::new(&g, &w, k, group, bits);
+        let bias = g.upload(&rand_vec(&mut r, n, -1.0, 1.0)).unwrap();
+        let m = Matvec {
+            bias: bias.ptr(),
+            ..a.matvec(n, k)
+        };
+        let scale = g.upload(&rand_vec(&mut r, k, 0.5, 1.5)).unwrap();
+        for rows in 2..=4 {
+            assert!(vec::takes_rows(&m, &Slots::rows(rows, k + 4)));
+            let stride = k + 4;
+            let x = rand_vec(&mut r, rows * stride, -3.0, 3.0);
+            let res = rand_vec(&mut r, rows * n, -1.0, 1.0);
+            for fused in [false, true] {
+                let io = |normed: u64| match fused {
+                    true => VecIo {
+                        norm: scale.ptr(),
+                        normed,
+                        eps: 1e-6,
+                        accumulate: 1,
+                        ..VecIo::default()
+                    },
+                    false => VecIo::default(),
+                };
+                let (mut want_y, mut want_normed) = (Vec::new(), Vec::new());
+                for row in 0..rows {
+                    let dx = g.upload(&x[row * stride..row * stride + k]).unwrap();
+                    let dy = g.upload(&res[row * n..(row + 1) * n]).unwrap();
+                    let normed = g.zeros::<f32>(k).unwrap();
+                    vec::matvec(&g, m, dx.ptr(), dy.ptr(), io(normed.ptr())).unwrap();
+                    want_y.extend(g.read(&dy, n).unwrap());
+                    want_normed.extend(g.read(&normed, k).unwrap());
+                }
+                let (dx, dy) = (g.upload(&x).unwrap(), g.upload(&res).unwrap());
+                let normed = g.zeros::<f32>(rows * k).unwrap();
+                let xy = (dx.ptr(), dy.ptr());
+                vec::matvec_rows(&g, m, xy, rows, stride, io(normed.ptr())).unwrap();
+                let name = format!("{rows} rows, {bits}-bit g{group} {n}x{k}, fused {fused}");
+                let got = g.read(&dy, rows * n).unwrap();
+                failed.extend(differ(&format!("{name}: outputs"), &got, &want_y, n));
+                let got = g.read(&normed, rows * k).unwrap();
+                failed.extend(differ(
+                    &format!("{name}: normalized rows"),
+                    &got,
+                    &want_normed,
+                    k,
+                ));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// Where `got` and `want` (rows of `n`) differ in their bits: the count and the first one.
+fn differ(name: &str, got: &[f32], want: &[f32], n: usize) -> Option<String> {
+    let at: Vec<usize> = (0..want.len())
+        .filter(|&i| got[i].to_bits() != want[i].to_bits())
+        .collect();
+    let i = *at.first()?;
+    Some(format!(
+        "{name}: {} of {} differ, first row {} column {}: {} vs {}",
+        at.len(),
+        want.len(),
+        i / n,
+        i % n,
+        got[i],
+        want[i]
+    ))
 }

@@ -264,3 +264,80 @@ fn check_tight(name: &str, got: &[f32], want: &[f32]) {
         "{name}: max err {err} > 1e-3 * {scale}"
     );
 }
+
+/// Up to four sequences decoded in one step get bitwise the logits each gets alone, on the
+/// quantized fixtures whose steps run the fused decode form (4- and 8-bit MLX; GPTQ keeps bf16
+/// GDN `b`/`a` projections, which opt out): its products take every row through the single-row
+/// kernel (each row its one-row result), its SwiGLU and expert products run per row, and the
+/// other kernels compute each row on its own.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_quantized_steps_of_up_to_four_rows_are_bitwise_single_rows() {
+    use deltamoe_model::gpu::{GpuModel, GpuSeq};
+    let gpu = Arc::new(Gpu::new(0).unwrap());
+    let quantized = |d: &std::path::Path| {
+        let name = d.file_name().unwrap().to_string_lossy();
+        name.starts_with("mlx_") || name.starts_with("gptq_")
+    };
+    let dirs: Vec<_> = fixtures().into_iter().filter(|d| quantized(d)).collect();
+    assert!(dirs.len() >= 3, "the quantized fixtures");
+    let (mut failed, mut fused) = (Vec::new(), 0);
+    for dir in dirs {
+        let model = Qwen3Hybrid::load(&dir).unwrap();
+        let vocab = model.config().vocab_size;
+        let mut gm = GpuModel::upload(&model, gpu.clone()).unwrap();
+        if !(1..=4).all(|b| gm.fused(b)) {
+            continue;
+        }
+        fused += 1;
+        gm.reserve(8, 256).unwrap();
+        let prompt = |i: usize| -> Vec<u32> {
+            (0..5 + 3 * i)
+                .map(|j| ((j * 7 + i * 13 + 1) % vocab) as u32)
+                .collect()
+        };
+        for rows in 2..=4 {
+            let seqs = |gm: &mut GpuModel| -> Vec<GpuSeq> {
+                (0..rows)
+                    .map(|i| {
+                        let mut s = gm.new_seq().unwrap();
+                        gm.prefill(&mut s, &prompt(i), Logits::Last, 64).unwrap();
+                        s
+                    })
+                    .collect()
+            };
+            let (mut alone, mut batch) = (seqs(&mut gm), seqs(&mut gm));
+            let mut toks: Vec<u32> = (0..rows as u32).map(|i| i + 3).collect();
+            for step in 0..6 {
+                let mut want = Vec::new();
+                for (s, &t) in alone.iter_mut().zip(&toks) {
+                    gm.step(s, t).unwrap();
+                    want.push(gm.logits(0).unwrap());
+                }
+                let mut pairs: Vec<(&mut GpuSeq, u32)> =
+                    batch.iter_mut().zip(toks.iter().copied()).collect();
+                let next = gm.step_batch(&mut pairs).unwrap();
+                for (i, w) in want.iter().enumerate() {
+                    let got = gm.logits(i).unwrap();
+                    let diff = got
+                        .iter()
+                        .zip(w)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    if got.iter().zip(w).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                        failed.push(format!(
+                            "{}: {rows} rows, step {step}, row {i}: max diff {diff:e}",
+                            dir.display()
+                        ));
+                    }
+                }
+                toks = next;
+            }
+            for s in alone.into_iter().chain(batch) {
+                gm.release(s);
+            }
+        }
+    }
+    assert!(fused >= 2, "fixtures running the fused form: {fused}");
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}

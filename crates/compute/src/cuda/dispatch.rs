@@ -5,7 +5,8 @@
 //!
 //! The families, in the order they are tried:
 //! - one input row on the single-row tensor-core kernel (mma_vec.cu, 4/8-bit affine; plain
-//!   products only): the decode step's dense projections;
+//!   products only): the decode step's dense projections; up to four rows on its several-row
+//!   entries (a decode batch of 2-4 rows);
 //! - a batch of rows through one matrix, each weight load serving several rows: tensor cores
 //!   (mma_rows.cu, mma_wide.cu; a GEMM form from [`GEMM_MIN_ROWS`] rows on) or CUDA cores
 //!   (matvec_rows.cu);
@@ -24,6 +25,9 @@ use super::ops::{Matvec, Slots, WeightFormat};
 pub enum Plan {
     /// One row on the single-row tensor-core kernel (`vec::matvec`).
     OneRow,
+    /// 2 to `vec::VEC_MAX_ROWS` rows through one matrix on the single-row kernel's several-row
+    /// entries (`vec::matvec_rows`): the weights read once, each row bitwise its one-row launch.
+    VecRows,
     /// A batch of rows through one matrix: `kernel` in `form`.
     Rows {
         kernel: &'static str,
@@ -73,7 +77,10 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
     if !swiglu && super::vec::takes(m, sl) {
         return Plan::OneRow;
     }
-    if batched_rows(m, sl) {
+    if !swiglu && super::vec::takes_rows(m, sl) {
+        return Plan::VecRows;
+    }
+    if batched_rows(m, sl) && !per_row_swiglu(m, sl, swiglu) {
         let form = match (tensor_core_rows(m), sl.n) {
             (true, n) if n >= GEMM_MIN_ROWS => RowsForm::Gemm,
             (true, n) if n >= WIDE_MIN_ROWS && wide_takes(m) && wide_room(m, sl.n, sl.ws) => {
@@ -122,10 +129,23 @@ pub fn plan(m: &Matvec, sl: &Slots, swiglu: bool) -> Plan {
     }
 }
 
-/// Whether a decode step of `rows` rows runs its fused one-row form: one row and every mixer
-/// input and output projection (`mats`) taken by the single-row kernel.
+/// Whether the rows of `sl` through an affine SwiGLU matrix run per slot as one row does: up to
+/// `vec::VEC_MAX_ROWS` rows, so that a step of that many rows gives each row its one-row result
+/// (the single-row kernel takes no SwiGLU; a shared expert's or dense MLP's rows read the same
+/// small matrix, mostly from L2).
+fn per_row_swiglu(m: &Matvec, sl: &Slots, swiglu: bool) -> bool {
+    swiglu && sl.n <= super::vec::VEC_MAX_ROWS && matches!(m.format, WeightFormat::Affine { .. })
+}
+
+/// Whether a decode step of `rows` rows runs its fused form: at most `vec::VEC_MAX_ROWS` rows and
+/// every mixer input and output projection (`mats`) taken by the single-row kernel for them
+/// (inputs `m.k` floats apart).
 pub fn fused_decode(rows: usize, mut mats: impl Iterator<Item = Matvec>) -> bool {
-    rows == 1 && mats.all(|m| plan(&m, &Slots::one(), false) == Plan::OneRow)
+    let taken = |m: &Matvec| match rows {
+        1 => plan(m, &Slots::one(), false) == Plan::OneRow,
+        _ => plan(m, &Slots::rows(rows, m.k), false) == Plan::VecRows,
+    };
+    (1..=super::vec::VEC_MAX_ROWS).contains(&rows) && mats.all(|m| taken(&m))
 }
 
 /// The tile of the grouped expert products of prefill (prefill.rs) for `[gate | up]` and down
@@ -185,9 +205,11 @@ pub fn prefill_wide_tile(
 }
 
 /// From this many rows on, a decode step's expert products run grouped by expert
-/// ([`grouped_decode_tile`]); below it per slot (35B 4-bit, H100: 2 rows 437 tok/s per slot
-/// against 388 grouped, 4 rows 742 against 756).
-pub const GROUPED_DECODE_MIN_ROWS: usize = 4;
+/// ([`grouped_decode_tile`]); below it per slot, as one row does, so that steps of up to
+/// `vec::VEC_MAX_ROWS` rows give each row its one-row result (35B 4-bit, H100, before the
+/// several-row single-row kernel: 2 rows 437 tok/s per slot against 388 grouped, 4 rows 742
+/// against 756).
+pub const GROUPED_DECODE_MIN_ROWS: usize = super::vec::VEC_MAX_ROWS + 1;
 
 /// The tile of a decode batch's expert products grouped by expert on the tensor-core kernels
 /// (`wide::grouped` where [`wide_takes`] the matrix, else `prefill::grouped_split`: each picked
@@ -441,8 +463,19 @@ mod tests {
     #[test]
     fn batches_of_rows_take_tensor_cores_then_the_gemm_form() {
         let m = mat(4096, 2048, 4);
-        let split = rows(plan(&m, &Slots::rows(4, 2048), false));
+        let split = rows(plan(&m, &Slots::rows(5, 2048), false));
         assert_eq!(split, Some(("mma_rows_affine", RowsForm::SplitK)));
+        // Up to four rows share the single-row kernel (a SwiGLU product does not).
+        for n in 2..=4 {
+            assert_eq!(plan(&m, &Slots::rows(n, 2048), false), Plan::VecRows);
+        }
+        let unaligned = rows(plan(&m, &Slots::rows(2, 2050), false));
+        assert_eq!(unaligned, Some(("mma_rows_affine", RowsForm::SplitK)));
+        // Up to four rows of an affine SwiGLU run per slot, as one row does.
+        let gate_up = plan(&m, &Slots::rows(4, 2048), true);
+        assert!(matches!(gate_up, Plan::Slots { .. }), "{gate_up:?}");
+        let gate_up = rows(plan(&m, &Slots::rows(5, 2048), true));
+        assert_eq!(gate_up, Some(("mma_swiglu_affine", RowsForm::SplitK)));
         // The wide form stages its inputs in the slots' workspace; without room, split-K.
         let staged = super::wide_staged_words(&m, 32);
         assert_eq!(staged, 32 * (2048 + 4 * 16));
@@ -559,7 +592,9 @@ mod tests {
         assert!(fused_decode(1, layer(8).into_iter()));
         // Batches, bf16 or 2-bit weights, or inputs past the staging limit (an 8-bit input
         // counts as two digits) do not.
-        assert!(!fused_decode(2, layer(4).into_iter()));
+        assert!(fused_decode(2, layer(4).into_iter()));
+        assert!(fused_decode(4, layer(8).into_iter()));
+        assert!(!fused_decode(5, layer(4).into_iter()));
         assert!(!fused_decode(1, [mat(2048, 4096, 16)].into_iter()));
         assert!(!fused_decode(1, [mat(2048, 4096, 2)].into_iter()));
         assert!(!fused_decode(1, [mat(2048, 16_384, 4)].into_iter()));

@@ -246,6 +246,10 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
     check_stride(&m, sl.x_stride)?;
     let (name, rpw) = match dispatch::plan(&m, &sl, false) {
         Plan::OneRow => return super::vec::matvec(g, m, x, y, super::vec::VecIo::default()),
+        Plan::VecRows => {
+            let io = super::vec::VecIo::default();
+            return super::vec::matvec_rows(g, m, (x, y), sl.n, sl.x_stride, io);
+        }
         Plan::Rows { kernel, form } => return matvec_rows(g, m, (x, y), sl, (kernel, form), false),
         Plan::Slots {
             kernel,
@@ -326,7 +330,7 @@ pub fn matvec_swiglu(g: &Gpu, m: Matvec, x: u64, h: u64, sl: Slots) -> Result<()
             rows_per_warp,
             warps,
         } => (kernel, rows_per_warp, warps),
-        Plan::OneRow => {
+        Plan::OneRow | Plan::VecRows => {
             return Err(super::CudaError::Unsupported(
                 "no single-row SwiGLU kernel".into(),
             ))

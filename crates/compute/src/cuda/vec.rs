@@ -3,7 +3,9 @@
 //! costs several instructions per weight, more than the issue rate allows at memory speed; here the
 //! codes enter mma.sync exactly, two per instruction, with the FMA dequant form per group and the
 //! input as bf16 hi + lo (see the kernel's header). An 8-bit code enters as two 4-bit digits, so
-//! the kernel sees a matrix of twice the inputs and groups in digits ([`digits`]).
+//! the kernel sees a matrix of twice the inputs and groups in digits ([`digits`]). Up to
+//! [`VEC_MAX_ROWS`] input rows share one launch ([`matvec_rows`]): the rows fill the mma's unused
+//! columns, so the weights are read once and each row comes out bitwise as its one-row launch.
 
 use super::ops::{blocks, cfg, AffineParams, Matvec, Slots, WeightFormat, GDN_CONV_KMAX};
 use super::{driver_err, raise_smem_of, CudaError, Gpu, Result};
@@ -37,10 +39,14 @@ pub struct VecIo {
     /// an i32), so the greedy pick after a one-row lm_head scans one pair a block instead of
     /// every logit.
     pub best: u64,
+    /// Input rows (set by [`matvec_rows`]; the one-row entries ignore it).
+    pub rows: i32,
+    /// Floats between input rows (set by [`matvec_rows`]).
+    pub x_stride: i32,
 }
 
 // SAFETY: plain old data of the kernel's parameter layout (8-byte pointers, then 4-byte fields in
-// pairs: no padding), read by value.
+// pairs: no padding, the struct a multiple of 8 bytes), read by value.
 unsafe impl DeviceRepr for VecIo {}
 
 /// Largest K the single-row tensor-core kernel stages in shared memory (5 bytes per input).
@@ -57,16 +63,35 @@ pub fn digits(bits: u32, k: usize, group: usize) -> Option<(usize, usize)> {
     }
 }
 
+/// Input rows one launch of the several-row entries takes at most (VEC_MAX_ROWS in mma_vec.cu:
+/// two columns of the mma's eight a row).
+pub const VEC_MAX_ROWS: usize = 4;
+
 /// Whether one input row through `m` goes to the single-row tensor-core kernel (mma_vec.cu):
 /// 4- or 8-bit affine weights whose groups [`digits`] takes.
 pub fn takes(m: &Matvec, sl: &Slots) -> bool {
+    sl.n == 1 && sl.ids == 0 && sl.far.is_none() && takes_matrix(m)
+}
+
+/// Whether the `sl.n` rows (2 to [`VEC_MAX_ROWS`]) through `m` go to the several-row entries
+/// ([`matvec_rows`]): a matrix [`takes`] would take, rows starting 16-byte aligned.
+pub fn takes_rows(m: &Matvec, sl: &Slots) -> bool {
+    (2..=VEC_MAX_ROWS).contains(&sl.n)
+        && sl.ids == 0
+        && sl.far.is_none()
+        && sl.x_div == 1
+        && sl.x_stride.is_multiple_of(4)
+        && takes_matrix(m)
+}
+
+fn takes_matrix(m: &Matvec) -> bool {
     let WeightFormat::Affine { bits, group, .. } = m.format else {
         return false;
     };
     let Some((k, _)) = digits(bits, m.k, group) else {
         return false;
     };
-    sl.n == 1 && sl.ids == 0 && sl.far.is_none() && m.k.is_multiple_of(group) && k <= VEC_MAX_K
+    m.k.is_multiple_of(group) && k <= VEC_MAX_K
 }
 
 /// Blocks of the single-row kernel resident at once per multiprocessor (two: 128 registers ×
@@ -89,18 +114,34 @@ pub fn tiles(n: usize, resident: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// The entries of mma_vec.cu: streamed, staged, ring and staged in 16-warp blocks ([`Form`]) for
-/// 4-bit codes, then for 8-bit codes.
-pub(super) const ENTRIES: [&str; 8] = [
+/// The entries of mma_vec.cu for 4-bit codes, then for 8-bit codes: one row streamed, staged,
+/// ring and staged in 16-warp blocks ([`Form`]), then the several-row entries of those forms and
+/// streamed in 16-warp blocks.
+pub(super) const ENTRIES: [&str; 18] = [
     "mma_vec_affine4",
     "mma_vec_affine4_staged",
     "mma_vec_affine4_ring",
     "mma_vec_affine4_staged16",
+    "mma_vec_rows_affine4",
+    "mma_vec_rows_affine4_staged",
+    "mma_vec_rows_affine4_ring",
+    "mma_vec_rows_affine4_staged16",
+    "mma_vec_rows_affine4_streamed16",
     "mma_vec_affine8",
     "mma_vec_affine8_staged",
     "mma_vec_affine8_ring",
     "mma_vec_affine8_staged16",
+    "mma_vec_rows_affine8",
+    "mma_vec_rows_affine8_staged",
+    "mma_vec_rows_affine8_ring",
+    "mma_vec_rows_affine8_staged16",
+    "mma_vec_rows_affine8_streamed16",
 ];
+
+/// The entry of `form` for 8-bit codes or 4-bit ones, one row or several.
+fn entry(bits8: bool, form: Form, rows: bool) -> &'static str {
+    ENTRIES[9 * usize::from(bits8) + 4 * usize::from(rows) + form as usize]
+}
 
 /// Where a launch reads its weights (mma_vec.cu's VEC_GLOBAL, VEC_STAGED, VEC_RING) and in how
 /// many warps a block, in the order of [`ENTRIES`].
@@ -111,6 +152,8 @@ enum Form {
     Ring,
     /// Staged in blocks of 16 warps.
     Staged16,
+    /// Streamed in blocks of 16 warps (several rows only).
+    Streamed16,
 }
 
 impl Form {
@@ -127,11 +170,22 @@ impl Form {
         }
     }
 
+    /// The form of a several-row launch whose one-row form is `one`, given whether its rows
+    /// fit the staged or ring form's shared memory: the same warps a block (each row's warps
+    /// then meet in the one-row order), streamed where the rows do not fit.
+    fn for_rows(one: Form, staged: bool, ring: bool) -> Form {
+        match one {
+            Form::Staged16 if !staged => Form::Streamed16,
+            Form::Staged if !staged => Form::Streamed,
+            Form::Ring if !ring => Form::Streamed,
+            f => f,
+        }
+    }
+
     fn threads(self) -> u32 {
-        if self == Form::Staged16 {
-            512
-        } else {
-            256
+        match self {
+            Form::Staged16 | Form::Streamed16 => 512,
+            _ => 256,
         }
     }
 }
@@ -153,7 +207,7 @@ struct Plan {
     params: AffineParams,
 }
 
-fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
+fn plan(g: &Gpu, m: &Matvec, conv: bool, rows: usize) -> Result<Plan> {
     let unsupported = || {
         CudaError::Unsupported(
             "the single-row kernel takes 4-bit (groups 32-128) or 8-bit (groups 32, 64) affine weights"
@@ -177,24 +231,32 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
     let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
     let n_blocks = blocks(m.n, 16 * tiles);
     let one_wave = n_blocks as usize <= resident;
-    let staged = staged_smem(k, group, tiles).filter(|_| bulk && one_wave);
-    let ring = ring_plan(k, group, RING_TILES).filter(|_| bulk && !one_wave && !conv);
-    let form = Form::choose(
+    let staged = staged_smem(k, group, tiles, 1).filter(|_| bulk && one_wave);
+    let ring = ring_plan(k, group, RING_TILES, 1).filter(|_| bulk && !one_wave && !conv);
+    let mut form = Form::choose(
         n_blocks as usize,
         g.multiprocessors(),
         staged.is_some(),
         ring.is_some(),
     );
+    let (staged, ring) = if rows > 1 {
+        let staged = staged.and_then(|_| staged_smem(k, group, tiles, rows));
+        let ring = ring.and_then(|_| ring_plan(k, group, RING_TILES, rows));
+        form = Form::for_rows(form, staged.is_some(), ring.is_some());
+        (staged, ring)
+    } else {
+        (staged, ring)
+    };
     let (smem, grid, nbuf) = match (form, staged, ring) {
         (Form::Staged | Form::Staged16, Some(bytes), _) => (bytes, n_blocks, None),
         (Form::Ring, _, Some((nbuf, bytes))) => {
             let grid = blocks(m.n, 16 * RING_TILES).min(resident as u32);
             (bytes, grid, Some(nbuf as i32))
         }
-        _ => (stage_smem(k, group), n_blocks, None),
+        _ => (stage_smem(k, group, rows), n_blocks, None),
     };
     Ok(Plan {
-        name: ENTRIES[4 * usize::from(bits == 8) + form as usize],
+        name: entry(bits == 8, form, rows > 1),
         form,
         smem,
         grid,
@@ -211,13 +273,53 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool) -> Result<Plan> {
 /// The blocks of a single-row product through `m` (without a conv step) when it runs as the ring
 /// kernel, the one that writes [`VecIo::best`] (one pair a block); `None` for the other forms.
 pub fn ring_blocks(g: &Gpu, m: &Matvec) -> Result<Option<u32>> {
-    let p = plan(g, m, false)?;
+    let p = plan(g, m, false, 1)?;
     Ok((p.form == Form::Ring).then_some(p.grid))
 }
 
 /// `y = W x (+ bias)` for one input row of a 4- or 8-bit affine matrix on tensor cores, with what `io`
 /// adds (see [`VecIo`]; the caller checked [`takes`]).
 pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
+    launch(g, m, x, y, 1, io)
+}
+
+/// `y[r] = W x[r] (+ bias)` for `rows` input rows (1 to [`VEC_MAX_ROWS`]) `x_stride` floats
+/// apart (a multiple of 4, at least the matrix's inputs), y `[rows, N]`, in one launch: each row
+/// bitwise its one-row [`matvec`]. `io`'s norm, normed (`[rows, K]`) and accumulate apply per row;
+/// its conv step and `best` take one row.
+pub fn matvec_rows(
+    g: &Gpu,
+    m: Matvec,
+    (x, y): (u64, u64),
+    rows: usize,
+    x_stride: usize,
+    io: VecIo,
+) -> Result<()> {
+    if !(1..=VEC_MAX_ROWS).contains(&rows) {
+        return Err(CudaError::Unsupported(format!(
+            "{rows} rows in one single-row kernel launch (it takes 1 to {VEC_MAX_ROWS})"
+        )));
+    }
+    if rows > 1 && (io.conv_c > 0 || io.best != 0) {
+        return Err(CudaError::Unsupported(
+            "the fused conv step and the greedy pairs take one row".into(),
+        ));
+    }
+    if rows > 1 && (!x_stride.is_multiple_of(4) || x_stride < m.k) {
+        return Err(CudaError::Unsupported(format!(
+            "input rows {x_stride} floats apart for a matrix of {} inputs (the kernel needs a multiple of 4, at least the inputs)",
+            m.k
+        )));
+    }
+    let io = VecIo {
+        rows: rows as i32,
+        x_stride: x_stride as i32,
+        ..io
+    };
+    launch(g, m, x, y, rows, io)
+}
+
+fn launch(g: &Gpu, m: Matvec, x: u64, y: u64, rows: usize, io: VecIo) -> Result<()> {
     let Plan {
         name,
         form,
@@ -230,7 +332,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
         scales,
         biases,
         params,
-    } = plan(g, &m, io.conv_c > 0)?;
+    } = plan(g, &m, io.conv_c > 0, rows)?;
     if io.conv_c as usize > m.n {
         return Err(CudaError::Unsupported(format!(
             "a conv step over {} channels after a product of {} rows",
@@ -245,7 +347,7 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     }
     let (n32, k32, g32, t32) = (m.n as i32, k as i32, group as i32, tiles as i32);
     let f = g.kernels().affine(name, params)?;
-    if form != Form::Streamed {
+    if form != Form::Streamed || smem > SMEM_DEFAULT {
         raise_smem_of(f, name, smem)?;
     }
     let mut b = g.launch_builder(f);
@@ -265,10 +367,11 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
         b.arg(n);
     }
     // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 with K and G in digits (G | K,
-    // G ∈ {32, 64, 128}, checked by `digits` and `takes`); x holds the matrix's m.k floats (K
-    // for 4-bit codes, K/2 for 8-bit ones; 16-byte aligned device buffer), y N floats;
-    // the dynamic shared memory holds the staged x and the group sums (under 48 KB for
-    // K ≤ VEC_MAX_K) and, for the staged kernel, the block's tile and barrier (`staged_smem`),
+    // G ∈ {32, 64, 128}, checked by `digits` and `takes`); x holds `rows` rows of the matrix's
+    // m.k floats (K for 4-bit codes, K/2 for 8-bit ones; 16-byte aligned device buffer), rows
+    // io.x_stride floats apart (a multiple of 4, at least m.k: checked by `matvec_rows`), y
+    // rows·N floats; the dynamic shared memory holds the rows' staged x and group sums (at most
+    // 4 · 33 KB for K ≤ VEC_MAX_K, raised past the default 48 KB above) and, for the staged kernel, the block's tile and barrier (`staged_smem`),
     // for the ring kernel its `nbuf` tiles and barriers (`ring_plan`; both check the copies'
     // 16-byte units, the device's sm_90 and the matrices' alignment are checked above); the
     // ring's blocks walk its tiles with a stride of the grid, each tile bounds-checked against
@@ -280,24 +383,37 @@ pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, io: VecIo) -> Result<()> {
     Ok(())
 }
 
-/// Dynamic shared memory of the single-row kernel: x as bf16 hi/lo pairs and the group sums
-/// (K·4 + K/G·8 bytes, rounded up to 16).
-fn stage_smem(k: usize, group: usize) -> usize {
-    (k * 4 + k / group * 8).next_multiple_of(16)
+/// Dynamic shared memory of the single-row kernel for `rows` input rows: x as bf16 hi/lo pairs
+/// and the group sums (K·4 + K/G·8 bytes a row, rounded up to 16).
+fn stage_smem(k: usize, group: usize, rows: usize) -> usize {
+    (rows * (k * 4 + k / group * 8)).next_multiple_of(16)
 }
+
+/// Dynamic shared memory a launch may take without opting in.
+const SMEM_DEFAULT: usize = 48 * 1024;
 
 /// Most dynamic shared memory a staged block may take: two blocks per SM within the 227 KB an
 /// sm_90 multiprocessor gives (with each block's 2 KB of static memory and 1 KB reserved).
 const STAGED_MAX_SMEM: usize = 110 * 1024;
 
+/// The same for the several-row entries, whose partial sums (static) take four times the room:
+/// 9.3 KB for 8 warps, 16 KB for the ring's two sets.
+const ROWS_STAGED_MAX_SMEM: usize = 102 * 1024;
+const ROWS_RING_MAX_SMEM: usize = 96 * 1024;
+
 /// Dynamic shared memory of the staged single-row kernel (`mma_vec_affine{4,8}_staged`) with
-/// `tiles` row tiles of 16 per block (K and the group in digits): the input staging, then 16·T
-/// rows of words, scales and biases in 8 runs ([`tile_smem`]) and an 8-byte barrier; `None`
-/// when the scale rows are not whole 16-byte units (K/G % 8 ≠ 0: the bulk copies move 16-byte
-/// units) or the tile does not fit two blocks per SM.
-pub fn staged_smem(k: usize, group: usize, tiles: usize) -> Option<usize> {
-    let bytes = stage_smem(k, group) + tile_smem(k, group, tiles) + 16;
-    ((k / group).is_multiple_of(8) && bytes <= STAGED_MAX_SMEM).then_some(bytes)
+/// `tiles` row tiles of 16 per block (K and the group in digits) for `rows` input rows: the
+/// input staging, then 16·T rows of words, scales and biases in 8 runs ([`tile_smem`]) and an
+/// 8-byte barrier; `None` when the scale rows are not whole 16-byte units (K/G % 8 ≠ 0: the bulk
+/// copies move 16-byte units) or the tile does not fit two blocks per SM.
+pub fn staged_smem(k: usize, group: usize, tiles: usize, rows: usize) -> Option<usize> {
+    let bytes = stage_smem(k, group, rows) + tile_smem(k, group, tiles) + 16;
+    let max = if rows == 1 {
+        STAGED_MAX_SMEM
+    } else {
+        ROWS_STAGED_MAX_SMEM
+    };
+    ((k / group).is_multiple_of(8) && bytes <= max).then_some(bytes)
 }
 
 /// Bytes of one staged tile of `tiles` row tiles of 16 (`vec_tile_bytes` in mma_vec.cu with
@@ -321,12 +437,18 @@ const RING_TILES: usize = 2;
 const RING_MAX_BUFFERS: usize = 4;
 
 /// Staged tiles per block of the ring kernel with `tiles` row tiles of 16 each, and its dynamic
-/// shared memory: the input staging, then as many tiles ([`ring_tile_smem`]) and
-/// 8-byte barriers as fit two blocks per SM, at most RING_MAX_BUFFERS; `None` under two (one
-/// tile computing while the next fills) or when the scale rows are not whole 16-byte units.
-pub fn ring_plan(k: usize, group: usize, tiles: usize) -> Option<(usize, usize)> {
-    let (tile, fixed) = (ring_tile_smem(k, group, tiles), stage_smem(k, group));
-    let nbuf = (STAGED_MAX_SMEM.saturating_sub(fixed) / (tile + 8)).min(RING_MAX_BUFFERS);
+/// shared memory, for `rows` input rows: the input staging, then as many tiles
+/// ([`ring_tile_smem`]) and 8-byte barriers as fit two blocks per SM, at most RING_MAX_BUFFERS;
+/// `None` under two (one tile computing while the next fills) or when the scale rows are not
+/// whole 16-byte units.
+pub fn ring_plan(k: usize, group: usize, tiles: usize, rows: usize) -> Option<(usize, usize)> {
+    let (tile, fixed) = (ring_tile_smem(k, group, tiles), stage_smem(k, group, rows));
+    let max = if rows == 1 {
+        STAGED_MAX_SMEM
+    } else {
+        ROWS_RING_MAX_SMEM
+    };
+    let nbuf = (max.saturating_sub(fixed) / (tile + 8)).min(RING_MAX_BUFFERS);
     ((k / group).is_multiple_of(8) && nbuf >= 2)
         .then(|| (nbuf, (fixed + nbuf * (tile + 8)).next_multiple_of(16)))
 }
@@ -360,6 +482,40 @@ mod tests {
     }
 
     #[test]
+    fn several_rows_keep_the_one_row_forms_warps() {
+        use super::{entry, Form};
+        // Rows that fit keep the form; those that do not are streamed in blocks of as many warps.
+        assert_eq!(Form::for_rows(Form::Staged16, true, false), Form::Staged16);
+        assert_eq!(
+            Form::for_rows(Form::Staged16, false, false),
+            Form::Streamed16
+        );
+        assert_eq!(Form::for_rows(Form::Staged, false, false), Form::Streamed);
+        assert_eq!(Form::for_rows(Form::Ring, false, true), Form::Ring);
+        assert_eq!(Form::for_rows(Form::Ring, false, false), Form::Streamed);
+        assert_eq!(Form::Streamed16.threads(), 512);
+        assert_eq!(entry(false, Form::Ring, false), "mma_vec_affine4_ring");
+        assert_eq!(
+            entry(true, Form::Streamed16, true),
+            "mma_vec_rows_affine8_streamed16"
+        );
+        assert_eq!(
+            entry(false, Form::Staged, true),
+            "mma_vec_rows_affine4_staged"
+        );
+        // A GDN input projection of the 35B shape stages four rows (4 · 8448 bytes of input);
+        // an attention output projection (8192 inputs) not even two.
+        assert_eq!(
+            super::staged_smem(2048, 64, 3, 4),
+            Some(4 * 8448 + 48 * 1024 + 8 * 32 + 48 * 32 * 4 + 256 + 16)
+        );
+        assert_eq!(super::staged_smem(8192, 64, 1, 2), None);
+        // The lm_head's ring keeps two tiles with two rows; four are streamed.
+        assert_eq!(super::ring_plan(2048, 64, 2, 2).map(|p| p.0), Some(2));
+        assert_eq!(super::ring_plan(2048, 64, 2, 4), None);
+    }
+
+    #[test]
     fn eight_bit_codes_count_as_two_digits() {
         assert_eq!(super::digits(4, 2048, 64), Some((2048, 64)));
         assert_eq!(super::digits(8, 2048, 64), Some((4096, 128)));
@@ -370,7 +526,7 @@ mod tests {
         // x' of 4096 digits, then 16 rows of 2048 bytes in 8 runs with 64 of padding each and
         // their scales and biases in runs with 16 each.
         assert_eq!(
-            super::staged_smem(4096, 128, 1),
+            super::staged_smem(4096, 128, 1, 1),
             Some(16_640 + 16 * 2048 + 8 * 64 + 16 * 32 * 4 + 256 + 16)
         );
     }
@@ -378,31 +534,31 @@ mod tests {
     #[test]
     fn staged_tiles_fit_two_blocks_per_sm_in_whole_copy_units() {
         // GDN input projection of the 35B shape: 48 rows of 2048 inputs, groups of 64.
-        let b = super::staged_smem(2048, 64, 3).unwrap();
+        let b = super::staged_smem(2048, 64, 3, 1).unwrap();
         assert_eq!(b, 8448 + 48 * 1024 + 8 * 32 + 48 * 32 * 4 + 256 + 16);
-        assert!(super::staged_smem(4096, 64, 1).is_some());
+        assert!(super::staged_smem(4096, 64, 1, 1).is_some());
         // An attention output projection of the 35B shape (8192 inputs): 106 KB with one tile.
-        assert_eq!(super::staged_smem(8192, 64, 1), Some(108_048));
+        assert_eq!(super::staged_smem(8192, 64, 1, 1), Some(108_048));
         // Groups of 32: 8 runs of 16 bytes of padding, scales of 128 groups a row.
         assert_eq!(
-            super::staged_smem(2048, 32, 1),
+            super::staged_smem(2048, 32, 1, 1),
             Some(8704 + 16 * 1024 + 8 * 16 + 16 * 64 * 4 + 256 + 16)
         );
         // 8192 inputs with 4 tiles: 324 KB, over the limit; 4 groups a row: not 16-byte units.
-        assert_eq!(super::staged_smem(8192, 64, 4), None);
-        assert_eq!(super::staged_smem(128, 32, 1), None);
+        assert_eq!(super::staged_smem(8192, 64, 4, 1), None);
+        assert_eq!(super::staged_smem(128, 32, 1, 1), None);
     }
 
     #[test]
     fn ring_keeps_two_to_four_tiles_within_two_blocks_per_sm() {
         // lm_head of the 35B shape: 2048 inputs, groups of 64, tiles of 32 rows (36,864 bytes).
         assert_eq!(
-            super::ring_plan(2048, 64, 2),
+            super::ring_plan(2048, 64, 2, 1),
             Some((2, 8448 + 2 * (36_864 + 8)))
         );
-        assert_eq!(super::ring_plan(2048, 64, 1).map(|p| p.0), Some(4));
+        assert_eq!(super::ring_plan(2048, 64, 1, 1).map(|p| p.0), Some(4));
         // 8192 inputs: one tile of 32 rows is 139 KB.
-        assert_eq!(super::ring_plan(8192, 64, 2), None);
-        assert_eq!(super::ring_plan(256, 64, 2), None);
+        assert_eq!(super::ring_plan(8192, 64, 2, 1), None);
+        assert_eq!(super::ring_plan(256, 64, 2, 1), None);
     }
 }

@@ -12,8 +12,8 @@
 //! runs every op on the GPU with a batch dimension: embedding, add+RMSNorm, fused projections,
 //! the GDN conv and delta-rule kernels, attention prep and split-K decode, router top-k, expert
 //! SwiGLU and down projections (all K experts of all B rows in one launch each), combine, final
-//! norm, lm_head and sampling; at batch 1 the norms, residual adds, conv step and combine ride on
-//! the products instead (the fused form, below). Each layer kind enqueues its own work
+//! norm, lm_head and sampling; up to four rows, the norms, residual adds, combine and (for one
+//! row) the conv step ride on the products instead (the fused form, below). Each layer kind enqueues its own work
 //! ([`layers`]). Sequence state lives in a pool of slots ([`pool`]); the
 //! token ids and slot indices of a step live in device memory, so the step is captured once per
 //! batch size into a CUDA graph and replayed; the only host↔device traffic per token is its id
@@ -23,16 +23,18 @@
 //!
 //! ## The fused decode form
 //!
-//! In the fused form (one row, every mixer projection on the single-row tensor-core kernel, as
-//! `deltamoe_compute::cuda::dispatch::fused_decode` decides) the residual `x` is whole at every
-//! sublayer boundary: the input projection normalizes `x` as it stages it and, for a GDN layer,
-//! runs the conv step on its output rows; the output projection adds into `x`; the router
-//! normalizes `x` for the ffn and leaves that row in `normed` for the experts (a router the kernel
+//! In the fused form (one to four rows, every mixer projection on the single-row tensor-core
+//! kernel, as `deltamoe_compute::cuda::dispatch::fused_decode` decides) the residual `x` is whole
+//! at every sublayer boundary: the input projection normalizes each row of `x` as it stages it
+//! and, for a GDN layer at one row, runs the conv step on its output rows (more rows take the
+//! conv launch, the same arithmetic); the output projection adds into `x`; the router
+//! normalizes `x` for the ffn and leaves those rows in `normed` for the experts (a router the kernel
 //! does not take, e.g. bf16 or 2-bit, or a dense ffn gets the norm as its own launch); the expert
 //! down projections (or, with the shared expert apart or experts on the host, the combine after
 //! them) add their weighted sum into `x`. That saves the add+norm, conv and combine launches of
-//! every layer. Otherwise the norms run as their own launches on `normed` and each sublayer's
-//! output waits in `delta` for the next add+norm.
+//! every layer. Each row of a fused step of up to four rows is bitwise that row's step alone: the
+//! several-row products give each row its one-row result. Otherwise the norms run as their own
+//! launches on `normed` and each sublayer's output waits in `delta` for the next add+norm.
 
 mod format;
 mod homes;
@@ -485,7 +487,7 @@ impl GpuModel {
     }
 
     /// Whether a `b`-row step runs the fused decode form (see the module doc).
-    fn fused(&self, b: usize) -> bool {
+    pub fn fused(&self, b: usize) -> bool {
         let mats = self.layers.iter().flat_map(|l| l.mixer.projections());
         self.layers.iter().all(|l| l.mixer.fusable()) && dispatch::fused_decode(b, mats)
     }

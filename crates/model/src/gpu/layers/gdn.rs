@@ -241,7 +241,7 @@ impl Mixer for GdnMixer {
     fn decode(&self, st: &Step, [conv, rec]: State, norm: u64) -> Result<()> {
         let (g, s, bt) = (st.g, st.s, st.bt);
         let proj = self.proj.mv();
-        if st.fused {
+        if st.fused && bt.rows == 1 {
             // The conv step rides on the input projection's output rows.
             let io = VecIo {
                 slots: bt.slots,
@@ -255,10 +255,12 @@ impl Mixer for GdnMixer {
             st.input_projection(proj, norm, io)?;
         } else {
             st.input_projection(proj, norm, VecIo::default())?;
-            let io = (s.normed.ptr(), s.proj.ptr(), s.mix_out.ptr());
-            self.fill_ba(g, io, bt.rows, |m, (x, y)| {
-                ops::matvec(g, m, x, y, st.row_slots(m.k))
-            })?;
+            if !st.fused {
+                let io = (s.normed.ptr(), s.proj.ptr(), s.mix_out.ptr());
+                self.fill_ba(g, io, bt.rows, |m, (x, y)| {
+                    ops::matvec(g, m, x, y, st.row_slots(m.k))
+                })?;
+            }
             ops::gdn_conv_step(
                 g,
                 s.proj.ptr(),

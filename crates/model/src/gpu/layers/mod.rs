@@ -95,7 +95,8 @@ impl Step<'_> {
     }
 
     /// A mixer's input projection into `proj`: of `normed`, or in the fused form of the residual
-    /// with the layer's input norm (`norm`) applied as it is staged, plus `io`'s extras.
+    /// rows with the layer's input norm (`norm`) applied as they are staged, plus `io`'s extras
+    /// (a conv step takes one row).
     pub fn input_projection(&self, m: Matvec, norm: u64, io: VecIo) -> Result<()> {
         let s = self.s;
         if self.fused {
@@ -104,7 +105,8 @@ impl Step<'_> {
                 eps: self.eps,
                 ..io
             };
-            vec::matvec(self.g, m, s.x.ptr(), s.proj.ptr(), io)
+            let (x, y) = (s.x.ptr(), s.proj.ptr());
+            vec::matvec_rows(self.g, m, (x, y), self.rows(), self.hidden, io)
         } else {
             let rows = self.row_slots(self.hidden);
             ops::matvec(self.g, m, s.normed.ptr(), s.proj.ptr(), rows)
@@ -120,7 +122,8 @@ impl Step<'_> {
                 accumulate: 1,
                 ..VecIo::default()
             };
-            vec::matvec(self.g, m, s.mix_out.ptr(), s.x.ptr(), io)
+            let (x, y) = (s.mix_out.ptr(), s.x.ptr());
+            vec::matvec_rows(self.g, m, (x, y), self.rows(), m.k, io)
         } else {
             let rows = self.row_slots(m.k);
             ops::matvec(self.g, m, s.mix_out.ptr(), s.delta.ptr(), rows)

@@ -418,7 +418,8 @@ impl Ffn for MoeFfn {
                 eps: st.eps,
                 ..VecIo::default()
             };
-            vec::matvec(g, router, s.x.ptr(), fb.router.ptr(), vio)?;
+            let (x, y) = (s.x.ptr(), fb.router.ptr());
+            vec::matvec_rows(g, router, (x, y), b, h, vio)?;
         } else {
             let rows = st.row_slots(h);
             ops::matvec(g, router, s.normed.ptr(), fb.router.ptr(), rows)?;
