@@ -356,6 +356,9 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 
     // With an input norm, x·norm is staged and x's sum of squares taken on the way; the row's
     // factor r scales the outputs (Σ_k W[n, k]·x[k]·r·norm[k] = r·Σ_k W[n, k]·x[k]·norm[k]).
+    // The squares go through explicit fmas, as the epilogue's scaling does: left to
+    // contraction, code around them decides the rounding, and the several-row entries must
+    // round as the one-row ones.
     // A thread stages VEC_X_WORDS words of x a pass (one pass when the block has a thread per
     // word). A group's G/8 words sit on consecutive lanes of one warp, which sum them by
     // shuffles; lanes past the last word take part with zeros.
@@ -385,11 +388,12 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
                 if (w - lane >= nw) break;
                 float4 a = xa[u], b = xb[u];
                 if (io.norm && w < nw && C8) {
-                    ss += (a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w);
+                    ss = fmaf(a.w, a.w, fmaf(a.z, a.z, fmaf(a.y, a.y, fmaf(a.x, a.x, ss))));
                     const float4 sa = *reinterpret_cast<const float4*>(io.norm + 4 * w);
                     a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
                 } else if (io.norm && w < nw) {
-                    ss += ((a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w)) + ((b.x * b.x + b.y * b.y) + (b.z * b.z + b.w * b.w));
+                    ss = fmaf(a.w, a.w, fmaf(a.z, a.z, fmaf(a.y, a.y, fmaf(a.x, a.x, ss))));
+                    ss = fmaf(b.w, b.w, fmaf(b.z, b.z, fmaf(b.y, b.y, fmaf(b.x, b.x, ss))));
                     const float4 sa = *reinterpret_cast<const float4*>(io.norm + 8 * w);
                     const float4 sb = *reinterpret_cast<const float4*>(io.norm + 8 * w + 4);
                     a = make_float4(a.x * sa.x, a.y * sa.y, a.z * sa.z, a.w * sa.w);
