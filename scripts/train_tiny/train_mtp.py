@@ -22,7 +22,6 @@ CPU smoke test:  python3 scripts/train_tiny/train_mtp.py --data .train --out /tm
 """
 import argparse
 import json
-import math
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM
+
+from train import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 LAST_FULL = 7  # the model's last full-attention layer, the MTP layer's starting point
@@ -98,13 +99,6 @@ def evaluate(model, mtp, windows, device, amp, batch=32):
         tot = [tot[0] + loss.item() * n, tot[1] + hit, tot[2] + agree, tot[3] + n]
     mtp.train()
     return tot[0] / tot[3], tot[1] / tot[3], tot[2] / tot[3]
-
-
-def lr_at(step, total, peak, warmup):
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def write(model_dir, out, mtp, log_lines):
@@ -176,7 +170,7 @@ def main():
     t0 = time.time()
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step - 1, args.steps, args.lr, args.warmup)
+            g["lr"] = lr_at(step - 1, args.steps, args.lr, args.warmup, 0.05)
         starts = torch.randint(0, len(train_ids) - args.ctx - 1, (args.batch,), generator=gen).numpy()
         xy = torch.from_numpy(np.stack([train_ids[s:s + args.ctx + 1] for s in starts])).to(device)
         loss, _, _, _ = mtp_loss(model, mtp, xy, amp)

@@ -245,8 +245,7 @@ fn matvec_rows(
 pub fn matvec(g: &Gpu, m: Matvec, x: u64, y: u64, sl: Slots) -> Result<()> {
     check_stride(&m, sl.x_stride)?;
     let (name, rpw) = match dispatch::plan(&m, &sl, false) {
-        Plan::OneRow => return super::vec::matvec(g, m, x, y, super::vec::VecIo::default()),
-        Plan::VecRows => {
+        Plan::OneRow | Plan::VecRows => {
             let io = super::vec::VecIo::default();
             return super::vec::matvec_rows(g, m, (x, y), sl.n, sl.x_stride, io);
         }

@@ -233,20 +233,16 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool, rows: usize) -> Result<Plan> {
     let one_wave = n_blocks as usize <= resident;
     let staged = staged_smem(k, group, tiles, 1).filter(|_| bulk && one_wave);
     let ring = ring_plan(k, group, RING_TILES, 1).filter(|_| bulk && !one_wave && !conv);
-    let mut form = Form::choose(
+    let one = Form::choose(
         n_blocks as usize,
         g.multiprocessors(),
         staged.is_some(),
         ring.is_some(),
     );
-    let (staged, ring) = if rows > 1 {
-        let staged = staged.and_then(|_| staged_smem(k, group, tiles, rows));
-        let ring = ring.and_then(|_| ring_plan(k, group, RING_TILES, rows));
-        form = Form::for_rows(form, staged.is_some(), ring.is_some());
-        (staged, ring)
-    } else {
-        (staged, ring)
-    };
+    // The rows' launch keeps the one-row form where its staging still fits (one row: the same).
+    let staged = staged.and_then(|_| staged_smem(k, group, tiles, rows));
+    let ring = ring.and_then(|_| ring_plan(k, group, RING_TILES, rows));
+    let form = Form::for_rows(one, staged.is_some(), ring.is_some());
     let (smem, grid, nbuf) = match (form, staged, ring) {
         (Form::Staged | Form::Staged16, Some(bytes), _) => (bytes, n_blocks, None),
         (Form::Ring, _, Some((nbuf, bytes))) => {
@@ -491,6 +487,7 @@ mod tests {
             Form::Streamed16
         );
         assert_eq!(Form::for_rows(Form::Staged, false, false), Form::Streamed);
+        assert_eq!(Form::for_rows(Form::Staged, true, false), Form::Staged);
         assert_eq!(Form::for_rows(Form::Ring, false, true), Form::Ring);
         assert_eq!(Form::for_rows(Form::Ring, false, false), Form::Streamed);
         assert_eq!(Form::Streamed16.threads(), 512);
