@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 status=0
-for t in cuda_parity cuda_matvec cuda_fp8 cuda_far cuda_twin cuda_gdn_chunk cuda_prefill cuda_gemm golden_cuda chunked_cuda offload_cuda; do
+for t in cuda_parity cuda_matvec cuda_fp8 cuda_far cuda_twin cuda_verify cuda_gdn_chunk cuda_prefill cuda_gemm golden_cuda speculative_cuda chunked_cuda offload_cuda; do
   echo "== $t"
   .gpu/$t --ignored --test-threads=1 --nocapture || status=1
 done
@@ -31,4 +31,10 @@ prompt=$(head -c 600 models/tiny/heldout-excerpt.txt)
 a=$(.gpu/deltamoe generate --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda 2>/dev/null)
 b=$(.gpu/deltamoe generate --prompt "$prompt" --max-tokens 64 --temperature 0 --device cpu 2>/dev/null)
 if [ -n "$a" ] && [ "$a" == "$b" ]; then echo "identical"; else echo "differs: cuda [$a] cpu [$b]"; status=1; fi
+echo "== the built-in model in MLX 8-bit on cuda: greedy with --speculative-tokens 2 equals without"
+q8=$(mktemp -d)/tiny-q8
+.gpu/deltamoe convert --model models/tiny --out "$q8" --bits 8 2>/dev/null
+a=$(.gpu/deltamoe generate --model "$q8" --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda 2>/dev/null)
+b=$(.gpu/deltamoe generate --model "$q8" --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda --speculative-tokens 2 2>/dev/null)
+if [ -n "$a" ] && [ "$a" == "$b" ]; then echo "identical"; else echo "differs: plain [$a] speculative [$b]"; status=1; fi
 exit $status

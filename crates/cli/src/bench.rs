@@ -96,8 +96,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
     /// Also measure speculative decoding with the model's MTP layer drafting N tokens a step
-    /// (CPU; a --config or --synthetic shape gets a random MTP layer when its config names one,
-    /// `mtp_num_hidden_layers`).
+    /// (a --config or --synthetic shape gets a random MTP layer: on the CPU when its config
+    /// names one, `mtp_num_hidden_layers`; on CUDA always).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub(crate) speculative_tokens: usize,
     /// With --speculative-tokens: keep each draft with probability P instead of by the model
@@ -185,9 +185,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         (Device::Auto, Some(_)) => false,
     };
     let result = if on_cuda {
-        if a.speculative_tokens > 0 {
-            bail!("--speculative-tokens: the CUDA backend does not decode speculatively yet; use --device cpu");
-        }
         run_cuda(&a)?
     } else {
         crate::bench_cpu::run(&a)?
@@ -330,14 +327,16 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         0.0
     };
     let t0 = Instant::now();
-    let (mut model, name, max_pos) = match synthetic_config(a)? {
+    let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
+    // The host model of --model stays for its MTP layer when speculative decoding is measured.
+    let mut host = None;
+    let (mut model, name, cfg) = match synthetic_config(a)? {
         Some((cfg, name)) => {
-            let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
             let mut m = synthetic::gpu_model(&cfg, gpu.clone(), quant, caches[0])?;
             if let Some(alpha) = a.zipf {
                 m.skew_routing(alpha, 7)?;
             }
-            (m, name, cfg.max_position_embeddings)
+            (m, name, cfg)
         }
         None => {
             if a.zipf.is_some() {
@@ -345,14 +344,15 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
             }
             let dir = a.model.clone().unwrap_or_default();
             let m = crate::commands::load_dir(&dir)?;
-            let max = m.config().max_position_embeddings;
-            (
-                GpuModel::upload_with(&m, gpu.clone(), caches[0])?,
-                dir.display().to_string(),
-                max,
-            )
+            let cfg = m.config().clone();
+            let gm = GpuModel::upload_with(&m, gpu.clone(), caches[0])?;
+            if a.speculative_tokens > 0 {
+                host = Some(m);
+            }
+            (gm, dir.display().to_string(), cfg)
         }
     };
+    let max_pos = cfg.max_position_embeddings;
     if let Some(gb) = a.host_memory {
         model.set_host_memory(Some((gb * 1e9) as usize));
         model.set_expert_cache(caches[0])?;
@@ -434,9 +434,26 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
             }
         }
     }
+    let speculative = match (a.speculative_tokens, contexts.first()) {
+        (0, _) | (_, None) => Value::Null,
+        (_, Some(&ctx)) => {
+            let plain = rows.iter().find(|r| r["batch"] == 1 && r["context"] == ctx);
+            let step_s = plain
+                .and_then(|r| r["ms_per_step"].as_f64())
+                .unwrap_or(f64::NAN)
+                / 1e3;
+            let spec = crate::bench_cpu::SpecRun {
+                ctx,
+                step_s,
+                format: quant,
+            };
+            crate::bench_cpu::speculative_cuda(a, model, (cfg, host.as_ref()), spec)?
+        }
+    };
     Ok(json!({
         "model": name, "backend": "cuda", "device": gpu.name(), "copy_bandwidth_bytes_s": bw,
         "pcie_bandwidth_bytes_s": link, "prefill": prefill, "decode": rows,
+        "speculative": speculative,
     }))
 }
 

@@ -30,7 +30,7 @@ pub const SHAPES: &[(&str, &str)] = &[
 pub const DEFAULT_GROUP: usize = 64;
 
 /// Seed of the random weights: every run makes the same model.
-const SEED: u64 = 1;
+pub(crate) const SEED: u64 = 1;
 
 /// The config of the shape `name` (`--synthetic NAME`); an unknown name is an error listing
 /// the known ones.

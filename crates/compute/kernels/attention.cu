@@ -8,8 +8,9 @@
 //   Blocks < Hq: q_h = rope(rmsnorm(q_h) · qn) → q [Hq, D].
 //   Next Hkv blocks: k_h = rope(rmsnorm(k_h) · kn) → k_cache[pos, h]; last Hkv blocks: v_h → v_cache[pos, h].
 //   rope: NeoX on dims < R (pairs i, i + R/2), angle pos · inv_freq[i]. Caches: [max_ctx, Hkv, D].
-//   row_pos ≠ 0 (prefill: every row in the same slot, consecutive tokens): row b's position is
-//   pos[slot] + b instead of pos[slot].
+//   row_pos ≠ 0 (prefill, and the verify pass of speculative decoding: every row in the same
+//   slot, consecutive tokens): row b's position is pos[slot] + b instead of pos[slot], here and
+//   in attn_partial and attn_combine.
 //
 // attn_partial: grid (Hkv·⌈G/ATTN_GQA⌉, S splits, B), block 256 (8 warps), dynamic shared memory
 //   8·ATTN_STAGES·ATTN_POS·2 KB; G = Hq/Hkv q heads per kv head. Block x serves kv head
@@ -147,10 +148,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_partial(const float* q
                                                                   const float* v_cache, const int* __restrict__ pos_arr,
                                                                   float* __restrict__ part_o, float* __restrict__ part_ml,
                                                                   int Hq, int Hkv, int D, int S, float scale,
-                                                                  const int* __restrict__ slots, long long T) {
+                                                                  const int* __restrict__ slots, long long T,
+                                                                  int row_pos) {
     // Slots and positions change only between steps (never in the kernel before).
     const int b = blockIdx.z, slot = slots[b];
-    const int L = pos_arr[slot] + 1;
+    const int L = pos_arr[slot] + (row_pos ? b : 0) + 1;
     const int used = attn_splits(L, S);
     if (blockIdx.y >= used) return;
     extern __shared__ __align__(16) float4 attn_smem[];
@@ -184,9 +186,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_partial(const float* q
         }
         cp_async_commit();
     };
+    // Rows of one sequence at consecutive positions (row_pos) find the rows before their own
+    // written by the kernel before too: their copies wait for it.
+    if (row_pos) pdl_entry();
 #pragma unroll
     for (int r = 0; r < ATTN_STAGES - 1; ++r) issue(r);
-    pdl_entry();
+    if (!row_pos) pdl_entry();
     q += ((long long)b * Hq + h0) * D;
     float qr[ATTN_GQA][8], acc[ATTN_GQA][8];
 #pragma unroll
@@ -305,10 +310,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_partial(const float* q
 extern "C" __global__ void attn_combine(const float* part_o, const float* part_ml,
                                         const float* proj, float* __restrict__ out,
                                         int D, int S, int Hq, long long P,
-                                        const int* __restrict__ pos_arr, const int* __restrict__ slots) {
+                                        const int* __restrict__ pos_arr, const int* __restrict__ slots,
+                                        int row_pos) {
     int h = blockIdx.x, d = threadIdx.x;
     int row = blockIdx.y;
-    const int used = attn_splits(pos_arr[slots[row]] + 1, S);
+    const int used = attn_splits(pos_arr[slots[row]] + (row_pos ? row : 0) + 1, S);
     pdl_entry();
     // The gate comes from the projection three kernels back: read after the wait (kernels ahead
     // of their wait may overlap any earlier kernel of the step, see pdl_entry).

@@ -15,7 +15,9 @@
 //   (lowest index on ties) when temperature ≤ 0; else with z = (l − max)/T: keep the top_k largest z (0: all), then the
 //   smallest set of largest z holding top_p of their mass, then z ≥ ln(min_p) (min-p relative to
 //   the most likely token), and draw u·Σ e^z with u uniform from (seed, step) over the kept tokens
-//   in index order. Thresholds are found by bisection on z. step += 1, pos += 1. block 1024.
+//   in index order. Thresholds are found by bisection on z. step += 1, pos += 1 when `advance`
+//   (not in the passes of speculative decoding, whose rows share a slot: the host moves it on).
+//   block 1024.
 
 // u32 words of one slot's sampling parameters (ops::SampleParams::WORDS).
 #define SAMPLE_WORDS 7
@@ -100,7 +102,8 @@ __device__ __forceinline__ float uniform_u01(unsigned long long seed, unsigned l
 
 extern "C" __global__ void sample_advance(const float* logits, int V, unsigned int* __restrict__ params,
                                           int* __restrict__ tok, int* __restrict__ pos,
-                                          const int* __restrict__ slots, const float* pairs, int npairs) {
+                                          const int* __restrict__ slots, const float* pairs, int npairs,
+                                          int advance) {
     pdl_entry();
     __shared__ float scan[32];
     __shared__ int found;
@@ -130,7 +133,10 @@ extern "C" __global__ void sample_advance(const float* logits, int V, unsigned i
     const float m = bv;
     const int best = bi;
     if (!(temp > 0.f)) {
-        if (t == 0) { tok[0] = best; pos[0] += 1; }
+        if (t == 0) {
+            tok[0] = best;
+            if (advance) pos[0] += 1;
+        }
         return;
     }
     float inv_t = 1.f / temp;
@@ -208,7 +214,9 @@ extern "C" __global__ void sample_advance(const float* logits, int V, unsigned i
     __syncthreads();
     if (t == 0) {
         tok[0] = found >= 0 ? found : best;
-        params[6] = step + 1;
-        pos[0] += 1;
+        if (advance) {
+            params[6] = step + 1;
+            pos[0] += 1;
+        }
     }
 }

@@ -652,6 +652,7 @@ fn ring_best_pairs_give_the_greedy_token() {
             pos.ptr(),
             one_row,
             best,
+            true,
         )
         .unwrap();
         assert_eq!(g.read(&tok, 1).unwrap()[0] as usize, want, "{best:?}");

@@ -277,6 +277,7 @@ fn attention_decode_matches_cpu() {
                 splits,
                 one_row,
                 steps,
+                false,
             )
             .unwrap();
 
@@ -588,6 +589,7 @@ fn router_combine_embed_argmax_match_cpu() {
         pos.ptr(),
         one_row,
         None,
+        true,
     )
     .unwrap();
     assert_eq!(
@@ -610,6 +612,7 @@ fn router_combine_embed_argmax_match_cpu() {
         pos.ptr(),
         one_row,
         None,
+        true,
     )
     .unwrap();
     assert_eq!(g.read(&tok, 1).unwrap()[0], 9, "odd vocabulary argmax");
@@ -646,6 +649,7 @@ fn sampling_follows_the_filtered_softmax() {
                     pos.ptr(),
                     one_row,
                     None,
+                    true,
                 )
                 .unwrap();
                 g.read(&tok, 1).unwrap()[0] as usize

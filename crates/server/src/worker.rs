@@ -87,8 +87,10 @@ impl Worker {
         while self.receive() {
             self.drop_cancelled();
             let events = self.scheduler.step();
-            self.deliver(events);
+            // Published before the events go out: a client that has its answer finds the
+            // counters already holding it.
             self.publish();
+            self.deliver(events);
         }
     }
 

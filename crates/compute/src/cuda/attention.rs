@@ -77,7 +77,8 @@ pub fn attn_prep(
 }
 
 /// Per row of `bt`: split-K attention over positions 0..=pos[slot] of the slot's caches into
-/// `splits` partials, then the gated combine (gates from the row's projection).
+/// `splits` partials, then the gated combine (gates from the row's projection). With
+/// `row_advances` row r of one sequence is at pos + r, as in [`attn_prep`].
 #[allow(clippy::too_many_arguments)]
 pub fn attn_decode(
     g: &Gpu,
@@ -94,6 +95,7 @@ pub fn attn_decode(
     splits: usize,
     bt: Batch,
     ctx: usize,
+    row_advances: bool,
 ) -> Result<()> {
     if splits > ATTN_MAX_SPLITS {
         return Err(super::CudaError::Unsupported(format!(
@@ -109,7 +111,7 @@ pub fn attn_decode(
     }
     let (hq, hkv, d, s) = (a.hq as i32, a.hkv as i32, a.d as i32, splits as i32);
     let scale = 1.0f32 / (a.d as f32).sqrt();
-    let (ps, t) = (proj_stride as i64, ctx as i64);
+    let (ps, t, row_pos) = (proj_stride as i64, ctx as i64, row_advances as i32);
     let mut b = g.launch_builder(g.kernels().get("attn_partial"));
     b.arg(&q)
         .arg(&k_cache)
@@ -118,7 +120,7 @@ pub fn attn_decode(
         .arg(&part_o)
         .arg(&part_ml);
     b.arg(&hq).arg(&hkv).arg(&d).arg(&s).arg(&scale);
-    b.arg(&bt.slots).arg(&t);
+    b.arg(&bt.slots).arg(&t).arg(&row_pos);
     let launch = LaunchConfig {
         grid_dim: (attn_head_blocks(a), splits as u32, bt.rows as u32),
         block_dim: (256, 1, 1),
@@ -140,7 +142,8 @@ pub fn attn_decode(
         .arg(&hq)
         .arg(&ps)
         .arg(&pos)
-        .arg(&bt.slots);
+        .arg(&bt.slots)
+        .arg(&row_pos);
     let threads = (a.d.div_ceil(32) * 32) as u32;
     // SAFETY: out holds rows·hq·d floats; proj holds rows fused projections with the gates;
     // positions and slots as for attn_partial.

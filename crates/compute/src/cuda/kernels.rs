@@ -108,7 +108,15 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "gdn.cu",
         include_str!("../../kernels/gdn.cu"),
-        &["gdn_conv_step", "gdn_step", "gdn_step128"],
+        &[
+            "gdn_conv_step",
+            "gdn_step",
+            "gdn_step128",
+            "gdn_conv_verify",
+            "gdn_verify",
+            "gdn_verify128",
+            "gdn_restore",
+        ],
     ),
     (
         "attention.cu",
@@ -472,8 +480,9 @@ mod tests {
 
     #[test]
     fn limits_the_launchers_assume_are_the_kernels_own() {
+        use super::super::gdn::GDN_ROW_GROUPS;
         use super::super::ops::{
-            swiglu_warps_per_block, GDN_CONV_KMAX, GDN_DK_MAX, GDN_DV_MAX, GDN_ROW_GROUPS,
+            swiglu_warps_per_block, GDN_CONV_KMAX, GDN_DK_MAX, GDN_DV_MAX, GDN_VERIFY_MAX,
         };
         let file = |name: &str| super::FILES.iter().find(|f| f.0 == name).unwrap().1;
         let (gdn, qmv, attn) = (file("gdn.cu"), file("qmatvec.cu"), file("attention.cu"));
@@ -490,6 +499,7 @@ mod tests {
             (gdn, "GDN_DK_MAX", GDN_DK_MAX as u32),
             (gdn, "GDN_DV_MAX", GDN_DV_MAX as u32),
             (gdn, "GDN_ROW_GROUPS", GDN_ROW_GROUPS),
+            (gdn, "GDN_VERIFY_MAX", GDN_VERIFY_MAX as u32),
             (qmv, "DOWN_ROWS", super::super::moe::DOWN_ROWS as u32),
             (
                 qmv,
@@ -533,13 +543,13 @@ mod tests {
 
     #[test]
     fn gdn_step_takes_a_cluster_of_32_column_blocks_per_head_on_hopper() {
-        use super::super::ops::gdn_step_split;
+        use super::super::gdn::gdn_step_split;
         assert_eq!(gdn_step_split(128, true), (4, 32));
         assert_eq!(gdn_step_split(100, true), (4, 32));
         assert_eq!(gdn_step_split(32, true), (1, 32));
         assert_eq!(gdn_step_split(128, false), (1, 128));
         assert_eq!(gdn_step_split(40, false), (1, 64));
-        use super::super::ops::gdn_step_kernel;
+        use super::super::gdn::gdn_step_kernel;
         assert_eq!(gdn_step_kernel(128, 128, 32), "gdn_step128");
         assert_eq!(gdn_step_kernel(128, 128, 128), "gdn_step");
         assert_eq!(gdn_step_kernel(64, 128, 32), "gdn_step");

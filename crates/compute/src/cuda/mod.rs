@@ -8,6 +8,7 @@
 
 pub mod attention;
 pub mod dispatch;
+pub mod gdn;
 pub mod gdn_chunk;
 pub mod gemm;
 pub mod host;

@@ -12,6 +12,10 @@ use super::dispatch::{self, vector_x, Plan, RowsForm, MMA_ROWS_INPUTS, MV_ROWS, 
 pub use super::dispatch::{
     affine_kernel, affine_rows_per_warp, swiglu_warps_per_block, tensor_core_rows, GEMM_MIN_ROWS,
 };
+pub use super::gdn::{
+    gdn_conv_step, gdn_conv_verify, gdn_restore, gdn_step, gdn_verify, GdnDims, GDN_CONV_KMAX,
+    GDN_DK_MAX, GDN_DV_MAX, GDN_VERIFY_MAX,
+};
 use super::host::far_args;
 pub use super::host::Far;
 pub use super::moe::{
@@ -425,130 +429,6 @@ pub fn add_rmsnorm(
     Ok(())
 }
 
-/// Conv1d step + SiLU over `c` channels with kernel `k` for each row of `bt`: input row b at
-/// `proj + b·proj_stride` floats, output `mixed [rows, c]`, state `[slots, k−1, c]` updated.
-#[allow(clippy::too_many_arguments)]
-pub fn gdn_conv_step(
-    g: &Gpu,
-    proj: u64,
-    proj_stride: usize,
-    state: u64,
-    w: u64,
-    mixed: u64,
-    c: usize,
-    k: usize,
-    bt: Batch,
-) -> Result<()> {
-    if k == 0 || k > GDN_CONV_KMAX {
-        return Err(super::CudaError::Unsupported(format!(
-            "GDN conv kernel size {k}: the CUDA decode step supports 1 to {GDN_CONV_KMAX}"
-        )));
-    }
-    let (c32, k32, ps) = (c as i32, k as i32, proj_stride as i64);
-    let mut b = g.launch_builder(g.kernels().get("gdn_conv_step"));
-    b.arg(&proj)
-        .arg(&state)
-        .arg(&w)
-        .arg(&mixed)
-        .arg(&c32)
-        .arg(&k32)
-        .arg(&bt.slots)
-        .arg(&ps);
-    // SAFETY: proj holds rows·proj_stride floats (≥ c each), mixed rows·c, state (max slot + 1)
-    // ·(k−1)·c, w c·k; slots holds rows ints.
-    unsafe { b.launch(cfg((blocks(c, 256), bt.rows as u32), 256, 0)) }
-        .map_err(driver_err("gdn_conv_step"))?;
-    Ok(())
-}
-
-/// Largest conv kernel the GDN decode conv step supports, alone (`gdn_conv_step`) or fused into
-/// the input projection (`CONV_KMAX` in common.cuh).
-pub const GDN_CONV_KMAX: usize = 8;
-
-/// Gated DeltaNet geometry for [`gdn_step`].
-#[derive(Clone, Copy, Debug)]
-pub struct GdnDims {
-    pub hk: usize,
-    pub hv: usize,
-    pub dk: usize,
-    pub dv: usize,
-}
-
-/// Largest key head dim `gdn_step` supports (`GDN_DK_MAX` in gdn.cu).
-pub const GDN_DK_MAX: usize = 128;
-/// Largest value head dim `gdn_step` supports (`GDN_DV_MAX` in gdn.cu).
-pub const GDN_DV_MAX: usize = 128;
-/// Row groups per head in `gdn_step` (`GDN_ROW_GROUPS` in gdn.cu).
-pub(crate) const GDN_ROW_GROUPS: u32 = 8;
-
-/// CTAs per value head of [`gdn_step`] and the state columns each takes (threads along x): with
-/// clusters (sm_90+), one CTA of 32 columns per 32 of the head's `dv`, a cluster per head, so a
-/// CTA holds a quarter of a 128 × 128 state and is resident beside the kernels around it; before,
-/// one CTA of all the columns.
-pub(crate) fn gdn_step_split(dv: usize, clusters: bool) -> (u32, u32) {
-    let cols = dv.div_ceil(32) as u32;
-    if clusters {
-        (cols, 32)
-    } else {
-        (1, cols * 32)
-    }
-}
-
-/// The [`gdn_step`] entry for `dk` × `dv` heads in CTAs of `cols` columns: `gdn_step128`, built
-/// for the 128 × 128 heads of every released model in 32-column CTAs, or the general one.
-pub(crate) fn gdn_step_kernel(dk: usize, dv: usize, cols: u32) -> &'static str {
-    if dk == 128 && dv == 128 && cols == 32 {
-        "gdn_step128"
-    } else {
-        "gdn_step"
-    }
-}
-
-/// Delta-rule step + gated RMSNorm for every value head of every row of `bt` (see gdn.cu).
-#[allow(clippy::too_many_arguments)]
-pub fn gdn_step(
-    g: &Gpu,
-    mixed: u64,
-    proj: u64,
-    proj_stride: usize,
-    state: u64,
-    neg_a: u64,
-    dt_bias: u64,
-    norm_w: u64,
-    out: u64,
-    d: GdnDims,
-    eps: f32,
-    bt: Batch,
-) -> Result<()> {
-    let (hk, hv, dk, dv) = (d.hk as i32, d.hv as i32, d.dk as i32, d.dv as i32);
-    let ps = proj_stride as i64;
-    let (nc, cols) = gdn_step_split(d.dv, g.compute_capability().0 >= 9);
-    let name = gdn_step_kernel(d.dk, d.dv, cols);
-    let mut b = g.launch_builder(g.kernels().get(name));
-    b.arg(&mixed)
-        .arg(&proj)
-        .arg(&state)
-        .arg(&neg_a)
-        .arg(&dt_bias)
-        .arg(&norm_w)
-        .arg(&out);
-    b.arg(&hk).arg(&hv).arg(&dk).arg(&dv).arg(&eps);
-    let nc32 = nc as i32;
-    b.arg(&bt.slots).arg(&ps).arg(&nc32);
-    b.cluster(nc);
-    let launch = LaunchConfig {
-        grid_dim: (d.hv as u32 * nc, bt.rows as u32, 1),
-        block_dim: (cols, GDN_ROW_GROUPS, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: dk ≤ GDN_DK_MAX and dv ≤ GDN_DV_MAX (checked at upload), so a cluster has at most
-    // 4 CTAs (the portable limit is 8) and the grid's x is a multiple of it; state holds
-    // (max slot + 1)·hv·dk·dv floats, out rows·hv·dv, proj rows fused projections (conv dim +
-    // hv·dv + 2·hv floats each, proj_stride apart), mixed rows·conv dim.
-    unsafe { b.launch(launch) }.map_err(driver_err(name))?;
-    Ok(())
-}
-
 /// `x[b] = table[tok[b]]` (bf16 → f32) for width `h`, `rows` rows.
 pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize, rows: usize) -> Result<()> {
     let h32 = h as i32;
@@ -694,6 +574,7 @@ pub fn sample_advance(
     pos: u64,
     bt: Batch,
     best: Option<(u64, usize)>,
+    advance: bool,
 ) -> Result<()> {
     if best.is_some() && bt.rows != 1 {
         return Err(super::CudaError::Unsupported(format!(
@@ -703,6 +584,7 @@ pub fn sample_advance(
     }
     let v32 = v as i32;
     let (best, nbest) = best.map_or((0, 0), |(p, n)| (p, n as i32));
+    let advance = advance as i32;
     let mut b = g.launch_builder(g.kernels().get("sample_advance"));
     b.arg(&logits)
         .arg(&v32)
@@ -711,7 +593,8 @@ pub fn sample_advance(
         .arg(&pos)
         .arg(&bt.slots)
         .arg(&best)
-        .arg(&nbest);
+        .arg(&nbest)
+        .arg(&advance);
     // SAFETY: logits hold rows·v floats, params (max slot + 1)·WORDS u32, pos (max slot + 1) ints,
     // tok and slots rows ints; best, when given, 2·nbest floats (one row, checked above).
     unsafe { b.launch(cfg((bt.rows as u32, 1), 1024, 0)) }.map_err(driver_err("sample_advance"))?;

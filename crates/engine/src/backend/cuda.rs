@@ -1,7 +1,9 @@
 //! The CUDA backend: the weights and every sequence's state live on one GPU; a decode step
 //! runs all its rows as batched steps (a captured graph per batch size) and, without a
 //! repetition penalty, samples on the device so only token ids cross to the host. This is the
-//! only place that builds the device sampler's parameters.
+//! only place that builds the device sampler's parameters. With speculative decoding on, a step
+//! of one greedy sequence verifies the drafts its MTP layer made after the step before (see
+//! `deltamoe_model::gpu::GpuModel::verify`); other steps run plain.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,7 +14,10 @@ use deltamoe_model::gpu::{
     ExpertCache, GdnPrefill, GpuModel, GpuSeq, GpuSnapshot, OffloadStats, PrefillGemm,
 };
 use deltamoe_model::{Logits, Qwen3Hybrid};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
+use super::cpu::no_mtp_layer;
 use super::{wrong_backend, Backend, SavedState, StepRow};
 use crate::error::{no_such_sequence, EngineError, Result};
 use crate::sampler::SamplingParams;
@@ -22,6 +27,10 @@ use crate::sequence::SeqId;
 pub struct CudaBackend {
     gpu: GpuModel,
     seqs: BTreeMap<SeqId, GpuSeq>,
+    /// With speculative decoding: each sequence's drafts after its last token.
+    drafts: BTreeMap<SeqId, Vec<u32>>,
+    /// Benchmarks: each draft kept with this probability instead of by the rule, drawn here.
+    forced: Option<(f64, StdRng)>,
 }
 
 impl CudaBackend {
@@ -34,7 +43,8 @@ impl CudaBackend {
         max_seqs: usize,
         cache: ExpertCache,
     ) -> Result<CudaBackend> {
-        let gm = GpuModel::upload_with(model, gpu, cache).map_err(cuda_err)?;
+        let mut gm = GpuModel::upload_with(model, gpu, cache).map_err(cuda_err)?;
+        gm.upload_mtp(model.checkpoint()).map_err(cuda_err)?;
         CudaBackend::with_model(gm, max_ctx, max_seqs)
     }
 
@@ -45,6 +55,8 @@ impl CudaBackend {
         Ok(CudaBackend {
             gpu: gm,
             seqs: BTreeMap::new(),
+            drafts: BTreeMap::new(),
+            forced: None,
         })
     }
 
@@ -73,6 +85,7 @@ impl Backend for CudaBackend {
     }
 
     fn remove(&mut self, id: SeqId) {
+        self.drafts.remove(&id);
         if let Some(s) = self.seqs.remove(&id) {
             self.gpu.release(s);
         }
@@ -147,6 +160,65 @@ impl Backend for CudaBackend {
             next.extend(picked);
         }
         Ok(next)
+    }
+
+    fn set_speculative(&mut self, drafts: usize) -> Result<()> {
+        if drafts > 0 && !self.gpu.has_mtp() {
+            return Err(no_mtp_layer());
+        }
+        if !self.seqs.is_empty() {
+            return Err(EngineError::Input(
+                "speculative decoding is set before any sequence starts".into(),
+            ));
+        }
+        self.gpu.set_speculative(drafts).map_err(cuda_err)
+    }
+
+    fn force_acceptance(&mut self, p: f64) -> Result<()> {
+        self.forced = Some((p, StdRng::seed_from_u64(0)));
+        Ok(())
+    }
+
+    /// One greedy sequence with drafts verifies them; anything else steps plain (and its
+    /// drafts, made for the token it feeds now, are dropped).
+    fn speculate(&mut self, rows: &mut [StepRow]) -> Result<Vec<Vec<u32>>> {
+        let spec = self.gpu.speculative_drafts();
+        let on_device = |r: &StepRow| {
+            let p = r.sampler.params();
+            p.is_greedy() && p.repetition_penalty == 1.0
+        };
+        if spec == 0 || rows.len() != 1 || !on_device(&rows[0]) {
+            for r in rows.iter() {
+                self.drafts.remove(&r.id);
+            }
+            return Ok(self.step(rows)?.into_iter().map(|t| vec![t]).collect());
+        }
+        let row = &rows[0];
+        let mut drafts = self.drafts.remove(&row.id).unwrap_or_default();
+        drafts.truncate(row.drafts.min(spec));
+        let fed: Vec<u32> = std::iter::once(row.token).chain(drafts).collect();
+        let seq = self
+            .seqs
+            .get_mut(&row.id)
+            .ok_or_else(|| no_such_sequence(row.id))?;
+        let picks = self.gpu.verify(seq, &fed).map_err(cuda_err)?;
+        let kept = match &mut self.forced {
+            Some((p, rng)) => (0..fed.len() - 1)
+                .find(|_| rng.random::<f64>() >= *p)
+                .unwrap_or(fed.len() - 1),
+            None => fed[1..]
+                .iter()
+                .zip(&picks)
+                .take_while(|(d, p)| d == p)
+                .count(),
+        };
+        self.gpu
+            .commit(seq, fed.len(), kept + 1)
+            .map_err(cuda_err)?;
+        let out: Vec<u32> = fed[1..=kept].iter().copied().chain([picks[kept]]).collect();
+        let next = self.gpu.draft(seq, &out, spec).map_err(cuda_err)?;
+        self.drafts.insert(row.id, next);
+        Ok(vec![out])
     }
 
     fn set_gdn_prefill(&mut self, mode: GdnPrefill) {

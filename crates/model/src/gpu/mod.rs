@@ -8,7 +8,7 @@
 //! `[router | shared_expert_gate]`, and each expert's `[gate | up]`. Norm scales, conv kernels,
 //! `−exp(A_log)` and `dt_bias` stay f32; activations are f32 throughout.
 //!
-//! A decode step (see [`GpuModel::enqueue_step`]) feeds one token to each of B sequences and
+//! A decode step (see [`GpuModel::enqueue_pass`]) feeds one token to each of B sequences and
 //! runs every op on the GPU with a batch dimension: embedding, add+RMSNorm, fused projections,
 //! the GDN conv and delta-rule kernels, attention prep and split-K decode, router top-k, expert
 //! SwiGLU and down projections (all K experts of all B rows in one launch each), combine, final
@@ -42,10 +42,12 @@ mod host_experts;
 mod host_store;
 mod host_team;
 mod layers;
+mod mtp;
 mod offload;
 mod pool;
 mod prefill;
 mod random;
+mod speculative;
 mod synthetic;
 mod upload;
 
@@ -95,8 +97,12 @@ pub struct GpuModel {
     /// A step's inputs: token ids `[rows]` (overwritten with the next tokens), then slot
     /// indices `[rows]`.
     io: DevBuf<i32>,
-    /// The captured step per batch size (index B − 1).
-    graphs: Vec<Option<CudaGraph>>,
+    /// The captured passes per kind and row count.
+    graphs: Graphs,
+    /// The MTP layer, when uploaded for speculative decoding.
+    mtp: Option<mtp::GpuMtp>,
+    /// Drafts a speculative step verifies at most (0: off).
+    drafts: usize,
     /// Activations of a prefill pass (allocated by the first prefill).
     prefill: Option<layers::PrefillScratch>,
     prefill_gdn: GdnPrefill,
@@ -148,6 +154,39 @@ pub(crate) fn weights_err(e: CudaError) -> CudaError {
     }
 }
 
+/// The passes a graph is captured for: a decode step, a verify pass of speculative decoding, a
+/// pass of the MTP layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PassKind {
+    Step,
+    Verify,
+    Mtp,
+}
+
+/// The captured passes, per kind and row count (index rows − 1).
+#[derive(Default)]
+struct Graphs {
+    by_kind: [Vec<Option<CudaGraph>>; 3],
+}
+
+impl Graphs {
+    fn clear(&mut self) {
+        self.by_kind.iter_mut().for_each(Vec::clear);
+    }
+
+    fn get(&self, k: PassKind, rows: usize) -> Option<&CudaGraph> {
+        self.by_kind[k as usize].get(rows - 1)?.as_ref()
+    }
+
+    fn set(&mut self, k: PassKind, rows: usize, graph: Option<CudaGraph>) {
+        let v = &mut self.by_kind[k as usize];
+        if v.len() < rows {
+            v.resize_with(rows, || None);
+        }
+        v[rows - 1] = graph;
+    }
+}
+
 /// The device weights a [`GpuModel`] is assembled from.
 pub(crate) struct Parts {
     pub head: Head,
@@ -171,7 +210,9 @@ impl GpuModel {
             scratch,
             pool: None,
             io: gpu.zeros(2)?,
-            graphs: Vec::new(),
+            graphs: Graphs::default(),
+            mtp: None,
+            drafts: 0,
             prefill: None,
             prefill_gdn: GdnPrefill::default(),
             prefill_gemm: PrefillGemm::default(),
@@ -184,7 +225,11 @@ impl GpuModel {
     /// Size the scratch for batches of `rows` rows.
     fn set_rows(&mut self, rows: usize) -> Result<()> {
         self.graphs.clear();
-        self.scratch = Scratch::new(&self.gpu, &self.cfg, needs(&self.layers, rows), rows)?;
+        let mut n = needs(&self.layers, rows);
+        if let Some(m) = &self.mtp {
+            n = n.max(m.needs(self.hidden));
+        }
+        self.scratch = Scratch::new(&self.gpu, &self.cfg, n, rows)?;
         self.io = self.gpu.zeros(2 * rows)?;
         self.rows = rows;
         Ok(())
@@ -231,31 +276,7 @@ impl GpuModel {
         let b = rows.len();
         self.write_inputs(rows)?;
         let g = self.gpu.clone();
-        if self.graphs.len() < b {
-            self.graphs.resize_with(b, || None);
-        }
-        if self.graphs[b - 1].is_none() {
-            let stream = g.stream();
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(|e| unsupported(format!("graph capture: {e}")))?;
-            // Programmatic dependent launch between the step's kernels: each one's launch
-            // overlaps the end of the one before (see `cuda::launch`).
-            g.set_pdl(true);
-            let r = self.enqueue_step(b);
-            g.set_pdl(false);
-            let graph = stream
-                .end_capture(CUgraphInstantiate_flags(0))
-                .map_err(|e| unsupported(format!("graph capture: {e}")))?;
-            r?;
-            self.graphs[b - 1] = graph;
-        }
-        match &self.graphs[b - 1] {
-            Some(graph) => graph
-                .launch()
-                .map_err(|e| unsupported(format!("graph launch: {e}")))?,
-            None => self.enqueue_step(b)?,
-        }
+        self.run_pass(PassKind::Step, b)?;
         // The host computes the experts the step hands it, layer after layer, as it runs.
         let served = self.serve_host_experts(b);
         // The residency policy digests the previous step while this one runs; its swaps follow
@@ -377,7 +398,7 @@ impl GpuModel {
         let g = self.gpu.clone();
         let n = self.layers.len();
         let marks: Vec<_> = (0..2 * n + 3).map(|_| g.timer()).collect::<Result<_>>()?;
-        let st = self.step_ctx(b)?;
+        let st = self.step_ctx(b, PassKind::Step)?;
         g.mark(&marks[0])?;
         self.head
             .embed(&g, self.io.ptr(), self.scratch.x.ptr(), b)?;
@@ -413,9 +434,11 @@ impl GpuModel {
             .read_at(&self.scratch.logits, row * self.vocab, self.vocab)
     }
 
-    /// What the layers of a `b`-row step see.
-    fn step_ctx(&self, b: usize) -> Result<Step<'_>> {
+    /// What the layers of a `b`-row pass of kind `k` see (an MTP pass runs unfused at the MTP
+    /// layer's positions).
+    fn step_ctx(&self, b: usize, k: PassKind) -> Result<Step<'_>> {
         let pool = self.pool()?;
+        let mtp = k == PassKind::Mtp;
         Ok(Step {
             g: &self.gpu,
             s: &self.scratch,
@@ -423,17 +446,52 @@ impl GpuModel {
                 rows: b,
                 slots: self.io.at(self.rows),
             },
-            fused: self.fused(b),
+            fused: !mtp && self.fused(b),
+            verify: k != PassKind::Step,
             eps: self.eps,
             hidden: self.hidden,
-            pos: pool.pos.ptr(),
+            pos: if mtp {
+                pool.mtp_pos.ptr()
+            } else {
+                pool.pos.ptr()
+            },
             ctx: pool.ctx,
         })
     }
 
-    /// Enqueue a `b`-row step on the stream (eagerly or into a capture).
-    fn enqueue_step(&self, b: usize) -> Result<()> {
-        let st = self.step_ctx(b)?;
+    /// Run a `b`-row pass of kind `k` on the stream: its graph, captured on first use.
+    fn run_pass(&mut self, k: PassKind, b: usize) -> Result<()> {
+        let g = self.gpu.clone();
+        if self.graphs.get(k, b).is_none() {
+            let stream = g.stream();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| unsupported(format!("graph capture: {e}")))?;
+            // Programmatic dependent launch between the pass's kernels: each one's launch
+            // overlaps the end of the one before (see `cuda::launch`).
+            g.set_pdl(true);
+            let r = self.enqueue_pass(k, b);
+            g.set_pdl(false);
+            let graph = stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .map_err(|e| unsupported(format!("graph capture: {e}")))?;
+            r?;
+            self.graphs.set(k, b, graph);
+        }
+        match self.graphs.get(k, b) {
+            Some(graph) => graph
+                .launch()
+                .map_err(|e| unsupported(format!("graph launch: {e}"))),
+            None => self.enqueue_pass(k, b),
+        }
+    }
+
+    /// Enqueue a `b`-row pass of kind `k` on the stream (eagerly or into a capture).
+    fn enqueue_pass(&self, k: PassKind, b: usize) -> Result<()> {
+        let st = self.step_ctx(b, k)?;
+        if k == PassKind::Mtp {
+            return self.enqueue_mtp(&st);
+        }
         self.head.embed(st.g, self.io.ptr(), st.s.x.ptr(), b)?;
         for i in 0..self.layers.len() {
             self.enqueue_mixer(&st, i)?;
@@ -451,8 +509,9 @@ impl GpuModel {
             let delta = if i == 0 { 0 } else { st.s.delta.ptr() };
             st.add_norm(delta, l.input_norm.ptr())?;
         }
-        l.mixer
-            .decode(st, self.pool()?.state(i), l.input_norm.ptr())
+        let pool = self.pool()?;
+        let saved = if st.verify { pool.saved(i) } else { [0, 0] };
+        l.mixer.decode(st, pool.state(i), saved, l.input_norm.ptr())
     }
 
     /// The residual add + post norm (in the fused form the residual is whole, and the ffn
@@ -480,7 +539,7 @@ impl GpuModel {
         let picks = Picks {
             tokens: self.io.ptr(),
             sampling: pool.sampling.ptr(),
-            pos: pool.pos.ptr(),
+            pos: st.pos,
         };
         let normed = self.normed_by_previous(self.layers.len());
         self.head.decode(st, normed, picks)

@@ -5,8 +5,8 @@
 //! [`GpuModel::release`]. Snapshots copy a slot's state (the KV caches up to the position) into
 //! buffers of their own, and restore copies them into a free slot.
 
-use deltamoe_compute::cuda::ops::SampleParams;
-use deltamoe_compute::cuda::{CudaError, DevBuf};
+use deltamoe_compute::cuda::ops::{self, SampleParams};
+use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
 use super::layers::{State, StateSpec};
 use super::{GpuModel, Result};
@@ -23,14 +23,35 @@ pub(crate) struct Pool {
     pub pos: DevBuf<i32>,
     /// Sampling words per slot, `[slots, SampleParams::WORDS]` (see `ops::SampleParams::words`).
     pub sampling: DevBuf<u32>,
+    /// With speculative decoding: per layer, where a verify pass keeps its states after each
+    /// token but the last (one sequence's, `Mixer::saved_floats` per token and array).
+    saved: Vec<[DevBuf<f32>; 2]>,
+    /// With speculative decoding: the MTP layer's K and V caches (`[slots, ctx, row]`) and
+    /// positions per slot (the pairs each holds, set by the host before every MTP pass).
+    mtp: Option<([DevBuf<f32>; 2], StateSpec)>,
+    pub mtp_pos: DevBuf<i32>,
+    /// [`Pool::roll_back`]'s table of copies: (dst, src, floats) per GDN state array.
+    spans: DevBuf<u64>,
     free: Vec<usize>,
 }
 
-/// A sequence's slot in the pool and its position (mirroring the device counter).
+/// A sequence's slot in the pool and its position (mirroring the device counter); with
+/// speculative decoding, the pairs its MTP cache holds.
 #[derive(Debug)]
 pub struct GpuSeq {
     pub(crate) slot: usize,
     pub(crate) pos: usize,
+    pub(crate) mtp_pos: usize,
+}
+
+impl GpuSeq {
+    fn at(slot: usize, pos: usize) -> GpuSeq {
+        GpuSeq {
+            slot,
+            pos,
+            mtp_pos: 0,
+        }
+    }
 }
 
 impl GpuSeq {
@@ -63,22 +84,39 @@ fn layer_specs(m: &GpuModel, ctx: usize) -> Vec<StateSpec> {
     m.layers.iter().map(|l| l.mixer.state(ctx)).collect()
 }
 
+/// The MTP layer's state at context `ctx` when speculative decoding is on.
+fn mtp_spec(m: &GpuModel, ctx: usize) -> Option<StateSpec> {
+    let mtp = m.mtp.as_ref().filter(|_| m.drafts > 0)?;
+    Some(mtp.layer.mixer.state(ctx))
+}
+
 impl Pool {
     pub fn new(m: &GpuModel, slots: usize, ctx: usize) -> Result<Pool> {
         let g = &*m.gpu;
+        let arrays = |[a, b]: [usize; 2], n: usize| Ok([g.zeros(n * a)?, g.zeros(n * b)?]);
         let states = layer_specs(m, ctx)
             .into_iter()
-            .map(|spec| {
-                let [a, b] = spec.per_slot;
-                Ok(([g.zeros(slots * a)?, g.zeros(slots * b)?], spec))
-            })
+            .map(|spec| Ok((arrays(spec.per_slot, slots)?, spec)))
             .collect::<Result<_>>()?;
+        let saved = m
+            .layers
+            .iter()
+            .map(|l| arrays(l.mixer.saved_floats(ctx), m.drafts))
+            .collect::<Result<_>>()?;
+        let mtp = match mtp_spec(m, ctx) {
+            Some(spec) => Some((arrays(spec.per_slot, slots)?, spec)),
+            None => None,
+        };
         Ok(Pool {
             slots,
             ctx,
             states,
             pos: g.zeros(slots)?,
             sampling: g.zeros(slots * SampleParams::WORDS)?,
+            saved,
+            mtp,
+            mtp_pos: g.zeros(slots)?,
+            spans: g.zeros(3 * 2 * m.layers.len())?,
             free: (0..slots).rev().collect(),
         })
     }
@@ -87,6 +125,36 @@ impl Pool {
     pub fn state(&self, i: usize) -> State {
         let [a, b] = &self.states[i].0;
         [a.ptr(), b.ptr()]
+    }
+
+    /// Layer `i`'s arrays of a verify pass's kept states (base addresses).
+    pub fn saved(&self, i: usize) -> State {
+        let [a, b] = &self.saved[i];
+        [a.ptr(), b.ptr()]
+    }
+
+    /// The MTP layer's KV caches (base addresses), with speculative decoding on.
+    pub fn mtp_state(&self) -> Option<State> {
+        self.mtp.as_ref().map(|([a, b], _)| [a.ptr(), b.ptr()])
+    }
+
+    /// Copies the states a verify pass kept after its token `t` (not its last) into `slot`, in
+    /// one launch.
+    pub fn roll_back(&mut self, g: &Gpu, slot: usize, t: usize) -> Result<()> {
+        let mut table = Vec::new();
+        for ((arrays, spec), saved) in self.states.iter().zip(&self.saved) {
+            for j in 0..2 {
+                let per = spec.per_slot[j];
+                if spec.row.is_none() && saved[j].len() >= (t + 1) * per {
+                    let (dst, src) = (arrays[j].at(slot * per), saved[j].at(t * per));
+                    table.extend([dst, src, per as u64]);
+                }
+            }
+        }
+        g.write_at(&mut self.spans, 0, &table)?;
+        // SAFETY: each span is one slot's state array of a layer (dst) and one token's kept copy
+        // of it (src, within the saved array: checked above), of the same length.
+        unsafe { ops::gdn_restore(g, self.spans.ptr(), table.len() / 3) }
     }
 }
 
@@ -140,7 +208,8 @@ impl GpuModel {
             )));
         }
         self.pool = Some(Pool::new(self, slots, ctx)?);
-        self.set_rows(slots.min(super::MAX_BATCH))
+        // A verify pass runs a token and its drafts as rows.
+        self.set_rows(slots.min(super::MAX_BATCH).max(self.drafts + 1))
     }
 
     pub(crate) fn pool(&self) -> Result<&Pool> {
@@ -149,7 +218,7 @@ impl GpuModel {
             .ok_or_else(|| CudaError::Unsupported("no sequence state reserved".into()))
     }
 
-    fn pool_mut(&mut self) -> Result<&mut Pool> {
+    pub(crate) fn pool_mut(&mut self) -> Result<&mut Pool> {
         self.pool
             .as_mut()
             .ok_or_else(|| CudaError::Unsupported("no sequence state reserved".into()))
@@ -181,7 +250,7 @@ impl GpuModel {
             slot * SampleParams::WORDS,
             &SampleParams::default().words(0),
         )?;
-        Ok(GpuSeq { slot, pos: 0 })
+        Ok(GpuSeq::at(slot, 0))
     }
 
     /// Give the sequence's slot back.
@@ -237,10 +306,7 @@ impl GpuModel {
             slot * SampleParams::WORDS,
             &SampleParams::default().words(0),
         )?;
-        Ok(GpuSeq {
-            slot,
-            pos: snap.pos,
-        })
+        Ok(GpuSeq::at(slot, snap.pos))
     }
 
     /// How the step picks the sequence's next token (the draw counter restarts at 0).
@@ -268,10 +334,12 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Bytes of device state per sequence at `ctx` tokens.
+    /// Bytes of device state per sequence at `ctx` tokens (with speculative decoding, the MTP
+    /// layer's KV caches included).
     pub fn seq_bytes(&self, ctx: usize) -> usize {
         layer_specs(self, ctx)
             .iter()
+            .chain(&mtp_spec(self, ctx))
             .map(|s| s.per_slot[0] + s.per_slot[1])
             .sum::<usize>()
             * 4

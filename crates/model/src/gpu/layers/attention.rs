@@ -156,11 +156,11 @@ impl Mixer for AttnMixer {
         self.proj.params() + self.out.params()
     }
 
-    fn decode(&self, st: &Step, state: State, norm: u64) -> Result<()> {
+    fn decode(&self, st: &Step, state: State, _saved: State, norm: u64) -> Result<()> {
         let (g, s) = (st.g, st.s);
         st.input_projection(self.proj.mv(), norm, VecIo::default())?;
         let bufs = (s.proj.ptr(), s.q.ptr());
-        self.prep(g, bufs, (state, st.pos, st.ctx), st.bt, st.eps, false)?;
+        self.prep(g, bufs, (state, st.pos, st.ctx), st.bt, st.eps, st.verify)?;
         let [kc, vc] = state;
         ops::attn_decode(
             g,
@@ -177,6 +177,7 @@ impl Mixer for AttnMixer {
             ATTN_SPLITS,
             st.bt,
             st.ctx,
+            st.verify,
         )?;
         st.output_projection(self.out.mv())
     }

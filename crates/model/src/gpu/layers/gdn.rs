@@ -137,6 +137,48 @@ impl GdnMixer {
         self.dims.hv * self.dims.dk * self.dims.dv
     }
 
+    /// A verify pass's decode ([`Step::verify`]): the input projection, then the conv and the
+    /// delta rule over the pass's tokens in turn, keeping the states after each token but the
+    /// last in `saved`.
+    fn verify(&self, st: &Step, [conv, rec]: State, [sconv, srec]: State, norm: u64) -> Result<()> {
+        let (g, s, bt) = (st.g, st.s, st.bt);
+        let proj = self.proj.mv();
+        st.input_projection(proj, norm, VecIo::default())?;
+        if !st.fused {
+            let io = (s.normed.ptr(), s.proj.ptr(), s.mix_out.ptr());
+            self.fill_ba(g, io, bt.rows, |m, (x, y)| {
+                ops::matvec(g, m, x, y, st.row_slots(m.k))
+            })?;
+        }
+        let (c, k) = (self.conv_dim, self.kernel);
+        let mixed = s.mixed.ptr();
+        ops::gdn_conv_verify(
+            g,
+            s.proj.ptr(),
+            proj.n,
+            conv,
+            self.conv_w.ptr(),
+            mixed,
+            (c, k),
+            bt,
+            sconv,
+        )?;
+        let weights = (self.neg_a.ptr(), self.dt_bias.ptr(), self.norm_w.ptr());
+        let io = (mixed, s.proj.ptr(), proj.n);
+        ops::gdn_verify(
+            g,
+            io,
+            rec,
+            weights,
+            s.mix_out.ptr(),
+            self.dims,
+            st.eps,
+            bt,
+            srec,
+        )?;
+        st.output_projection(self.out.mv())
+    }
+
     /// Writes `[b | a]` of `rows` input rows (`x`, rows `xs` floats apart) into their columns
     /// of the projection rows at `proj`, through `tmp` (rows·2Hv floats), when they are
     /// stored apart ([`Self::ba`]); `mv` runs the product.
@@ -238,9 +280,12 @@ impl Mixer for GdnMixer {
         self.proj.params() + self.out.params() + self.ba.as_ref().map_or(0, DevMat::params)
     }
 
-    fn decode(&self, st: &Step, [conv, rec]: State, norm: u64) -> Result<()> {
+    fn decode(&self, st: &Step, [conv, rec]: State, saved: State, norm: u64) -> Result<()> {
         let (g, s, bt) = (st.g, st.s, st.bt);
         let proj = self.proj.mv();
+        if st.verify {
+            return self.verify(st, [conv, rec], saved, norm);
+        }
         if st.fused && bt.rows == 1 {
             // The conv step rides on the input projection's output rows.
             let io = VecIo {

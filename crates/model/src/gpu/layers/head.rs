@@ -105,6 +105,7 @@ impl Head {
             out.pos,
             st.bt,
             best,
+            !st.verify,
         )
     }
 

@@ -55,6 +55,11 @@ pub(crate) struct Step<'a> {
     pub bt: Batch,
     /// The fused one-row form (see [`super`]'s doc).
     pub fused: bool,
+    /// A verify pass of speculative decoding: the rows are consecutive tokens of the one
+    /// sequence in slot `bt.slots[0]` (row r at position pos + r), each bitwise its decode step;
+    /// GDN layers keep the states after each token but the last (see [`Mixer::decode`]) and
+    /// nothing advances the position.
+    pub verify: bool,
     pub eps: f32,
     pub hidden: usize,
     /// Positions per slot `[slots]` and the slots' context.
@@ -265,8 +270,19 @@ pub(crate) trait Mixer {
     /// Weights one token multiplies.
     fn params(&self) -> usize;
     /// Enqueue a decode step: from `normed` (or the residual, fused, with the input norm
-    /// `norm`) to `delta` (or added into the residual, fused).
-    fn decode(&self, st: &Step, state: State, norm: u64) -> Result<()>;
+    /// `norm`) to `delta` (or added into the residual, fused). A verify pass ([`Step::verify`])
+    /// leaves the states after each of its tokens but the last in `saved` (its state arrays for
+    /// one sequence, [`Mixer::saved_floats`] floats a token).
+    fn decode(&self, st: &Step, state: State, saved: State, norm: u64) -> Result<()>;
+    /// Floats of its two state arrays a verify pass keeps per token: a recurrent state's whole
+    /// slot; nothing for KV caches, whose rows past the kept tokens are simply not advanced.
+    fn saved_floats(&self, ctx: usize) -> [usize; 2] {
+        let spec = self.state(ctx);
+        match spec.row {
+            Some(_) => [0, 0],
+            None => spec.per_slot,
+        }
+    }
     /// A prefill pass: `normed` rows to `delta` rows, advancing the slot's state.
     fn prefill(&self, p: &Pass, state: State) -> Result<()>;
 }
