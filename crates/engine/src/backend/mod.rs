@@ -82,26 +82,12 @@ pub trait Backend {
 
     /// Speculative decoding with the model's MTP layer drafting up to `drafts` tokens a step
     /// (0: off), set before any sequence starts; later prefills keep what drafting needs.
-    fn set_speculative(&mut self, drafts: usize) -> Result<()> {
-        if drafts == 0 {
-            return Ok(());
-        }
-        Err(EngineError::Input(format!(
-            "--speculative-tokens runs on the CPU backend only for now, not on {}: leave it out \
-             or use --device cpu",
-            self.name()
-        )))
-    }
+    fn set_speculative(&mut self, drafts: usize) -> Result<()>;
 
     /// For benchmarks of models whose drafts agree with nothing (random weights): each draft is
     /// kept with probability `p` whatever the model says, the next token being the model's pick
     /// after the kept ones. Costs as real speculative steps do; the tokens mean nothing.
-    fn force_acceptance(&mut self, _p: f64) -> Result<()> {
-        Err(EngineError::Input(format!(
-            "--acceptance runs on the CPU backend only for now, not on {}",
-            self.name()
-        )))
-    }
+    fn force_acceptance(&mut self, p: f64) -> Result<()>;
 
     /// Feeds each row's token to its sequence, verifies up to `row.drafts` drafts after it in
     /// the same pass, and returns each row's kept drafts followed by its next token. The state
