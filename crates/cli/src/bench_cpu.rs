@@ -148,7 +148,7 @@ fn pass_costs(model: &mut GpuModel, n: usize, prompt: &[u32], ctx: usize) -> Res
         }
         Ok(t.elapsed().as_secs_f64() / 20.0)
     };
-    let verify = mean(&mut || Ok(model.verify(&seq, &fed).map(|_| ())?))?;
+    let verify = mean(&mut || Ok(model.verify(&mut seq, &fed).map(|_| ())?))?;
     let draft = mean(&mut || Ok(model.draft(&mut seq, &fed[..1], n).map(|_| ())?))?;
     model.release(seq);
     Ok([verify, draft])

@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_engine::sampler::SamplingParams;
-use deltamoe_engine::{generate, Engine, GenerateRequest};
+use deltamoe_engine::scheduler::{Event, Request, Scheduler};
+use deltamoe_engine::{generate, Engine, GenerateRequest, SchedulerConfig};
 use deltamoe_model::convert::{convert, ConvertOptions};
 use deltamoe_model::gpu::GpuModel;
 use deltamoe_model::{Logits, Qwen3Hybrid};
@@ -47,8 +48,14 @@ fn cuda_verify_rows_are_decode_steps_and_commits_roll_back_exactly() {
         gm.set_speculative(3).unwrap();
         let prompt: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % vocab).collect();
         let (mut spec, mut plain) = (gm.new_seq().unwrap(), gm.new_seq().unwrap());
-        gm.prefill(&mut spec, &prompt, Logits::Last, 64).unwrap();
+        // In two parts: the pair across them is carried.
+        gm.prefill(&mut spec, &prompt, Logits::Last, 6).unwrap();
         gm.prefill(&mut plain, &prompt, Logits::Last, 64).unwrap();
+        assert_eq!(
+            spec.mtp_pairs(),
+            prompt.len() - 1,
+            "{name}: the prompt's pairs"
+        );
         let mut tok = 7u32;
         for cycle in 0..24usize {
             // Drafts of every count, arbitrary tokens; a kept prefix of every length.
@@ -56,7 +63,7 @@ fn cuda_verify_rows_are_decode_steps_and_commits_roll_back_exactly() {
             let fed: Vec<u32> = std::iter::once(tok)
                 .chain((0..n).map(|j| ((cycle * 101 + j * 13) as u32) % vocab))
                 .collect();
-            let picks = gm.verify(&spec, &fed).unwrap();
+            let picks = gm.verify(&mut spec, &fed).unwrap();
             let rows: Vec<Vec<f32>> = (0..fed.len()).map(|r| gm.logits(r).unwrap()).collect();
             let kept = (cycle * 7) % (n + 1);
             for (r, &t) in fed.iter().enumerate().take(kept + 1) {
@@ -70,10 +77,18 @@ fn cuda_verify_rows_are_decode_steps_and_commits_roll_back_exactly() {
             }
             gm.commit(&mut spec, fed.len(), kept + 1).unwrap();
             assert_eq!(spec.pos(), plain.pos());
+            let pairs = spec.mtp_pairs();
             let out: Vec<u32> = fed[1..=kept].iter().copied().chain([picks[kept]]).collect();
             // Drafting runs the MTP layer and leaves the main state alone.
             let drafts = gm.draft(&mut spec, &out, 3).unwrap();
             assert_eq!(drafts.len(), 3);
+            // The kept pairs join the MTP cache (the first cycle's with the prompt's last).
+            let carried = usize::from(cycle == 0);
+            assert_eq!(
+                spec.mtp_pairs(),
+                pairs + out.len() + carried,
+                "{name}: cycle {cycle}"
+            );
             tok = picks[kept];
         }
         gm.release(spec);
@@ -109,5 +124,68 @@ fn cuda_speculative_greedy_output_is_plain_greedy_output() {
             assert_eq!(got, plain, "{name}, N = {n}");
             eprintln!("{name}, N = {n}: {stats:?}");
         }
+    }
+}
+
+/// Under the scheduler (steps of several sequences run plain, of one speculatively; the second
+/// round from the prompt cache's snapshots) every request's greedy tokens are its plain ones.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_the_scheduler_mixes_speculative_and_plain_steps_exactly() {
+    let gpu = Arc::new(Gpu::new(0).unwrap());
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = mlx4(FIXTURES[0], tmp.path());
+    let greedy = SamplingParams::default();
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..9 + i).map(|j| (j * 31 + 7 * i + 5) % 512).collect())
+        .collect();
+    let engine = |drafts: usize| {
+        let model = Qwen3Hybrid::load(&dir).unwrap();
+        let mut e = Engine::new_cuda(model, gpu.clone(), 512, 3).unwrap();
+        e.set_speculative(drafts).unwrap();
+        e
+    };
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let req = GenerateRequest {
+                prompt: p,
+                max_tokens: 24,
+                sampling: greedy.clone(),
+                eos: &[],
+                prefill_chunk: None,
+            };
+            generate(&mut engine(0), &req, |_| Ok(true)).unwrap().0
+        })
+        .collect();
+    let e = engine(2);
+    let cfg = SchedulerConfig {
+        max_seqs: 3,
+        prefill_chunk: 4,
+        checkpoint_every: 4,
+        cache_bytes: 1 << 28,
+        max_context: e.max_context(),
+    };
+    let mut s = Scheduler::new(e, cfg);
+    for round in 0..2 {
+        for p in &prompts {
+            s.submit(Request {
+                prompt: p.clone(),
+                sampling: greedy.clone(),
+                max_tokens: 24,
+                stop_ids: Vec::new(),
+            });
+        }
+        let mut got: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+        while !s.is_idle() {
+            for (id, ev) in s.step() {
+                assert!(!matches!(ev, Event::Failed(_)), "{ev:?}");
+                if let Event::Token(t) = ev {
+                    got.entry(id.0).or_default().push(t);
+                }
+            }
+        }
+        let got: Vec<Vec<u32>> = got.into_values().collect();
+        assert_eq!(got, want, "round {round}");
     }
 }

@@ -117,6 +117,8 @@ impl Backend for CudaBackend {
         which: Logits,
     ) -> Result<Vec<f32>> {
         let st = self.seqs.get_mut(&id).ok_or_else(|| no_such_sequence(id))?;
+        // Drafts made after the sequence's last token do not follow these.
+        self.drafts.remove(&id);
         self.gpu.prefill(st, tokens, which, chunk).map_err(cuda_err)
     }
 

@@ -103,6 +103,9 @@ pub struct GpuModel {
     mtp: Option<mtp::GpuMtp>,
     /// Drafts a speculative step verifies at most (0: off).
     drafts: usize,
+    /// Hidden rows of a prefill pass's pairs for the MTP layer (allocated by the first prefill
+    /// with speculative decoding on).
+    mtp_rows: Option<DevBuf<f32>>,
     /// Activations of a prefill pass (allocated by the first prefill).
     prefill: Option<layers::PrefillScratch>,
     prefill_gdn: GdnPrefill,
@@ -213,6 +216,7 @@ impl GpuModel {
             graphs: Graphs::default(),
             mtp: None,
             drafts: 0,
+            mtp_rows: None,
             prefill: None,
             prefill_gdn: GdnPrefill::default(),
             prefill_gemm: PrefillGemm::default(),
@@ -287,6 +291,8 @@ impl GpuModel {
         };
         for (seq, _) in rows.iter_mut() {
             seq.pos += 1;
+            // The MTP layer does not see a plain step's pair.
+            seq.mtp_carry = false;
         }
         let next = g.read(&self.io, b)?.into_iter().map(|t| t as u32).collect();
         let failed = self.host_experts_failed();

@@ -15,7 +15,7 @@ use super::layers::attention::AttnMixer;
 use super::layers::dense::DenseFfn;
 use super::layers::head::Head;
 use super::layers::moe::MoeFfn;
-use super::layers::{FfnIo, FfnMade, GpuLayer, Needs, State, Step};
+use super::layers::{pass_mv, FfnIo, FfnMade, GpuLayer, Needs, Pass, State, Step};
 use super::random::Filler;
 use crate::checkpoint::Mtp;
 use crate::config::{FfnKind, ModelConfig};
@@ -75,14 +75,43 @@ impl GpuMtp {
         })
     }
 
-    /// Scratch its pass needs: `[embedding ; hidden]` rows in `proj`, and the layer's own.
+    /// Scratch its passes need: `[embedding ; hidden]` rows in `proj`, and the layer's own.
     pub fn needs(&self, hidden: usize) -> Needs {
         let l = &self.layer;
         let own = Needs {
             proj: 2 * hidden,
             ..Needs::default()
         };
-        own.max(l.mixer.needs(1)).max(l.ffn.needs())
+        let fc = Needs::products(&[(self.fc.mv(), false)]);
+        own.max(fc).max(l.mixer.needs(1)).max(l.ffn.needs())
+    }
+
+    /// A prefill pass over `p.t` pairs, for their rows of the layer's KV caches only (`state`):
+    /// the embeddings of the tokens at `tokens` and the hidden states at `hidden` (`p.t` rows
+    /// each), `[embedding ; hidden]` normalized into `proj`, `fc`, the input norm and the
+    /// attention; its output, the ffn and the head are not needed.
+    pub fn prefill(
+        &self,
+        p: &Pass,
+        head: &Head,
+        (tokens, hidden): (u64, u64),
+        state: State,
+    ) -> Result<()> {
+        let (g, ps, t, h) = (p.g, p.ps, p.t, p.hidden);
+        let (x, delta, cat) = (ps.x.ptr(), ps.delta.ptr(), ps.proj.ptr());
+        // Each half normalized into `delta`, then laid into its columns of the rows of `cat`.
+        let half = |src: u64, scale: u64, col: usize| -> Result<()> {
+            ops::add_rmsnorm(g, src, 0, scale, delta, t, h, p.eps)?;
+            // SAFETY: delta holds t rows of h floats; cat (proj) t rows of at least 2h.
+            unsafe { g.copy_rows_f32((cat + (4 * col) as u64, 2 * h), (delta, h), h, t) }
+        };
+        half(hidden, self.hidden_norm.ptr(), h)?;
+        head.embed(g, tokens, x, t)?;
+        half(x, self.embed_norm.ptr(), 0)?;
+        pass_mv(p, self.fc.mv(), (cat, x), 2 * h, false)?;
+        let l = &self.layer;
+        ops::add_rmsnorm(g, x, 0, l.input_norm.ptr(), ps.normed.ptr(), t, h, p.eps)?;
+        l.mixer.prefill(p, state)
     }
 
     /// Enqueue a pass over `st.rows()` pairs: the tokens at `io.tokens` (looked up in `head`'s

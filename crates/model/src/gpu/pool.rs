@@ -30,18 +30,25 @@ pub(crate) struct Pool {
     /// positions per slot (the pairs each holds, set by the host before every MTP pass).
     mtp: Option<([DevBuf<f32>; 2], StateSpec)>,
     pub mtp_pos: DevBuf<i32>,
+    /// With speculative decoding: per slot, the final hidden state a prefill's last token left
+    /// for the MTP layer's next pair (`[slots, H]`).
+    pub mtp_carry: DevBuf<f32>,
     /// [`Pool::roll_back`]'s table of copies: (dst, src, floats) per GDN state array.
     spans: DevBuf<u64>,
     free: Vec<usize>,
 }
 
 /// A sequence's slot in the pool and its position (mirroring the device counter); with
-/// speculative decoding, the pairs its MTP cache holds.
+/// speculative decoding, the pairs its MTP cache holds, whether the final hidden state of its
+/// last prompt token waits in the pool's `mtp_carry` for the token after it, and that token
+/// once a verify pass has fed it.
 #[derive(Debug)]
 pub struct GpuSeq {
     pub(crate) slot: usize,
     pub(crate) pos: usize,
     pub(crate) mtp_pos: usize,
+    pub(crate) mtp_carry: bool,
+    pub(crate) carry_token: Option<u32>,
 }
 
 impl GpuSeq {
@@ -50,6 +57,8 @@ impl GpuSeq {
             slot,
             pos,
             mtp_pos: 0,
+            mtp_carry: false,
+            carry_token: None,
         }
     }
 }
@@ -58,6 +67,11 @@ impl GpuSeq {
     /// Tokens the sequence has seen.
     pub fn pos(&self) -> usize {
         self.pos
+    }
+
+    /// Pairs (final hidden state, next token) its MTP cache holds.
+    pub fn mtp_pairs(&self) -> usize {
+        self.mtp_pos
     }
 }
 
@@ -103,6 +117,11 @@ impl Pool {
             .iter()
             .map(|l| arrays(l.mixer.saved_floats(ctx), m.drafts))
             .collect::<Result<_>>()?;
+        let carry = if mtp_spec(m, ctx).is_some() {
+            slots * m.hidden
+        } else {
+            1
+        };
         let mtp = match mtp_spec(m, ctx) {
             Some(spec) => Some((arrays(spec.per_slot, slots)?, spec)),
             None => None,
@@ -116,6 +135,7 @@ impl Pool {
             saved,
             mtp,
             mtp_pos: g.zeros(slots)?,
+            mtp_carry: g.zeros(carry)?,
             spans: g.zeros(3 * 2 * m.layers.len())?,
             free: (0..slots).rev().collect(),
         })
@@ -343,6 +363,7 @@ impl GpuModel {
             .map(|s| s.per_slot[0] + s.per_slot[1])
             .sum::<usize>()
             * 4
+            + mtp_spec(self, ctx).map_or(0, |_| 4 * self.hidden)
             + 8 * 4
     }
 }

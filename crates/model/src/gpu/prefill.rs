@@ -52,7 +52,10 @@ impl GpuModel {
         let need = c.min(tokens.len()).max(1);
         if self.prefill.as_ref().is_none_or(|p| p.rows < need) {
             self.prefill = None;
-            let needs = needs(&self.layers, need);
+            let mut needs = needs(&self.layers, need);
+            if let Some(m) = &self.mtp {
+                needs = needs.max(m.needs(self.hidden));
+            }
             self.prefill = Some(PrefillScratch::new(&self.gpu, &self.cfg, needs, need)?);
         }
         let Some(mut ps) = self.prefill.take() else {
@@ -112,9 +115,17 @@ impl GpuModel {
             let stage: &Stager = &|ids: &DevBuf<i32>, pairs| self.stage_experts(i, ids, pairs);
             l.ffn.prefill(&p, stage)?;
         }
-        // Final norm + lm_head for the wanted rows only.
+        // Final norm + lm_head for the wanted rows only; with speculative decoding every row's
+        // final hidden state, which the MTP layer takes with the next token.
+        let mtp = self.drafts > 0 && self.mtp.is_some();
+        if mtp {
+            self.rows_norm(ps, ps.delta.ptr(), self.head.final_norm(), t)?;
+        }
         self.head
-            .prefill_logits(&g, ps, (t, self.eps), which, out)?;
+            .prefill_logits(&g, ps, (t, self.eps, mtp), which, out)?;
+        if mtp {
+            self.mtp_prefill(ps, seq, t)?;
+        }
         seq.pos += t;
         let pos = seq.pos as i32;
         let pool = self
@@ -126,7 +137,13 @@ impl GpuModel {
     }
 
     /// `x += delta` (when delta ≠ 0), `normed = rmsnorm(x)·scale` over `t` rows.
-    fn rows_norm(&self, ps: &PrefillScratch, delta: u64, scale: u64, t: usize) -> Result<()> {
+    pub(super) fn rows_norm(
+        &self,
+        ps: &PrefillScratch,
+        delta: u64,
+        scale: u64,
+        t: usize,
+    ) -> Result<()> {
         deltamoe_compute::cuda::ops::add_rmsnorm(
             &self.gpu,
             ps.x.ptr(),

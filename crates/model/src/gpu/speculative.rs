@@ -12,7 +12,7 @@
 use deltamoe_compute::cuda::vec::VEC_MAX_ROWS;
 use deltamoe_compute::cuda::CudaError;
 
-use super::layers::head::Picks;
+use super::layers::{self, head::Picks};
 use super::mtp::{GpuMtp, MtpIo};
 use super::pool::GpuSeq;
 use super::random::Filler;
@@ -106,7 +106,7 @@ impl GpuModel {
     /// The verify pass: feeds `tokens` (the sequence's next token and its drafts) at positions
     /// `seq.pos …` in one pass and returns the greedy pick after each. Keeps what
     /// [`Self::commit`] needs; the position does not move until then.
-    pub fn verify(&mut self, seq: &GpuSeq, tokens: &[u32]) -> Result<Vec<u32>> {
+    pub fn verify(&mut self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<Vec<u32>> {
         let r = tokens.len();
         if r == 0 || r > self.drafts + 1 {
             return Err(unsupported(format!(
@@ -122,6 +122,11 @@ impl GpuModel {
         }
         self.write_pass(seq.slot, tokens)?;
         self.run_pass(PassKind::Verify, r)?;
+        if seq.mtp_carry {
+            // The prompt's last hidden state pairs with this pass's first token.
+            seq.mtp_carry = false;
+            seq.carry_token = Some(tokens[0]);
+        }
         Ok(self
             .gpu
             .read(&self.io, r)?
@@ -159,10 +164,23 @@ impl GpuModel {
                 self.drafts
             )));
         }
-        if seq.mtp_pos + k + n > self.context() {
+        if seq.mtp_pos + k + n + 1 > self.context() {
             return Ok(Vec::new());
         }
-        self.write_pass(seq.slot, tokens)?;
+        let carried = match seq.carry_token.take() {
+            Some(t) if k < self.rows => Some(t),
+            _ => None,
+        };
+        let pairs: Vec<u32> = carried
+            .iter()
+            .copied()
+            .chain(tokens.iter().copied())
+            .collect();
+        if carried.is_some() {
+            self.put_carry_first(seq.slot, k)?;
+        }
+        let k = pairs.len();
+        self.write_pass(seq.slot, &pairs)?;
         self.mtp_pass(seq.slot, seq.mtp_pos, k)?;
         seq.mtp_pos += k;
         let mut drafts = vec![self.last_pick(k)?];
@@ -181,6 +199,84 @@ impl GpuModel {
             drafts.push(self.last_pick(1)?);
         }
         Ok(drafts)
+    }
+
+    /// Moves the `k` hidden rows in `normed` down one row and puts the slot's carried prompt
+    /// hidden state first.
+    fn put_carry_first(&self, slot: usize, k: usize) -> Result<()> {
+        let (h, normed) = (self.hidden, &self.scratch.normed);
+        let carry = self.pool()?.mtp_carry.at(slot * h);
+        for r in (0..k).rev() {
+            // SAFETY: rows r and r + 1 < self.rows of normed (k < rows, checked by the caller).
+            unsafe {
+                self.gpu
+                    .copy_rows_f32((normed.at((r + 1) * h), h), (normed.at(r * h), h), h, 1)?
+            };
+        }
+        // SAFETY: carry is the slot's row of mtp_carry, normed's row 0 apart from it.
+        unsafe { self.gpu.copy_rows_f32((normed.ptr(), h), (carry, h), h, 1) }
+    }
+
+    /// A prefill pass's part for the MTP layer (after the layers, `normed` holding every row's
+    /// final hidden state): the pairs of each hidden state with the token after it — the carried
+    /// one of the part before with this part's first token, then within the part — join the MTP
+    /// cache; the part's last hidden state is carried to the next part or the first decode step.
+    pub(super) fn mtp_prefill(
+        &mut self,
+        ps: &layers::PrefillScratch,
+        seq: &mut GpuSeq,
+        t: usize,
+    ) -> Result<()> {
+        let h = self.hidden;
+        if self.mtp_rows.as_ref().is_none_or(|b| b.len() < ps.rows * h) {
+            self.mtp_rows = Some(self.gpu.zeros(ps.rows * h)?);
+        }
+        let g = self.gpu.clone();
+        g.write_at(
+            &mut self.pool_mut()?.mtp_pos,
+            seq.slot,
+            &[seq.mtp_pos as i32],
+        )?;
+        let (Some(rows), Some(m)) = (&self.mtp_rows, &self.mtp) else {
+            return Err(unsupported("speculative decoding is off".into()));
+        };
+        let g = &*g;
+        let pool = self.pool()?;
+        let Some(state) = pool.mtp_state() else {
+            return Err(unsupported("speculative decoding is off".into()));
+        };
+        let carry = pool.mtp_carry.at(seq.slot * h);
+        let c = usize::from(seq.mtp_carry);
+        // SAFETY: rows holds ps.rows ≥ t rows of h floats; carry is one row of mtp_carry; normed
+        // holds t rows. The pairs' hidden rows: the carried one, then rows 0 … t − 2.
+        unsafe {
+            if c == 1 {
+                g.copy_rows_f32((rows.ptr(), h), (carry, h), h, 1)?;
+            }
+            g.copy_rows_f32((rows.at(c * h), h), (ps.normed.ptr(), h), h, t - 1)?;
+            g.copy_rows_f32((carry, h), (ps.normed.at((t - 1) * h), h), h, 1)?;
+        }
+        let pairs = t - 1 + c;
+        if pairs > 0 {
+            let p = layers::Pass {
+                g,
+                ps,
+                t: pairs,
+                slot: seq.slot,
+                pos0: seq.mtp_pos,
+                eps: self.eps,
+                hidden: h,
+                pos: pool.mtp_pos.ptr(),
+                ctx: pool.ctx,
+                gdn: self.prefill_gdn,
+                gemm: self.prefill_gemm,
+            };
+            let tokens = ps.tok.at(1 - c);
+            m.prefill(&p, &self.head, (tokens, rows.ptr()), state)?;
+            seq.mtp_pos += pairs;
+        }
+        seq.mtp_carry = true;
+        Ok(())
     }
 
     /// An MTP pass of `rows` pairs from MTP position `pos` of `slot`.

@@ -109,14 +109,14 @@ impl Head {
         )
     }
 
-    /// A prefill pass's logits: final norm (joining `delta` to the residual `x`) and lm_head for
-    /// the rows `which` wants of `t`, `LOGIT_ROWS` at a time; appended to `out` (All) or left as
-    /// `out` (Last).
+    /// A prefill pass's logits: final norm (joining `delta` to the residual `x`, unless `joined`
+    /// says it was) and lm_head for the rows `which` wants of `t`, `LOGIT_ROWS` at a time;
+    /// appended to `out` (All) or left as `out` (Last).
     pub fn prefill_logits(
         &self,
         g: &Gpu,
         ps: &PrefillScratch,
-        (t, eps): (usize, f32),
+        (t, eps, joined): (usize, f32, bool),
         which: Logits,
         out: &mut Vec<f32>,
     ) -> Result<()> {
@@ -128,7 +128,8 @@ impl Head {
         };
         while r0 < t {
             let n = (t - r0).min(LOGIT_ROWS);
-            let (xr, dr, nr) = (x.at(r0 * h), delta.at(r0 * h), normed.at(r0 * h));
+            let dr = if joined { 0 } else { delta.at(r0 * h) };
+            let (xr, nr) = (x.at(r0 * h), normed.at(r0 * h));
             ops::add_rmsnorm(g, xr, dr, self.final_norm.ptr(), nr, n, h, eps)?;
             rows_mv(g, self.lm_head.mv(), (nr, logits.ptr()), n, h, false)?;
             let got = g.read(logits, n * v)?;
