@@ -44,6 +44,9 @@ impl GpuModel {
     /// for it (dropping its sequences): verify passes keep GDN states per draft, and every slot
     /// gets the MTP layer's KV caches.
     pub fn set_speculative(&mut self, drafts: usize) -> Result<()> {
+        if drafts == self.drafts {
+            return Ok(());
+        }
         if drafts > 0 {
             self.speculation_refused(drafts)?;
         }
