@@ -7,6 +7,7 @@ pub mod convert;
 pub mod error;
 pub mod expert_store;
 pub mod fp8;
+pub mod gguf;
 pub mod gptq;
 pub mod gpu;
 pub mod host_memory;
