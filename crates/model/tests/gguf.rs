@@ -107,3 +107,30 @@ fn malformed_files_are_refused_by_name() {
     assert!(open_err(&tiny(3, 0, &[4], 16)[..30]).contains("truncated"));
     assert!(open_err(&tiny(3, 8, &[48], 64)).contains("blocks"));
 }
+
+/// llama.cpp's converter output (`scripts/make_gguf_fixtures.py`, Q8_0) gives the config of the
+/// HF fixture it was made from.
+#[test]
+fn configs_of_converted_fixtures_are_their_hf_configs() {
+    use deltamoe_model::config::ModelConfig;
+    use deltamoe_model::gguf::config::config;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    for name in ["qwen3_5_moe", "qwen3_5_dense", "mtp_qwen3_5_moe"] {
+        let f = GgufFile::open(&root.join(format!("gguf/{name}.q8_0.gguf"))).unwrap();
+        let got = config(&f).unwrap();
+        let want = ModelConfig::from_dir(&root.join(name)).unwrap();
+        // The GGUF keeps one end-of-sequence id (the tokenizer's), the HF files list more.
+        assert!(
+            want.eos_token_ids.is_empty() || want.eos_token_ids.contains(&got.eos_token_ids[0]),
+            "{name}: {:?} {:?}",
+            got.eos_token_ids,
+            want.eos_token_ids
+        );
+        let got = ModelConfig {
+            eos_token_ids: want.eos_token_ids.clone(),
+            model_type: want.model_type.clone(),
+            ..got
+        };
+        assert_eq!(format!("{got:?}"), format!("{want:?}"), "{name}");
+    }
+}

@@ -6,6 +6,7 @@
 //! `general.alignment` (default 32), each tensor at its offset from there.
 
 pub mod blocks;
+pub mod config;
 
 use std::collections::BTreeMap;
 use std::fs::File;
