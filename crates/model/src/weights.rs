@@ -233,6 +233,38 @@ impl WeightStore {
         Ok(())
     }
 
+    /// A store of tensors already in memory (named as this store normalises them, in `layout`),
+    /// read from `file`: the tensors of another format mapped to these names.
+    pub fn from_tensors(
+        file: &Path,
+        tensors: Vec<(String, Tensor)>,
+        layout: Layout,
+    ) -> WeightStore {
+        let entries = tensors
+            .into_iter()
+            .map(|(name, t)| {
+                let e = Entry {
+                    tensor: Stored::Float(t),
+                    stored: name.clone(),
+                    file: file.to_path_buf(),
+                    offset: 0,
+                    len: 0,
+                };
+                (name, e)
+            })
+            .collect();
+        WeightStore {
+            dir: file.to_path_buf(),
+            entries,
+            file_prefix: None,
+            synthetic: None,
+            quant: None,
+            fp8: None,
+            gptq: None,
+            layout,
+        }
+    }
+
     /// A store that makes a random tensor (seeded by `seed` and the tensor's name) for every
     /// lookup, in `dtype`: a model of any config without files, for benchmarks.
     pub fn synthetic(dtype: DType, seed: u64) -> WeightStore {

@@ -108,15 +108,20 @@ fn malformed_files_are_refused_by_name() {
     assert!(open_err(&tiny(3, 8, &[48], 64)).contains("blocks"));
 }
 
-/// llama.cpp's converter output (`scripts/make_gguf_fixtures.py`, Q8_0) gives the config of the
-/// HF fixture it was made from.
+/// llama.cpp's converter output (`scripts/make_gguf_fixtures.py`) gives the config of the HF
+/// fixture it was made from.
 #[test]
 fn configs_of_converted_fixtures_are_their_hf_configs() {
     use deltamoe_model::config::ModelConfig;
     use deltamoe_model::gguf::config::config;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    for name in ["qwen3_5_moe", "qwen3_5_dense", "mtp_qwen3_5_moe"] {
-        let f = GgufFile::open(&root.join(format!("gguf/{name}.q8_0.gguf"))).unwrap();
+    for file in [
+        "qwen3_5_moe.q8_0",
+        "qwen3_5_dense.f32",
+        "mtp_qwen3_5_moe.f32",
+    ] {
+        let name = file.split('.').next().unwrap();
+        let f = GgufFile::open(&root.join(format!("gguf/{file}.gguf"))).unwrap();
         let got = config(&f).unwrap();
         let want = ModelConfig::from_dir(&root.join(name)).unwrap();
         // The GGUF keeps one end-of-sequence id (the tokenizer's), the HF files list more.
@@ -132,5 +137,47 @@ fn configs_of_converted_fixtures_are_their_hf_configs() {
             ..got
         };
         assert_eq!(format!("{got:?}"), format!("{want:?}"), "{name}");
+    }
+}
+
+/// An F32 GGUF from llama.cpp's converter, mapped back (names, layout, value-head order, `A_log`),
+/// is the HF fixture it was made from: the CPU engine's logits, and the MTP layer's, bit for bit.
+/// The Q8_0 file loads (its logits are the quantized weights', which only an oracle run on them
+/// can check).
+#[test]
+fn converted_models_load_back_bit_for_bit() {
+    use deltamoe_model::{Logits, Qwen3Hybrid};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let tokens: Vec<u32> = (0..19).map(|i| (i * 37 + 5) % 512).collect();
+    for file in [
+        "qwen3_5_dense.f32",
+        "mtp_qwen3_5_moe.f32",
+        "qwen3_5_moe.q8_0",
+    ] {
+        let name = file.split('.').next().unwrap();
+        let hf = Qwen3Hybrid::load(&root.join(name)).unwrap();
+        let (c, store) =
+            deltamoe_model::gguf::load(&root.join(format!("gguf/{file}.gguf"))).unwrap();
+        let g = Qwen3Hybrid::from_store(c, &store).unwrap();
+        let (mut sa, mut sb) = (hf.new_state(), g.new_state());
+        let (la, ha) = hf.forward_hidden(&tokens, &mut sa, Logits::All).unwrap();
+        let (lb, hb) = g.forward_hidden(&tokens, &mut sb, Logits::All).unwrap();
+        assert_eq!(la.len(), lb.len());
+        if file.ends_with("q8_0") {
+            continue;
+        }
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same(&la, &lb) && same(&ha, &hb), "{file}: logits");
+        assert_eq!(
+            hf.checkpoint().mtp.is_some(),
+            g.checkpoint().mtp.is_some(),
+            "{file}"
+        );
+        if hf.checkpoint().mtp.is_some() {
+            let next: Vec<u32> = tokens[1..].iter().copied().chain([7]).collect();
+            let a = hf.mtp_forward(&next, &ha, &mut sa, Logits::All).unwrap();
+            let b = g.mtp_forward(&next, &hb, &mut sb, Logits::All).unwrap();
+            assert!(same(&a.0, &b.0) && same(&a.1, &b.1), "{file}: MTP layer");
+        }
     }
 }

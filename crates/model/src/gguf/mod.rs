@@ -7,6 +7,7 @@
 
 pub mod blocks;
 pub mod config;
+pub mod tensors;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -16,7 +17,10 @@ use memmap2::Mmap;
 
 pub use blocks::BlockType;
 
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::quant::Layout;
+use crate::weights::WeightStore;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -327,4 +331,13 @@ impl GgufFile {
                 dir: self.path.clone(),
             })
     }
+}
+
+/// The config of the GGUF model at `path` and its tensors as a store in mlx-lm's layout,
+/// dequantized to f32 (see [`tensors`]).
+pub fn load(path: &Path) -> Result<(ModelConfig, WeightStore)> {
+    let f = GgufFile::open(path)?;
+    let c = config::config(&f)?;
+    let t = tensors::tensors(&f, &c)?;
+    Ok((c, WeightStore::from_tensors(path, t, Layout::Mlx)))
 }

@@ -1,0 +1,200 @@
+//! A GGUF file's tensors under the names and in the layout of an mlx-lm checkpoint, dequantized
+//! to f32, undoing what llama.cpp's converter did to the HF tensors of `qwen35moe` and `qwen35`:
+//! - names: `blk.{i}.*` to `model.layers.{i}.*` (the MTP layer, block `n` past the main ones,
+//!   to `mtp.layers.0.*`, its `nextn.*` to `mtp.*`), experts stacked as mlx-lm's `switch_mlp`;
+//! - norms are stored as `1 + w` (but the GDN output norm), as mlx-lm stores them;
+//! - `ssm_a` = −exp(A_log): `A_log` = ln(−ssm_a);
+//! - the conv kernel `[C, K]` gains mlx-lm's trailing axis;
+//! - value heads: the converter orders them tiled (head j of key head k at j·Hk + k) where HF
+//!   groups them (k·(Hv/Hk) + j), in the V rows of `in_proj_qkv` and the conv, the rows of
+//!   `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log`, `dt_bias`, and the columns of `out_proj`.
+
+use super::GgufFile;
+use crate::config::{Family, ModelConfig};
+use crate::error::{ModelError, Result};
+use deltamoe_compute::Tensor;
+
+/// GGUF tensor names (after `blk.{i}.`) and the mlx-lm names they take (after the layer prefix).
+const LAYER_NAMES: [(&str, &str); 27] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    (
+        "post_attention_norm.weight",
+        "post_attention_layernorm.weight",
+    ),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_qkv.weight", "linear_attn.in_proj_qkv.weight"),
+    ("attn_gate.weight", "linear_attn.in_proj_z.weight"),
+    ("ssm_beta.weight", "linear_attn.in_proj_b.weight"),
+    ("ssm_alpha.weight", "linear_attn.in_proj_a.weight"),
+    ("ssm_a", "linear_attn.A_log"),
+    ("ssm_dt.bias", "linear_attn.dt_bias"),
+    ("ssm_conv1d.weight", "linear_attn.conv1d.weight"),
+    ("ssm_norm.weight", "linear_attn.norm.weight"),
+    ("ssm_out.weight", "linear_attn.out_proj.weight"),
+    ("ffn_gate_inp.weight", "mlp.gate.weight"),
+    ("ffn_gate_exps.weight", "mlp.switch_mlp.gate_proj.weight"),
+    ("ffn_up_exps.weight", "mlp.switch_mlp.up_proj.weight"),
+    ("ffn_down_exps.weight", "mlp.switch_mlp.down_proj.weight"),
+    ("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"),
+    (
+        "ffn_gate_shexp.weight",
+        "mlp.shared_expert.gate_proj.weight",
+    ),
+    ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
+];
+
+/// The rest of a layer's names: shared expert down, dense MLP, the MTP layer's own.
+const MORE_NAMES: [(&str, &str); 8] = [
+    (
+        "ffn_down_shexp.weight",
+        "mlp.shared_expert.down_proj.weight",
+    ),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+    ("nextn.eh_proj.weight", "fc.weight"),
+    ("nextn.enorm.weight", "pre_fc_norm_embedding.weight"),
+    ("nextn.hnorm.weight", "pre_fc_norm_hidden.weight"),
+    ("nextn.shared_head_norm.weight", "norm.weight"),
+];
+
+/// The file's tensors as `(mlx-lm name, f32 tensor)`, for a model of config `c` (from
+/// [`super::config::config`]); Qwen3-Next files are refused (their packed projections are not
+/// mapped back yet).
+pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Tensor)>> {
+    if c.family == Family::Qwen3Next {
+        return Err(ModelError::Input(format!(
+            "{}: GGUF `qwen3next` models do not load yet (qwen35moe and qwen35 do)",
+            f.path().display()
+        )));
+    }
+    let mut out = Vec::with_capacity(f.tensors.len());
+    for (name, info) in &f.tensors {
+        let Some((to, leaf)) = hf_name(name, c.num_layers) else {
+            return Err(ModelError::Input(format!(
+                "{}: tensor `{name}` is not one deltamoe maps for {}",
+                f.path().display(),
+                c.model_type
+            )));
+        };
+        let mut shape = info.shape();
+        let mut v = f.f32(name)?;
+        undo(leaf, c, &mut shape, &mut v);
+        out.push((to, Tensor::from_f32(shape, v)));
+    }
+    Ok(out)
+}
+
+/// The mlx-lm name of GGUF tensor `name` in a model of `n` main layers, and its name within its
+/// block.
+fn hf_name(name: &str, n: usize) -> Option<(String, &str)> {
+    match name {
+        "token_embd.weight" => return Some(("model.embed_tokens.weight".into(), name)),
+        "output.weight" => return Some(("lm_head.weight".into(), name)),
+        "output_norm.weight" => return Some(("model.norm.weight".into(), name)),
+        _ => {}
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (i, leaf) = rest.split_once('.')?;
+    let i: usize = i.parse().ok()?;
+    let to = LAYER_NAMES
+        .iter()
+        .chain(&MORE_NAMES)
+        .find(|(g, _)| *g == leaf)?
+        .1;
+    let mtp_own = leaf.starts_with("nextn.");
+    let prefix = match (i >= n, mtp_own) {
+        (false, false) => format!("model.layers.{i}."),
+        (true, false) => "mtp.layers.0.".to_string(),
+        (true, true) => "mtp.".to_string(),
+        (false, true) => return None,
+    };
+    Some((format!("{prefix}{to}"), leaf))
+}
+
+/// Undoes the converter's change to tensor `leaf` (its name after `blk.{i}.`) of config `c`:
+/// `shape` outermost first, values `v` in that order.
+fn undo(leaf: &str, c: &ModelConfig, shape: &mut Vec<usize>, v: &mut [f32]) {
+    let (hk, hv, dk, dv) = (
+        c.linear_k_heads,
+        c.linear_v_heads,
+        c.linear_k_dim,
+        c.linear_v_dim,
+    );
+    let qk = 2 * hk * dk;
+    match leaf {
+        "ssm_a" => v.iter_mut().for_each(|a| *a = (-*a).ln()),
+        "ssm_conv1d.weight" => shape.push(1),
+        _ => {}
+    }
+    if hk == 0 || hv == hk {
+        return;
+    }
+    let cols = shape.iter().skip(1).product::<usize>();
+    match leaf {
+        "attn_qkv.weight" | "ssm_conv1d.weight" => {
+            group_rows(&mut v[qk * cols..], (hk, hv), dv * cols)
+        }
+        "attn_gate.weight" => group_rows(v, (hk, hv), dv * cols),
+        "ssm_beta.weight" | "ssm_alpha.weight" | "ssm_a" | "ssm_dt.bias" => {
+            group_rows(v, (hk, hv), cols)
+        }
+        "ssm_out.weight" => {
+            for row in v.chunks_exact_mut(shape[1]) {
+                group_rows(row, (hk, hv), dv);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Reorders `hv` blocks of `block` values from tiled order (block of value head j of key head k
+/// at j·hk + k) to grouped order (at k·(hv/hk) + j).
+fn group_rows(v: &mut [f32], (hk, hv): (usize, usize), block: usize) {
+    let r = hv / hk;
+    let tiled = v[..hv * block].to_vec();
+    for k in 0..hk {
+        for j in 0..r {
+            let (to, from) = ((k * r + j) * block, (j * hk + k) * block);
+            v[to..to + block].copy_from_slice(&tiled[from..from + block]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tiled_value_heads_go_back_to_grouped_order() {
+        // 2 key heads, 4 value heads: tiled [j0k0, j0k1, j1k0, j1k1] → grouped [k0j0, k0j1, k1j0, k1j1].
+        let mut v = vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5];
+        super::group_rows(&mut v, (2, 4), 2);
+        assert_eq!(v, vec![0.0, 0.5, 2.0, 2.5, 1.0, 1.5, 3.0, 3.5]);
+    }
+
+    #[test]
+    fn names_map_to_mlx_lm_ones() {
+        let f = |n: &str| super::hf_name(n, 4).map(|p| p.0);
+        assert_eq!(
+            f("blk.2.ssm_a").as_deref(),
+            Some("model.layers.2.linear_attn.A_log")
+        );
+        assert_eq!(
+            f("blk.4.attn_q.weight").as_deref(),
+            Some("mtp.layers.0.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            f("blk.4.nextn.eh_proj.weight").as_deref(),
+            Some("mtp.fc.weight")
+        );
+        assert_eq!(f("blk.1.nextn.eh_proj.weight"), None);
+        assert_eq!(f("blk.0.unknown.weight"), None);
+    }
+}
