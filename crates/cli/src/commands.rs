@@ -149,7 +149,14 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
 /// Load the model in `dir` (named `--model` in errors; weights memory-mapped on the host).
 pub fn load_dir(dir: &Path) -> Result<Qwen3Hybrid> {
     if !dir.is_dir() {
-        bail!("--model {}: not a directory; point it at a model directory with config.json and *.safetensors", dir.display());
+        let what = match dir.extension().is_some_and(|e| e == "gguf") {
+            true => "a GGUF file, which deltamoe does not run yet",
+            false => "not a directory",
+        };
+        bail!(
+            "--model {}: {what}; point it at a model directory with config.json and *.safetensors",
+            dir.display()
+        );
     }
     let t0 = Instant::now();
     let model = Qwen3Hybrid::load(dir)?;
