@@ -21,11 +21,7 @@ pub fn gdn_conv_step(
     k: usize,
     bt: Batch,
 ) -> Result<()> {
-    if k == 0 || k > GDN_CONV_KMAX {
-        return Err(super::CudaError::Unsupported(format!(
-            "GDN conv kernel size {k}: the CUDA decode step supports 1 to {GDN_CONV_KMAX}"
-        )));
-    }
+    check_conv_kernel(k)?;
     let (c32, k32, ps) = (c as i32, k as i32, proj_stride as i64);
     let mut b = g.launch_builder(g.kernels().get("gdn_conv_step"));
     b.arg(&proj)
@@ -46,6 +42,16 @@ pub fn gdn_conv_step(
 /// Largest conv kernel the GDN decode conv step supports, alone (`gdn_conv_step`) or fused into
 /// the input projection (`CONV_KMAX` in common.cuh).
 pub const GDN_CONV_KMAX: usize = 8;
+
+/// A conv kernel size the decode conv kernels take (1 to [`GDN_CONV_KMAX`]).
+fn check_conv_kernel(k: usize) -> Result<()> {
+    if k == 0 || k > GDN_CONV_KMAX {
+        return Err(super::CudaError::Unsupported(format!(
+            "GDN conv kernel size {k}: the CUDA decode step supports 1 to {GDN_CONV_KMAX}"
+        )));
+    }
+    Ok(())
+}
 
 /// Gated DeltaNet geometry for [`gdn_step`].
 #[derive(Clone, Copy, Debug)]
@@ -163,11 +169,7 @@ pub fn gdn_conv_verify(
     saved: u64,
 ) -> Result<()> {
     let r = verify_rows(bt, "gdn_conv_verify")?;
-    if k == 0 || k > GDN_CONV_KMAX {
-        return Err(super::CudaError::Unsupported(format!(
-            "GDN conv kernel size {k}: the CUDA decode step supports 1 to {GDN_CONV_KMAX}"
-        )));
-    }
+    check_conv_kernel(k)?;
     let (c32, k32, ps) = (c as i32, k as i32, proj_stride as i64);
     let mut b = g.launch_builder(g.kernels().get("gdn_conv_verify"));
     b.arg(&proj).arg(&state).arg(&w).arg(&mixed);

@@ -86,6 +86,24 @@ impl GpuMtp {
         own.max(fc).max(l.mixer.needs(1)).max(l.ffn.needs())
     }
 
+    /// `[embedding ; hidden]` of `rows` pairs (`e` and `hidden` rows of `h` floats) into `cat`
+    /// (rows of 2h): each half normalized into `tmp` (rows·h), then laid into its columns.
+    fn cat_rows(
+        &self,
+        g: &Gpu,
+        (e, hidden): (u64, u64),
+        (tmp, cat): (u64, u64),
+        (rows, h, eps): (usize, usize, f32),
+    ) -> Result<()> {
+        let half = |src: u64, scale: u64, col: usize| -> Result<()> {
+            ops::add_rmsnorm(g, src, 0, scale, tmp, rows, h, eps)?;
+            // SAFETY: tmp holds rows of h floats, cat rows of at least 2h (the callers' scratch).
+            unsafe { g.copy_rows_f32((cat + (4 * col) as u64, 2 * h), (tmp, h), h, rows) }
+        };
+        half(hidden, self.hidden_norm.ptr(), h)?;
+        half(e, self.embed_norm.ptr(), 0)
+    }
+
     /// A prefill pass over `p.t` pairs, for their rows of the layer's KV caches only (`state`):
     /// the embeddings of the tokens at `tokens` and the hidden states at `hidden` (`p.t` rows
     /// each), `[embedding ; hidden]` normalized into `proj`, `fc`, the input norm and the
@@ -98,16 +116,9 @@ impl GpuMtp {
         state: State,
     ) -> Result<()> {
         let (g, ps, t, h) = (p.g, p.ps, p.t, p.hidden);
-        let (x, delta, cat) = (ps.x.ptr(), ps.delta.ptr(), ps.proj.ptr());
-        // Each half normalized into `delta`, then laid into its columns of the rows of `cat`.
-        let half = |src: u64, scale: u64, col: usize| -> Result<()> {
-            ops::add_rmsnorm(g, src, 0, scale, delta, t, h, p.eps)?;
-            // SAFETY: delta holds t rows of h floats; cat (proj) t rows of at least 2h.
-            unsafe { g.copy_rows_f32((cat + (4 * col) as u64, 2 * h), (delta, h), h, t) }
-        };
-        half(hidden, self.hidden_norm.ptr(), h)?;
+        let (x, cat) = (ps.x.ptr(), ps.proj.ptr());
         head.embed(g, tokens, x, t)?;
-        half(x, self.embed_norm.ptr(), 0)?;
+        self.cat_rows(g, (x, hidden), (ps.delta.ptr(), cat), (t, h, p.eps))?;
         pass_mv(p, self.fc.mv(), (cat, x), 2 * h, false)?;
         let l = &self.layer;
         ops::add_rmsnorm(g, x, 0, l.input_norm.ptr(), ps.normed.ptr(), t, h, p.eps)?;
@@ -120,17 +131,8 @@ impl GpuMtp {
     pub fn enqueue(&self, st: &Step, head: &Head, io: &MtpIo) -> Result<()> {
         let (g, s, h, r) = (st.g, st.s, st.hidden, st.rows());
         head.embed(g, io.tokens, s.x.ptr(), r)?;
-        for row in 0..r {
-            let cat = s.proj.at(row * 2 * h);
-            let one =
-                |x: u64, scale: u64, out: u64| ops::add_rmsnorm(g, x, 0, scale, out, 1, h, st.eps);
-            one(s.x.at(row * h), self.embed_norm.ptr(), cat)?;
-            one(
-                s.normed.at(row * h),
-                self.hidden_norm.ptr(),
-                cat + (4 * h) as u64,
-            )?;
-        }
+        let bufs = (s.delta.ptr(), s.proj.ptr());
+        self.cat_rows(g, (s.x.ptr(), s.normed.ptr()), bufs, (r, h, st.eps))?;
         ops::matvec(
             g,
             self.fc.mv(),

@@ -117,12 +117,9 @@ impl Pool {
             .iter()
             .map(|l| arrays(l.mixer.saved_floats(ctx), m.drafts))
             .collect::<Result<_>>()?;
-        let carry = if mtp_spec(m, ctx).is_some() {
-            slots * m.hidden
-        } else {
-            1
-        };
-        let mtp = match mtp_spec(m, ctx) {
+        let spec = mtp_spec(m, ctx);
+        let carry = if spec.is_some() { slots * m.hidden } else { 1 };
+        let mtp = match spec {
             Some(spec) => Some((arrays(spec.per_slot, slots)?, spec)),
             None => None,
         };
@@ -357,13 +354,14 @@ impl GpuModel {
     /// Bytes of device state per sequence at `ctx` tokens (with speculative decoding, the MTP
     /// layer's KV caches included).
     pub fn seq_bytes(&self, ctx: usize) -> usize {
+        let mtp = mtp_spec(self, ctx);
         layer_specs(self, ctx)
             .iter()
-            .chain(&mtp_spec(self, ctx))
+            .chain(&mtp)
             .map(|s| s.per_slot[0] + s.per_slot[1])
             .sum::<usize>()
             * 4
-            + mtp_spec(self, ctx).map_or(0, |_| 4 * self.hidden)
+            + mtp.map_or(0, |_| 4 * self.hidden)
             + 8 * 4
     }
 }

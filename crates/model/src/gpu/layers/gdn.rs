@@ -137,34 +137,33 @@ impl GdnMixer {
         self.dims.hv * self.dims.dk * self.dims.dv
     }
 
-    /// A verify pass's decode ([`Step::verify`]): the input projection, then the conv and the
-    /// delta rule over the pass's tokens in turn, keeping the states after each token but the
-    /// last in `saved`.
-    fn verify(&self, st: &Step, [conv, rec]: State, [sconv, srec]: State, norm: u64) -> Result<()> {
+    /// A decode step's conv (unless the input projection ran it: `conv_apart` false) and delta
+    /// rule, each row one token of its sequence.
+    fn step(&self, st: &Step, [conv, rec]: State, conv_apart: bool) -> Result<()> {
         let (g, s, bt) = (st.g, st.s, st.bt);
-        let proj = self.proj.mv();
-        st.input_projection(proj, norm, VecIo::default())?;
-        if !st.fused {
-            let io = (s.normed.ptr(), s.proj.ptr(), s.mix_out.ptr());
-            self.fill_ba(g, io, bt.rows, |m, (x, y)| {
-                ops::matvec(g, m, x, y, st.row_slots(m.k))
-            })?;
+        let n = self.proj.n;
+        if conv_apart {
+            let (c, k) = (self.conv_dim, self.kernel);
+            let w = self.conv_w.ptr();
+            ops::gdn_conv_step(g, s.proj.ptr(), n, conv, w, s.mixed.ptr(), c, k, bt)?;
         }
-        let (c, k) = (self.conv_dim, self.kernel);
-        let mixed = s.mixed.ptr();
-        ops::gdn_conv_verify(
-            g,
-            s.proj.ptr(),
-            proj.n,
-            conv,
-            self.conv_w.ptr(),
-            mixed,
-            (c, k),
-            bt,
-            sconv,
-        )?;
+        let (neg_a, dt_bias, norm_w) = (self.neg_a.ptr(), self.dt_bias.ptr(), self.norm_w.ptr());
+        let (mixed, proj, out) = (s.mixed.ptr(), s.proj.ptr(), s.mix_out.ptr());
+        ops::gdn_step(
+            g, mixed, proj, n, rec, neg_a, dt_bias, norm_w, out, self.dims, st.eps, bt,
+        )
+    }
+
+    /// A verify pass's conv and delta rule ([`Step::verify`]): over the pass's tokens in turn,
+    /// keeping the states after each token but the last in `saved`.
+    fn verify(&self, st: &Step, [conv, rec]: State, [sconv, srec]: State) -> Result<()> {
+        let (g, s, bt) = (st.g, st.s, st.bt);
+        let (n, c, k) = (self.proj.n, self.conv_dim, self.kernel);
+        let (proj, mixed) = (s.proj.ptr(), s.mixed.ptr());
+        let w = self.conv_w.ptr();
+        ops::gdn_conv_verify(g, proj, n, conv, w, mixed, (c, k), bt, sconv)?;
         let weights = (self.neg_a.ptr(), self.dt_bias.ptr(), self.norm_w.ptr());
-        let io = (mixed, s.proj.ptr(), proj.n);
+        let io = (mixed, proj, n);
         ops::gdn_verify(
             g,
             io,
@@ -175,8 +174,7 @@ impl GdnMixer {
             st.eps,
             bt,
             srec,
-        )?;
-        st.output_projection(self.out.mv())
+        )
     }
 
     /// Writes `[b | a]` of `rows` input rows (`x`, rows `xs` floats apart) into their columns
@@ -283,12 +281,10 @@ impl Mixer for GdnMixer {
     fn decode(&self, st: &Step, [conv, rec]: State, saved: State, norm: u64) -> Result<()> {
         let (g, s, bt) = (st.g, st.s, st.bt);
         let proj = self.proj.mv();
-        if st.verify {
-            return self.verify(st, [conv, rec], saved, norm);
-        }
-        if st.fused && bt.rows == 1 {
-            // The conv step rides on the input projection's output rows.
-            let io = VecIo {
+        // One row of a decode step runs the conv step on the input projection's output rows.
+        let conv_in_projection = st.fused && bt.rows == 1 && !st.verify;
+        let io = match conv_in_projection {
+            true => VecIo {
                 slots: bt.slots,
                 conv_state: conv,
                 conv_w: self.conv_w.ptr(),
@@ -296,42 +292,20 @@ impl Mixer for GdnMixer {
                 conv_c: self.conv_dim as i32,
                 conv_k: self.kernel as i32,
                 ..VecIo::default()
-            };
-            st.input_projection(proj, norm, io)?;
-        } else {
-            st.input_projection(proj, norm, VecIo::default())?;
-            if !st.fused {
-                let io = (s.normed.ptr(), s.proj.ptr(), s.mix_out.ptr());
-                self.fill_ba(g, io, bt.rows, |m, (x, y)| {
-                    ops::matvec(g, m, x, y, st.row_slots(m.k))
-                })?;
-            }
-            ops::gdn_conv_step(
-                g,
-                s.proj.ptr(),
-                proj.n,
-                conv,
-                self.conv_w.ptr(),
-                s.mixed.ptr(),
-                self.conv_dim,
-                self.kernel,
-                bt,
-            )?;
+            },
+            false => VecIo::default(),
+        };
+        st.input_projection(proj, norm, io)?;
+        if !st.fused {
+            let io = (s.normed.ptr(), s.proj.ptr(), s.mix_out.ptr());
+            self.fill_ba(g, io, bt.rows, |m, (x, y)| {
+                ops::matvec(g, m, x, y, st.row_slots(m.k))
+            })?;
         }
-        ops::gdn_step(
-            g,
-            s.mixed.ptr(),
-            s.proj.ptr(),
-            proj.n,
-            rec,
-            self.neg_a.ptr(),
-            self.dt_bias.ptr(),
-            self.norm_w.ptr(),
-            s.mix_out.ptr(),
-            self.dims,
-            st.eps,
-            bt,
-        )?;
+        match st.verify {
+            true => self.verify(st, [conv, rec], saved)?,
+            false => self.step(st, [conv, rec], !conv_in_projection)?,
+        }
         st.output_projection(self.out.mv())
     }
 
