@@ -442,12 +442,12 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
                 .and_then(|r| r["ms_per_step"].as_f64())
                 .unwrap_or(f64::NAN)
                 / 1e3;
-            let spec = crate::bench_cpu::SpecRun {
+            let spec = crate::bench_spec::SpecRun {
                 ctx,
                 step_s,
                 format: quant,
             };
-            crate::bench_cpu::speculative_cuda(a, model, (cfg, host.as_ref()), spec)?
+            crate::bench_spec::speculative_cuda(a, model, (cfg, host.as_ref()), spec)?
         }
     };
     Ok(json!({

@@ -3,6 +3,7 @@
 mod batch;
 mod bench;
 mod bench_cpu;
+mod bench_spec;
 mod chat;
 mod commands;
 mod convert;

@@ -4,21 +4,14 @@
 //! plain sampling (a two-sample chi-square test per position). The fixtures' MTP layers are
 //! random, so their drafts agree with the model now and then: the rule's every branch runs.
 
+mod speculative_common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use deltamoe_engine::sampler::SamplingParams;
-use deltamoe_engine::scheduler::{Event, Request, Scheduler};
-use deltamoe_engine::{generate, Engine, GenerateRequest, GenerateStats, SchedulerConfig};
+use deltamoe_engine::Engine;
 use deltamoe_model::Qwen3Hybrid;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name)
-}
-
-const FIXTURES: [&str; 2] = ["mtp_qwen3_5_moe", "mtp_qwen3_next"];
+use speculative_common::{fixture, round, run_stats, scheduler, FIXTURES};
 
 fn engine(name: &str, drafts: usize) -> Engine {
     let mut e = Engine::new(Qwen3Hybrid::load(&fixture(name)).unwrap());
@@ -28,22 +21,6 @@ fn engine(name: &str, drafts: usize) -> Engine {
 
 fn run(e: &mut Engine, prompt: &[u32], max_tokens: usize, sampling: &SamplingParams) -> Vec<u32> {
     run_stats(e, prompt, max_tokens, sampling).0
-}
-
-fn run_stats(
-    e: &mut Engine,
-    prompt: &[u32],
-    max_tokens: usize,
-    sampling: &SamplingParams,
-) -> (Vec<u32>, GenerateStats) {
-    let req = GenerateRequest {
-        prompt,
-        max_tokens,
-        sampling: sampling.clone(),
-        eos: &[],
-        prefill_chunk: Some(5),
-    };
-    generate(e, &req, |_| Ok(true)).unwrap()
 }
 
 const PROMPT: [u32; 9] = [5, 17, 300, 2, 44, 44, 9, 128, 77];
@@ -71,20 +48,6 @@ fn greedy_output_is_plain_greedy_output() {
     }
 }
 
-/// Every request's tokens, stepping the scheduler until idle.
-fn tokens_of(s: &mut Scheduler) -> BTreeMap<u64, Vec<u32>> {
-    let mut out: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-    while !s.is_idle() {
-        for (id, ev) in s.step() {
-            if let Event::Token(t) = ev {
-                out.entry(id.0).or_default().push(t);
-            }
-            assert!(!matches!(ev, Event::Failed(_)), "{ev:?}");
-        }
-    }
-    out
-}
-
 #[test]
 fn the_scheduler_batches_speculative_sequences_exactly() {
     let name = FIXTURES[0];
@@ -96,27 +59,11 @@ fn the_scheduler_batches_speculative_sequences_exactly() {
         .iter()
         .map(|p| run(&mut engine(name, 0), p, 24, &greedy))
         .collect();
-    let e = engine(name, 2);
-    let cfg = SchedulerConfig {
-        max_seqs: 3,
-        prefill_chunk: 4,
-        checkpoint_every: 4,
-        cache_bytes: 1 << 28,
-        max_context: e.max_context(),
-    };
-    let mut s = Scheduler::new(e, cfg);
+    let mut s = scheduler(engine(name, 2));
     // Twice: the second round starts from the prompt cache's snapshots.
-    for round in 0..2 {
-        for p in &prompts {
-            s.submit(Request {
-                prompt: p.clone(),
-                sampling: greedy.clone(),
-                max_tokens: 24,
-                stop_ids: Vec::new(),
-            });
-        }
-        let got: Vec<Vec<u32>> = tokens_of(&mut s).into_values().collect();
-        assert_eq!(got, want, "round {round}");
+    for round_no in 0..2 {
+        let got = round(&mut s, &prompts, &greedy, 24);
+        assert_eq!(got, want, "round {round_no}");
     }
     assert!(s.stats().cache_hits > 0);
 }

@@ -4,26 +4,29 @@
 //! leaves exactly the state of decoding the kept tokens one by one, and greedy output with
 //! `--speculative-tokens N` is plain greedy output token for token.
 
+mod speculative_common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_engine::sampler::SamplingParams;
-use deltamoe_engine::scheduler::{Event, Request, Scheduler};
-use deltamoe_engine::{generate, Engine, GenerateRequest, SchedulerConfig};
+use deltamoe_engine::{generate, Engine, GenerateRequest};
 use deltamoe_model::convert::{convert, ConvertOptions};
 use deltamoe_model::gpu::GpuModel;
 use deltamoe_model::{Logits, Qwen3Hybrid};
-
-const FIXTURES: [&str; 2] = ["mtp_qwen3_5_moe", "mtp_qwen3_next"];
+use speculative_common::{fixture, round, run_stats, scheduler, FIXTURES};
 
 /// The fixture `name` converted to MLX 4-bit (its MTP layer kept) under `out`.
 fn mlx4(name: &str, out: &Path) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name);
     let dst = out.join(name);
-    convert(&src, &dst, &ConvertOptions::new(4, 32), &mut |_| {}).unwrap();
+    convert(
+        &fixture(name),
+        &dst,
+        &ConvertOptions::new(4, 32),
+        &mut |_| {},
+    )
+    .unwrap();
     dst
 }
 
@@ -109,14 +112,7 @@ fn cuda_speculative_greedy_output_is_plain_greedy_output() {
             let model = Qwen3Hybrid::load(&dir).unwrap();
             let mut e = Engine::new_cuda(model, gpu.clone(), 512, 2).unwrap();
             e.set_speculative(drafts).unwrap();
-            let req = GenerateRequest {
-                prompt: &prompt,
-                max_tokens: 40,
-                sampling: greedy.clone(),
-                eos: &[],
-                prefill_chunk: Some(5),
-            };
-            generate(&mut e, &req, |_| Ok(true)).unwrap()
+            run_stats(&mut e, &prompt, 40, &greedy)
         };
         let (plain, _) = run(0);
         for n in 1..=3 {
@@ -158,34 +154,9 @@ fn cuda_the_scheduler_mixes_speculative_and_plain_steps_exactly() {
             generate(&mut engine(0), &req, |_| Ok(true)).unwrap().0
         })
         .collect();
-    let e = engine(2);
-    let cfg = SchedulerConfig {
-        max_seqs: 3,
-        prefill_chunk: 4,
-        checkpoint_every: 4,
-        cache_bytes: 1 << 28,
-        max_context: e.max_context(),
-    };
-    let mut s = Scheduler::new(e, cfg);
-    for round in 0..2 {
-        for p in &prompts {
-            s.submit(Request {
-                prompt: p.clone(),
-                sampling: greedy.clone(),
-                max_tokens: 24,
-                stop_ids: Vec::new(),
-            });
-        }
-        let mut got: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
-        while !s.is_idle() {
-            for (id, ev) in s.step() {
-                assert!(!matches!(ev, Event::Failed(_)), "{ev:?}");
-                if let Event::Token(t) = ev {
-                    got.entry(id.0).or_default().push(t);
-                }
-            }
-        }
-        let got: Vec<Vec<u32>> = got.into_values().collect();
-        assert_eq!(got, want, "round {round}");
+    let mut s = scheduler(engine(2));
+    for round_no in 0..2 {
+        let got = round(&mut s, &prompts, &greedy, 24);
+        assert_eq!(got, want, "round {round_no}");
     }
 }
