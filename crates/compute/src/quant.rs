@@ -1,7 +1,7 @@
 //! MLX affine-quantized weights.
 //!
 //! Format (the one `mlx.core.quantize` writes and mlx-lm checkpoints store): a linear weight
-//! `W: [out, in]` is cut into groups of `group_size` (32, 64 or 128) consecutive weights along
+//! `W: [out, in]` is cut into groups of `group_size` (32, 64 or 128; 16 for GGUF's Q6_K) consecutive weights along
 //! the input dim. Each group `g` of row `r` has one `scale[r, g]` and one `bias[r, g]` in the
 //! model dtype (bf16/f16/f32), and each weight is an unsigned `bits`-bit integer `q` with
 //!
@@ -31,8 +31,8 @@ use crate::tensor::Tensor;
 
 /// Bit widths of the affine format.
 pub const SUPPORTED_BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
-/// Group sizes of the affine format.
-pub const SUPPORTED_GROUP_SIZES: [usize; 3] = [32, 64, 128];
+/// Group sizes of the affine format (16: GGUF's Q6_K sub-blocks; MLX writes 32, 64 or 128).
+pub const SUPPORTED_GROUP_SIZES: [usize; 4] = [16, 32, 64, 128];
 
 /// A quantized weight that cannot be built as asked. Messages are one line; the caller adds the
 /// tensor or file name.
@@ -65,7 +65,10 @@ pub fn check_params(bits: u32, group_size: usize) -> Result<(), QuantError> {
     if !SUPPORTED_BITS.contains(&bits) {
         return Err(QuantError::Bits(bits));
     }
-    if !SUPPORTED_GROUP_SIZES.contains(&group_size) {
+    // A group fills whole words (16 values at 3 or 5 bits would not).
+    if !SUPPORTED_GROUP_SIZES.contains(&group_size)
+        || !(group_size * bits as usize).is_multiple_of(32)
+    {
         return Err(QuantError::GroupSize(group_size));
     }
     Ok(())
@@ -489,8 +492,8 @@ mod tests {
         assert_eq!(ok.rows(1, 1).words().len(), 8);
         let e = AffineWeight::new(8, 32, 2, 64, words.clone(), s.clone(), s.clone()).unwrap_err();
         assert!(e.to_string().contains("weight has 16 elements"), "{e}");
-        let e = AffineWeight::new(4, 16, 2, 64, words.clone(), s.clone(), s.clone()).unwrap_err();
-        assert_eq!(e, QuantError::GroupSize(16));
+        let e = AffineWeight::new(4, 48, 2, 96, words.clone(), s.clone(), s.clone()).unwrap_err();
+        assert_eq!(e, QuantError::GroupSize(48));
         let h = Tensor::from_half_bits(DType::BF16, vec![2, 2], vec![0; 4]);
         let e = AffineWeight::new(4, 32, 2, 64, words, s, h).unwrap_err();
         assert!(e.to_string().contains("biases are BF16"), "{e}");

@@ -16,6 +16,7 @@ pub mod layers;
 pub mod quant;
 pub mod qwen3_hybrid;
 pub mod residency;
+pub mod source;
 pub mod state;
 pub mod weights;
 
@@ -24,6 +25,7 @@ pub use config::{Family, FfnKind, LayerKind, ModelConfig};
 pub use error::{ModelError, Result};
 pub use quant::{Layout, QuantConfig, QuantSpec};
 pub use qwen3_hybrid::{Qwen3Hybrid, Verified};
+pub use source::ModelSource;
 pub use state::SequenceState;
 pub use weights::{TensorBytes, TensorInfo, WeightStore};
 

@@ -224,6 +224,9 @@ pub(crate) fn load_affine(
         file: store.file_of(name),
         msg,
     };
+    if let Some((w, shape)) = store.affine(&wn) {
+        return prepared(store, &wn, w, shape, lead, out, inp).map(Some);
+    }
     let needs = format!("a quantized linear needs `{wn}`, `{sn}` and `{bn}`");
     if !store.contains(&sn) {
         if store.words(&wn).is_some() {
@@ -296,6 +299,30 @@ pub(crate) fn load_affine(
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
+}
+
+/// A weight the store holds in the affine form already (from a GGUF file), checked against the
+/// shape the config implies and cut into one view per expert.
+fn prepared(
+    store: &WeightStore,
+    name: &str,
+    w: &AffineWeight,
+    shape: &[usize],
+    lead: &[usize],
+    out: usize,
+    inp: usize,
+) -> Result<Vec<AffineWeight>> {
+    let want: Vec<usize> = lead.iter().copied().chain([out, inp]).collect();
+    if shape != want.as_slice() {
+        return Err(ModelError::Shape {
+            name: store.stored_name(name),
+            file: store.file_of(name),
+            expected: want,
+            found: shape.to_vec(),
+        });
+    }
+    let n = lead.iter().product::<usize>();
+    Ok((0..n).map(|e| w.rows(e * out, out)).collect())
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ use crate::expert_store::{ExpertStore, MoeLayer};
 use crate::layers::attention::KvCache;
 use crate::layers::Products;
 use crate::layers::{ExpertStats, OffloadedExperts};
+use crate::source::ModelSource;
 use crate::state::{LayerState, SequenceState};
 use crate::weights::WeightStore;
 use crate::Logits;
@@ -59,10 +60,10 @@ impl AsRef<Checkpoint> for Qwen3Hybrid {
 }
 
 impl Qwen3Hybrid {
-    /// Load `dir/config.json` and the safetensors weights of `dir`.
-    pub fn load(dir: &Path) -> Result<Qwen3Hybrid> {
-        let config = ModelConfig::from_dir(dir)?;
-        let store = WeightStore::open(dir)?;
+    /// Load the model at `path`: a directory's `config.json` and safetensors weights, or a
+    /// GGUF file (see [`ModelSource`]).
+    pub fn load(path: &Path) -> Result<Qwen3Hybrid> {
+        let (config, store) = ModelSource::resolve(path)?.open()?;
         Qwen3Hybrid::from_store(config, &store)
     }
 
@@ -125,6 +126,12 @@ impl Qwen3Hybrid {
     /// the others with positioned reads when a pass uses them (see
     /// [`crate::layers::offloaded`]). The logits stay bitwise the same.
     pub fn offload_experts(&mut self, dir: &Path, slots: usize) -> Result<()> {
+        if let ModelSource::Gguf(f) = ModelSource::resolve(dir)? {
+            return Err(ModelError::Input(format!(
+                "{}: expert offload reads the experts from safetensors files, not GGUF; run without --expert-cache, or convert the model first (deltamoe convert)",
+                f.display()
+            )));
+        }
         let store = WeightStore::open(dir)?;
         let layers: Vec<MoeLayer> = self
             .moes()

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use deltamoe_compute::dtype::f32_to_bf16;
 use deltamoe_compute::fp8::Bytes;
-use deltamoe_compute::{DType, PackedWords, Tensor};
+use deltamoe_compute::{AffineWeight, DType, PackedWords, Tensor};
 use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::SafeTensors;
@@ -36,9 +36,19 @@ pub struct TensorInfo {
     pub params: usize,
 }
 
+/// A tensor another format's loader made, for [`WeightStore::from_tensors`].
+pub enum Prepared {
+    Dense(Tensor),
+    /// A quantized matrix in the affine form, with its shape (`[out, in]`, or `[E, out, in]`
+    /// for stacked experts stored as one weight of `E·out` rows).
+    Affine(AffineWeight, Vec<usize>),
+}
+
 /// What a tensor entry holds.
 enum Stored {
     Float(Tensor),
+    /// A quantized matrix already in the affine form (from a GGUF file), with its shape.
+    Affine(AffineWeight, Vec<usize>),
     /// Packed `uint32` words of a quantized weight, with the stored shape.
     Words(PackedWords, Vec<usize>),
     /// float8 e4m3 bytes of an FP8 weight, with the stored shape.
@@ -237,14 +247,18 @@ impl WeightStore {
     /// read from `file`: the tensors of another format mapped to these names.
     pub fn from_tensors(
         file: &Path,
-        tensors: Vec<(String, Tensor)>,
+        tensors: Vec<(String, Prepared)>,
         layout: Layout,
     ) -> WeightStore {
         let entries = tensors
             .into_iter()
             .map(|(name, t)| {
+                let tensor = match t {
+                    Prepared::Dense(t) => Stored::Float(t),
+                    Prepared::Affine(w, shape) => Stored::Affine(w, shape),
+                };
                 let e = Entry {
-                    tensor: Stored::Float(t),
+                    tensor,
                     stored: name.clone(),
                     file: file.to_path_buf(),
                     offset: 0,
@@ -331,6 +345,13 @@ impl WeightStore {
                     bytes: w.len() * 4,
                     params: w.len() * 32 / self.packed_bits(name).unwrap_or(32) as usize,
                 },
+                Stored::Affine(w, shape) => TensorInfo {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype: format!("affine {}-bit", w.bits()),
+                    bytes: w.nbytes(),
+                    params: w.out_features() * w.in_features(),
+                },
                 Stored::Fp8(b, shape) => TensorInfo {
                     name: name.clone(),
                     shape: shape.clone(),
@@ -385,6 +406,11 @@ impl WeightStore {
                 file: e.file.clone(),
                 msg: "is packed uint32 (quantized) where a bf16/f16/f32 tensor is expected; a quantized linear needs its `.scales` and `.biases` beside it, only linears and the embedding can be quantized".into(),
             }),
+            Stored::Affine(..) => return Err(ModelError::Quant {
+                name: e.stored.clone(),
+                file: e.file.clone(),
+                msg: "is quantized where a float tensor is expected; only matrices can be quantized".into(),
+            }),
             Stored::Fp8(..) => return Err(ModelError::Quant {
                 name: e.stored.clone(),
                 file: e.file.clone(),
@@ -435,6 +461,14 @@ impl WeightStore {
         }
     }
 
+    /// A matrix stored in the affine form (from a GGUF file) with its shape, or `None`.
+    pub fn affine(&self, name: &str) -> Option<(&AffineWeight, &[usize])> {
+        match self.entries.get(name).map(|e| &e.tensor) {
+            Some(Stored::Affine(w, shape)) => Some((w, shape)),
+            _ => None,
+        }
+    }
+
     /// The e4m3 bytes of an FP8 weight, or `None` when `name` is absent or not `F8_E4M3`.
     pub fn fp8_codes(&self, name: &str) -> Option<(Bytes, &[usize])> {
         match self.entries.get(name).map(|e| &e.tensor) {
@@ -466,6 +500,7 @@ impl WeightStore {
         self.entries.get(name).map(|e| match &e.tensor {
             Stored::Float(t) => t.shape().to_vec(),
             Stored::Words(_, s) | Stored::Fp8(_, s) | Stored::Int(_, s) => s.clone(),
+            Stored::Affine(_, s) => s.clone(),
             Stored::Other(_) => vec![],
         })
     }

@@ -127,7 +127,7 @@ pub fn qmatmul(x: &[f32], t: usize, w: &AffineWeight, out: &mut [f32]) {
     debug_assert_eq!(out.len(), t * n);
     let (gs, gpr) = (w.group_size(), w.groups_per_row());
     let xsum: Vec<f32> = x.chunks_exact(gs).map(|c| c.iter().sum()).collect();
-    let kernel = RowKernel::select(w.bits());
+    let kernel = RowKernel::select(w.bits(), w.group_size());
     // Tasks of at least ~32 KiB of weights (fork/join costs about a microsecond), at most about
     // four per thread.
     let row_bytes = w.words_per_row() * 4 + 2 * gpr * w.scales().dtype().size();
@@ -276,9 +276,10 @@ enum RowKernel {
 }
 
 impl RowKernel {
-    fn select(bits: u32) -> RowKernel {
+    /// The AVX2 kernels take 2, 4 and 8 bits in groups of a multiple of 32.
+    fn select(bits: u32, group: usize) -> RowKernel {
         #[cfg(target_arch = "x86_64")]
-        if matches!(bits, 2 | 4 | 8) && super::quant_x86::available() {
+        if matches!(bits, 2 | 4 | 8) && group.is_multiple_of(32) && super::quant_x86::available() {
             return RowKernel::Avx2(bits);
         }
         RowKernel::Portable(bits)
@@ -484,7 +485,7 @@ mod tests {
                 let mut scratch = vec![];
                 let wr = w.row_words(1, &mut scratch);
                 let a = row_dot_portable(bits, wr, &x, &s, gs);
-                let kern = RowKernel::select(bits);
+                let kern = RowKernel::select(bits, gs);
                 let c = kern.run(wr, &kern.prepare(&x), &s, gs);
                 assert!(
                     (a - c).abs() <= 1e-5 * a.abs().max(1.0),

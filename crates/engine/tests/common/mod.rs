@@ -20,7 +20,7 @@ pub fn fixtures() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.join("reference.safetensors").exists())
+        .filter(|p| p.join("reference.safetensors").exists() && p.join("config.json").exists())
         .collect();
     v.sort();
     assert!(

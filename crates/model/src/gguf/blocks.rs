@@ -65,6 +65,26 @@ impl BlockType {
         NAMES.get(id as usize).copied().unwrap_or("unknown")
     }
 
+    /// ggml's name of the type (`Q4_K`).
+    pub fn name(self) -> &'static str {
+        use BlockType::*;
+        match self {
+            F32 => "F32",
+            F16 => "F16",
+            BF16 => "BF16",
+            Q4_0 => "Q4_0",
+            Q4_1 => "Q4_1",
+            Q5_0 => "Q5_0",
+            Q5_1 => "Q5_1",
+            Q8_0 => "Q8_0",
+            Q4K => "Q4_K",
+            Q5K => "Q5_K",
+            Q6K => "Q6_K",
+            IQ4NL => "IQ4_NL",
+            IQ4XS => "IQ4_XS",
+        }
+    }
+
     /// Values a block holds.
     pub fn block(self) -> usize {
         use BlockType::*;
@@ -167,7 +187,7 @@ fn nibble(b: u8, hi: usize) -> u8 {
 /// Scale and min of sub-block `j` (0..8) of the 12 packed bytes `s` of Q4_K and Q5_K: 6 bits
 /// each, the first four in the low bits of bytes 0..8, the last four split between the nibbles
 /// of bytes 8..12 and the top two bits of bytes 0..8.
-fn scale_min(s: &[u8], j: usize) -> (u8, u8) {
+pub(super) fn scale_min(s: &[u8], j: usize) -> (u8, u8) {
     if j < 4 {
         (s[j] & 0x3F, s[j + 4] & 0x3F)
     } else {

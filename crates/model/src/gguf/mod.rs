@@ -7,7 +7,9 @@
 
 pub mod blocks;
 pub mod config;
+pub mod repack;
 pub mod tensors;
+pub mod vocab;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -79,6 +81,8 @@ impl Value {
 pub struct TensorInfo {
     pub dims: Vec<usize>,
     pub kind: BlockType,
+    /// The file of a split model that holds it (0: the first).
+    part: usize,
     offset: usize,
     bytes: usize,
 }
@@ -99,12 +103,18 @@ impl TensorInfo {
     }
 }
 
-/// A memory-mapped GGUF file.
+/// A memory-mapped GGUF file, or the parts of a split model (`NAME-0000k-of-0000n.gguf`, made
+/// by llama.cpp's `gguf-split`: the first part holds the metadata, each part some tensors).
 pub struct GgufFile {
     path: PathBuf,
-    map: Mmap,
+    parts: Vec<Part>,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: BTreeMap<String, TensorInfo>,
+}
+
+/// One mapped file and where its tensor data starts.
+struct Part {
+    map: Mmap,
     data: usize,
 }
 
@@ -193,117 +203,170 @@ impl<'a> Cursor<'a> {
 }
 
 impl GgufFile {
-    /// Maps `path` and reads its header, metadata and tensor table, checking that every tensor
-    /// lies inside the file.
+    /// Maps `path` (with the other parts of a split model) and reads the header, metadata and
+    /// tensor table, checking that every tensor lies inside its file.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        let io = |err| ModelError::Io {
-            path: path.to_path_buf(),
-            err,
-        };
-        let file = File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only and lives with the struct; a file changed underneath
-        // while mapped is outside what any reader of model files can guard against.
-        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let mut c = Cursor {
-            b: &map,
-            at: 0,
-            path,
-        };
-        if c.take(4).ok() != Some(b"GGUF".as_slice()) {
-            return Err(ModelError::Input(format!(
-                "{}: not a GGUF file (it does not start with `GGUF`)",
-                path.display()
-            )));
-        }
-        let version = c.u32()?;
-        if version != 3 {
-            return Err(ModelError::Input(format!(
-                "{}: GGUF version {version}; only version 3 is read (convert it again with a \
-                 current llama.cpp)",
-                path.display()
-            )));
-        }
-        let n_tensors = c.count("tensor")?;
-        let n_kv = c.count("metadata")?;
-        let mut metadata = BTreeMap::new();
-        for _ in 0..n_kv {
-            let key = c.string()?;
-            let kind = c.u32()?;
-            metadata.insert(key, c.value(kind, 0)?);
-        }
-        let mut infos = Vec::new();
-        for _ in 0..n_tensors {
-            infos.push(Self::tensor_info(&mut c)?);
-        }
-        let align = metadata
-            .get("general.alignment")
+        let (first, (metadata, mut tensors)) = read_part(path, 0)?;
+        let mut parts = vec![first];
+        let count = metadata
+            .get("split.count")
             .and_then(Value::as_u64)
-            .unwrap_or(32)
-            .max(1) as usize;
-        let data = c.at.div_ceil(align) * align;
-        let mut tensors = BTreeMap::new();
-        for (name, info) in infos {
-            let end = data
-                .checked_add(info.offset)
-                .and_then(|o| o.checked_add(info.bytes));
-            if end.is_none_or(|e| e > map.len()) {
-                return Err(ModelError::Input(format!(
-                    "{}: tensor `{name}` ({} bytes at offset {}) runs past the end of the file; \
-                     the file may be truncated, download it again",
-                    path.display(),
-                    info.bytes,
-                    info.offset
-                )));
+            .unwrap_or(1) as usize;
+        for k in 2..=count {
+            let p = part_path(path, k, count)?;
+            let (part, (_, more)) = read_part(&p, k - 1)?;
+            for (name, info) in more {
+                if tensors.insert(name.clone(), info).is_some() {
+                    return Err(ModelError::Input(format!(
+                        "{}: tensor `{name}` is in more than one part of the split model",
+                        p.display()
+                    )));
+                }
             }
-            tensors.insert(name, info);
+            parts.push(part);
         }
         Ok(GgufFile {
             path: path.to_path_buf(),
-            map,
+            parts,
             metadata,
             tensors,
-            data,
         })
     }
+}
 
-    /// One tensor info: name, dims, type, offset; the type must be one [`BlockType`] takes and
-    /// the innermost dim a whole number of its blocks.
-    fn tensor_info(c: &mut Cursor) -> Result<(String, TensorInfo)> {
-        let name = c.string()?;
-        let n_dims = c.u32()?;
-        if n_dims > 8 {
-            return Err(c.err(format!("tensor `{name}` with {n_dims} dims")));
-        }
-        let dims = (0..n_dims)
-            .map(|_| Ok(c.u64()? as usize))
-            .collect::<Result<Vec<_>>>()?;
-        let id = c.u32()?;
-        let offset = c.u64()? as usize;
-        let Some(kind) = BlockType::from_id(id) else {
-            return Err(ModelError::Input(format!(
-                "{}: tensor `{name}` has type {} ({id}), which deltamoe does not read (it reads \
-                 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)",
-                c.path.display(),
-                BlockType::id_name(id)
-            )));
-        };
-        let inner = dims.first().copied().unwrap_or(1);
-        let n: Option<usize> = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let Some(n) = n.filter(|_| inner % kind.block() == 0) else {
-            return Err(c.err(format!(
-                "tensor `{name}` of dims {dims:?} is not whole {kind:?} blocks of {}",
-                kind.block()
-            )));
-        };
-        let info = TensorInfo {
-            bytes: kind.size_of(n),
-            dims,
-            kind,
-            offset,
-        };
-        Ok((name, info))
+/// The path of part `k` of `n` beside `first` (`NAME-00001-of-0000n.gguf`), which must exist.
+fn part_path(first: &Path, k: usize, n: usize) -> Result<PathBuf> {
+    let name = first.file_name().map(|s| s.to_string_lossy().into_owned());
+    let suffix = format!("-00001-of-{n:05}.gguf");
+    let Some(stem) = name.as_deref().and_then(|s| s.strip_suffix(&suffix)) else {
+        return Err(ModelError::Input(format!(
+            "{}: a split model's first part (split.count {n}) but not named `NAME{suffix}`; \
+             keep the names gguf-split gave the parts",
+            first.display()
+        )));
+    };
+    let p = first.with_file_name(format!("{stem}-{k:05}-of-{n:05}.gguf"));
+    if !p.is_file() {
+        return Err(ModelError::Input(format!(
+            "{}: part {k} of the split model {} is missing; download every part into one directory",
+            p.display(),
+            first.display()
+        )));
     }
+    Ok(p)
+}
 
+/// Metadata and tensor table of one file.
+type Tables = (BTreeMap<String, Value>, BTreeMap<String, TensorInfo>);
+
+/// Maps the file `path` (part `part` of its model) and reads its header, metadata and tensor
+/// table, checking that every tensor lies inside it.
+fn read_part(path: &Path, part: usize) -> Result<(Part, Tables)> {
+    let io = |err| ModelError::Io {
+        path: path.to_path_buf(),
+        err,
+    };
+    let file = File::open(path).map_err(io)?;
+    // SAFETY: the map is read-only and lives with the struct; a file changed underneath
+    // while mapped is outside what any reader of model files can guard against.
+    let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+    let mut c = Cursor {
+        b: &map,
+        at: 0,
+        path,
+    };
+    if c.take(4).ok() != Some(b"GGUF".as_slice()) {
+        return Err(ModelError::Input(format!(
+            "{}: not a GGUF file (it does not start with `GGUF`)",
+            path.display()
+        )));
+    }
+    let version = c.u32()?;
+    if version != 3 {
+        return Err(ModelError::Input(format!(
+            "{}: GGUF version {version}; only version 3 is read (convert it again with a \
+                 current llama.cpp)",
+            path.display()
+        )));
+    }
+    let n_tensors = c.count("tensor")?;
+    let n_kv = c.count("metadata")?;
+    let mut metadata = BTreeMap::new();
+    for _ in 0..n_kv {
+        let key = c.string()?;
+        let kind = c.u32()?;
+        metadata.insert(key, c.value(kind, 0)?);
+    }
+    let mut infos = Vec::new();
+    for _ in 0..n_tensors {
+        infos.push(tensor_info(&mut c, part)?);
+    }
+    let align = metadata
+        .get("general.alignment")
+        .and_then(Value::as_u64)
+        .unwrap_or(32)
+        .max(1) as usize;
+    let data = c.at.div_ceil(align) * align;
+    let mut tensors = BTreeMap::new();
+    for (name, info) in infos {
+        let end = data
+            .checked_add(info.offset)
+            .and_then(|o| o.checked_add(info.bytes));
+        if end.is_none_or(|e| e > map.len()) {
+            return Err(ModelError::Input(format!(
+                "{}: tensor `{name}` ({} bytes at offset {}) runs past the end of the file; \
+                     the file may be truncated, download it again",
+                path.display(),
+                info.bytes,
+                info.offset
+            )));
+        }
+        tensors.insert(name, info);
+    }
+    Ok((Part { map, data }, (metadata, tensors)))
+}
+
+/// One tensor info: name, dims, type, offset; the type must be one [`BlockType`] takes and
+/// the innermost dim a whole number of its blocks.
+fn tensor_info(c: &mut Cursor, part: usize) -> Result<(String, TensorInfo)> {
+    let name = c.string()?;
+    let n_dims = c.u32()?;
+    if n_dims > 8 {
+        return Err(c.err(format!("tensor `{name}` with {n_dims} dims")));
+    }
+    let dims = (0..n_dims)
+        .map(|_| Ok(c.u64()? as usize))
+        .collect::<Result<Vec<_>>>()?;
+    let id = c.u32()?;
+    let offset = c.u64()? as usize;
+    let Some(kind) = BlockType::from_id(id) else {
+        return Err(ModelError::Input(format!(
+            "{}: tensor `{name}` has type {} ({id}), which deltamoe does not read (it reads \
+                 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)",
+            c.path.display(),
+            BlockType::id_name(id)
+        )));
+    };
+    let inner = dims.first().copied().unwrap_or(1);
+    let n: Option<usize> = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let Some(n) = n.filter(|_| inner % kind.block() == 0) else {
+        return Err(c.err(format!(
+            "tensor `{name}` of dims {dims:?} is not whole {kind:?} blocks of {}",
+            kind.block()
+        )));
+    };
+    let info = TensorInfo {
+        bytes: kind.size_of(n),
+        dims,
+        kind,
+        part,
+        offset,
+    };
+    Ok((name, info))
+}
+
+impl GgufFile {
+    /// The file (of a split model, the first part).
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -311,8 +374,9 @@ impl GgufFile {
     /// The stored bytes of tensor `name`.
     pub fn bytes(&self, name: &str) -> Result<&[u8]> {
         let t = self.info(name)?;
-        let at = self.data + t.offset;
-        Ok(&self.map[at..at + t.bytes])
+        let p = &self.parts[t.part];
+        let at = p.data + t.offset;
+        Ok(&p.map[at..at + t.bytes])
     }
 
     /// Tensor `name` dequantized to f32, values in file order (innermost dim fastest).
@@ -333,8 +397,8 @@ impl GgufFile {
     }
 }
 
-/// The config of the GGUF model at `path` and its tensors as a store in mlx-lm's layout,
-/// dequantized to f32 (see [`tensors`]).
+/// The config of the GGUF model at `path` and its tensors as a store in mlx-lm's layout (see
+/// [`tensors`]).
 pub fn load(path: &Path) -> Result<(ModelConfig, WeightStore)> {
     let f = GgufFile::open(path)?;
     let c = config::config(&f)?;

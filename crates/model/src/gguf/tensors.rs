@@ -1,5 +1,5 @@
-//! A GGUF file's tensors under the names and in the layout of an mlx-lm checkpoint, dequantized
-//! to f32, undoing what llama.cpp's converter did to the HF tensors of `qwen35moe` and `qwen35`:
+//! A GGUF file's tensors under the names and in the layout of an mlx-lm checkpoint (affine block
+//! types as affine weights, others dequantized), undoing what llama.cpp's converter did to the HF tensors of `qwen35moe` and `qwen35`:
 //! - names: `blk.{i}.*` to `model.layers.{i}.*` (the MTP layer, block `n` past the main ones,
 //!   to `mtp.layers.0.*`, its `nextn.*` to `mtp.*`), experts stacked as mlx-lm's `switch_mlp`;
 //! - norms are stored as `1 + w` (but the GDN output norm), as mlx-lm stores them;
@@ -9,10 +9,11 @@
 //!   groups them (k·(Hv/Hk) + j), in the V rows of `in_proj_qkv` and the conv, the rows of
 //!   `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log`, `dt_bias`, and the columns of `out_proj`.
 
-use super::GgufFile;
+use super::{repack, BlockType, GgufFile};
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
-use deltamoe_compute::Tensor;
+use crate::weights::Prepared;
+use deltamoe_compute::{DType, Tensor};
 
 /// GGUF tensor names (after `blk.{i}.`) and the mlx-lm names they take (after the layer prefix).
 const LAYER_NAMES: [(&str, &str); 27] = [
@@ -66,10 +67,11 @@ const MORE_NAMES: [(&str, &str); 8] = [
     ("nextn.shared_head_norm.weight", "norm.weight"),
 ];
 
-/// The file's tensors as `(mlx-lm name, f32 tensor)`, for a model of config `c` (from
-/// [`super::config::config`]); Qwen3-Next files are refused (their packed projections are not
-/// mapped back yet).
-pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Tensor)>> {
+/// The file's tensors under their mlx-lm names, for a model of config `c` (from
+/// [`super::config::config`]): matrices of an affine block type as affine weights with the same
+/// values ([`super::repack`]), the rest dequantized (f16 and bf16 kept as they are). Qwen3-Next
+/// files are refused (their packed projections are not mapped back yet).
+pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
     if c.family == Family::Qwen3Next {
         return Err(ModelError::Input(format!(
             "{}: GGUF `qwen3next` models do not load yet (qwen35moe and qwen35 do)",
@@ -77,7 +79,7 @@ pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Tensor)>> {
         )));
     }
     let mut out = Vec::with_capacity(f.tensors.len());
-    for (name, info) in &f.tensors {
+    for name in f.tensors.keys() {
         let Some((to, leaf)) = hf_name(name, c.num_layers) else {
             return Err(ModelError::Input(format!(
                 "{}: tensor `{name}` is not one deltamoe maps for {}",
@@ -85,12 +87,70 @@ pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Tensor)>> {
                 c.model_type
             )));
         };
-        let mut shape = info.shape();
-        let mut v = f.f32(name)?;
-        undo(leaf, c, &mut shape, &mut v);
-        out.push((to, Tensor::from_f32(shape, v)));
+        let t = match affine(f, name, leaf, c)? {
+            Some(w) => w,
+            None => Prepared::Dense(dense(f, name, leaf, c)?),
+        };
+        out.push((to, t));
     }
     Ok(out)
+}
+
+/// Matrix `name` of an affine block type as an affine weight (stacked experts as one of
+/// `E·out` rows), or `None` for other types, vectors, the embedding (read by row on the GPU,
+/// in MLX's parameters only) and a reorder that would cut a group.
+fn affine(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Option<Prepared>> {
+    let info = f.info(name)?;
+    let shape = info.shape();
+    let Some((_, group, _)) = repack::affine_form(info.kind) else {
+        return Ok(None);
+    };
+    if shape.len() < 2 || name == "token_embd.weight" || !reorders_whole(leaf, c, group) {
+        return Ok(None);
+    }
+    let Some(mut g) = repack::Groups::of(info.kind, f.bytes(name)?, info.len()) else {
+        return Ok(None);
+    };
+    let cols = shape[shape.len() - 1];
+    reorder(leaf, c, &mut g.codes, cols, 1);
+    reorder(leaf, c, &mut g.scales, cols / group, group);
+    reorder(leaf, c, &mut g.biases, cols / group, group);
+    let rows = info.len() / cols;
+    Ok(Some(Prepared::Affine(g.into_weight(rows), shape)))
+}
+
+/// Tensor `name` as a dense tensor in mlx-lm's layout: f16 and bf16 as stored, other types
+/// dequantized to f32; `ssm_a` becomes `A_log` and the conv kernel gains its trailing axis.
+fn dense(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Tensor> {
+    let info = f.info(name)?;
+    let mut shape = info.shape();
+    // ggml drops outer dims of 1 (llama-quantize writes the shared expert's gate [1, H] as [H]).
+    if leaf == "ffn_gate_inp_shexp.weight" && shape.len() == 1 {
+        shape.insert(0, 1);
+    }
+    let row = shape.iter().skip(1).product::<usize>();
+    let half = match info.kind {
+        BlockType::F16 => Some(DType::F16),
+        BlockType::BF16 => Some(DType::BF16),
+        _ => None,
+    };
+    if let (Some(dtype), false) = (half, matches!(leaf, "ssm_a" | "ssm_conv1d.weight")) {
+        let b = f.bytes(name)?;
+        let mut bits: Vec<u16> = b
+            .chunks_exact(2)
+            .map(|p| u16::from_le_bytes([p[0], p[1]]))
+            .collect();
+        reorder(leaf, c, &mut bits, row, 1);
+        return Ok(Tensor::from_half_bits(dtype, shape, bits));
+    }
+    let mut v = f.f32(name)?;
+    match leaf {
+        "ssm_a" => v.iter_mut().for_each(|a| *a = (-*a).ln()),
+        "ssm_conv1d.weight" => shape.push(1),
+        _ => {}
+    }
+    reorder(leaf, c, &mut v, row, 1);
+    Ok(Tensor::from_f32(shape, v))
 }
 
 /// The mlx-lm name of GGUF tensor `name` in a model of `n` main layers, and its name within its
@@ -120,36 +180,38 @@ fn hf_name(name: &str, n: usize) -> Option<(String, &str)> {
     Some((format!("{prefix}{to}"), leaf))
 }
 
-/// Undoes the converter's change to tensor `leaf` (its name after `blk.{i}.`) of config `c`:
-/// `shape` outermost first, values `v` in that order.
-fn undo(leaf: &str, c: &ModelConfig, shape: &mut Vec<usize>, v: &mut [f32]) {
+/// Whether [`reorder`] moves whole groups of `group` columns in tensor `leaf`: it moves the
+/// columns of `ssm_out` in blocks of a value head's width.
+fn reorders_whole(leaf: &str, c: &ModelConfig, group: usize) -> bool {
+    let moved = c.linear_k_heads != 0 && c.linear_v_heads != c.linear_k_heads;
+    !(moved && leaf == "ssm_out.weight") || c.linear_v_dim.is_multiple_of(group)
+}
+
+/// Puts the value heads of tensor `leaf` (its name after `blk.{i}.`) of config `c` back from the
+/// converter's tiled order to HF's grouped one, in `v`: rows of `row` elements, each element
+/// standing for `unit` columns (1 for values and codes, the group size for scales and biases).
+fn reorder<T: Copy>(leaf: &str, c: &ModelConfig, v: &mut [T], row: usize, unit: usize) {
     let (hk, hv, dk, dv) = (
         c.linear_k_heads,
         c.linear_v_heads,
         c.linear_k_dim,
         c.linear_v_dim,
     );
-    let qk = 2 * hk * dk;
-    match leaf {
-        "ssm_a" => v.iter_mut().for_each(|a| *a = (-*a).ln()),
-        "ssm_conv1d.weight" => shape.push(1),
-        _ => {}
-    }
     if hk == 0 || hv == hk {
         return;
     }
-    let cols = shape.iter().skip(1).product::<usize>();
+    let qk = 2 * hk * dk;
     match leaf {
         "attn_qkv.weight" | "ssm_conv1d.weight" => {
-            group_rows(&mut v[qk * cols..], (hk, hv), dv * cols)
+            group_rows(&mut v[qk * row..], (hk, hv), dv * row)
         }
-        "attn_gate.weight" => group_rows(v, (hk, hv), dv * cols),
+        "attn_gate.weight" => group_rows(v, (hk, hv), dv * row),
         "ssm_beta.weight" | "ssm_alpha.weight" | "ssm_a" | "ssm_dt.bias" => {
-            group_rows(v, (hk, hv), cols)
+            group_rows(v, (hk, hv), row)
         }
         "ssm_out.weight" => {
-            for row in v.chunks_exact_mut(shape[1]) {
-                group_rows(row, (hk, hv), dv);
+            for r in v.chunks_exact_mut(row) {
+                group_rows(r, (hk, hv), dv / unit);
             }
         }
         _ => {}
@@ -158,7 +220,7 @@ fn undo(leaf: &str, c: &ModelConfig, shape: &mut Vec<usize>, v: &mut [f32]) {
 
 /// Reorders `hv` blocks of `block` values from tiled order (block of value head j of key head k
 /// at j·hk + k) to grouped order (at k·(hv/hk) + j).
-fn group_rows(v: &mut [f32], (hk, hv): (usize, usize), block: usize) {
+fn group_rows<T: Copy>(v: &mut [T], (hk, hv): (usize, usize), block: usize) {
     let r = hv / hk;
     let tiled = v[..hv * block].to_vec();
     for k in 0..hk {

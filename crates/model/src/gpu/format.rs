@@ -33,9 +33,13 @@ pub enum DevFormat {
 /// dequantized to bf16).
 const GPU_BITS: [u32; 3] = [2, 4, 8];
 
+/// Affine group sizes the quantized CUDA kernels read (GGUF's Q6_K groups of 16: dequantized to
+/// bf16).
+const GPU_GROUPS: [usize; 3] = [32, 64, 128];
+
 impl DevFormat {
     /// The format of `parts` stacked by rows: affine when every part is affine with the same
-    /// bits (2/4/8) and group, FP8 when every part is FP8 with the same block width (a multiple
+    /// bits (2/4/8) and group (32/64/128), FP8 when every part is FP8 with the same block width (a multiple
     /// of 8) and K % 8 == 0 (fp8.cu's 8-byte loads), else bf16.
     pub fn of(parts: &[&LinearWeight]) -> DevFormat {
         let fp8: Option<Vec<_>> = parts.iter().map(|p| p.as_fp8()).collect();
@@ -60,7 +64,7 @@ impl DevFormat {
             true => AffineParams::F16Zero,
             false => AffineParams::Bf16,
         };
-        match same && GPU_BITS.contains(&bits) {
+        match same && GPU_BITS.contains(&bits) && GPU_GROUPS.contains(&group) {
             true => DevFormat::Affine {
                 bits,
                 group,
