@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::model_text::ModelText;
 use deltamoe_engine::scheduler::{Event, FinishReason, Request, Scheduler, SchedulerConfig};
 use deltamoe_engine::tokenizer::TextTokenizer;
 use serde_json::json;
@@ -50,19 +50,19 @@ fn read_prompts(file: &Path) -> Result<Vec<String>> {
 }
 
 pub fn run(a: &GenerateArgs, file: &Path) -> Result<()> {
-    let dir = a.model.dir()?;
     let texts = read_prompts(file)?;
-    let Some(tok) = TextTokenizer::from_dir(&dir)? else {
+    let text_side = ModelText::load(&a.model.dir()?)?;
+    let Some(tok) = &text_side.tokenizer else {
         bail!(
             "--prompts-file: {} has no tokenizer.json to encode the prompts",
-            dir.display()
+            text_side.origin.display()
         );
     };
     let model = load_model(&a.model)?;
-    let defaults = GenerationDefaults::from_dir(&dir, &model.config().eos_token_ids)?;
+    let defaults = text_side.defaults(&model.config().eos_token_ids);
     let prompts = texts
         .iter()
-        .map(|t| encode_prompt(a, t, &dir, &tok))
+        .map(|t| encode_prompt(a, t, &text_side, tok))
         .collect::<Result<Vec<_>>>()?;
     let max_seqs = match a.max_seqs {
         Some(0) => bail!("--max-seqs must be at least 1"),
@@ -97,7 +97,7 @@ pub fn run(a: &GenerateArgs, file: &Path) -> Result<()> {
             stop_ids: defaults.eos_token_ids.clone(),
         });
     }
-    complete(sched, &tok, done)
+    complete(sched, tok, done)
 }
 
 /// Steps `sched` until every request has ended, printing each completion once it and all

@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use deltamoe_engine::chat::ChatTemplate;
-use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::model_text::ModelText;
 use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{Engine, SeqId};
@@ -175,18 +175,21 @@ fn dim(text: &str) -> String {
 }
 
 pub fn run(a: ChatArgs) -> Result<()> {
-    let dir = a.model.dir()?;
-    let Some(tok) = TextTokenizer::from_dir(&dir)? else {
-        bail!(
-            "--model {}: no tokenizer.json; chat needs the model's tokenizer",
-            dir.display()
-        );
+    let text_side = ModelText::load(&a.model.dir()?)?;
+    let origin = text_side.origin.display().to_string();
+    let ModelText {
+        tokenizer,
+        template,
+        ..
+    } = &text_side;
+    let Some(tok) = tokenizer.as_ref() else {
+        bail!("--model {origin}: no tokenizer.json; chat needs the model's tokenizer");
     };
-    let Some(tpl) = ChatTemplate::from_dir(&dir)? else {
-        bail!("--model {}: no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); chat needs one, use generate instead", dir.display());
+    let Some(tpl) = template.clone() else {
+        bail!("--model {origin}: no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); chat needs one, use generate instead");
     };
     let model = load_model(&a.model)?;
-    let defaults = GenerationDefaults::from_dir(&dir, &model.config().eos_token_ids)?;
+    let defaults = text_side.defaults(&model.config().eos_token_ids);
     let mut eos = defaults.eos_token_ids.clone();
     eos.extend(tpl.eos_token().and_then(|t| tok.token_id(t)));
     let mut session = Session {
@@ -198,7 +201,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         seq: None,
         conv: Conversation::new(a.system.clone()),
         tpl,
-        tok: &tok,
+        tok,
         sampling: sampling(&a.sampling, &defaults)?,
         eos,
         max_tokens: a.max_tokens,

@@ -8,13 +8,14 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use deltamoe_compute::cuda;
-use deltamoe_engine::chat::{ChatMessage, ChatTemplate};
+use deltamoe_engine::chat::ChatMessage;
 use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::model_text::ModelText;
 use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{generate as run_generate, Engine, GenerateRequest};
 use deltamoe_model::gpu::ExpertCache;
-use deltamoe_model::{Logits, Qwen3Hybrid};
+use deltamoe_model::{Logits, ModelSource, Qwen3Hybrid};
 
 use crate::{Device, ModelArgs};
 
@@ -146,18 +147,10 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
     load_dir(&args.dir()?)
 }
 
-/// Load the model in `dir` (named `--model` in errors; weights memory-mapped on the host).
+/// Load the model at `dir`, a model directory or a GGUF file (named `--model` in errors;
+/// safetensors weights memory-mapped on the host, GGUF ones unpacked into memory).
 pub fn load_dir(dir: &Path) -> Result<Qwen3Hybrid> {
-    if !dir.is_dir() {
-        let what = match dir.extension().is_some_and(|e| e == "gguf") {
-            true => "a GGUF file, which deltamoe does not run yet",
-            false => "not a directory",
-        };
-        bail!(
-            "--model {}: {what}; point it at a model directory with config.json and *.safetensors",
-            dir.display()
-        );
-    }
+    ModelSource::resolve(dir)?;
     let t0 = Instant::now();
     let model = Qwen3Hybrid::load(dir)?;
     eprintln!(
@@ -275,18 +268,18 @@ pub fn sampling(a: &SamplingArgs, defaults: &GenerationDefaults) -> Result<Sampl
     Ok(p)
 }
 
-fn prompt_ids(a: &GenerateArgs, dir: &Path, tok: Option<&TextTokenizer>) -> Result<Vec<u32>> {
+fn prompt_ids(a: &GenerateArgs, text_side: &ModelText) -> Result<Vec<u32>> {
     if let Some(ids) = &a.prompt_tokens {
         return parse_ids(ids, "--prompt-tokens");
     }
     let text = a.prompt.as_deref().unwrap_or_default();
-    let Some(tok) = tok else {
+    let Some(tok) = &text_side.tokenizer else {
         bail!(
             "--prompt: {} has no tokenizer.json; pass token ids with --prompt-tokens",
-            dir.display()
+            text_side.origin.display()
         );
     };
-    let ids = encode_prompt(a, text, dir, tok)?;
+    let ids = encode_prompt(a, text, text_side, tok)?;
     if ids.is_empty() {
         bail!("--prompt: the prompt is empty; give some text");
     }
@@ -298,14 +291,14 @@ fn prompt_ids(a: &GenerateArgs, dir: &Path, tok: Option<&TextTokenizer>) -> Resu
 pub fn encode_prompt(
     a: &GenerateArgs,
     text: &str,
-    dir: &Path,
+    text_side: &ModelText,
     tok: &TextTokenizer,
 ) -> Result<Vec<u32>> {
     if !a.chat {
         return Ok(tok.encode(text, true)?);
     }
-    let Some(tpl) = ChatTemplate::from_dir(dir)? else {
-        bail!("--chat: {} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)", dir.display());
+    let Some(tpl) = &text_side.template else {
+        bail!("--chat: {} has no chat template (tokenizer_config.json `chat_template`, chat_template.jinja or GGUF `tokenizer.chat_template`)", text_side.origin.display());
     };
     let mut msgs = Vec::new();
     if let Some(s) = &a.system {
@@ -342,11 +335,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     if let Some(file) = &a.prompts_file {
         return crate::batch::run(&a, file);
     }
-    let dir = a.model.dir()?;
-    let tok = TextTokenizer::from_dir(&dir)?;
+    let text_side = ModelText::load(&a.model.dir()?)?;
+    let tok = text_side.tokenizer.as_ref();
     let model = load_model(&a.model)?;
-    let defaults = GenerationDefaults::from_dir(&dir, &model.config().eos_token_ids)?;
-    let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
+    let defaults = text_side.defaults(&model.config().eos_token_ids);
+    let prompt = prompt_ids(&a, &text_side)?;
     let sampling = sampling(&a.sampling, &defaults)?;
     let mut engine = engine_for(model, &a.model, 1)?;
     a.speculative.apply(&mut engine)?;

@@ -4,10 +4,10 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use deltamoe_model::gptq::Packing;
-use deltamoe_model::{LayerKind, ModelConfig, WeightStore};
+use deltamoe_model::{LayerKind, ModelConfig, ModelSource};
 
 #[derive(Args)]
 pub struct InfoArgs {
@@ -85,12 +85,24 @@ pub fn state_bytes(c: &ModelConfig, ctx: usize) -> (usize, usize) {
     (kv, gdn)
 }
 
-pub fn run(a: InfoArgs) -> Result<()> {
-    if !a.model.is_dir() {
-        bail!("--model {}: not a directory", a.model.display());
+/// The block types of a GGUF file's tensors with their counts: `Q4_K ×120, F32 ×61`.
+fn gguf_types(f: &std::path::Path) -> Result<String> {
+    let file = deltamoe_model::gguf::GgufFile::open(f)?;
+    let mut n = std::collections::BTreeMap::new();
+    for t in file.tensors.values() {
+        *n.entry(t.kind.name()).or_insert(0usize) += 1;
     }
-    let c = ModelConfig::from_dir(&a.model)?;
-    let store = WeightStore::open(&a.model)?;
+    let mut v: Vec<_> = n.into_iter().collect();
+    v.sort_by_key(|e| std::cmp::Reverse(e.1));
+    Ok(v.iter()
+        .map(|(k, c)| format!("{k} ×{c}"))
+        .collect::<Vec<_>>()
+        .join(", "))
+}
+
+pub fn run(a: InfoArgs) -> Result<()> {
+    let source = ModelSource::resolve(&a.model)?;
+    let (c, store) = source.open()?;
     let tensors = store.summary();
     let mut params = [0usize; KINDS.len()];
     let mut bytes = [0usize; KINDS.len()];
@@ -143,6 +155,9 @@ pub fn run(a: InfoArgs) -> Result<()> {
         ),
     };
     println!("mtp            {mtp}");
+    if let ModelSource::Gguf(f) = &source {
+        println!("quantization   GGUF {} (Q8_0, Q4_0/1, Q5_0/1 and K-quant matrices repacked at load to affine with f32 scales and biases, exactly; CUDA holds Q8_0/Q4_0 scales as f16 with zero points, other scales and biases as bf16; other types dequantized)", gguf_types(f)?);
+    }
     match store.quantization() {
         Some(q) => {
             let d = q.default_spec();
@@ -169,6 +184,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
                     g.bits,
                     g.group_size.map_or("per row".to_string(), |g| g.to_string()),
                 ),
+                None if matches!(source, ModelSource::Gguf(_)) => {}
                 None => println!("quantization   none"),
             },
         },
@@ -207,8 +223,12 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let (kv, gdn) = state_bytes(&c, a.context);
     println!();
     println!(
-        "memory: weights {} (memory-mapped)",
-        gib(total_bytes as f64)
+        "memory: weights {} ({})",
+        gib(total_bytes as f64),
+        match source {
+            ModelSource::Gguf(_) => "unpacked into memory at load",
+            ModelSource::Dir(_) => "memory-mapped",
+        }
     );
     println!(
         "memory per sequence at {} tokens: {} (KV cache {} + GDN state {}, f32)",

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use deltamoe_engine::tokenizer::TextTokenizer;
+use deltamoe_engine::model_text::ModelText;
 use deltamoe_model::Logits;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -120,7 +120,7 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     }
     let dir = &a.model.dir()?;
     let text = read_text(&a.text)?;
-    let Some(tok) = TextTokenizer::from_dir(dir)? else {
+    let Some(tok) = ModelText::load(dir)?.tokenizer else {
         bail!(
             "--model {}: no tokenizer.json; perplexity needs the model's tokenizer to read --text",
             dir.display()

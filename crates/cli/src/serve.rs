@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use deltamoe_compute::cuda;
+use deltamoe_engine::model_text::ModelText;
 use deltamoe_engine::{Engine, EngineError};
 use deltamoe_model::Qwen3Hybrid;
 use deltamoe_server::{ConnLimits, EngineFactory, LogFormat, Server, ServerOptions};
@@ -271,17 +272,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
         return run_synthetic(&a, shape);
     }
     let dir = a.model.dir()?;
-    if !dir.is_dir() {
-        bail!(
-            "--model {}: not a directory; point it at a model directory",
-            dir.display()
-        );
-    }
+    let text = ModelText::load(&dir)?;
+    // A GGUF file is named without its extension, as llama.cpp's server names it.
+    let file_name = match dir.is_file() {
+        true => dir.file_stem(),
+        false => dir.file_name(),
+    };
     let name = match (&a.api_name, &a.model.model) {
         (Some(n), _) => n.clone(),
         (None, None) => "deltamoe-tiny".to_string(),
-        (None, Some(_)) => dir
-            .file_name()
+        (None, Some(_)) => file_name
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "deltamoe".into()),
     };
@@ -290,7 +290,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let opts = options(&a, name, cuda)?;
     let slots = a.max_seqs.unwrap_or(0);
     let server = Server::start(
-        &dir,
+        text,
         factory(
             dir.clone(),
             cuda,

@@ -262,7 +262,7 @@ fn bad_tokens_and_prompts_are_rejected() {
             "--logits-out",
             "/dev/null",
         ],
-        &["/nonexistent", "not a directory"],
+        &["/nonexistent", "no such file or directory"],
     );
     expect_error(
         &[
@@ -325,4 +325,59 @@ fn speculative_tokens_need_an_mtp_layer_and_a_range() {
         ];
         expect_error(&args, &[want]);
     }
+}
+
+/// A GGUF file runs every command that reads a model, with its tokenizer and chat template from
+/// the metadata: `generate --chat`, `score` (the file's logits as the library gives them),
+/// `perplexity` and `info`; paths that are not one model are named.
+#[test]
+fn gguf_files_run_every_command() {
+    let file = fixture("gguf_quant/qwen3_5_moe_q.q4_k_m.gguf");
+    let f = file.to_str().unwrap();
+    let (ok, out, err) = run(&[
+        "generate",
+        "--model",
+        f,
+        "--prompt",
+        "Hello",
+        "--chat",
+        "--max-tokens",
+        "4",
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok && !out.trim().is_empty(), "{err}");
+    let d = tempfile::tempdir().unwrap();
+    let npy = d.path().join("l.npy");
+    let (ok, _, err) = run(&score_args(f, "1,2,3", npy.to_str().unwrap()));
+    assert!(ok, "{err}");
+    let text = d.path().join("t.txt");
+    std::fs::write(
+        &text,
+        "The capital of France is Paris. A small model tells a story.",
+    )
+    .unwrap();
+    let (ok, out, err) = run(&[
+        "perplexity",
+        "--model",
+        f,
+        "--text",
+        text.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    assert!(ok && out.contains("ppl="), "{err}");
+    let (ok, out, err) = run(&["info", "--model", f]);
+    assert!(ok && out.contains("Q4_K ×13"), "{err}");
+    let all = fixture("gguf_quant");
+    expect_error(
+        &["info", "--model", all.to_str().unwrap()],
+        &["several GGUF models"],
+    );
+    std::fs::write(d.path().join("m-00002-of-00002.gguf"), b"GGUF").unwrap();
+    let part = d.path().join("m-00002-of-00002.gguf");
+    expect_error(
+        &["info", "--model", part.to_str().unwrap()],
+        &["first part"],
+    );
 }

@@ -25,17 +25,22 @@ impl GenerationDefaults {
     /// `config_eos`, the ids the model config gave.
     pub fn from_dir(dir: &Path, config_eos: &[u32]) -> Result<GenerationDefaults> {
         let path = dir.join("generation_config.json");
-        let mut out = if path.is_file() {
+        let out = if path.is_file() {
             parse_file(&path)?
         } else {
             Self::default()
         };
-        for &id in config_eos {
-            if !out.eos_token_ids.contains(&id) {
-                out.eos_token_ids.push(id);
+        Ok(out.with_eos(config_eos))
+    }
+
+    /// These defaults with the end-of-sequence ids `ids` added (each once).
+    pub fn with_eos(mut self, ids: &[u32]) -> GenerationDefaults {
+        for &id in ids {
+            if !self.eos_token_ids.contains(&id) {
+                self.eos_token_ids.push(id);
             }
         }
-        Ok(out)
+        self
     }
 }
 

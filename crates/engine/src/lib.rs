@@ -8,6 +8,7 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod generation_config;
+pub mod model_text;
 pub mod prefix_cache;
 pub mod sampler;
 pub mod scheduler;

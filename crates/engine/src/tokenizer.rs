@@ -55,15 +55,32 @@ impl TextTokenizer {
                 one_line(e)
             ),
         })?;
+        Ok(Self::hf(inner, path))
+    }
+
+    /// A tokenizer from a `tokenizer.json` document built from `origin` (a GGUF file's
+    /// metadata), which errors name.
+    pub fn from_json(json: &str, origin: &Path) -> Result<TextTokenizer> {
+        let inner: tokenizers::Tokenizer = json.parse().map_err(|e| EngineError::File {
+            path: origin.to_path_buf(),
+            msg: format!(
+                "cannot build the tokenizer from its metadata: {}",
+                one_line(e)
+            ),
+        })?;
+        Ok(Self::hf(inner, origin))
+    }
+
+    fn hf(inner: tokenizers::Tokenizer, path: &Path) -> TextTokenizer {
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
-        Ok(TextTokenizer {
+        TextTokenizer {
             kind: Kind::Hf(Box::new(Hf {
                 inner,
                 plain,
                 path: path.to_path_buf(),
             })),
-        })
+        }
     }
 
     /// A byte-level tokenizer for models without a tokenizer (synthetic weights of a real

@@ -17,7 +17,7 @@ pub mod request;
 pub mod routes;
 pub mod worker;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use std::thread::JoinHandle;
 
 use deltamoe_engine::chat::ChatTemplate;
 use deltamoe_engine::generation_config::GenerationDefaults;
+use deltamoe_engine::model_text::ModelText;
 use deltamoe_engine::scheduler::{Scheduler, SchedulerConfig};
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{Engine, EngineError};
@@ -117,17 +118,24 @@ pub struct Server {
 }
 
 impl Server {
-    /// Reads the tokenizer, chat template and generation defaults of `model_dir`, builds the
-    /// engine on its own thread with `factory`, and starts scheduling.
+    /// Serves the model whose tokenizer, chat template and generation defaults are `text`
+    /// (from its directory or GGUF file), building the engine on its own thread with
+    /// `factory`, and starts scheduling.
     pub fn start(
-        model_dir: &Path,
+        text: ModelText,
         factory: EngineFactory,
         opts: ServerOptions,
     ) -> Result<Server, ServerError> {
-        let tokenizer = TextTokenizer::from_dir(model_dir)?
-            .ok_or_else(|| ServerError::NoTokenizer(model_dir.to_path_buf()))?;
-        let template = ChatTemplate::from_dir(model_dir)?;
-        Self::launch(tokenizer, template, Some(model_dir), factory, opts)
+        let tokenizer = text
+            .tokenizer
+            .ok_or_else(|| ServerError::NoTokenizer(text.origin.clone()))?;
+        Self::launch(
+            tokenizer,
+            text.template,
+            Some(text.generation),
+            factory,
+            opts,
+        )
     }
 
     /// Starts a server for a model without files (synthetic random weights of a real shape):
@@ -142,25 +150,19 @@ impl Server {
         Self::launch(TextTokenizer::bytes(), Some(template), None, factory, opts)
     }
 
-    /// Builds the engine and the app; generation defaults come from `model_dir` when there
-    /// is one, else from the model config alone.
+    /// Builds the engine and the app; generation defaults are the model files' `generation`
+    /// when there are files, else the model config's alone.
     fn launch(
         tokenizer: TextTokenizer,
         template: Option<ChatTemplate>,
-        model_dir: Option<&Path>,
+        generation: Option<GenerationDefaults>,
         factory: EngineFactory,
         opts: ServerOptions,
     ) -> Result<Server, ServerError> {
         let metrics = Arc::new(Metrics::default());
         let alive = Arc::new(AtomicBool::new(true));
         let (jobs, facts, thread) = spawn_engine(factory, &opts, metrics.clone(), alive.clone())?;
-        let defaults = match model_dir {
-            Some(dir) => GenerationDefaults::from_dir(dir, &facts.eos)?,
-            None => GenerationDefaults {
-                eos_token_ids: facts.eos.clone(),
-                ..GenerationDefaults::default()
-            },
-        };
+        let defaults = generation.unwrap_or_default().with_eos(&facts.eos);
         let mut stop_ids = defaults.eos_token_ids.clone();
         let template_eos = template.as_ref().and_then(|t| t.eos_token());
         stop_ids.extend(template_eos.and_then(|t| tokenizer.token_id(t)));

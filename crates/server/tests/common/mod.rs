@@ -50,10 +50,13 @@ pub async fn start_cuda(dir: PathBuf, opts: ServerOptions) -> TestServer {
 
 /// Starts a server built by `factory` on 127.0.0.1 (any free port) in the current runtime.
 pub async fn start_with(dir: PathBuf, factory: EngineFactory, opts: ServerOptions) -> TestServer {
-    let server = tokio::task::spawn_blocking(move || Server::start(&dir, factory, opts))
-        .await
-        .unwrap()
-        .unwrap();
+    let server = tokio::task::spawn_blocking(move || {
+        let text = deltamoe_engine::model_text::ModelText::load(&dir).unwrap();
+        Server::start(text, factory, opts)
+    })
+    .await
+    .unwrap()
+    .unwrap();
     listen(server).await
 }
 
