@@ -182,9 +182,10 @@ fn converted_models_load_back_bit_for_bit() {
     }
 }
 
-/// `fixtures/gguf_quant` (scripts/make_gguf_quant_fixtures.py): files quantized by llama.cpp's
-/// own llama-quantize, holding every block type deltamoe reads, against transformers run in
-/// f32 on gguf-py's dequantization of the same file mapped back to the HF layout. The CPU
+/// `fixtures/gguf_quant` (scripts/make_gguf_quant_fixtures.py, make_gguf_qwen3next_fixture.py):
+/// files quantized by llama.cpp's own llama-quantize, holding every block type deltamoe reads,
+/// and a `qwen3next` Q8_0 file from its converter, against transformers run in f32 on gguf-py's
+/// dequantization of the same file mapped back to the HF layout. The CPU
 /// engine's logits are within 5e-3 of max |ref| at every position, with the same argmax.
 #[test]
 fn quantized_files_match_transformers_on_their_dequantized_weights() {
@@ -206,12 +207,20 @@ fn quantized_files_match_transformers_on_their_dequantized_weights() {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect()
     };
-    for kind in ["q4_k_m", "iq4_xs", "q6_k_mix"] {
-        let model = Qwen3Hybrid::load(&dir.join(format!("qwen3_5_moe_q.{kind}.gguf"))).unwrap();
+    let files = [
+        ("qwen3_5_moe_q.q4_k_m", "q4_k_m.", ""),
+        ("qwen3_5_moe_q.iq4_xs", "iq4_xs.", ""),
+        ("qwen3_5_moe_q.q6_k_mix", "q6_k_mix.", ""),
+        ("qwen3_next_q.q8_0", "qwen3_next.", "qwen3_next."),
+    ];
+    for (file, kind, tok) in files {
+        let model = Qwen3Hybrid::load(&dir.join(format!("{file}.gguf"))).unwrap();
         let vocab = model.config().vocab_size;
-        for (prompt, key) in [("tokens", "logits"), ("chat.tokens", "chat.logits")] {
+        for (p, key) in [("tokens", "logits"), ("chat.tokens", "chat.logits")] {
+            let prompt = format!("{tok}{p}");
+            let prompt = prompt.as_str();
             let tokens = ids(prompt);
-            let want = f32s(&format!("{kind}.{key}"));
+            let want = f32s(&format!("{kind}{key}"));
             let mut state = model.new_state();
             let got = model.forward(&tokens, &mut state, Logits::All).unwrap();
             assert_eq!(got.len(), want.len());

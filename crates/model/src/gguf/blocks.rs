@@ -175,12 +175,12 @@ impl BlockType {
 }
 
 /// The f16 at byte `at`, as f32.
-fn half16(x: &[u8], at: usize) -> f32 {
+pub(super) fn half16(x: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([x[at], x[at + 1]])).to_f32()
 }
 
 /// Low (`hi` 0) or high (1) nibble of `b`.
-fn nibble(b: u8, hi: usize) -> u8 {
+pub(super) fn nibble(b: u8, hi: usize) -> u8 {
     (b >> (4 * hi)) & 0x0F
 }
 

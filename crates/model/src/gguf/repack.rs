@@ -19,9 +19,9 @@
 
 use deltamoe_compute::quant::pack_row;
 use deltamoe_compute::{AffineWeight, PackedWords, Tensor};
-use half::f16;
 use rayon::prelude::*;
 
+use super::blocks::{half16, nibble, scale_min};
 use super::BlockType;
 
 /// The affine form of a block type: bits, group size, and the zero point when the bias is
@@ -104,16 +104,6 @@ impl Groups {
     }
 }
 
-/// The f16 at byte `at`, as f32.
-fn half16(x: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([x[at], x[at + 1]])).to_f32()
-}
-
-/// Low (`hi` 0) or high (1) nibble of `b`.
-fn nibble(b: u8, hi: usize) -> u8 {
-    (b >> (4 * hi)) & 0x0F
-}
-
 /// One block `x` of type `t`: its codes into `q`, its groups' scales and biases into `s`, `b`
 /// (the layouts are those [`BlockType::dequantize`] reads).
 fn block(t: BlockType, x: &[u8], q: &mut [u8], s: &mut [f32], b: &mut [f32]) {
@@ -154,7 +144,7 @@ fn block(t: BlockType, x: &[u8], q: &mut [u8], s: &mut [f32], b: &mut [f32]) {
                 _ => (None, &x[16..144]),
             };
             for j in 0..8 {
-                let (sc, m) = super::blocks::scale_min(&x[4..16], j);
+                let (sc, m) = scale_min(&x[4..16], j);
                 s[j] = d * sc as f32;
                 b[j] = -(dmin * m as f32);
                 for l in 0..32 {
@@ -188,6 +178,7 @@ fn block(t: BlockType, x: &[u8], q: &mut [u8], s: &mut [f32], b: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
     use rand::{Rng, SeedableRng};
 
     /// Random blocks of `t` with finite f16 fields (scales drawn small and positive or negative).

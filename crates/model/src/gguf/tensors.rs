@@ -1,12 +1,15 @@
 //! A GGUF file's tensors under the names and in the layout of an mlx-lm checkpoint (affine block
-//! types as affine weights, others dequantized), undoing what llama.cpp's converter did to the HF tensors of `qwen35moe` and `qwen35`:
+//! types as affine weights, others dequantized), undoing what llama.cpp's converter did to the HF
+//! tensors of `qwen35moe`, `qwen35` and `qwen3next`:
 //! - names: `blk.{i}.*` to `model.layers.{i}.*` (the MTP layer, block `n` past the main ones,
 //!   to `mtp.layers.0.*`, its `nextn.*` to `mtp.*`), experts stacked as mlx-lm's `switch_mlp`;
 //! - norms are stored as `1 + w` (but the GDN output norm), as mlx-lm stores them;
 //! - `ssm_a` = −exp(A_log): `A_log` = ln(−ssm_a);
 //! - the conv kernel `[C, K]` gains mlx-lm's trailing axis;
-//! - value heads: the converter orders them tiled (head j of key head k at j·Hk + k) where HF
-//!   groups them (k·(Hv/Hk) + j), in the V rows of `in_proj_qkv` and the conv, the rows of
+//! - Qwen3-Next's `in_proj_qkvz` is in the file as `[q; k; v]` (`attn_qkv`) and `z` (`attn_gate`),
+//!   the split form's `in_proj_qkv` and `in_proj_z`; its `in_proj_ba` is split into `b` and `a`;
+//! - value heads (`qwen35moe`, `qwen35`): the converter orders them tiled (head j of key head k
+//!   at j·Hk + k) where HF groups them (k·(Hv/Hk) + j), in the V rows of `in_proj_qkv` and the conv, the rows of
 //!   `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log`, `dt_bias`, and the columns of `out_proj`.
 
 use super::{repack, BlockType, GgufFile};
@@ -52,8 +55,9 @@ const LAYER_NAMES: [(&str, &str); 27] = [
     ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
 ];
 
-/// The rest of a layer's names: shared expert down, dense MLP, the MTP layer's own.
-const MORE_NAMES: [(&str, &str); 8] = [
+/// The rest of a layer's names: shared expert down, dense MLP, Qwen3-Next's packed `[b | a]`
+/// rows (split by [`split_ba`]), the MTP layer's own.
+const MORE_NAMES: [(&str, &str); 9] = [
     (
         "ffn_down_shexp.weight",
         "mlp.shared_expert.down_proj.weight",
@@ -61,6 +65,7 @@ const MORE_NAMES: [(&str, &str); 8] = [
     ("ffn_gate.weight", "mlp.gate_proj.weight"),
     ("ffn_up.weight", "mlp.up_proj.weight"),
     ("ffn_down.weight", "mlp.down_proj.weight"),
+    ("ssm_ba.weight", "linear_attn.in_proj_ba.weight"),
     ("nextn.eh_proj.weight", "fc.weight"),
     ("nextn.enorm.weight", "pre_fc_norm_embedding.weight"),
     ("nextn.hnorm.weight", "pre_fc_norm_hidden.weight"),
@@ -69,15 +74,8 @@ const MORE_NAMES: [(&str, &str); 8] = [
 
 /// The file's tensors under their mlx-lm names, for a model of config `c` (from
 /// [`super::config::config`]): matrices of an affine block type as affine weights with the same
-/// values ([`super::repack`]), the rest dequantized (f16 and bf16 kept as they are). Qwen3-Next
-/// files are refused (their packed projections are not mapped back yet).
+/// values ([`super::repack`]), the rest dequantized (f16 and bf16 kept as they are).
 pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
-    if c.family == Family::Qwen3Next {
-        return Err(ModelError::Input(format!(
-            "{}: GGUF `qwen3next` models do not load yet (qwen35moe and qwen35 do)",
-            f.path().display()
-        )));
-    }
     let mut out = Vec::with_capacity(f.tensors.len());
     for name in f.tensors.keys() {
         let Some((to, leaf)) = hf_name(name, c.num_layers) else {
@@ -87,6 +85,10 @@ pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Prepared)>>
                 c.model_type
             )));
         };
+        if leaf == "ssm_ba.weight" {
+            out.extend(split_ba(&to, dense(f, name, leaf, c)?, c));
+            continue;
+        }
         let t = match affine(f, name, leaf, c)? {
             Some(w) => w,
             None => Prepared::Dense(dense(f, name, leaf, c)?),
@@ -94,6 +96,28 @@ pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Prepared)>>
         out.push((to, t));
     }
     Ok(out)
+}
+
+/// Qwen3-Next's `in_proj_ba` `[2·Hv, H]` (per key head, the `b` rows of its value heads, then
+/// their `a` rows) as the `in_proj_b` and `in_proj_a` `[Hv, H]` of the split form.
+fn split_ba(name: &str, ba: Tensor, c: &ModelConfig) -> [(String, Prepared); 2] {
+    let (hk, hv) = (c.linear_k_heads, c.linear_v_heads);
+    let (r, h) = (hv / hk.max(1), ba.shape()[1]);
+    let v = ba.to_f32_vec();
+    let half = |at: usize| -> Vec<f32> {
+        (0..hk)
+            .flat_map(|k| {
+                v[(2 * k + at) * r * h..(2 * k + at + 1) * r * h]
+                    .iter()
+                    .copied()
+            })
+            .collect()
+    };
+    let part = |at: usize, to: &str| {
+        let t = Tensor::from_f32(vec![hv, h], half(at));
+        (name.replace("in_proj_ba", to), Prepared::Dense(t))
+    };
+    [part(0, "in_proj_b"), part(1, "in_proj_a")]
 }
 
 /// Matrix `name` of an affine block type as an affine weight (stacked experts as one of
@@ -183,8 +207,14 @@ fn hf_name(name: &str, n: usize) -> Option<(String, &str)> {
 /// Whether [`reorder`] moves whole groups of `group` columns in tensor `leaf`: it moves the
 /// columns of `ssm_out` in blocks of a value head's width.
 fn reorders_whole(leaf: &str, c: &ModelConfig, group: usize) -> bool {
-    let moved = c.linear_k_heads != 0 && c.linear_v_heads != c.linear_k_heads;
+    let moved = tiled(c) && c.linear_k_heads != 0 && c.linear_v_heads != c.linear_k_heads;
     !(moved && leaf == "ssm_out.weight") || c.linear_v_dim.is_multiple_of(group)
+}
+
+/// Whether the converter wrote the value heads in tiled order: for `qwen35moe` and `qwen35`; its
+/// `qwen3next` keeps HF's grouped order (splitting `in_proj_qkvz` into `[q; k; v]` and `z`).
+fn tiled(c: &ModelConfig) -> bool {
+    c.family != Family::Qwen3Next
 }
 
 /// Puts the value heads of tensor `leaf` (its name after `blk.{i}.`) of config `c` back from the
@@ -197,7 +227,7 @@ fn reorder<T: Copy>(leaf: &str, c: &ModelConfig, v: &mut [T], row: usize, unit: 
         c.linear_k_dim,
         c.linear_v_dim,
     );
-    if hk == 0 || hv == hk {
+    if !tiled(c) || hk == 0 || hv == hk {
         return;
     }
     let qk = 2 * hk * dk;
