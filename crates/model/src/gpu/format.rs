@@ -8,6 +8,7 @@
 use deltamoe_compute::cuda::ops::{AffineParams, Far, Matvec, WeightFormat};
 use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 use deltamoe_compute::dtype::f32_to_bf16;
+use deltamoe_compute::quant::{pack_row, unpack_row};
 use deltamoe_compute::TensorData;
 
 use crate::checkpoint::{DenseSource, Linear, LinearWeight};
@@ -29,9 +30,16 @@ pub enum DevFormat {
     Fp8 { group: usize },
 }
 
-/// Affine bits the quantized CUDA kernels read (MLX's 3, 5 and 6 bits pack across words:
-/// dequantized to bf16).
-const GPU_BITS: [u32; 3] = [2, 4, 8];
+/// The bits the quantized CUDA kernels read for affine codes of `bits`: 2, 4 and 8 as they are;
+/// 3, 5 and 6 (MLX's, GGUF's Q5_0/Q5_1/Q5_K), which pack across words, widened to 8-bit codes
+/// of the same values and parameters (exact, 8 bits a weight instead of bf16's 16).
+fn gpu_bits(bits: u32) -> Option<u32> {
+    match bits {
+        2 | 4 | 8 => Some(bits),
+        3 | 5 | 6 => Some(8),
+        _ => None,
+    }
+}
 
 /// Affine group sizes the quantized CUDA kernels read (GGUF's Q6_K groups of 16: dequantized to
 /// bf16).
@@ -39,7 +47,7 @@ const GPU_GROUPS: [usize; 3] = [32, 64, 128];
 
 impl DevFormat {
     /// The format of `parts` stacked by rows: affine when every part is affine with the same
-    /// bits (2/4/8) and group (32/64/128), FP8 when every part is FP8 with the same block width (a multiple
+    /// bits (3/5/6 widened to 8) and group (32/64/128), FP8 when every part is FP8 with the same block width (a multiple
     /// of 8) and K % 8 == 0 (fp8.cu's 8-byte loads), else bf16.
     pub fn of(parts: &[&LinearWeight]) -> DevFormat {
         let fp8: Option<Vec<_>> = parts.iter().map(|p| p.as_fp8()).collect();
@@ -64,13 +72,13 @@ impl DevFormat {
             true => AffineParams::F16Zero,
             false => AffineParams::Bf16,
         };
-        match same && GPU_BITS.contains(&bits) && GPU_GROUPS.contains(&group) {
-            true => DevFormat::Affine {
+        match (same && GPU_GROUPS.contains(&group), gpu_bits(bits)) {
+            (true, Some(bits)) => DevFormat::Affine {
                 bits,
                 group,
                 params,
             },
-            false => DevFormat::Bf16,
+            _ => DevFormat::Bf16,
         }
     }
 
@@ -108,7 +116,7 @@ impl DevFormat {
             }
         }
         let affine: Option<Vec<_>> = parts.iter().map(|p| p.as_affine()).collect();
-        let (DevFormat::Affine { params, .. }, Some(a)) = (self, affine) else {
+        let (DevFormat::Affine { params, bits, .. }, Some(a)) = (self, affine) else {
             return vec![concat(parts.iter().map(|p| bf16_bits(*p)))];
         };
         let (scales, biases): (Vec<_>, Vec<_>) = match params {
@@ -119,7 +127,7 @@ impl DevFormat {
             AffineParams::F16Zero => a.iter().map(|w| f16_scales_zeros(w)).unzip(),
         };
         vec![
-            concat(a.iter().map(|w| w.words())),
+            concat(a.iter().map(|w| words_at(w, *bits))),
             concat(scales.into_iter()),
             concat(biases.into_iter()),
         ]
@@ -297,6 +305,23 @@ pub(crate) fn bf16_bits<W: DenseSource + ?Sized>(w: &W) -> Vec<u16> {
     }
 }
 
+/// The packed words of `w` with its codes at `bits` (its own, or wider: the same values).
+fn words_at(w: &deltamoe_compute::AffineWeight, bits: u32) -> std::borrow::Cow<'_, [u32]> {
+    if w.bits() == bits {
+        return w.words();
+    }
+    let (k, wpr) = (w.in_features(), w.in_features() * bits as usize / 32);
+    let mut out = vec![0u32; w.out_features() * wpr];
+    let (mut codes, mut scratch) = (vec![0.0f32; k], Vec::new());
+    let mut q = vec![0u8; k];
+    for (r, row) in out.chunks_exact_mut(wpr).enumerate() {
+        unpack_row(w.row_words(r, &mut scratch), w.bits(), &mut codes);
+        q.iter_mut().zip(&codes).for_each(|(q, &c)| *q = c as u8);
+        pack_row(&q, bits, row);
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// The f16 bits of a zero-point weight's scales `s` and zero points `z = −bias/s` (both exact:
 /// the loader made the scales from f16 values and the biases as `−z·s`).
 fn f16_scales_zeros(w: &deltamoe_compute::AffineWeight) -> (Vec<u16>, Vec<u16>) {
@@ -363,5 +388,51 @@ mod tests {
         };
         let far = a.far(&[1, 2, 3], 9);
         assert_eq!((far.w, far.scales, far.biases, far.split), (1, 2, 3, 9));
+    }
+
+    /// 3-, 5- and 6-bit codes go up as 8-bit codes of the same values (groups of 16 as bf16).
+    #[test]
+    fn odd_bits_widen_to_eight() {
+        use crate::checkpoint::LinearWeight;
+        use deltamoe_compute::quant::{pack_row, unpack_row};
+        use deltamoe_compute::{AffineWeight, PackedWords, Tensor};
+        let (n, k) = (3, 64);
+        for (bits, group) in [(3, 32), (5, 64), (6, 32), (6, 16)] {
+            let q: Vec<u8> = (0..n * k).map(|i| (i * 7 % (1 << bits)) as u8).collect();
+            let mut words = vec![0u32; n * k * bits as usize / 32];
+            let wpr = k * bits as usize / 32;
+            for (row, qs) in words.chunks_exact_mut(wpr).zip(q.chunks_exact(k)) {
+                pack_row(qs, bits, row);
+            }
+            let p = || Tensor::from_f32(vec![n, k / group], vec![0.5; n * k / group]);
+            let w = AffineWeight::new(bits, group, n, k, PackedWords::from_vec(words), p(), p());
+            let lw = LinearWeight::from(w.unwrap());
+            let f = DevFormat::of(&[&lw]);
+            if group == 16 {
+                assert_eq!(f, DevFormat::Bf16);
+                continue;
+            }
+            assert_eq!(
+                f,
+                DevFormat::Affine {
+                    bits: 8,
+                    group,
+                    params: AffineParams::Bf16
+                }
+            );
+            let bytes = &f.arrays(&[&lw])[0];
+            let wide: Vec<u32> = bytes
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let mut got = vec![0.0f32; n * k];
+            for (o, r) in got.chunks_exact_mut(k).zip(wide.chunks_exact(k / 4)) {
+                unpack_row(r, 8, o);
+            }
+            assert!(
+                got.iter().zip(&q).all(|(g, &q)| *g == q as f32),
+                "{bits} bits"
+            );
+        }
     }
 }
