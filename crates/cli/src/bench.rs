@@ -23,7 +23,7 @@ use crate::{synthetic, Device};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Model directory (real weights).
+    /// Model directory or GGUF file (real weights).
     #[arg(long, conflicts_with_all = ["config", "synthetic"])]
     pub(crate) model: Option<PathBuf>,
     /// A config.json to instantiate with random bf16 weights.

@@ -11,7 +11,7 @@ use deltamoe_model::{LayerKind, ModelConfig, ModelSource};
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// Model directory.
+    /// Model directory or GGUF file.
     #[arg(long)]
     model: PathBuf,
     /// Context length for the per-sequence memory estimate.

@@ -68,7 +68,7 @@ pub enum Device {
 /// Options shared by commands that load a model.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// Model directory (HF or mlx-lm layout: config.json, *.safetensors, tokenizer files).
+    /// Model directory (HF or mlx-lm layout: config.json, *.safetensors, tokenizer files) or GGUF file (a split model's first part).
     /// Default: the small model built into deltamoe.
     #[arg(long)]
     model: Option<PathBuf>,
