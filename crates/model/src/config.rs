@@ -288,6 +288,11 @@ fn parse_text(
     eos: Vec<u32>,
 ) -> Result<ModelConfig> {
     let num_layers = k.usize("num_hidden_layers")?;
+    // Checked before anything is sized by it (the per-layer lists below); `validate` checks the rest.
+    if num_layers == 0 || num_layers > MAX_LAYERS {
+        let msg = format!("{num_layers} is out of range; expected 1..={MAX_LAYERS}");
+        return Err(k.err("num_hidden_layers", msg));
+    }
     let hidden_size = k.usize("hidden_size")?;
     let num_heads = k.usize("num_attention_heads")?;
     // transformers defaults: head_dim 256, partial_rotary_factor 0.25 for the whole family.
@@ -474,7 +479,7 @@ fn ffn_kinds(k: &Keys, family: Family, n: usize, num_experts: usize) -> Result<V
 /// corrupt file, caught here before it sizes an allocation.
 const MAX_VOCAB: usize = 1 << 22;
 const MAX_WIDTH: usize = 1 << 16;
-const MAX_LAYERS: usize = 1024;
+pub(crate) const MAX_LAYERS: usize = 1024;
 const MAX_HEADS: usize = 1024;
 const MAX_HEAD_DIM: usize = 4096;
 const MAX_INTERMEDIATE: usize = 1 << 20;

@@ -141,3 +141,14 @@ fn check_config(v: &Value) {
         let _ = (c.weight_params(), c.largest_tensor_params(), c.conv_dim());
     }
 }
+
+/// A layer count far past any model (the case the fuzzer met) is a one-line error, not an
+/// allocation of that many layers.
+#[test]
+fn a_huge_layer_count_is_refused_before_anything_is_sized_by_it() {
+    let text = std::fs::read_to_string(fixture("fixtures/qwen3_5_moe_text/config.json")).unwrap();
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    v["num_hidden_layers"] = Value::from(1u64 << 60);
+    let err = ModelConfig::from_json_str(&v.to_string(), Path::new("config.json")).unwrap_err();
+    assert!(err.to_string().contains("num_hidden_layers"), "{err}");
+}

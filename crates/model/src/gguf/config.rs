@@ -82,6 +82,10 @@ pub fn config(f: &GgufFile) -> Result<ModelConfig> {
         .checked_sub(mtp_layers)
         .filter(|&n| n > 0)
         .ok_or_else(|| k.missing("block_count", "larger than nextn_predict_layers"))?;
+    if n > crate::config::MAX_LAYERS {
+        let most = format!("at most {} layers", crate::config::MAX_LAYERS);
+        return Err(k.missing("block_count", &most));
+    }
     let layer_kinds = layer_kinds(&k, n)?;
     let (v_heads, inner) = (k.usize("ssm.time_step_rank")?, k.usize("ssm.inner_size")?);
     if v_heads == 0 || inner % v_heads != 0 {
