@@ -121,15 +121,16 @@ fn split_ba(name: &str, ba: Tensor, c: &ModelConfig) -> [(String, Prepared); 2] 
 }
 
 /// Matrix `name` of an affine block type as an affine weight (stacked experts as one of
-/// `E·out` rows), or `None` for other types, vectors, the embedding (read by row on the GPU,
-/// in MLX's parameters only) and a reorder that would cut a group.
+/// `E·out` rows), or `None` for other types, vectors, an embedding in zero-point form (the GPU
+/// reads embedding rows in MLX's parameters only) and a reorder that would cut a group.
 fn affine(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Option<Prepared>> {
     let info = f.info(name)?;
     let shape = info.shape();
-    let Some((_, group, _)) = repack::affine_form(info.kind) else {
+    let Some((_, group, zero)) = repack::affine_form(info.kind) else {
         return Ok(None);
     };
-    if shape.len() < 2 || name == "token_embd.weight" || !reorders_whole(leaf, c, group) {
+    let zero_embedding = name == "token_embd.weight" && zero.is_some();
+    if shape.len() < 2 || zero_embedding || !reorders_whole(leaf, c, group) {
         return Ok(None);
     }
     let Some(mut g) = repack::Groups::of(info.kind, f.bytes(name)?, info.len()) else {
