@@ -15,7 +15,7 @@ use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{generate as run_generate, Engine, GenerateRequest};
 use deltamoe_model::gpu::ExpertCache;
-use deltamoe_model::{Logits, ModelSource, Qwen3Hybrid};
+use deltamoe_model::{Logits, Qwen3Hybrid};
 
 use crate::{Device, ModelArgs};
 
@@ -150,7 +150,6 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
 /// Load the model at `dir`, a model directory or a GGUF file (named `--model` in errors;
 /// safetensors weights memory-mapped on the host, GGUF ones unpacked into memory).
 pub fn load_dir(dir: &Path) -> Result<Qwen3Hybrid> {
-    ModelSource::resolve(dir)?;
     let t0 = Instant::now();
     let model = Qwen3Hybrid::load(dir)?;
     eprintln!(

@@ -1,9 +1,10 @@
 //! MLX affine-quantized weights.
 //!
 //! Format (the one `mlx.core.quantize` writes and mlx-lm checkpoints store): a linear weight
-//! `W: [out, in]` is cut into groups of `group_size` (32, 64 or 128; 16 for GGUF's Q6_K) consecutive weights along
-//! the input dim. Each group `g` of row `r` has one `scale[r, g]` and one `bias[r, g]` in the
-//! model dtype (bf16/f16/f32), and each weight is an unsigned `bits`-bit integer `q` with
+//! `W: [out, in]` is cut into groups of `group_size` (32, 64 or 128; 16 for GGUF's Q6_K)
+//! consecutive weights along the input dim. Each group `g` of row `r` has one `scale[r, g]` and
+//! one `bias[r, g]` in the model dtype (bf16/f16/f32), and each weight is an unsigned `bits`-bit
+//! integer `q` with
 //!
 //! ```text
 //! w[r, k] = q[r, k] · scale[r, k / group_size] + bias[r, k / group_size]

@@ -61,26 +61,11 @@ impl ModelSource {
         }
     }
 
-    /// The directory or file.
-    pub fn path(&self) -> &Path {
-        match self {
-            ModelSource::Dir(p) | ModelSource::Gguf(p) => p,
-        }
-    }
-
     /// The model's config and weights.
     pub fn open(&self) -> Result<(ModelConfig, WeightStore)> {
         match self {
             ModelSource::Dir(d) => Ok((ModelConfig::from_dir(d)?, WeightStore::open(d)?)),
             ModelSource::Gguf(f) => crate::gguf::load(f),
-        }
-    }
-
-    /// The model's config alone (a GGUF's from its metadata, no tensors read).
-    pub fn config(&self) -> Result<ModelConfig> {
-        match self {
-            ModelSource::Dir(d) => ModelConfig::from_dir(d),
-            ModelSource::Gguf(f) => crate::gguf::config::config(&crate::gguf::GgufFile::open(f)?),
         }
     }
 }
@@ -91,7 +76,7 @@ fn is_gguf(p: &Path) -> bool {
 }
 
 /// `(k, n)` of a split part named `NAME-0000k-of-0000n.gguf`.
-pub fn split_part(p: &Path) -> Option<(usize, usize)> {
+fn split_part(p: &Path) -> Option<(usize, usize)> {
     let stem = p.file_stem()?.to_str()?;
     let (head, n) = stem.rsplit_once("-of-")?;
     let (_, k) = head.rsplit_once('-')?;

@@ -18,7 +18,7 @@
 //! IQ4_NL and IQ4_XS map codes through a table and are not affine.
 
 use deltamoe_compute::quant::pack_row;
-use deltamoe_compute::{AffineWeight, PackedWords, Tensor};
+use deltamoe_compute::{AffineWeight, PackedWords, QuantError, Tensor};
 use rayon::prelude::*;
 
 use super::blocks::{half16, nibble, scale_min};
@@ -77,8 +77,8 @@ impl Groups {
         })
     }
 
-    /// As an affine weight of `rows` rows (`codes.len() / rows` values each).
-    pub fn into_weight(self, rows: usize) -> AffineWeight {
+    /// As an affine weight of `rows` rows (`codes.len() / rows` values each, whole groups).
+    pub fn into_weight(self, rows: usize) -> Result<AffineWeight, QuantError> {
         let cols = self.codes.len() / rows;
         let wpr = cols * self.bits as usize / 32;
         let mut words = vec![0u32; rows * wpr];
@@ -95,12 +95,11 @@ impl Groups {
             PackedWords::from_vec(words),
             Tensor::from_f32(shape.clone(), self.scales),
             Tensor::from_f32(shape, self.biases),
-        )
-        .expect("whole blocks of an affine block type make a valid affine weight");
-        match self.zero_point {
+        )?;
+        Ok(match self.zero_point {
             true => w.with_zero_points(),
             false => w,
-        }
+        })
     }
 }
 
@@ -215,7 +214,10 @@ mod tests {
             let data = random_blocks(t, rows * cols, &mut rng);
             let mut want = vec![0.0f32; rows * cols];
             t.dequantize(&data, &mut want);
-            let w = Groups::of(t, &data, rows * cols).unwrap().into_weight(rows);
+            let w = Groups::of(t, &data, rows * cols)
+                .unwrap()
+                .into_weight(rows)
+                .unwrap();
             let got = w.dequantize();
             for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                 let tol = if t == BlockType::Q6K {

@@ -9,8 +9,9 @@
 //! - Qwen3-Next's `in_proj_qkvz` is in the file as `[q; k; v]` (`attn_qkv`) and `z` (`attn_gate`),
 //!   the split form's `in_proj_qkv` and `in_proj_z`; its `in_proj_ba` is split into `b` and `a`;
 //! - value heads (`qwen35moe`, `qwen35`): the converter orders them tiled (head j of key head k
-//!   at j·Hk + k) where HF groups them (k·(Hv/Hk) + j), in the V rows of `in_proj_qkv` and the conv, the rows of
-//!   `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log`, `dt_bias`, and the columns of `out_proj`.
+//!   at j·Hk + k) where HF groups them (k·(Hv/Hk) + j), in the V rows of `in_proj_qkv` and the
+//!   conv, the rows of `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log`, `dt_bias`, and the
+//!   columns of `out_proj`.
 
 use super::{repack, BlockType, GgufFile};
 use crate::config::{Family, ModelConfig};
@@ -141,7 +142,10 @@ fn affine(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Optio
     reorder(leaf, c, &mut g.scales, cols / group, group);
     reorder(leaf, c, &mut g.biases, cols / group, group);
     let rows = info.len() / cols;
-    Ok(Some(Prepared::Affine(g.into_weight(rows), shape)))
+    let w = g
+        .into_weight(rows)
+        .map_err(|e| ModelError::Input(format!("{}: tensor `{name}`: {e}", f.path().display())))?;
+    Ok(Some(Prepared::Affine(w, shape)))
 }
 
 /// Tensor `name` as a dense tensor in mlx-lm's layout: f16 and bf16 as stored, other types

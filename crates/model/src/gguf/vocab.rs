@@ -13,21 +13,17 @@ use serde_json::{json, Map, Value as Json};
 use super::{GgufFile, Value};
 use crate::error::{ModelError, Result};
 
-/// The split regexes of the Qwen pre-tokenizers (`tokenizer.ggml.pre`), as in their
-/// `tokenizer.json`: Qwen3.5's adds combining marks (`\p{M}`) to letters.
+/// Qwen2's split regex, as in its `tokenizer.json`.
+const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen3.5's: combining marks (`\p{M}`) count as letters.
+const QWEN35: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The pre-tokenizers (`tokenizer.ggml.pre`) read, with their split regexes.
 const PRE_TOKENIZERS: [(&str, &str); 3] = [
-    (
-        "qwen35",
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    ),
-    (
-        "qwen2",
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    ),
-    (
-        "deepseek-r1-qwen",
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    ),
+    ("qwen35", QWEN35),
+    ("qwen2", QWEN2),
+    ("deepseek-r1-qwen", QWEN2),
 ];
 
 /// Token types (`tokenizer.ggml.token_type`).

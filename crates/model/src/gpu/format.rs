@@ -47,8 +47,8 @@ const GPU_GROUPS: [usize; 3] = [32, 64, 128];
 
 impl DevFormat {
     /// The format of `parts` stacked by rows: affine when every part is affine with the same
-    /// bits (3/5/6 widened to 8) and group (32/64/128), FP8 when every part is FP8 with the same block width (a multiple
-    /// of 8) and K % 8 == 0 (fp8.cu's 8-byte loads), else bf16.
+    /// bits (3/5/6 widened to 8) and group (32/64/128), FP8 when every part is FP8 with the same
+    /// block width (a multiple of 8) and K % 8 == 0 (fp8.cu's 8-byte loads), else bf16.
     pub fn of(parts: &[&LinearWeight]) -> DevFormat {
         let fp8: Option<Vec<_>> = parts.iter().map(|p| p.as_fp8()).collect();
         if let Some(f) = fp8.filter(|f| !f.is_empty()) {
