@@ -1,26 +1,34 @@
 //! `convert`: quantize an HF checkpoint into an MLX affine-quantized one (mlx-lm layout), or a
-//! fine-grained FP8 or GPTQ int4 one, tensor by tensor with bounded memory. Policy and output format: `deltamoe_model::convert`.
+//! fine-grained FP8 or GPTQ int4 one, tensor by tensor with bounded memory; or write a GGUF
+//! model as an mlx-lm checkpoint with the same values. Policy and output format:
+//! `deltamoe_model::convert`.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use deltamoe_model::convert::{convert, BitsRule, ConvertOptions, DEFAULT_SHARD_BYTES};
+use deltamoe_model::convert::{
+    convert, convert_gguf, BitsRule, ConvertOptions, ConvertReport, GgufOutput, Progress,
+    DEFAULT_SHARD_BYTES,
+};
+use deltamoe_model::source::ModelSource;
 use deltamoe_model::Qwen3Hybrid;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Args)]
 pub struct ConvertArgs {
-    /// Source model directory (HF layout: bf16/f16/f32, fine-grained FP8, GPTQ or AWQ).
+    /// Source model: an HF model directory (bf16/f16/f32, fine-grained FP8, GPTQ or AWQ), or a
+    /// GGUF file (the first part of a split one), written as an mlx-lm checkpoint with its
+    /// quantized matrices in the affine form of the same values.
     #[arg(long)]
     model: PathBuf,
     /// Output directory (created; must not exist or be empty).
     #[arg(long)]
     out: PathBuf,
-    /// Default bits per weight: 2, 3, 4, 5, 6 or 8.
-    #[arg(long, default_value_t = 4)]
-    bits: u32,
+    /// Default bits per weight: 2, 3, 4, 5, 6 or 8 (default 4).
+    #[arg(long)]
+    bits: Option<u32>,
     /// Weights per scale/bias group: 32, 64 or 128 (default 64; 128 with --gptq).
     #[arg(long)]
     group_size: Option<usize>,
@@ -39,31 +47,40 @@ pub struct ConvertArgs {
     /// --bits-for unused).
     #[arg(long, conflicts_with_all = ["bits", "bits_for"])]
     gptq: bool,
+    /// With a GGUF source: write its quantized matrices dequantized to bf16 instead of in the
+    /// affine form.
+    #[arg(long, conflicts_with_all = ["bits", "group_size", "bits_for", "fp8", "gptq"])]
+    dequantize: bool,
     /// Largest output shard in MiB.
     #[arg(long, default_value_t = DEFAULT_SHARD_BYTES >> 20)]
     shard_mib: u64,
 }
 
 pub fn run(a: ConvertArgs) -> Result<()> {
-    if !a.model.is_dir() {
-        bail!(
-            "--model {}: not a directory; point it at an HF model directory",
-            a.model.display()
-        );
-    }
     if a.shard_mib == 0 {
         bail!("--shard-mib must be at least 1");
     }
-    let mut opts = match (a.fp8, a.gptq) {
-        (true, _) => ConvertOptions::fp8(),
-        (_, true) => ConvertOptions::gptq(a.group_size.unwrap_or(128)),
-        _ => ConvertOptions::new(a.bits, a.group_size.unwrap_or(64)),
+    let gguf = match ModelSource::resolve(&a.model)? {
+        ModelSource::Gguf(f) => Some(f),
+        ModelSource::Dir(_) => None,
     };
-    opts.max_shard_bytes = a.shard_mib << 20;
-    for r in &a.bits_for {
-        opts.rules
-            .push(BitsRule::parse(r, opts.group_size).map_err(anyhow::Error::msg)?);
+    if gguf.is_none() && a.dequantize {
+        bail!("--dequantize: only for a GGUF source; an HF checkpoint is written quantized");
     }
+    let gguf_flag = [
+        (a.bits.is_some(), "--bits"),
+        (a.group_size.is_some(), "--group-size"),
+        (!a.bits_for.is_empty(), "--bits-for"),
+        (a.fp8, "--fp8"),
+        (a.gptq, "--gptq"),
+    ];
+    if let (Some(f), Some((_, flag))) = (&gguf, gguf_flag.iter().find(|(on, _)| *on)) {
+        bail!(
+            "{flag}: a GGUF source is written with its own quantization, not re-quantized; drop {flag} (or add --dequantize for bf16) to convert {}",
+            f.display()
+        );
+    }
+    let max_shard = a.shard_mib << 20;
     let t0 = Instant::now();
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -72,13 +89,26 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let report = convert(&a.model, &a.out, &opts, &mut |p| {
+    let mut show = |p: Progress| {
         bar.set_length(p.total);
         bar.set_position(p.done);
         bar.set_message(p.tensor.to_string());
-    });
+    };
+    let report = match &gguf {
+        Some(f) => {
+            let output = match a.dequantize {
+                true => GgufOutput::Bf16,
+                false => GgufOutput::Affine,
+            };
+            Ok(convert_gguf(f, &a.out, output, max_shard, &mut show)?)
+        }
+        None => hf_options(&a).and_then(|mut opts| {
+            opts.max_shard_bytes = max_shard;
+            Ok(convert(&a.model, &a.out, &opts, &mut show)?)
+        }),
+    };
     bar.finish_and_clear();
-    let report = report?;
+    let report: ConvertReport = report?;
     // The output must load: every shape against the config, every quantized tensor against the
     // quantization block.
     Qwen3Hybrid::load(&a.out).with_context(|| {
@@ -103,4 +133,19 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         if report.copied.is_empty() { "nothing".to_string() } else { report.copied.join(", ") },
     );
     Ok(())
+}
+
+/// The conversion an HF source's flags ask for.
+fn hf_options(a: &ConvertArgs) -> Result<ConvertOptions> {
+    let bits = a.bits.unwrap_or(4);
+    let mut opts = match (a.fp8, a.gptq) {
+        (true, _) => ConvertOptions::fp8(),
+        (_, true) => ConvertOptions::gptq(a.group_size.unwrap_or(128)),
+        _ => ConvertOptions::new(bits, a.group_size.unwrap_or(64)),
+    };
+    for r in &a.bits_for {
+        opts.rules
+            .push(BitsRule::parse(r, opts.group_size).map_err(anyhow::Error::msg)?);
+    }
+    Ok(opts)
 }

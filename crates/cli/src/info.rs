@@ -156,7 +156,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
     };
     println!("mtp            {mtp}");
     if let ModelSource::Gguf(f) = &source {
-        println!("quantization   GGUF {} (Q8_0, Q4_0/1, Q5_0/1 and K-quant matrices repacked at load to affine with f32 scales and biases, exactly; CUDA holds Q8_0/Q4_0/Q5_0 scales as f16 with zero points, other scales and biases as bf16, 5-bit codes as 8-bit, Q6_K and IQ4 as bf16 values)", gguf_types(f)?);
+        println!("quantization   GGUF {} (quantized matrices repacked at load to affine with f32 scales and biases, exactly, IQ4 as 8-bit codes; CUDA holds Q8_0/Q4_0/Q5_0/IQ4_NL scales as f16 with zero points, other scales and biases as bf16, 5-bit codes as 8-bit, Q6_K as bf16 values)", gguf_types(f)?);
     }
     match store.quantization() {
         Some(q) => {

@@ -369,6 +369,24 @@ fn gguf_files_run_every_command() {
     assert!(ok && out.contains("ppl="), "{err}");
     let (ok, out, err) = run(&["info", "--model", f]);
     assert!(ok && out.contains("Q4_K ×13"), "{err}");
+    let conv = d.path().join("converted");
+    let (ok, _, err) = run(&["convert", "--model", f, "--out", conv.to_str().unwrap()]);
+    assert!(ok && conv.join("model.safetensors").is_file(), "{err}");
+    let (ok, out, err) = run(&["info", "--model", conv.to_str().unwrap()]);
+    assert!(ok && out.contains("qwen3_5_moe"), "{err}");
+    let again = d.path().join("again");
+    expect_error(
+        &[
+            "convert",
+            "--model",
+            f,
+            "--out",
+            again.to_str().unwrap(),
+            "--bits",
+            "4",
+        ],
+        &["--bits", "not re-quantized"],
+    );
     let all = fixture("gguf_quant");
     expect_error(
         &["info", "--model", all.to_str().unwrap()],

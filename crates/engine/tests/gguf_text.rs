@@ -67,3 +67,32 @@ fn gguf_generation_defaults_are_the_hf_configs() {
         b.encode(sample, true).unwrap()
     );
 }
+
+/// A GGUF converted to an mlx-lm directory (`deltamoe convert`) keeps its text side: the same
+/// ids, chat prompt, end ids and sampling defaults.
+#[test]
+fn converted_gguf_keeps_its_tokenizer_template_and_defaults() {
+    use deltamoe_model::convert::{convert_gguf, GgufOutput};
+    let src = fixtures().join("gguf/qwen3_5_moe.q8_0.gguf");
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("m");
+    convert_gguf(&src, &dir, GgufOutput::Affine, 1 << 30, &mut |_| {}).unwrap();
+    let (a, b) = (
+        ModelText::load(&src).unwrap(),
+        ModelText::load(&dir).unwrap(),
+    );
+    let (meta, text) = (reference("text.ids").1, "Héllo <|im_end|> wörld 123");
+    let (ta, tb) = (a.tokenizer.as_ref().unwrap(), b.tokenizer.as_ref().unwrap());
+    for t in [meta["text"].as_str(), text] {
+        assert_eq!(ta.encode(t, false).unwrap(), tb.encode(t, false).unwrap());
+    }
+    let msgs = [ChatMessage {
+        role: "user".into(),
+        content: "Hi".into(),
+    }];
+    let render = |m: &ModelText| m.template.as_ref().unwrap().render(&msgs, true).unwrap();
+    assert_eq!(render(&a), render(&b));
+    let (ga, gb) = (a.defaults(&[]), b.defaults(&[]));
+    assert_eq!(ga.eos_token_ids, gb.eos_token_ids);
+    assert_eq!(format!("{:?}", ga.sampling), format!("{:?}", gb.sampling));
+}

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{check_logits, fixtures, greedy, prompts};
+use common::{check_logits, fixtures, gguf_prompts, greedy, prompts};
 
 use deltamoe_engine::chat::{ChatMessage, ChatTemplate};
 use deltamoe_engine::tokenizer::TextTokenizer;
@@ -27,6 +27,25 @@ fn logits_match_transformers_for_every_prefill_split() {
                     "{} prompt{i} chunk {chunk:?}",
                     dir.file_name().unwrap().to_string_lossy()
                 );
+                check_logits(&name, &got, &p.logits, vocab);
+            }
+        }
+    }
+}
+
+/// The GGUF files of `fixtures/gguf_quant` (llama-quantize's block types) through the engine in
+/// one pass, in decode steps and in passes of 37, against transformers on their dequantization.
+#[test]
+fn gguf_files_match_transformers_for_every_prefill_split() {
+    for (file, ps) in gguf_prompts() {
+        let mut engine = Engine::new(Qwen3Hybrid::load(&file).unwrap());
+        let vocab = engine.config().vocab_size;
+        for (i, p) in ps.iter().enumerate() {
+            for chunk in [None, Some(1), Some(37)] {
+                let id = engine.add_sequence().unwrap();
+                let got = engine.prefill(id, &p.tokens, chunk, Logits::All).unwrap();
+                engine.remove_sequence(id);
+                let name = format!("{} prompt{i} chunk {chunk:?}", file.display());
                 check_logits(&name, &got, &p.logits, vocab);
             }
         }

@@ -579,6 +579,7 @@ fn validate(c: &ModelConfig, k: &Keys) -> Result<()> {
     Ok(())
 }
 
+mod hf_json;
 mod size;
 
 #[cfg(test)]

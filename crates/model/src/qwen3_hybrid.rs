@@ -128,7 +128,8 @@ impl Qwen3Hybrid {
     pub fn offload_experts(&mut self, dir: &Path, slots: usize) -> Result<()> {
         if let ModelSource::Gguf(f) = ModelSource::resolve(dir)? {
             return Err(ModelError::Input(format!(
-                "{}: expert offload reads the experts from safetensors files, not GGUF; run without --expert-cache, or convert the model first (deltamoe convert)",
+                "{}: expert offload reads the experts from safetensors files, not GGUF; convert the file once (`deltamoe convert --model {} --out DIR`, the same values) and run --model DIR --expert-cache, or run without --expert-cache",
+                f.display(),
                 f.display()
             )));
         }

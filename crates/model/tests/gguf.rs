@@ -365,3 +365,92 @@ fn split_files_load_as_the_whole() {
     let (a, b) = (run(&whole), run(dir.path()));
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
 }
+
+/// `convert` of each `fixtures/gguf_quant` file: the mlx-lm checkpoint it writes (quantized
+/// matrices in the affine form, f32 parameters) loads as the same config and gives bitwise the
+/// GGUF's logits; with `GgufOutput::Bf16` (in shards of 1 MiB) each quantized matrix holds its
+/// values rounded once to bf16.
+#[test]
+fn converted_gguf_files_give_the_same_logits() {
+    use deltamoe_model::convert::{convert_gguf, GgufOutput};
+    use deltamoe_model::{Logits, Qwen3Hybrid, WeightStore};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf_quant");
+    let tokens: Vec<u32> = (0..29).map(|i| (i * 37 + 5) % 500).collect();
+    let out = tempfile::tempdir().unwrap();
+    for file in [
+        "qwen3_5_moe_q.q4_k_m",
+        "qwen3_5_moe_q.iq4_xs",
+        "qwen3_5_moe_q.q6_k_mix",
+        "qwen3_next_q.q8_0",
+    ] {
+        let src = dir.join(format!("{file}.gguf"));
+        let to = out.path().join(file);
+        convert_gguf(&src, &to, GgufOutput::Affine, 1 << 30, &mut |_| {}).unwrap();
+        let (a, b) = (
+            Qwen3Hybrid::load(&src).unwrap(),
+            Qwen3Hybrid::load(&to).unwrap(),
+        );
+        assert_eq!(
+            format!("{:?}", a.config()),
+            format!("{:?}", b.config()),
+            "{file}"
+        );
+        let run = |m: &Qwen3Hybrid| m.forward(&tokens, &mut m.new_state(), Logits::All).unwrap();
+        assert!(run(&a) == run(&b), "{file}: logits differ");
+
+        let bf = out.path().join(format!("{file}.bf16"));
+        convert_gguf(&src, &bf, GgufOutput::Bf16, 1 << 20, &mut |_| {}).unwrap();
+        let (_, store) = deltamoe_model::gguf::load(&src).unwrap();
+        let name = "model.layers.0.mlp.switch_mlp.gate_proj.weight";
+        let name = if file.starts_with("qwen3_next") {
+            "model.layers.0.linear_attn.in_proj_qkv.weight"
+        } else {
+            name
+        };
+        let (w, shape) = store.affine(name).unwrap();
+        let want: Vec<f32> = w
+            .dequantize()
+            .into_iter()
+            .map(deltamoe_compute::dtype::round_bf16)
+            .collect();
+        let got = WeightStore::open(&bf).unwrap().get(name, shape).unwrap();
+        assert!(got.to_f32_vec() == want, "{file}: bf16 values of {name}");
+        Qwen3Hybrid::load(&bf).unwrap();
+    }
+}
+
+/// The CPU twin of the GPU's upload (`gpu::held_checkpoint`) of every GGUF fixture: affine stacks the
+/// GPU reads keep their codes (values within bf16's rounding of the scales), the rest become
+/// bf16 values; the model still runs, and its logits stay near the exact ones.
+#[test]
+fn held_models_round_like_the_gpu() {
+    use deltamoe_model::gpu::held_checkpoint;
+    use deltamoe_model::{Logits, Qwen3Hybrid};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf_quant");
+    let tokens: Vec<u32> = (0..17).map(|i| (i * 31 + 3) % 500).collect();
+    for file in ["qwen3_5_moe_q.q4_k_m", "qwen3_next_q.q8_0"] {
+        let model = Qwen3Hybrid::load(&dir.join(format!("{file}.gguf"))).unwrap();
+        let held = Qwen3Hybrid::new(held_checkpoint(model.checkpoint()).unwrap());
+        let router = |m: &Qwen3Hybrid| match &m.checkpoint().layers[0].ffn {
+            deltamoe_model::checkpoint::Ffn::Moe(x) => x.router.weight.to_dense().to_f32_vec(),
+            _ => unreachable!(),
+        };
+        let bf: Vec<f32> = router(&model)
+            .into_iter()
+            .map(deltamoe_compute::dtype::round_bf16)
+            .collect();
+        assert!(router(&held) == bf, "{file}: the router as bf16");
+        let a = model
+            .forward(&tokens, &mut model.new_state(), Logits::All)
+            .unwrap();
+        let b = held
+            .forward(&tokens, &mut held.new_state(), Logits::All)
+            .unwrap();
+        let max = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff > 0.0 && diff < 0.5 * max, "{file}: {diff} of {max}");
+    }
+}

@@ -65,6 +65,34 @@ pub fn prompts(dir: &Path) -> Vec<Prompt> {
         .collect()
 }
 
+/// `fixtures/gguf_quant`: each GGUF file with its prompts (tokens and transformers' f32 logits on
+/// gguf-py's dequantization of that file; no greedy continuation is recorded).
+pub fn gguf_prompts() -> Vec<(PathBuf, Vec<Prompt>)> {
+    let dir = root().join("gguf_quant");
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let files = [
+        ("qwen3_5_moe_q.q4_k_m", "q4_k_m.", ""),
+        ("qwen3_5_moe_q.iq4_xs", "iq4_xs.", ""),
+        ("qwen3_5_moe_q.q6_k_mix", "q6_k_mix.", ""),
+        ("qwen3_next_q.q8_0", "qwen3_next.", "qwen3_next."),
+    ];
+    files
+        .iter()
+        .map(|(file, kind, tok)| {
+            let prompts = [("tokens", "logits"), ("chat.tokens", "chat.logits")]
+                .iter()
+                .map(|(t, l)| Prompt {
+                    tokens: i64s(&st, &format!("{tok}{t}")),
+                    logits: f32s(&st, &format!("{kind}{l}")),
+                    greedy: Vec::new(),
+                })
+                .collect();
+            (dir.join(format!("{file}.gguf")), prompts)
+        })
+        .collect()
+}
+
 pub fn check_logits(name: &str, got: &[f32], want: &[f32], vocab: usize) {
     assert_eq!(got.len(), want.len(), "{name}: logits length");
     let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));

@@ -161,3 +161,28 @@ fn weight_params_match_the_built_in_checkpoint() {
         (c.vocab_size * c.hidden_size) as u64
     );
 }
+
+#[test]
+fn hf_json_reads_back_as_the_same_config() {
+    let mut moe = serde_json::Map::new();
+    moe.insert("model_type".into(), "qwen3_5_moe".into());
+    let mut text = text_fields();
+    text.insert("rope_theta".into(), 1e7.into());
+    text.insert("mtp_num_hidden_layers".into(), 1.into());
+    text.insert("eos_token_id".into(), 7.into());
+    moe.insert("text_config".into(), Value::Object(text.clone()));
+    moe.insert("tie_word_embeddings".into(), true.into());
+    let mut dense = moe.clone();
+    dense.insert("model_type".into(), "qwen3_5".into());
+    let mut next = text;
+    next.insert("model_type".into(), "qwen3_next".into());
+    next.insert("mlp_only_layers".into(), vec![1, 6].into());
+    next.insert("norm_topk_prob".into(), false.into());
+    next.insert("partial_rotary_factor".into(), 0.375.into());
+    next.insert("rms_norm_eps".into(), 1e-5.into());
+    for v in [moe, dense, next] {
+        let c = parse(Value::Object(v)).unwrap();
+        let back = parse(c.to_hf_json()).unwrap();
+        assert_eq!(format!("{back:?}"), format!("{c:?}"));
+    }
+}

@@ -29,6 +29,7 @@
 //! front from the shapes.
 
 mod fp8;
+mod gguf;
 mod gptq;
 mod writer;
 
@@ -44,6 +45,7 @@ use crate::quant::{Layout, QuantSpec};
 use crate::qwen3_hybrid::Qwen3Hybrid;
 use crate::weights::WeightStore;
 
+pub use gguf::{convert_gguf, GgufOutput};
 pub use writer::Progress;
 
 /// Default largest shard.
@@ -589,7 +591,7 @@ fn mlx_config(opts: &ConvertOptions, plan: &Plan) -> serde_json::Map<String, Val
     q
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
         path: path.to_path_buf(),
         err: source,
@@ -600,7 +602,7 @@ pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(path, bytes).map_err(io_err(path))
 }
 
-fn prepare_dst(dst: &Path) -> Result<()> {
+pub(crate) fn prepare_dst(dst: &Path) -> Result<()> {
     if dst.exists() {
         let mut it = std::fs::read_dir(dst).map_err(io_err(dst))?;
         if it.next().is_some() {

@@ -256,7 +256,7 @@ impl ShardFile<'_> {
 }
 
 /// f32 values to little-endian bytes of a safetensors dtype (round to nearest even).
-fn encode(vals: &[f32], dtype: &str) -> Vec<u8> {
+pub(crate) fn encode(vals: &[f32], dtype: &str) -> Vec<u8> {
     match dtype {
         "BF16" => vals
             .iter()
@@ -271,7 +271,7 @@ fn encode(vals: &[f32], dtype: &str) -> Vec<u8> {
 }
 
 /// Elements `a..b` of a tensor as their stored little-endian bytes.
-fn raw(data: &TensorData, a: usize, b: usize) -> Vec<u8> {
+pub(crate) fn raw(data: &TensorData, a: usize, b: usize) -> Vec<u8> {
     match data {
         TensorData::BF16(s) => s[a..b]
             .iter()

@@ -25,7 +25,7 @@ pub enum BlockType {
 }
 
 /// The 16 values of a 4-bit non-linear code (IQ4_NL, IQ4_XS).
-const IQ4_VALUES: [i8; 16] = [
+pub(super) const IQ4_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 

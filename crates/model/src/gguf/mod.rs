@@ -84,7 +84,8 @@ pub struct TensorInfo {
     /// The file of a split model that holds it (0: the first).
     part: usize,
     offset: usize,
-    bytes: usize,
+    /// Bytes of its data in the file.
+    pub bytes: usize,
 }
 
 impl TensorInfo {

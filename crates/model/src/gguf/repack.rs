@@ -9,19 +9,22 @@
 //! | Q4_1 / Q5_1 | 4 / 5 | 32 | d | m |
 //! | Q4_K / Q5_K | 4 / 5 | 32 (sub-block) | d·sc | −dmin·m |
 //! | Q6_K | 6 | 16 (sub-block) | d·sc | −32·d·sc |
+//! | IQ4_NL | 8 | 32 | d | −128·d (code table[q] + 128) |
+//! | IQ4_XS | 8 | 32 (sub-block) | d·(sc − 32) | −128·d·(sc − 32) (code table[q] + 128) |
 //!
 //! Scales and biases are f32 and every one is exact (an f16 times a code of at most 8 bits).
 //! Each value `q·scale + bias` is then gguf-py's value: the product is exact and the one
-//! rounding is the sum's, as in its `d·q − m` (Q6_K's `(d·sc)·(q − 32)` may round a 25-bit
-//! product where the affine form rounds the sum instead). Q8_0, Q4_0 and Q5_0 are marked as
-//! zero-point form (f16 scale d, integer zero point), which the GPU holds exactly.
-//! IQ4_NL and IQ4_XS map codes through a table and are not affine.
+//! rounding is the sum's, as in its `d·q − m` (Q6_K's `(d·sc)·(q − 32)` and IQ4_XS's
+//! `(d·(sc − 32))·table[q]` are exact products where the affine form may round `q·scale` of 25
+//! bits before the sum). IQ4's codes go through their 16-value table into 8-bit codes: twice
+//! their bits, half of bf16's. Q8_0, Q4_0, Q5_0 and IQ4_NL are marked as zero-point form (f16
+//! scale d, integer zero point), which the GPU holds exactly.
 
 use deltamoe_compute::quant::pack_row;
 use deltamoe_compute::{AffineWeight, PackedWords, QuantError, Tensor};
 use rayon::prelude::*;
 
-use super::blocks::{half16, nibble, scale_min};
+use super::blocks::{half16, nibble, scale_min, IQ4_VALUES};
 use super::BlockType;
 
 /// The affine form of a block type: bits, group size, and the zero point when the bias is
@@ -37,7 +40,9 @@ pub fn affine_form(t: BlockType) -> Option<(u32, usize, Option<u8>)> {
         Q4K => (4, 32, None),
         Q5K => (5, 32, None),
         Q6K => (6, 16, None),
-        F32 | F16 | BF16 | IQ4NL | IQ4XS => return None,
+        IQ4NL => (8, 32, Some(128)),
+        IQ4XS => (8, 32, None),
+        F32 | F16 | BF16 => return None,
     })
 }
 
@@ -170,8 +175,33 @@ fn block(t: BlockType, x: &[u8], q: &mut [u8], s: &mut [f32], b: &mut [f32]) {
                 }
             }
         }
-        F32 | F16 | BF16 | IQ4NL | IQ4XS => unreachable!("not an affine block type"),
+        IQ4NL => {
+            s[0] = half16(x, 0);
+            b[0] = -128.0 * s[0];
+            for (l, c) in q.iter_mut().enumerate() {
+                *c = iq4_code(nibble(x[2 + l % 16], l / 16));
+            }
+        }
+        IQ4XS => {
+            let d = half16(x, 0);
+            let sh = u16::from_le_bytes([x[2], x[3]]);
+            let (sl, qs) = (&x[4..8], &x[8..136]);
+            for j in 0..8 {
+                let sc = nibble(sl[j / 2], j % 2) | (((sh >> (2 * j)) & 3) as u8) << 4;
+                s[j] = d * (sc as i8 - 32) as f32;
+                b[j] = -128.0 * s[j];
+                for l in 0..32 {
+                    q[32 * j + l] = iq4_code(nibble(qs[16 * j + l % 16], l / 16));
+                }
+            }
+        }
+        F32 | F16 | BF16 => unreachable!("not an affine block type"),
     }
+}
+
+/// IQ4's 4-bit code `q` as the 8-bit code of the same value with zero point 128.
+fn iq4_code(q: u8) -> u8 {
+    (IQ4_VALUES[q as usize] as i16 + 128) as u8
 }
 
 #[cfg(test)]
@@ -184,8 +214,9 @@ mod tests {
     fn random_blocks(t: BlockType, n: usize, rng: &mut impl Rng) -> Vec<u8> {
         let mut data: Vec<u8> = (0..t.size_of(n)).map(|_| rng.random()).collect();
         let halves: &[usize] = match t {
-            BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 => &[0],
+            BlockType::Q4_0 | BlockType::Q5_0 => &[0],
             BlockType::Q4_1 | BlockType::Q5_1 | BlockType::Q4K | BlockType::Q5K => &[0, 2],
+            BlockType::Q8_0 | BlockType::IQ4NL | BlockType::IQ4XS => &[0],
             _ => &[208],
         };
         for blk in data.chunks_exact_mut(t.bytes()) {
@@ -209,6 +240,8 @@ mod tests {
             BlockType::Q4K,
             BlockType::Q5K,
             BlockType::Q6K,
+            BlockType::IQ4NL,
+            BlockType::IQ4XS,
         ] {
             let (rows, cols) = (3, 2 * 256);
             let data = random_blocks(t, rows * cols, &mut rng);
@@ -220,16 +253,19 @@ mod tests {
                 .unwrap();
             let got = w.dequantize();
             for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                let tol = if t == BlockType::Q6K {
+                let tol = if matches!(t, BlockType::Q6K | BlockType::IQ4XS) {
                     e.abs() * 1e-7
                 } else {
                     0.0
                 };
                 assert!((g - e).abs() <= tol, "{t:?} value {i}: {g} vs {e}");
             }
-            let zero = matches!(t, BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0);
+            let zero = matches!(
+                t,
+                BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 | BlockType::IQ4NL
+            );
             assert_eq!(w.has_zero_points(), zero, "{t:?}");
         }
-        assert!(Groups::of(BlockType::IQ4XS, &[], 0).is_none());
+        assert!(Groups::of(BlockType::BF16, &[], 0).is_none());
     }
 }

@@ -79,24 +79,28 @@ const MORE_NAMES: [(&str, &str); 9] = [
 pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
     let mut out = Vec::with_capacity(f.tensors.len());
     for name in f.tensors.keys() {
-        let Some((to, leaf)) = hf_name(name, c.num_layers) else {
-            return Err(ModelError::Input(format!(
-                "{}: tensor `{name}` is not one deltamoe maps for {}",
-                f.path().display(),
-                c.model_type
-            )));
-        };
-        if leaf == "ssm_ba.weight" {
-            out.extend(split_ba(&to, dense(f, name, leaf, c)?, c));
-            continue;
-        }
-        let t = match affine(f, name, leaf, c)? {
-            Some(w) => w,
-            None => Prepared::Dense(dense(f, name, leaf, c)?),
-        };
-        out.push((to, t));
+        out.extend(tensor(f, name, c)?);
     }
     Ok(out)
+}
+
+/// File tensor `name` as [`tensors`] gives it: one tensor, or two for Qwen3-Next's `ssm_ba`.
+pub fn tensor(f: &GgufFile, name: &str, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
+    let Some((to, leaf)) = hf_name(name, c.num_layers) else {
+        return Err(ModelError::Input(format!(
+            "{}: tensor `{name}` is not one deltamoe maps for {}",
+            f.path().display(),
+            c.model_type
+        )));
+    };
+    if leaf == "ssm_ba.weight" {
+        return Ok(split_ba(&to, dense(f, name, leaf, c)?, c).into());
+    }
+    let t = match affine(f, name, leaf, c)? {
+        Some(w) => w,
+        None => Prepared::Dense(dense(f, name, leaf, c)?),
+    };
+    Ok(vec![(to, t)])
 }
 
 /// Qwen3-Next's `in_proj_ba` `[2·Hv, H]` (per key head, the `b` rows of its value heads, then

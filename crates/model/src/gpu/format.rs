@@ -324,7 +324,7 @@ fn words_at(w: &deltamoe_compute::AffineWeight, bits: u32) -> std::borrow::Cow<'
 
 /// The f16 bits of a zero-point weight's scales `s` and zero points `z = −bias/s` (both exact:
 /// the loader made the scales from f16 values and the biases as `−z·s`).
-fn f16_scales_zeros(w: &deltamoe_compute::AffineWeight) -> (Vec<u16>, Vec<u16>) {
+pub(crate) fn f16_scales_zeros(w: &deltamoe_compute::AffineWeight) -> (Vec<u16>, Vec<u16>) {
     let (s, b) = (w.scales().to_f32_vec(), w.biases().to_f32_vec());
     let f16 = |v: f32| half::f16::from_f32(v).to_bits();
     s.iter()

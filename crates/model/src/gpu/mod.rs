@@ -37,6 +37,7 @@
 //! launches on `normed` and each sublayer's output waits in `delta` for the next add+norm.
 
 mod format;
+mod held;
 mod homes;
 mod host_experts;
 mod host_store;
@@ -52,6 +53,7 @@ mod synthetic;
 mod upload;
 
 pub use format::DevFormat;
+pub use held::held_checkpoint;
 pub use layers::{gdn_path, GdnPrefill, PrefillGemm, CHUNKED_MIN_ROWS};
 pub use offload::{
     clean_copies, slots_for_bytes, ExpertCache, OffloadStats, HOST_RESERVE, STATE_RESERVE,
