@@ -368,7 +368,7 @@ fn split_files_load_as_the_whole() {
 
 /// `convert` of each `fixtures/gguf_quant` file: the mlx-lm checkpoint it writes (quantized
 /// matrices in the affine form, f32 parameters) loads as the same config and gives bitwise the
-/// GGUF's logits; with `GgufOutput::Bf16` (in shards of 1 MiB) each quantized matrix holds its
+/// GGUF's logits, also with its experts read from its files (CPU `--expert-cache`); with `GgufOutput::Bf16` (in shards of 1 MiB) each quantized matrix holds its
 /// values rounded once to bf16.
 #[test]
 fn converted_gguf_files_give_the_same_logits() {
@@ -397,6 +397,12 @@ fn converted_gguf_files_give_the_same_logits() {
         );
         let run = |m: &Qwen3Hybrid| m.forward(&tokens, &mut m.new_state(), Logits::All).unwrap();
         assert!(run(&a) == run(&b), "{file}: logits differ");
+        let mut c = Qwen3Hybrid::load(&to).unwrap();
+        c.offload_experts(&to, 1).unwrap();
+        assert!(
+            run(&a) == run(&c),
+            "{file}: logits differ with the experts read from files"
+        );
 
         let bf = out.path().join(format!("{file}.bf16"));
         convert_gguf(&src, &bf, GgufOutput::Bf16, 1 << 20, &mut |_| {}).unwrap();
