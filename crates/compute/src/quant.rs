@@ -412,14 +412,21 @@ pub fn unpack_row(words: &[u32], bits: u32, out: &mut [f32]) {
 /// Pack q values (each `< 2^bits`) of one row into its bit stream; `words.len()` must be
 /// `q.len()·bits/32`.
 pub fn pack_row(q: &[u8], bits: u32, words: &mut [u32]) {
-    words.iter_mut().for_each(|w| *w = 0);
-    for (k, &v) in q.iter().enumerate() {
-        let bit = k * bits as usize;
-        let (w, sh) = (bit / 32, bit % 32);
-        words[w] |= (v as u32) << sh;
-        if sh + bits as usize > 32 {
-            words[w + 1] |= (v as u32) >> (32 - sh);
+    // Codes stream into a 64-bit accumulator; each full 32 bits leave as a word.
+    let (mut acc, mut held, mut out) = (0u64, 0u32, words.iter_mut());
+    for &v in q {
+        acc |= (v as u64) << held;
+        held += bits;
+        if held >= 32 {
+            if let Some(w) = out.next() {
+                *w = acc as u32;
+            }
+            acc >>= 32;
+            held -= 32;
         }
+    }
+    if let (Some(w), true) = (out.next(), held > 0) {
+        *w = acc as u32;
     }
 }
 

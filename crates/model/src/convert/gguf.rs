@@ -185,6 +185,7 @@ fn write_tensors(
                 shards.push(o)?;
             }
         }
+        f.release(name);
         done += info.bytes as u64;
     }
     report.shards = shards.finish()?;

@@ -380,6 +380,25 @@ impl GgufFile {
         Ok(&p.map[at..at + t.bytes])
     }
 
+    /// Let the kernel drop the mapped pages of tensor `name` once its values have been copied
+    /// out (a later read faults them in again from the file): a load then holds one tensor of the
+    /// file at a time beside what it made, not the whole file. Advice only; a failure is ignored.
+    pub fn release(&self, name: &str) {
+        let Ok(t) = self.info(name) else {
+            return;
+        };
+        let p = &self.parts[t.part];
+        // SAFETY: the map is read-only and file-backed, so dropping its pages loses nothing: any
+        // later access reads the same bytes from the file again.
+        let _ = unsafe {
+            p.map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                p.data + t.offset,
+                t.bytes,
+            )
+        };
+    }
+
     /// Tensor `name` dequantized to f32, values in file order (innermost dim fastest).
     pub fn f32(&self, name: &str) -> Result<Vec<f32>> {
         let t = self.info(name)?;

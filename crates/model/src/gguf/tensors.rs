@@ -80,6 +80,7 @@ pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Prepared)>>
     let mut out = Vec::with_capacity(f.tensors.len());
     for name in f.tensors.keys() {
         out.extend(tensor(f, name, c)?);
+        f.release(name);
     }
     Ok(out)
 }
