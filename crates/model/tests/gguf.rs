@@ -106,6 +106,8 @@ fn malformed_files_are_refused_by_name() {
     assert!(open_err(&tiny(3, 0, &[4], 8)).contains("runs past the end"));
     assert!(open_err(&tiny(3, 0, &[4], 16)[..30]).contains("truncated"));
     assert!(open_err(&tiny(3, 8, &[48], 64)).contains("blocks"));
+    // Dims whose byte count overflows (2^62 f32 values: 2^64 bytes, 0 when wrapped).
+    assert!(open_err(&tiny(3, 0, &[1 << 62], 0)).contains("bytes"));
 }
 
 /// llama.cpp's converter output (`scripts/make_gguf_fixtures.py`) gives the config of the HF
@@ -459,4 +461,58 @@ fn held_models_round_like_the_gpu() {
             .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         assert!(diff > 0.0 && diff < 0.5 * max, "{file}: {diff} of {max}");
     }
+}
+
+/// Every integer metadata value of a GGUF fixture set in turn to an extreme (0, 1, odd, 2^31,
+/// 2^40, 2^64 − 1): opening, loading and reading the tokenizer end in `Ok` or a one-line `Err`,
+/// never a panic (nor an abort on an allocation sized by the value).
+#[test]
+fn extreme_metadata_values_never_panic() {
+    use deltamoe_model::gguf::{vocab, BlockType};
+    use deltamoe_model::Qwen3Hybrid;
+    let src_path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf/qwen3_5_moe.q8_0.gguf");
+    let src = GgufFile::open(&src_path).unwrap();
+    let names: Vec<&String> = src.tensors.keys().collect();
+    let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
+    let ids: Vec<u32> = names
+        .iter()
+        .map(|n| id_of(src.info(n).unwrap().kind))
+        .collect();
+    let meta: Vec<(String, Value)> = src
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let mut tried = 0;
+    for (i, (key, v)) in meta.iter().enumerate() {
+        if v.as_u64().is_none() {
+            continue;
+        }
+        for x in [0u64, 1, 3, 1 << 31, 1 << 40, u64::MAX] {
+            let mut m = meta.clone();
+            m[i].1 = Value::U64(x);
+            std::fs::write(&path, write_gguf(&m, &src, &names, &ids)).unwrap();
+            let run = std::panic::catch_unwind(|| {
+                if let Ok(f) = GgufFile::open(&path) {
+                    let _ = vocab::vocab(&f);
+                }
+                Qwen3Hybrid::load(&path).err().map(|e| e.to_string())
+            });
+            let Ok(err) = run else {
+                panic!("{key} = {x}: panicked");
+            };
+            if key.ends_with("rope.dimension_count") && x == 1 << 40 {
+                let err = err.unwrap_or_default();
+                assert!(
+                    err.contains("metadata `qwen35moe.rope.dimension_count`"),
+                    "{err}"
+                );
+            }
+            tried += 1;
+        }
+    }
+    assert!(tried >= 60, "{tried} cases");
 }

@@ -45,7 +45,11 @@ impl ModelConfig {
         put("num_attention_heads", self.num_heads.into());
         put("num_key_value_heads", self.num_kv_heads.into());
         put("head_dim", self.head_dim.into());
-        let factor = self.rotary_dim as f64 / self.head_dim as f64;
+        // The fraction whose product with head_dim floors to rotary_dim again (as it is read).
+        let mut factor = self.rotary_dim as f64 / self.head_dim as f64;
+        if ((self.head_dim as f64 * factor) as usize) < self.rotary_dim {
+            factor = f64::from_bits(factor.to_bits() + 1);
+        }
         let rope = json!({"rope_type": "default", "rope_theta": self.rope_theta,
             "partial_rotary_factor": factor});
         put("rope_parameters", rope);

@@ -98,7 +98,7 @@ pub fn config(f: &GgufFile) -> Result<ModelConfig> {
         .iter()
         .position(|&l| l == LayerKind::FullAttention);
     let bias = first_full.is_some_and(|i| f.tensors.contains_key(&format!("blk.{i}.attn_q.bias")));
-    Ok(ModelConfig {
+    let c = ModelConfig {
         model_type: model_type.to_string(),
         family,
         vocab_size: embed.dims.get(1).copied().unwrap_or(0),
@@ -148,8 +148,59 @@ pub fn config(f: &GgufFile) -> Result<ModelConfig> {
         },
         norm_topk_prob: true,
         mtp_layers,
-    })
+    };
+    validate(&c, &k)?;
+    Ok(c)
 }
+
+/// The checks an HF config passes (every size in range, the sizes' relations), run on the
+/// config as HF's `config.json` would spell it; an error names the metadata key it came from.
+fn validate(c: &ModelConfig, k: &Keys) -> Result<()> {
+    let json = c.to_hf_json().to_string();
+    match ModelConfig::from_json_str(&json, k.f.path()) {
+        Ok(_) => Ok(()),
+        Err(ModelError::Config { key, msg, .. }) => {
+            let hf = key.rsplit('.').next().unwrap_or(&key);
+            let from = GGUF_KEYS
+                .iter()
+                .find(|(h, _)| *h == hf)
+                .map_or(hf, |(_, g)| *g);
+            Err(ModelError::Input(format!(
+                "{}: metadata `{}.{from}`: {msg}",
+                k.f.path().display(),
+                k.arch
+            )))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// HF config keys and the metadata keys (after the architecture) they are read from.
+const GGUF_KEYS: [(&str, &str); 20] = [
+    ("vocab_size", "vocab_size (token_embd.weight rows)"),
+    ("hidden_size", "embedding_length"),
+    ("num_hidden_layers", "block_count"),
+    ("rms_norm_eps", "attention.layer_norm_rms_epsilon"),
+    ("max_position_embeddings", "context_length"),
+    ("num_attention_heads", "attention.head_count"),
+    ("num_key_value_heads", "attention.head_count_kv"),
+    ("head_dim", "attention.key_length"),
+    ("partial_rotary_factor", "rope.dimension_count"),
+    ("rope_theta", "rope.freq_base"),
+    ("linear_num_key_heads", "ssm.group_count"),
+    ("linear_num_value_heads", "ssm.time_step_rank"),
+    ("linear_key_head_dim", "ssm.state_size"),
+    ("linear_value_head_dim", "ssm.inner_size"),
+    ("linear_conv_kernel_dim", "ssm.conv_kernel"),
+    ("intermediate_size", "feed_forward_length"),
+    ("num_experts", "expert_count"),
+    ("num_experts_per_tok", "expert_used_count"),
+    ("moe_intermediate_size", "expert_feed_forward_length"),
+    (
+        "shared_expert_intermediate_size",
+        "expert_shared_feed_forward_length",
+    ),
+];
 
 /// The mixer of each of the `n` main layers: `attention.recurrent_layers` (true: GDN), else every
 /// `full_attention_interval`-th layer full attention.

@@ -356,8 +356,13 @@ fn tensor_info(c: &mut Cursor, part: usize) -> Result<(String, TensorInfo)> {
             kind.block()
         )));
     };
+    let Some(bytes) = (n / kind.block()).checked_mul(kind.bytes()) else {
+        return Err(c.err(format!(
+            "tensor `{name}` of dims {dims:?}: more bytes than memory holds"
+        )));
+    };
     let info = TensorInfo {
-        bytes: kind.size_of(n),
+        bytes,
         dims,
         kind,
         part,
