@@ -516,3 +516,57 @@ fn extreme_metadata_values_never_panic() {
     }
     assert!(tried >= 60, "{tried} cases");
 }
+
+/// Every array and string in a GGUF fixture's metadata cut short, emptied or replaced in turn
+/// (a token list shorter than its types, merges that name no token, an unknown pre-tokenizer):
+/// opening, loading and reading the tokenizer end in `Ok` or an `Err`, never a panic.
+#[test]
+fn cut_metadata_arrays_and_strings_never_panic() {
+    use deltamoe_model::gguf::{vocab, BlockType};
+    use deltamoe_model::Qwen3Hybrid;
+    let src_path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf/qwen3_5_moe.q8_0.gguf");
+    let src = GgufFile::open(&src_path).unwrap();
+    let names: Vec<&String> = src.tensors.keys().collect();
+    let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
+    let ids: Vec<u32> = names
+        .iter()
+        .map(|n| id_of(src.info(n).unwrap().kind))
+        .collect();
+    let meta: Vec<(String, Value)> = src
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let mut tried = 0;
+    for (i, (key, v)) in meta.iter().enumerate() {
+        let edits: Vec<Value> = match v {
+            Value::Array(a) if !a.is_empty() => vec![
+                Value::Array(a[..a.len() / 2].to_vec()),
+                Value::Array(a[..1].to_vec()),
+                Value::Array(a.iter().rev().cloned().collect()),
+            ],
+            Value::String(_) => vec![
+                Value::String(String::new()),
+                Value::String("{{ x.y(".into()),
+            ],
+            _ => continue,
+        };
+        for e in edits {
+            let mut m = meta.clone();
+            m[i].1 = e;
+            std::fs::write(&path, write_gguf(&m, &src, &names, &ids)).unwrap();
+            let run = std::panic::catch_unwind(|| {
+                if let Ok(f) = GgufFile::open(&path) {
+                    let _ = vocab::vocab(&f);
+                }
+                let _ = Qwen3Hybrid::load(&path);
+            });
+            assert!(run.is_ok(), "{key}: panicked");
+            tried += 1;
+        }
+    }
+    assert!(tried >= 15, "{tried} cases");
+}
