@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A synthetic llama.cpp `qwen35moe` GGUF (Qwen3.5/3.6 MoE) of an HF config's shape, random weights.
 
-    python3 scripts/make_synthetic_gguf.py CONFIG.json OUT.gguf --type {q4_k_m,q4_0,q8_0}
+    python3 scripts/make_synthetic_gguf.py CONFIG.json OUT.gguf --type {q4_k_m,q4_0,q8_0,iq4_xs}
         [--layers N] [--seed S] [--threads T] [--gguf-py DIR] [--dry-run]
 
 For benchmarking llama.cpp (`llama-bench -m OUT.gguf`) and deltamoe (`deltamoe bench --model
@@ -20,15 +20,20 @@ write for that config, except that the weights are random:
   (CONTROL); eos = `<|im_end|>`, pad = `<|endoftext|>`, no BOS; a minimal ChatML template.
 - tensors: names, ggml dims and order as llama-quantize writes them (sorted by layer, then name);
   tied embeddings (no `output.weight`) when the config says `tie_word_embeddings`.
-- tensor types: llama-quantize's rules (src/llama-quant.cpp) for the ftype, see `quant_type`.
-  Unquantized: norms, ssm_a, ssm_dt.bias, ssm_conv1d, ffn_gate_inp, ffn_gate_inp_shexp (F32).
+- tensor types: llama-quantize's rules (src/llama-quant.cpp) for the ftype, no imatrix, see
+  `quant_type`. Unquantized: norms, ssm_a, ssm_dt.bias, ssm_conv1d, ffn_gate_inp,
+  ffn_gate_inp_shexp (F32). IQ4_XS: attn_qkv and attn_v Q5_K when n_head / n_head_kv >= 4 (Q8_0
+  with 8 experts, as attn_k; attn_output Q5_K with 8 experts), ffn_down (routed and shared) Q5_K in
+  the first n_layer / 8 layers, output (or tied token_embd) Q6_K; a row length that is not a
+  multiple of 256 takes IQ4_NL (32 values a block), Q5_K takes Q5_1, Q6_K takes Q8_0, and F16
+  when not even 32 divides it.
 
 Quantized blocks are random bytes (numpy SFC64, per tensor chunk, several threads) whose f16 scale
-fields are rewritten to finite positive/negative normals and whose K-quant sub-block scales are
-narrowed, so that dequantized weights have an RMS of ~0.01-0.03 (activations stay O(1): nothing
-overflows in f16 on a GPU). F32 tensors get plausible values (norms ~1, ssm_a in [-16, -0.5],
-dt bias ~1, conv ~U(-0.5, 0.5), routers N(0, 0.02)). The data is written streaming: header, KV,
-tensor infos (via gguf-py's GGUFWriter), then each tensor chunk by chunk (alignment 32).
+fields are rewritten to finite positive/negative normals and whose K-quant and IQ4_XS sub-block
+scales are narrowed, so that dequantized weights have an RMS of ~0.01-0.03 (activations stay O(1):
+nothing overflows in f16 on a GPU). F32 tensors get plausible values (norms ~1, ssm_a in
+[-16, -0.5], dt bias ~1, conv ~U(-0.5, 0.5), routers N(0, 0.02)). The data is written streaming:
+header, KV, tensor infos (via gguf-py's GGUFWriter), then each tensor chunk by chunk (alignment 32).
 
 Needs numpy and gguf-py (`--gguf-py DIR`, e.g. llama-cpp-python's vendored copy; default the
 installed `gguf` package).
@@ -49,7 +54,7 @@ import numpy as np
 
 ALIGN = 32
 CHUNK_BYTES = 32 << 20
-FTYPES = {"q4_k_m": 15, "q4_0": 2, "q8_0": 7}  # LLAMA_FTYPE_MOSTLY_*
+FTYPES = {"q4_k_m": 15, "q4_0": 2, "q8_0": 7, "iq4_xs": 30}  # LLAMA_FTYPE_MOSTLY_*
 CHAT_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
@@ -166,7 +171,7 @@ def tensor_list(h):
 
 
 # ---------------------------------------------------------------------------------------------
-# tensor types: llama-quantize (src/llama-quant.cpp) for ftypes Q4_K_M, Q4_0, Q8_0
+# tensor types: llama-quantize (src/llama-quant.cpp) for ftypes Q4_K_M, Q4_0, Q8_0, IQ4_XS
 # ---------------------------------------------------------------------------------------------
 def use_more_bits(i, n):
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
@@ -179,11 +184,12 @@ def f32_tensor(name, shape):
 
 
 def fallback(t, ncols):
-    """tensor_type_fallback: a 256-block type whose rows don't divide takes its 32-block twin."""
+    """tensor_type_fallback: a 256-block type whose rows don't divide takes its 32-block twin;
+    F16 when even that does not divide."""
     blck = gguf.GGML_QUANT_SIZES[t][0]
     if ncols % blck == 0:
         return t
-    t = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}.get(t, t)
+    t = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}.get(t, t)
     return t if ncols % gguf.GGML_QUANT_SIZES[t][0] == 0 else T.F16
 
 
@@ -191,9 +197,10 @@ def quant_type(name, shape, h, ftype, counters):
     """The ggml type llama-quantize gives `name` (`counters` walks i_attention_wv in file order)."""
     if f32_tensor(name, shape):
         return T.F32
-    default = {"q4_k_m": T.Q4_K, "q4_0": T.Q4_0, "q8_0": T.Q8_0}[ftype]
+    default = {"q4_k_m": T.Q4_K, "q4_0": T.Q4_0, "q8_0": T.Q8_0, "iq4_xs": T.IQ4_XS}[ftype]
     ncols = shape[-1]
     n_expert, n_layer = h["n_expert"], h["n_layer"]
+    n_gqa = h["n_head"] // h["n_head_kv"] if h["n_head_kv"] else 0  # of layer 0, as llama-quantize asks
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
     t = default
     if name == "output.weight" or (h["tied"] and name == "token_embd.weight"):
@@ -204,7 +211,9 @@ def quant_type(name, shape, h, ftype, counters):
     elif name == "token_embd.weight":
         t = default
     elif "attn_qkv.weight" in name or "attn_v.weight" in name:  # category_is_attn_v
-        if ftype == "q4_k_m" and use_more_bits(counters["wv"], counters["n_wv"]):
+        if ftype == "iq4_xs" and n_gqa >= 4:
+            t = T.Q5_K
+        elif ftype == "q4_k_m" and use_more_bits(counters["wv"], counters["n_wv"]):
             t = T.Q6_K
         if n_expert == 8:
             t = T.Q8_0
@@ -212,11 +221,13 @@ def quant_type(name, shape, h, ftype, counters):
     elif "attn_k.weight" in name:
         if n_expert == 8:
             t = T.Q8_0
-    elif "ffn_down" in name:
+    elif "ffn_down" in name:  # routed and shared experts alike; n_layer counts no MTP layer here
         if ftype == "q4_k_m" and use_more_bits(layer, n_layer):
             t = T.Q6_K
+        elif ftype == "iq4_xs" and layer < n_layer // 8:
+            t = T.Q5_K
     elif "attn_output.weight" in name:
-        if n_expert == 8 and ftype == "q4_k_m":
+        if n_expert == 8 and ftype in ("q4_k_m", "iq4_xs"):
             t = T.Q5_K
     return fallback(t, ncols)
 
@@ -247,6 +258,8 @@ SCALES = {
     "Q4_K": [(0, 2, False), (2, 5, False)],  # d*sc*q - dmin*m, sc, m in 0..15, dmin ~ 8 d: mean ~0
     "Q5_K": [(0, 1, False), (2, 5, False)],  # dmin ~ 16 d
     "Q6_K": [(208, 1, True)],  # d*sc*(q-32), sc int8 in -16..15
+    "IQ4_NL": [(0, 2, True)],  # d*kvalues[q], RMS of the 16 kvalues ~67
+    "IQ4_XS": [(0, 1, True)],  # d*(ls-32)*kvalues[q], ls-32 in 1..4 (narrowed below)
 }
 
 
@@ -261,6 +274,11 @@ def fix_blocks(buf, tname):
     elif tname == "Q6_K":
         s = buf[:, 192:208]
         s[...] = ((s & 0x1F).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    elif tname == "IQ4_XS":
+        # 6-bit sub-block scale ls = low nibble (scales_l, bytes 4..8) | 2 high bits (scales_h, bytes
+        # 2..4) << 4: every high pair 0b10 and every low nibble in 1..4 give ls - 32 in 1..4
+        buf[:, 2:4] = 0xAA
+        buf[:, 4:8] = (buf[:, 4:8] & 0x33) + 0x11
 
 
 def quant_chunk(seed, tname, nblocks, bsize):
@@ -443,7 +461,7 @@ def main():
     summary = ", ".join(f"{k} x{n} {b / 2**30:.2f} GiB" for k, (n, b) in sorted(counts.items(), key=lambda x: -x[1][1]))
     if a.dry_run:
         for name, shape, t, nb in tensors:
-            print(f"{name:36s} {t.name:5s} {list(reversed(shape))} {nb}")
+            print(f"{name:36s} {t.name:6s} {list(reversed(shape))} {nb}")
     print(f"{len(tensors)} tensors, data {data} bytes ({data / 2**30:.2f} GiB): {summary}", file=sys.stderr)
     if a.dry_run:
         return
