@@ -463,45 +463,65 @@ fn held_models_round_like_the_gpu() {
     }
 }
 
+/// A GGUF fixture rewritten with one metadata value replaced, then opened, its tokenizer read
+/// and loaded: the load's error message, or `Err` when any of it panicked.
+struct Rewrite {
+    src: GgufFile,
+    meta: Vec<(String, Value)>,
+    dir: tempfile::TempDir,
+}
+
+impl Rewrite {
+    fn new() -> Rewrite {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf");
+        let src = GgufFile::open(&root.join("qwen3_5_moe.q8_0.gguf")).unwrap();
+        let meta = src
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Rewrite {
+            src,
+            meta,
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn load_with(&self, i: usize, v: Value) -> std::thread::Result<Option<String>> {
+        use deltamoe_model::gguf::{vocab, BlockType};
+        use deltamoe_model::Qwen3Hybrid;
+        let names: Vec<&String> = self.src.tensors.keys().collect();
+        let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
+        let ids: Vec<u32> = names
+            .iter()
+            .map(|n| id_of(self.src.info(n).unwrap().kind))
+            .collect();
+        let mut m = self.meta.clone();
+        m[i].1 = v;
+        let path = self.dir.path().join("m.gguf");
+        std::fs::write(&path, write_gguf(&m, &self.src, &names, &ids)).unwrap();
+        std::panic::catch_unwind(|| {
+            if let Ok(f) = GgufFile::open(&path) {
+                let _ = vocab::vocab(&f);
+            }
+            Qwen3Hybrid::load(&path).err().map(|e| e.to_string())
+        })
+    }
+}
+
 /// Every integer metadata value of a GGUF fixture set in turn to an extreme (0, 1, odd, 2^31,
 /// 2^40, 2^64 − 1): opening, loading and reading the tokenizer end in `Ok` or a one-line `Err`,
 /// never a panic (nor an abort on an allocation sized by the value).
 #[test]
 fn extreme_metadata_values_never_panic() {
-    use deltamoe_model::gguf::{vocab, BlockType};
-    use deltamoe_model::Qwen3Hybrid;
-    let src_path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf/qwen3_5_moe.q8_0.gguf");
-    let src = GgufFile::open(&src_path).unwrap();
-    let names: Vec<&String> = src.tensors.keys().collect();
-    let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
-    let ids: Vec<u32> = names
-        .iter()
-        .map(|n| id_of(src.info(n).unwrap().kind))
-        .collect();
-    let meta: Vec<(String, Value)> = src
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("m.gguf");
+    let r = Rewrite::new();
     let mut tried = 0;
-    for (i, (key, v)) in meta.iter().enumerate() {
+    for (i, (key, v)) in r.meta.iter().enumerate() {
         if v.as_u64().is_none() {
             continue;
         }
         for x in [0u64, 1, 3, 1 << 31, 1 << 40, u64::MAX] {
-            let mut m = meta.clone();
-            m[i].1 = Value::U64(x);
-            std::fs::write(&path, write_gguf(&m, &src, &names, &ids)).unwrap();
-            let run = std::panic::catch_unwind(|| {
-                if let Ok(f) = GgufFile::open(&path) {
-                    let _ = vocab::vocab(&f);
-                }
-                Qwen3Hybrid::load(&path).err().map(|e| e.to_string())
-            });
-            let Ok(err) = run else {
+            let Ok(err) = r.load_with(i, Value::U64(x)) else {
                 panic!("{key} = {x}: panicked");
             };
             if key.ends_with("rope.dimension_count") && x == 1 << 40 {
@@ -522,26 +542,9 @@ fn extreme_metadata_values_never_panic() {
 /// opening, loading and reading the tokenizer end in `Ok` or an `Err`, never a panic.
 #[test]
 fn cut_metadata_arrays_and_strings_never_panic() {
-    use deltamoe_model::gguf::{vocab, BlockType};
-    use deltamoe_model::Qwen3Hybrid;
-    let src_path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf/qwen3_5_moe.q8_0.gguf");
-    let src = GgufFile::open(&src_path).unwrap();
-    let names: Vec<&String> = src.tensors.keys().collect();
-    let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
-    let ids: Vec<u32> = names
-        .iter()
-        .map(|n| id_of(src.info(n).unwrap().kind))
-        .collect();
-    let meta: Vec<(String, Value)> = src
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("m.gguf");
+    let r = Rewrite::new();
     let mut tried = 0;
-    for (i, (key, v)) in meta.iter().enumerate() {
+    for (i, (key, v)) in r.meta.iter().enumerate() {
         let edits: Vec<Value> = match v {
             Value::Array(a) if !a.is_empty() => vec![
                 Value::Array(a[..a.len() / 2].to_vec()),
@@ -555,16 +558,7 @@ fn cut_metadata_arrays_and_strings_never_panic() {
             _ => continue,
         };
         for e in edits {
-            let mut m = meta.clone();
-            m[i].1 = e;
-            std::fs::write(&path, write_gguf(&m, &src, &names, &ids)).unwrap();
-            let run = std::panic::catch_unwind(|| {
-                if let Ok(f) = GgufFile::open(&path) {
-                    let _ = vocab::vocab(&f);
-                }
-                let _ = Qwen3Hybrid::load(&path);
-            });
-            assert!(run.is_ok(), "{key}: panicked");
+            assert!(r.load_with(i, e).is_ok(), "{key}: panicked");
             tried += 1;
         }
     }
