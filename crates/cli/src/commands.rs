@@ -16,6 +16,7 @@ use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{generate as run_generate, Engine, GenerateRequest};
 use deltamoe_model::gpu::ExpertCache;
 use deltamoe_model::{Logits, Qwen3Hybrid};
+use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{Device, ModelArgs};
 
@@ -151,7 +152,20 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
 /// safetensors weights memory-mapped on the host, GGUF ones unpacked into memory).
 pub fn load_dir(dir: &Path) -> Result<Qwen3Hybrid> {
     let t0 = Instant::now();
-    let model = Qwen3Hybrid::load(dir)?;
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "unpacking {bar:40} {bytes}/{total_bytes} eta {eta} {wide_msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let model = Qwen3Hybrid::load_with_progress(dir, &mut |p| {
+        bar.set_length(p.total);
+        bar.set_position(p.done);
+        bar.set_message(p.tensor.to_string());
+    });
+    bar.finish_and_clear();
+    let model = model?;
     eprintln!(
         "loaded {} ({} layers, {}) from {} in {:.2} s",
         model.config().model_type,

@@ -29,6 +29,15 @@ pub use source::ModelSource;
 pub use state::SequenceState;
 pub use weights::{TensorBytes, TensorInfo, WeightStore};
 
+/// Progress of long work over a model's tensors (converting, unpacking a GGUF file): source
+/// bytes done of the total, and the tensor at hand.
+#[derive(Clone, Copy, Debug)]
+pub struct Progress<'a> {
+    pub done: u64,
+    pub total: u64,
+    pub tensor: &'a str,
+}
+
 /// Which positions' logits a forward pass returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {

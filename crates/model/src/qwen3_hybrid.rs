@@ -63,7 +63,15 @@ impl Qwen3Hybrid {
     /// Load the model at `path`: a directory's `config.json` and safetensors weights, or a
     /// GGUF file (see [`ModelSource`]).
     pub fn load(path: &Path) -> Result<Qwen3Hybrid> {
-        let (config, store) = ModelSource::resolve(path)?.open()?;
+        Qwen3Hybrid::load_with_progress(path, &mut |_| {})
+    }
+
+    /// [`Self::load`], reporting a GGUF file's tensors as they are unpacked.
+    pub fn load_with_progress(
+        path: &Path,
+        progress: &mut dyn FnMut(crate::Progress),
+    ) -> Result<Qwen3Hybrid> {
+        let (config, store) = ModelSource::resolve(path)?.open_with_progress(progress)?;
         Qwen3Hybrid::from_store(config, &store)
     }
 

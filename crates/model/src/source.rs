@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::weights::WeightStore;
+use crate::Progress;
 
 /// A model's files.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,9 +64,18 @@ impl ModelSource {
 
     /// The model's config and weights.
     pub fn open(&self) -> Result<(ModelConfig, WeightStore)> {
+        self.open_with_progress(&mut |_| {})
+    }
+
+    /// [`Self::open`], reporting a GGUF file's tensors as they are unpacked (a directory's
+    /// weights are mapped, not read, and report nothing).
+    pub fn open_with_progress(
+        &self,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<(ModelConfig, WeightStore)> {
         match self {
             ModelSource::Dir(d) => Ok((ModelConfig::from_dir(d)?, WeightStore::open(d)?)),
-            ModelSource::Gguf(f) => crate::gguf::load(f),
+            ModelSource::Gguf(f) => crate::gguf::load_with_progress(f, progress),
         }
     }
 }

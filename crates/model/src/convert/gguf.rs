@@ -18,11 +18,12 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Map, Value};
 
 use super::writer::{encode, raw};
-use super::{io_err, prepare_dst, write_file, ConvertReport, Progress};
+use super::{io_err, prepare_dst, write_file, ConvertReport};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::gguf::{config, tensors, vocab, GgufFile};
 use crate::weights::Prepared;
+use crate::Progress;
 use deltamoe_compute::{AffineWeight, Tensor};
 
 /// How a GGUF's quantized matrices are written.

@@ -45,8 +45,8 @@ use crate::quant::{Layout, QuantSpec};
 use crate::qwen3_hybrid::Qwen3Hybrid;
 use crate::weights::WeightStore;
 
+pub use crate::Progress;
 pub use gguf::{convert_gguf, GgufOutput};
-pub use writer::Progress;
 
 /// Default largest shard.
 pub const DEFAULT_SHARD_BYTES: u64 = 2 << 30;

@@ -25,17 +25,10 @@ use crate::error::{ModelError, Result};
 use crate::fp8::load_fp8;
 use crate::gptq::{load_gptq, logical_shape};
 use crate::weights::WeightStore;
+use crate::Progress;
 
 /// Rows per block: about this many bytes of f32.
 const BLOCK_BYTES: usize = 64 << 20;
-
-/// Conversion progress: source bytes processed of the total, and the tensor being written.
-#[derive(Clone, Copy, Debug)]
-pub struct Progress<'a> {
-    pub done: u64,
-    pub total: u64,
-    pub tensor: &'a str,
-}
 
 fn job_outputs(job: &Job) -> Vec<usize> {
     match job {

@@ -23,6 +23,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::quant::Layout;
 use crate::weights::WeightStore;
+use crate::Progress;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -425,8 +426,16 @@ impl GgufFile {
 /// The config of the GGUF model at `path` and its tensors as a store in mlx-lm's layout (see
 /// [`tensors`]).
 pub fn load(path: &Path) -> Result<(ModelConfig, WeightStore)> {
+    load_with_progress(path, &mut |_| {})
+}
+
+/// [`load`], reporting each tensor as it is unpacked.
+pub fn load_with_progress(
+    path: &Path,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<(ModelConfig, WeightStore)> {
     let f = GgufFile::open(path)?;
     let c = config::config(&f)?;
-    let t = tensors::tensors(&f, &c)?;
+    let t = tensors::tensors(&f, &c, progress)?;
     Ok((c, WeightStore::from_tensors(path, t, Layout::Mlx)))
 }

@@ -17,6 +17,7 @@ use super::{repack, BlockType, GgufFile};
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::weights::Prepared;
+use crate::Progress;
 use deltamoe_compute::{DType, Tensor};
 
 /// GGUF tensor names (after `blk.{i}.`) and the mlx-lm names they take (after the layer prefix).
@@ -75,13 +76,30 @@ const MORE_NAMES: [(&str, &str); 9] = [
 
 /// The file's tensors under their mlx-lm names, for a model of config `c` (from
 /// [`super::config::config`]): matrices of an affine block type as affine weights with the same
-/// values ([`super::repack`]), the rest dequantized (f16 and bf16 kept as they are).
-pub fn tensors(f: &GgufFile, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
-    let mut out = Vec::with_capacity(f.tensors.len());
-    for name in f.tensors.keys() {
+/// values ([`super::repack`]), the rest dequantized (f16 and bf16 kept as they are); `progress`
+/// hears of each tensor before it is unpacked.
+pub fn tensors(
+    f: &GgufFile,
+    c: &ModelConfig,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Vec<(String, Prepared)>> {
+    let total = f.tensors.values().map(|t| t.bytes as u64).sum();
+    let (mut out, mut done) = (Vec::with_capacity(f.tensors.len()), 0u64);
+    for (name, info) in &f.tensors {
+        progress(Progress {
+            done,
+            total,
+            tensor: name,
+        });
         out.extend(tensor(f, name, c)?);
         f.release(name);
+        done += info.bytes as u64;
     }
+    progress(Progress {
+        done,
+        total,
+        tensor: "",
+    });
     Ok(out)
 }
 
