@@ -15,7 +15,7 @@ use deltamoe_engine::sampler::SamplingParams;
 use deltamoe_engine::tokenizer::TextTokenizer;
 use deltamoe_engine::{generate as run_generate, Engine, GenerateRequest};
 use deltamoe_model::gpu::ExpertCache;
-use deltamoe_model::{Logits, Qwen3Hybrid};
+use deltamoe_model::{Logits, Progress, Qwen3Hybrid};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{Device, ModelArgs};
@@ -148,22 +148,29 @@ pub fn load_model(args: &ModelArgs) -> Result<Qwen3Hybrid> {
     load_dir(&args.dir()?)
 }
 
+/// A bar of source bytes (indicatif `template`) for work that reports [`Progress`], fed by
+/// [`show_progress`].
+pub fn bytes_bar(template: &str) -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// `p` on `bar`: its length, position and the tensor at hand.
+pub fn show_progress(bar: &ProgressBar, p: Progress) {
+    bar.set_length(p.total);
+    bar.set_position(p.done);
+    bar.set_message(p.tensor.to_string());
+}
+
 /// Load the model at `dir`, a model directory or a GGUF file (named `--model` in errors;
 /// safetensors weights memory-mapped on the host, GGUF ones unpacked into memory).
 pub fn load_dir(dir: &Path) -> Result<Qwen3Hybrid> {
     let t0 = Instant::now();
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "unpacking {bar:40} {bytes}/{total_bytes} eta {eta} {wide_msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let model = Qwen3Hybrid::load_with_progress(dir, &mut |p| {
-        bar.set_length(p.total);
-        bar.set_position(p.done);
-        bar.set_message(p.tensor.to_string());
-    });
+    let bar = bytes_bar("unpacking {bar:40} {bytes}/{total_bytes} eta {eta} {wide_msg}");
+    let model = Qwen3Hybrid::load_with_progress(dir, &mut |p| show_progress(&bar, p));
     bar.finish_and_clear();
     let model = model?;
     eprintln!(

@@ -14,7 +14,8 @@ use deltamoe_model::convert::{
 };
 use deltamoe_model::source::ModelSource;
 use deltamoe_model::Qwen3Hybrid;
-use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::commands::{bytes_bar, show_progress};
 
 #[derive(Args)]
 pub struct ConvertArgs {
@@ -82,18 +83,8 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     }
     let max_shard = a.shard_mib << 20;
     let t0 = Instant::now();
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {wide_msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let mut show = |p: Progress| {
-        bar.set_length(p.total);
-        bar.set_position(p.done);
-        bar.set_message(p.tensor.to_string());
-    };
+    let bar = bytes_bar("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {wide_msg}");
+    let mut show = |p: Progress| show_progress(&bar, p);
     let report = match &gguf {
         Some(f) => {
             let output = match a.dequantize {

@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
-use super::writer::{encode, raw};
-use super::{io_err, prepare_dst, write_file, ConvertReport};
+use super::writer::{encode, raw, safetensors_header, shard_name, write_index};
+use super::{io_err, prepare_dst, write_file, write_json, ConvertReport};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::gguf::{config, tensors, vocab, GgufFile};
@@ -118,11 +118,6 @@ pub fn convert_gguf(
     })
 }
 
-fn write_json(path: &Path, v: &Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
-    write_file(path, text.as_bytes())
-}
-
 /// Every tensor of `f` into shards in `dst`; the report and the `quantization` block (`None`
 /// when nothing is quantized).
 fn write_tensors(
@@ -142,53 +137,44 @@ fn write_tensors(
         bytes_in: total,
         ..ConvertReport::default()
     };
-    let mut done = 0u64;
-    for (name, info) in &f.tensors {
-        progress(Progress {
-            done,
-            total,
-            tensor: name,
-        });
-        for (to, t) in tensors::tensor(f, name, c)? {
-            let to = if nested {
-                format!("language_model.{to}")
-            } else {
-                to
-            };
-            let module = to.strip_suffix(".weight").unwrap_or(&to).to_string();
-            let outs = match t {
-                Prepared::Affine(w, shape) if output == GgufOutput::Affine => {
-                    let spec = json!({"group_size": w.group_size(), "bits": w.bits()});
-                    quant.insert(module.clone(), spec);
-                    report.quantized_modules += 1;
-                    affine_outs(&module, &w, shape)
-                }
-                Prepared::Affine(w, shape) => {
-                    report.dense_modules += 1;
-                    vec![Out {
-                        name: to,
-                        dtype: "BF16",
-                        bytes: encode(&w.dequantize(), "BF16"),
-                        shape,
-                    }]
-                }
-                Prepared::Dense(t) => {
-                    if t.shape().len() >= 2 && !to.ends_with("conv1d.weight") {
-                        quant.insert(module, false.into());
-                        report.dense_modules += 1;
-                    }
-                    vec![dense_out(to, &t)]
-                }
-            };
-            for o in outs {
-                report.bytes_out += o.bytes.len() as u64;
-                report.tensors_out += 1;
-                shards.push(o)?;
+    tensors::each_tensor(f, c, progress, &mut |to, t| {
+        let to = if nested {
+            format!("language_model.{to}")
+        } else {
+            to
+        };
+        let module = to.strip_suffix(".weight").unwrap_or(&to).to_string();
+        let outs = match t {
+            Prepared::Affine(w, shape) if output == GgufOutput::Affine => {
+                let spec = json!({"group_size": w.group_size(), "bits": w.bits()});
+                quant.insert(module.clone(), spec);
+                report.quantized_modules += 1;
+                affine_outs(&module, &w, shape)
             }
+            Prepared::Affine(w, shape) => {
+                report.dense_modules += 1;
+                vec![Out {
+                    name: to,
+                    dtype: "BF16",
+                    bytes: encode(&w.dequantize(), "BF16"),
+                    shape,
+                }]
+            }
+            Prepared::Dense(t) => {
+                if t.shape().len() >= 2 && !to.ends_with("conv1d.weight") {
+                    quant.insert(module, false.into());
+                    report.dense_modules += 1;
+                }
+                vec![dense_out(to, &t)]
+            }
+        };
+        for o in outs {
+            report.bytes_out += o.bytes.len() as u64;
+            report.tensors_out += 1;
+            shards.push(o)?;
         }
-        f.release(name);
-        done += info.bytes as u64;
-    }
+        Ok(())
+    })?;
     report.shards = shards.finish()?;
     let q = (report.quantized_modules > 0).then(|| quant_block(quant));
     Ok((report, q))
@@ -244,11 +230,7 @@ fn dense_out(name: String, t: &Tensor) -> Out {
     let data = t.data();
     Out {
         name,
-        dtype: match t.dtype() {
-            deltamoe_compute::DType::BF16 => "BF16",
-            deltamoe_compute::DType::F16 => "F16",
-            deltamoe_compute::DType::F32 => "F32",
-        },
+        dtype: t.dtype().name(),
         shape: t.shape().to_vec(),
         bytes: raw(&data, 0, t.len()),
     }
@@ -292,21 +274,16 @@ impl Shards {
     fn flush(&mut self) -> Result<()> {
         let mut open = std::mem::take(&mut self.open);
         open.sort_by(|a, b| a.name.cmp(&b.name));
-        let mut m = Map::new();
-        m.insert("__metadata__".into(), json!({"format": "mlx"}));
-        let mut at = 0usize;
+        let mut at = 0u64;
+        let mut entries = Vec::with_capacity(open.len());
         for o in &open {
-            let end = at + o.bytes.len();
-            let entry = json!({"dtype": o.dtype, "shape": o.shape, "data_offsets": [at, end]});
-            m.insert(o.name.clone(), entry);
+            let end = at + o.bytes.len() as u64;
+            entries.push((o.name.as_str(), o.dtype, o.shape.as_slice(), at, end));
             at = end;
         }
-        let mut h = Value::Object(m).to_string().into_bytes();
-        while !(8 + h.len()).is_multiple_of(8) {
-            h.push(b' ');
-        }
+        let h = safetensors_header(entries);
         let path = self.part(self.written.len());
-        let mut bytes = Vec::with_capacity(8 + h.len() + at);
+        let mut bytes = Vec::with_capacity(8 + h.len() + at as usize);
         bytes.extend((h.len() as u64).to_le_bytes());
         bytes.extend(h);
         for o in &open {
@@ -314,7 +291,7 @@ impl Shards {
         }
         write_file(&path, &bytes)?;
         let names = open.into_iter().map(|o| o.name).collect();
-        self.written.push((names, at as u64));
+        self.written.push((names, at));
         self.open_bytes = 0;
         Ok(())
     }
@@ -325,23 +302,19 @@ impl Shards {
             self.flush()?;
         }
         let n = self.written.len();
-        if n == 1 {
-            let to = self.dst.join("model.safetensors");
-            std::fs::rename(self.part(0), &to).map_err(io_err(&to))?;
-            return Ok(1);
-        }
         let mut map = Map::new();
         for (i, (names, _)) in self.written.iter().enumerate() {
-            let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            let file = shard_name(i, n);
             let to = self.dst.join(&file);
             std::fs::rename(self.part(i), &to).map_err(io_err(&to))?;
             for name in names {
                 map.insert(name.clone(), file.clone().into());
             }
         }
-        let total: u64 = self.written.iter().map(|(_, b)| b).sum();
-        let index = json!({"metadata": {"total_size": total}, "weight_map": map});
-        write_json(&self.dst.join("model.safetensors.index.json"), &index)?;
+        if n > 1 {
+            let total = self.written.iter().map(|(_, b)| b).sum();
+            write_index(&self.dst, map, total)?;
+        }
         Ok(n)
     }
 }

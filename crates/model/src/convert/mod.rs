@@ -299,11 +299,7 @@ fn stored_dtype(store: &WeightStore, name: &str, shape: &[usize]) -> Result<&'st
     if gptq || store.fp8_codes(name).is_some() {
         return Ok("BF16");
     }
-    Ok(match store.get(name, shape)?.dtype() {
-        deltamoe_compute::DType::BF16 => "BF16",
-        deltamoe_compute::DType::F16 => "F16",
-        deltamoe_compute::DType::F32 => "F32",
-    })
+    Ok(store.get(name, shape)?.dtype().name())
 }
 
 /// `[rows, cols]` view of a shape (a vector is one row).
@@ -559,10 +555,7 @@ pub fn convert(
         }
         obj.insert("quantization_config".into(), q);
     }
-    write_file(
-        &dst.join("config.json"),
-        (serde_json::to_string_pretty(&root).unwrap_or_default() + "\n").as_bytes(),
-    )?;
+    write_json(&dst.join("config.json"), &root)?;
     let copied = copy_side_files(src, dst)?;
     Ok(ConvertReport {
         tensors_in: plan.tensors_in,
@@ -596,6 +589,12 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError +
         path: path.to_path_buf(),
         err: source,
     }
+}
+
+/// `v` as pretty JSON with a final newline.
+pub(crate) fn write_json(path: &Path, v: &Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
+    write_file(path, text.as_bytes())
 }
 
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {

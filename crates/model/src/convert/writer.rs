@@ -20,7 +20,7 @@ use serde_json::{json, Map, Value};
 
 use super::fp8::FP8_BLOCK;
 use super::gptq::quantize_gptq;
-use super::{write_file, Job, OutTensor, Part, Plan};
+use super::{write_json, Job, OutTensor, Part, Plan};
 use crate::error::{ModelError, Result};
 use crate::fp8::load_fp8;
 use crate::gptq::{load_gptq, logical_shape};
@@ -104,15 +104,29 @@ fn assign(plan: &Plan, max: u64) -> Vec<Shard> {
 }
 
 fn header(outs: &[OutTensor], shard: &Shard) -> Vec<u8> {
+    let entries = shard.offsets.iter().map(|&(o, off)| {
+        let t = &outs[o];
+        (
+            t.name.as_str(),
+            t.dtype,
+            t.shape.as_slice(),
+            off,
+            off + t.nbytes(),
+        )
+    });
+    safetensors_header(entries.collect())
+}
+
+/// A safetensors header (without its 8-byte length) for `(name, dtype, shape, start, end)`
+/// entries, listed by name, padded with spaces so the data starts 8-byte aligned.
+pub(crate) fn safetensors_header(mut entries: Vec<(&str, &str, &[usize], u64, u64)>) -> Vec<u8> {
+    entries.sort_by(|a, b| a.0.cmp(b.0));
     let mut m = Map::new();
     m.insert("__metadata__".into(), json!({"format": "mlx"}));
-    let mut sorted = shard.offsets.clone();
-    sorted.sort_by(|a, b| outs[a.0].name.cmp(&outs[b.0].name));
-    for (o, off) in sorted {
-        let t = &outs[o];
+    for (name, dtype, shape, start, end) in entries {
         m.insert(
-            t.name.clone(),
-            json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [off, off + t.nbytes()]}),
+            name.to_string(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [start, end]}),
         );
     }
     let mut h = Value::Object(m).to_string().into_bytes();
@@ -120,6 +134,28 @@ fn header(outs: &[OutTensor], shard: &Shard) -> Vec<u8> {
         h.push(b' ');
     }
     h
+}
+
+/// The file name of shard `i` of `n`.
+pub(crate) fn shard_name(i: usize, n: usize) -> String {
+    match n {
+        1 => "model.safetensors".to_string(),
+        _ => format!("model-{:05}-of-{n:05}.safetensors", i + 1),
+    }
+}
+
+/// `model.safetensors.index.json`: each tensor's shard (listed by name) and the data bytes of
+/// all shards.
+pub(crate) fn write_index(
+    dst: &Path,
+    weight_map: Map<String, Value>,
+    total_size: u64,
+) -> Result<()> {
+    let mut sorted: Vec<(String, Value)> = weight_map.into_iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let index =
+        json!({"metadata": {"total_size": total_size}, "weight_map": Map::from_iter(sorted)});
+    write_json(&dst.join("model.safetensors.index.json"), &index)
 }
 
 /// Write every shard and the index; returns (shards, source bytes, output bytes).
@@ -132,13 +168,7 @@ pub(crate) fn write_shards(
 ) -> Result<(usize, u64, u64)> {
     let shards = assign(plan, max_shard);
     let n = shards.len();
-    let file_name = |i: usize| {
-        if n == 1 {
-            "model.safetensors".to_string()
-        } else {
-            format!("model-{:05}-of-{n:05}.safetensors", i + 1)
-        }
-    };
+    let file_name = |i: usize| shard_name(i, n);
     let mut src_bytes = 0u64;
     for job in &plan.jobs {
         let (parts, cols) = job_parts(job);
@@ -181,14 +211,7 @@ pub(crate) fn write_shards(
         total_size += shard.data_len;
         bytes_out += base + shard.data_len;
     }
-    let mut sorted: Vec<(String, Value)> = weight_map.into_iter().collect();
-    sorted.sort_by(|a, b| a.0.cmp(&b.0));
-    let index = json!({
-        "metadata": {"total_size": total_size},
-        "weight_map": Map::from_iter(sorted),
-    });
-    let text = serde_json::to_string_pretty(&index).unwrap_or_default() + "\n";
-    write_file(&dst.join("model.safetensors.index.json"), text.as_bytes())?;
+    write_index(dst, weight_map, total_size)?;
     Ok((n, src_bytes, bytes_out))
 }
 

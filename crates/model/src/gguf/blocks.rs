@@ -243,18 +243,22 @@ fn q6_k(x: &[u8], o: &mut [f32]) {
 /// 32, value = d·(scale − 32)·IQ4_VALUES[code]; sub-block j's codes are the low then the high
 /// nibbles of bytes 16j..16j + 16.
 fn iq4_xs(x: &[u8], o: &mut [f32]) {
-    let d = half16(x, 0);
-    let sh = u16::from_le_bytes([x[2], x[3]]);
-    let (sl, qs) = (&x[4..8], &x[8..136]);
+    let qs = &x[8..136];
     for j in 0..8 {
-        let low = nibble(sl[j / 2], j % 2);
-        let high = ((sh >> (2 * j)) & 3) as u8;
-        let dl = d * ((low | high << 4) as i8 - 32) as f32;
+        let dl = iq4_xs_scale(x, j);
         for l in 0..32 {
             let q = nibble(qs[16 * j + l % 16], l / 16);
             o[32 * j + l] = dl * IQ4_VALUES[q as usize] as f32;
         }
     }
+}
+
+/// The scale `d·(sc − 32)` of sub-block `j` (0..8) of IQ4_XS block `x`: `sc` is 6 bits, the low
+/// nibble from bytes 4..8 and the top two bits from the u16 at bytes 2..4.
+pub(super) fn iq4_xs_scale(x: &[u8], j: usize) -> f32 {
+    let sh = u16::from_le_bytes([x[2], x[3]]);
+    let sc = nibble(x[4 + j / 2], j % 2) | (((sh >> (2 * j)) & 3) as u8) << 4;
+    half16(x, 0) * (sc as i8 - 32) as f32
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use deltamoe_compute::quant::pack_row;
 use deltamoe_compute::{AffineWeight, PackedWords, QuantError, Tensor};
 use rayon::prelude::*;
 
-use super::blocks::{half16, nibble, scale_min, IQ4_VALUES};
+use super::blocks::{half16, iq4_xs_scale, nibble, scale_min, IQ4_VALUES};
 use super::BlockType;
 
 /// The affine form of a block type: bits, group size, and the zero point when the bias is
@@ -183,12 +183,9 @@ fn block(t: BlockType, x: &[u8], q: &mut [u8], s: &mut [f32], b: &mut [f32]) {
             }
         }
         IQ4XS => {
-            let d = half16(x, 0);
-            let sh = u16::from_le_bytes([x[2], x[3]]);
-            let (sl, qs) = (&x[4..8], &x[8..136]);
+            let qs = &x[8..136];
             for j in 0..8 {
-                let sc = nibble(sl[j / 2], j % 2) | (((sh >> (2 * j)) & 3) as u8) << 4;
-                s[j] = d * (sc as i8 - 32) as f32;
+                s[j] = iq4_xs_scale(x, j);
                 b[j] = -128.0 * s[j];
                 for l in 0..32 {
                     q[32 * j + l] = iq4_code(nibble(qs[16 * j + l % 16], l / 16));

@@ -83,15 +83,33 @@ pub fn tensors(
     c: &ModelConfig,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Vec<(String, Prepared)>> {
+    let mut out = Vec::with_capacity(f.tensors.len());
+    each_tensor(f, c, progress, &mut |name, t| {
+        out.push((name, t));
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// [`tensors`] one at a time into `visit`, each file tensor's mapped pages released once it
+/// is unpacked ([`GgufFile::release`]), `progress` told before each and at the end.
+pub fn each_tensor(
+    f: &GgufFile,
+    c: &ModelConfig,
+    progress: &mut dyn FnMut(Progress),
+    visit: &mut dyn FnMut(String, Prepared) -> Result<()>,
+) -> Result<()> {
     let total = f.tensors.values().map(|t| t.bytes as u64).sum();
-    let (mut out, mut done) = (Vec::with_capacity(f.tensors.len()), 0u64);
+    let mut done = 0u64;
     for (name, info) in &f.tensors {
         progress(Progress {
             done,
             total,
             tensor: name,
         });
-        out.extend(tensor(f, name, c)?);
+        for (to, t) in tensor(f, name, c)? {
+            visit(to, t)?;
+        }
         f.release(name);
         done += info.bytes as u64;
     }
@@ -100,11 +118,11 @@ pub fn tensors(
         total,
         tensor: "",
     });
-    Ok(out)
+    Ok(())
 }
 
 /// File tensor `name` as [`tensors`] gives it: one tensor, or two for Qwen3-Next's `ssm_ba`.
-pub fn tensor(f: &GgufFile, name: &str, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
+fn tensor(f: &GgufFile, name: &str, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
     let Some((to, leaf)) = hf_name(name, c.num_layers) else {
         return Err(ModelError::Input(format!(
             "{}: tensor `{name}` is not one deltamoe maps for {}",
