@@ -14,7 +14,7 @@ cargo test --release --no-run --message-format=json 2>/dev/null \
 import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_parity", "cuda_matvec", "cuda_fp8", "cuda_gdn_chunk", "cuda_prefill", "cuda_gemm", "cuda_far", "cuda_twin", "cuda_verify", "golden_cuda", "speculative_cuda", "chunked_cuda", "offload_cuda", "http"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_parity", "cuda_matvec", "cuda_fp8", "cuda_gdn_chunk", "cuda_prefill", "cuda_gemm", "cuda_far", "cuda_twin", "cuda_verify", "golden_cuda", "speculative_cuda", "chunked_cuda", "offload_cuda", "gpus_cuda", "http"):
         shutil.copy(m["executable"], ".gpu/" + m["target"]["name"])
 '
 strip .gpu/*

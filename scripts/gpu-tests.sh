@@ -45,4 +45,7 @@ q8=$(mktemp -d)/tiny-q8
 a=$(.gpu/deltamoe generate --model "$q8" --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda 2>/dev/null)
 b=$(.gpu/deltamoe generate --model "$q8" --prompt "$prompt" --max-tokens 64 --temperature 0 --device cuda --speculative-tokens 2 2>/dev/null)
 if [ -n "$a" ] && [ "$a" == "$b" ]; then echo "identical"; else echo "differs: plain [$a] speculative [$b]"; status=1; fi
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  bash scripts/gpu-tests-multi.sh || status=1
+fi
 exit $status

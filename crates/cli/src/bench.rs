@@ -95,6 +95,11 @@ pub struct BenchArgs {
     /// Also write the results as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
+    /// CUDA: measure the model on these GPUs (e.g. 0,1: the routed experts divided among them,
+    /// expert parallel over NCCL) through the engine, each GPU's memory and the time a decode
+    /// step spends in all-reduces reported; one number measures that GPU the same way.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub(crate) gpus: Vec<usize>,
     /// Also measure speculative decoding with the model's MTP layer drafting N tokens a step
     /// (a --config or --synthetic shape gets a random MTP layer: on the CPU when its config
     /// names one, `mtp_num_hidden_layers`; on CUDA always).
@@ -184,7 +189,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
         (_, None) => true,
         (Device::Auto, Some(_)) => false,
     };
-    let result = if on_cuda {
+    if !on_cuda && !a.gpus.is_empty() {
+        bail!("--gpus names CUDA devices; drop it to bench on the CPU");
+    }
+    let result = if on_cuda && !a.gpus.is_empty() {
+        crate::bench_gpus::run(&a, &a.gpus)?
+    } else if on_cuda {
         run_cuda(&a)?
     } else {
         crate::bench_cpu::run(&a)?

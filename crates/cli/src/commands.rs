@@ -196,7 +196,11 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
         (Device::Cuda, None) | (Device::Auto, None) => true,
         (Device::Auto, Some(_)) => false,
     };
+    let gpus = args.gpus()?;
     if !use_cuda {
+        if args.names_gpus() {
+            bail!("--gpus names CUDA devices; drop it to run on the CPU");
+        }
         eprintln!("backend: cpu, {} threads", rayon::current_num_threads());
         match cache {
             ExpertCache::Bytes(bytes) => offload_cpu(&mut model, &args.dir()?, bytes)?,
@@ -209,8 +213,11 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
         return Ok(Engine::new(model));
     }
     let t0 = Instant::now();
-    let gpu = Arc::new(cuda::Gpu::new(0).context("--device cuda")?);
-    let mut engine = Engine::new_cuda_with(model, gpu, DEFAULT_CUDA_CONTEXT, seqs, cache)?;
+    let gpus = open_gpus(&gpus)?;
+    let mut engine = match gpus.len() {
+        1 => Engine::new_cuda_with(model, gpus[0].clone(), DEFAULT_CUDA_CONTEXT, seqs, cache)?,
+        _ => Engine::new_cuda_gpus(model, gpus, DEFAULT_CUDA_CONTEXT, seqs)?,
+    };
     if args.cpu_experts() {
         engine.set_host_experts(true)?;
     }
@@ -220,6 +227,18 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
         t0.elapsed().as_secs_f64()
     );
     Ok(engine)
+}
+
+/// The GPUs `ordinals` names, opened in order (the first compiles the kernels the others then
+/// find cached).
+pub fn open_gpus(ordinals: &[usize]) -> Result<Vec<Arc<cuda::Gpu>>> {
+    ordinals
+        .iter()
+        .map(|&i| {
+            let gpu = cuda::Gpu::new(i).with_context(|| format!("--device cuda, GPU {i}"))?;
+            Ok(Arc::new(gpu))
+        })
+        .collect()
 }
 
 /// A note when a CPU model's safetensors files are larger than the host's available memory.

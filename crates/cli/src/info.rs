@@ -17,6 +17,10 @@ pub struct InfoArgs {
     /// Context length for the per-sequence memory estimate.
     #[arg(long, default_value_t = 32768)]
     context: usize,
+    /// Also show what each of these GPUs would hold with the routed experts divided among them
+    /// (`--gpus` of the other commands; e.g. 0,1).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    gpus: Vec<usize>,
 }
 
 /// Kinds of parameters, in display order.
@@ -101,6 +105,7 @@ fn gguf_types(f: &std::path::Path) -> Result<String> {
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
+    crate::check_gpus(&a.gpus)?;
     let source = ModelSource::resolve(&a.model)?;
     let (c, store) = source.open()?;
     let tensors = store.summary();
@@ -256,6 +261,19 @@ pub fn run(a: InfoArgs) -> Result<()> {
             c.num_experts,
             gib(per_expert as f64)
         );
+        let other = total_bytes - bytes[5];
+        for (rank, g) in a.gpus.iter().enumerate().filter(|_| a.gpus.len() > 1) {
+            let own = deltamoe_model::gpu::expert_share(c.num_experts, rank, a.gpus.len());
+            println!(
+                "--gpus {}: GPU {g} holds routed experts {}..{} of each MoE layer ({}) and every \
+                 other weight ({}), plus the state of each sequence",
+                crate::list(&a.gpus),
+                own.start,
+                own.end,
+                gib((own.len() * per_expert * moe_layers) as f64),
+                gib(other as f64)
+            );
+        }
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 mod batch;
 mod bench;
 mod bench_cpu;
+mod bench_gpus;
 mod bench_spec;
 mod chat;
 mod commands;
@@ -87,9 +88,35 @@ pub struct ModelArgs {
     /// such expert is read over PCIe).
     #[arg(long)]
     cpu_experts: bool,
+    /// CUDA: run on these GPUs (device numbers, e.g. 0,1), the routed experts divided among them
+    /// and every other weight on each (expert parallel over NCCL). One number picks that GPU.
+    /// Default: GPU 0.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    gpus: Vec<usize>,
 }
 
 impl ModelArgs {
+    /// The GPUs `--gpus` names (GPU 0 when it is left out), checked: no number twice, and with
+    /// several, none of the one-GPU options.
+    pub fn gpus(&self) -> anyhow::Result<Vec<usize>> {
+        check_gpus(&self.gpus)?;
+        if self.gpus.len() > 1 && (self.expert_cache.is_some() || self.cpu_experts) {
+            anyhow::bail!(
+                "--gpus {}: --expert-cache and --cpu-experts run on one GPU; drop them or name one GPU",
+                list(&self.gpus)
+            );
+        }
+        Ok(match self.gpus.is_empty() {
+            true => vec![0],
+            false => self.gpus.clone(),
+        })
+    }
+
+    /// Whether `--gpus` was given.
+    pub fn names_gpus(&self) -> bool {
+        !self.gpus.is_empty()
+    }
+
     /// The expert cache `--expert-cache` asks for (checked).
     pub fn expert_cache(&self) -> anyhow::Result<deltamoe_model::gpu::ExpertCache> {
         use deltamoe_model::gpu::ExpertCache;
@@ -114,6 +141,26 @@ impl ModelArgs {
             None => embedded::dir(),
         }
     }
+}
+
+/// `--gpus` checked: each device at most once.
+pub fn check_gpus(gpus: &[usize]) -> anyhow::Result<()> {
+    let twice = gpus
+        .iter()
+        .enumerate()
+        .find(|(i, g)| gpus[..*i].contains(g));
+    match twice {
+        Some((_, g)) => anyhow::bail!("--gpus {}: GPU {g} is named twice", list(gpus)),
+        None => Ok(()),
+    }
+}
+
+/// Device numbers as `--gpus` takes them.
+pub fn list(gpus: &[usize]) -> String {
+    gpus.iter()
+        .map(|g| g.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// `--threads n` checked and capped at the machine's cores: more threads than cores only add

@@ -133,24 +133,52 @@ fn use_cuda(device: Device) -> Result<bool> {
     }
 }
 
+/// Where the weights go on CUDA: the GPUs (`--gpus`), and on one GPU the expert cache and
+/// whether the CPU computes experts outside it.
+struct Placement {
+    gpus: Vec<usize>,
+    cache: ExpertCache,
+    cpu_experts: bool,
+}
+
+impl Placement {
+    fn of(m: &ModelArgs) -> Result<Placement> {
+        Ok(Placement {
+            gpus: m.gpus()?,
+            cache: m.expert_cache()?,
+            cpu_experts: m.cpu_experts(),
+        })
+    }
+
+    /// The GPUs, opened in order.
+    fn open(&self, flag: &str) -> std::result::Result<Vec<Arc<cuda::Gpu>>, EngineError> {
+        let open = |&i: &usize| cuda::Gpu::new(i).map(Arc::new);
+        let gpus = self.gpus.iter().map(open).collect::<cuda::Result<Vec<_>>>();
+        gpus.map_err(|e| EngineError::Input(format!("{flag}: {e}")))
+    }
+}
+
 /// Builds the engine on the server's engine thread.
 fn factory(
     dir: std::path::PathBuf,
     cuda: bool,
-    ctx: Option<usize>,
-    max_seqs: usize,
-    cache: ExpertCache,
-    cpu_experts: bool,
+    (ctx, max_seqs): (Option<usize>, usize),
+    place: Placement,
     drafts: usize,
 ) -> EngineFactory {
     Box::new(move || {
         let mut model = Qwen3Hybrid::load(&dir)?;
+        let cache = place.cache;
         let mut engine = if cuda {
-            let gpu =
-                cuda::Gpu::new(0).map_err(|e| EngineError::Input(format!("--device cuda: {e}")))?;
+            let gpus = place.open("--device cuda")?;
             let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
-            let mut engine = Engine::new_cuda_with(model, Arc::new(gpu), ctx, max_seqs, cache)?;
-            if cpu_experts {
+            if gpus.len() > 1 {
+                let mut engine = Engine::new_cuda_gpus(model, gpus, ctx, max_seqs)?;
+                engine.set_speculative(drafts)?;
+                return Ok(engine);
+            }
+            let mut engine = Engine::new_cuda_with(model, gpus[0].clone(), ctx, max_seqs, cache)?;
+            if place.cpu_experts {
                 engine.set_host_experts(true)?;
             }
             engine
@@ -213,22 +241,24 @@ fn options(a: &ServeArgs, name: String, cuda: bool) -> Result<ServerOptions> {
     })
 }
 
-/// Builds a synthetic model (random weights of `cfg` on the GPU) on the engine thread.
+/// Builds a synthetic model (random weights of `cfg` on the GPUs) on the engine thread.
 fn synthetic_factory(
     cfg: deltamoe_model::ModelConfig,
     quant: DevFormat,
-    ctx: Option<usize>,
-    max_seqs: usize,
-    cache: ExpertCache,
-    cpu_experts: bool,
+    (ctx, max_seqs): (Option<usize>, usize),
+    place: Placement,
 ) -> EngineFactory {
     Box::new(move || {
         let cuda_err = |e: cuda::CudaError| EngineError::Input(format!("--synthetic: {e}"));
-        let gpu = Arc::new(cuda::Gpu::new(0).map_err(cuda_err)?);
-        let model = synthetic::gpu_model(&cfg, gpu, quant, cache).map_err(cuda_err)?;
+        let gpus = place.open("--synthetic")?;
         let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
-        let mut engine = Engine::new_cuda_model(cfg, model, ctx, max_seqs)?;
-        if cpu_experts {
+        if gpus.len() > 1 {
+            let make = synthetic::shard_maker(&cfg, quant);
+            return Engine::new_cuda_shards(cfg, gpus, make, ctx, max_seqs);
+        }
+        let model = synthetic::gpu_model(&cfg, gpus[0].clone(), quant, place.cache);
+        let mut engine = Engine::new_cuda_model(cfg, model.map_err(cuda_err)?, ctx, max_seqs)?;
+        if place.cpu_experts {
             engine.set_host_experts(true)?;
         }
         Ok(engine)
@@ -249,14 +279,8 @@ fn run_synthetic(a: &ServeArgs, shape: &str) -> Result<()> {
     }
     let name = a.api_name.clone().unwrap_or_else(|| shape.to_string());
     let opts = options(a, name, true)?;
-    let factory = synthetic_factory(
-        cfg,
-        quant,
-        a.ctx,
-        a.max_seqs.unwrap_or(0),
-        a.model.expert_cache()?,
-        a.model.cpu_experts(),
-    );
+    let place = Placement::of(&a.model)?;
+    let factory = synthetic_factory(cfg, quant, (a.ctx, a.max_seqs.unwrap_or(0)), place);
     let server = Server::start_synthetic(factory, opts)
         .with_context(|| format!("serving --synthetic {shape}"))?;
     eprintln!(
@@ -286,7 +310,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "deltamoe".into()),
     };
     let cuda = use_cuda(a.model.device)?;
-    let cache = a.model.expert_cache()?;
+    if !cuda && a.model.names_gpus() {
+        bail!("--gpus names CUDA devices; drop it to run on the CPU");
+    }
+    let place = Placement::of(&a.model)?;
     let opts = options(&a, name, cuda)?;
     let slots = a.max_seqs.unwrap_or(0);
     let server = Server::start(
@@ -294,10 +321,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         factory(
             dir.clone(),
             cuda,
-            a.ctx,
-            slots,
-            cache,
-            a.model.cpu_experts(),
+            (a.ctx, slots),
+            place,
             a.speculative_tokens,
         ),
         opts,
@@ -314,10 +339,15 @@ fn run_server(a: &ServeArgs, server: Server) -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(listen(&a.host, a.port, server))
+    let served = runtime.block_on(listen(&a.host, a.port, &server));
+    // The connections' tasks end with the runtime; then the engine (and its GPUs' threads) is
+    // released before the process exits.
+    drop(runtime);
+    server.stop();
+    served
 }
 
-async fn listen(host: &str, port: u16, server: Server) -> Result<()> {
+async fn listen(host: &str, port: u16, server: &Server) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((host, port))
         .await
         .with_context(|| {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use deltamoe_compute::cuda::ops::AffineParams;
 use deltamoe_compute::cuda::{self, Gpu};
+use deltamoe_engine::MakeShard;
 use deltamoe_model::gpu::{DevFormat, ExpertCache, GpuModel};
 use deltamoe_model::ModelConfig;
 
@@ -109,6 +110,12 @@ pub fn gpu_model(
     cache: ExpertCache,
 ) -> cuda::Result<GpuModel> {
     GpuModel::synthetic(cfg, gpu, SEED, format, cache)
+}
+
+/// How each of several GPUs makes its part of [`gpu_model`]'s model (`--gpus`).
+pub fn shard_maker(cfg: &ModelConfig, format: DevFormat) -> Arc<MakeShard> {
+    let cfg = cfg.clone();
+    Arc::new(move |gpu, shard| GpuModel::synthetic_shard(&cfg, gpu, (SEED, format), shard))
 }
 
 #[cfg(test)]

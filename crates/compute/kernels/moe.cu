@@ -7,6 +7,9 @@
 //   expert is stacked with the routed ones at that index: ids[K] = shared_slot, w[K] = sg.
 //   loc (optional, [E]): where each routed expert's weights are (an index into the stacked
 //   weights, see matvec.cu's far experts); ids[r] = loc ? loc[expert] : expert.
+//   A routed expert whose loc is negative is another GPU's (expert parallel): its id is −1 and
+//   its weight 0 (the weights' sum still takes it, so every GPU gets the same weights), and
+//   with shared_here 0 the shared slot is so too.
 //   host_take (optional, [K + 1]): of a row's c picks with ids ≥ far_from (outside the device
 //   cache), the first host_take[c] in rank order are handed to the host instead: id
 //   −1 − (id − far_from) (moe.cu's host experts; the host split policy makes the table).
@@ -38,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
                                        int has_shared_gate, int shared_slot, int* __restrict__ ids,
                                        float* __restrict__ w, float* __restrict__ sg, long long L,
                                        const int* __restrict__ loc, int far_from,
-                                       const int* __restrict__ host_take) {
+                                       const int* __restrict__ host_take, int shared_here) {
     const unsigned all = 0xffffffffu;
     const int lane = threadIdx.x;
     // The table is written once by the host: read before waiting on the kernel before.
@@ -121,25 +124,26 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* logits
         }
     }
     __syncwarp();
+    int id = lane < K ? chosen_id[lane] : 0;
+    const bool foreign = id < 0;
     {
-        int id = lane < K ? chosen_id[lane] : 0;
         const bool far = host_take && lane < K && id >= far_from;
         const unsigned fb = __ballot_sync(all, far);
         const int h = __shfl_sync(all, take, __popc(fb));
         if (far && __popc(fb & ((1u << lane) - 1u)) < h) id = -1 - (id - far_from);
-        if (lane < K) ids[lane] = id;
+        if (lane < K) ids[lane] = foreign ? -1 : id;
     }
     // The picks' sum in rank order, in every lane.
     const float mine = lane < K ? chosen[lane] : 0.f;
     float total = 0.f;
     for (int r = 0; r < K; ++r) total += __shfl_sync(all, mine, r);
-    if (lane < K) w[lane] = renorm ? mine / total : mine;
+    if (lane < K) w[lane] = foreign ? 0.f : renorm ? mine / total : mine;
     if (lane == 0 && has_shared_gate) {
         float g = sigmoid_f(gate_logit);
         sg[0] = g;
         if (shared_slot >= 0) {
-            ids[K] = shared_slot;
-            w[K] = g;
+            ids[K] = shared_here ? shared_slot : -1;
+            w[K] = shared_here ? g : 0.f;
         }
     }
 }

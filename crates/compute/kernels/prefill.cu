@@ -24,7 +24,8 @@
 //   β = sigmoid(b) from proj row t; S ← e^g S; δ = β (v − Sᵀk); S += k δᵀ; o = Sᵀq → out
 //   [T, Hv, Dv] (before the gated norm). Dk ≤ 128.
 //
-// moe_group: pairs i < n (token i / KS, slot i % KS) with expert ids[i] < E, sorted by expert
+// moe_group: pairs i < n (token i / KS, slot i % KS) with expert 0 ≤ ids[i] < E (a negative id,
+//   another GPU's expert, is left out), sorted by expert
 //   (counting sort; order inside an expert unspecified): order[n] pair indices, tiles of at most
 //   `tile` pairs of one expert as int3 (expert, first index into order, count), their number in
 //   n_tiles[0]. One block of 1024 threads (a multiple of 32, at most 1024); E ≤ MG_EMAX.
@@ -194,7 +195,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* ids, int
     __shared__ int cnt[MG_EMAX], off[MG_EMAX], toff[MG_EMAX];
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (ids[i] >= 0) atomicAdd(&cnt[ids[i]], 1);
     __syncthreads();
     // Exclusive prefix sums of the counts and tile counts: thread t sums experts [per·t,
     // per·t + per), then a scan over the block's threads (within warps, then over warp totals).
@@ -250,5 +252,6 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* ids, int
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) order[atomicAdd(&off[ids[i]], 1)] = i;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (ids[i] >= 0) order[atomicAdd(&off[ids[i]], 1)] = i;
 }

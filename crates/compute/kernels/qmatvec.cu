@@ -23,8 +23,8 @@
 
 // moe_down_combine_affine{BITS}[_r8]: one MoE layer's expert down projections and their
 //   weighted sum added to the residual: x[b, n] += Σ_{k<KS} w[b·KS + k] · (D_e[n] · h[b·KS + k])
-//   with e = ids[b·KS + k] (far experts as matvec_affine; no host slots), D_e [N, K]. The same
-//   values as matvec_affine{BITS} into y then moe.cu's moe_combine with accumulate: each dot in
+//   with e = ids[b·KS + k] (far experts as matvec_affine; no host slots; e < 0, another GPU's
+//   expert, adds nothing), D_e [N, K]. The same values as matvec_affine{BITS} into y then moe.cu's moe_combine with accumulate: each dot in
 //   dot_rows_affine's order (the same for any rows per warp), the terms summed in k order.
 //   grid (ceil(N/R), B), block 32·KS: warp k computes the block's R rows for slot k (R = 4, or 8
 //   for the 4- and 8-bit _r8 entries), the block meets in shared memory and R threads add the
@@ -314,7 +314,14 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
     if (threadIdx.x < nrows) cp_async4(&x_old[threadIdx.x], x + (long long)row * N + n0 + threadIdx.x);
     cp_async_commit();
     float acc[ROWS];
-    dot_rows_affine<BITS, ROWS, true, DOWN_UNROLL, 0, false>(W, S, B, rows, ROWS, h + (long long)s * K, K, __ffs(G) - 1, lane, acc);
+    // A slot of another GPU's expert (id < 0, expert parallel) adds nothing; the warp still
+    // meets the block.
+    if (e >= 0) {
+        dot_rows_affine<BITS, ROWS, true, DOWN_UNROLL, 0, false>(W, S, B, rows, ROWS, h + (long long)s * K, K, __ffs(G) - 1, lane, acc);
+    } else {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+    }
     // The warp sums, four rows at a time by warp_sum4_scatter (the same values as four warp_sum,
     // in 6 shuffles instead of 20).
     static_assert(ROWS == 4 || ROWS == 8, "warp_sum4_scatter sums four rows");

@@ -357,6 +357,7 @@ fn router_combine_embed_argmax_match_cpu() {
             loc: 0,
             host_take: 0,
             far_from: 0,
+            shared_here: true,
         };
         ops::router_topk(&g, dl.ptr(), e + 1, route, ids.ptr(), w.ptr(), sg.ptr(), 1).unwrap();
         assert_eq!(g.read(&ids, k + 1).unwrap()[k], e as i32, "shared slot id");
@@ -441,6 +442,27 @@ fn router_combine_embed_argmax_match_cpu() {
             &[sigmoid(logits[e])],
             1e-6,
         );
+        // Expert parallel: the odd experts and the shared one are another GPU's (loc −1): id −1
+        // and weight 0, the others' weights unchanged.
+        let own: Vec<i32> = (0..e as i32)
+            .map(|i| if i % 2 == 0 { i / 2 } else { -1 })
+            .collect();
+        let down = g.upload(&own).unwrap();
+        let part = ops::Route {
+            loc: down.ptr(),
+            shared_here: false,
+            ..route
+        };
+        ops::router_topk(&g, dl.ptr(), e + 1, part, ids.ptr(), w.ptr(), sg.ptr(), 1).unwrap();
+        let want_ids: Vec<i32> = idx.iter().map(|&i| own[i]).chain([-1]).collect();
+        assert_eq!(g.read(&ids, k + 1).unwrap(), want_ids, "own ids E={e}");
+        let want_own: Vec<f32> = want
+            .iter()
+            .zip(&idx)
+            .map(|(&v, &i)| if own[i] < 0 { 0.0 } else { v })
+            .chain([0.0])
+            .collect();
+        assert_close("own weights", &g.read(&w, k + 1).unwrap(), &want_own, 1e-5);
         // Ties (seven distinct logits) go to the lower index.
         let tied: Vec<f32> = (0..=e).map(|i| (i % 7) as f32 * 0.5).collect();
         let dtied = g.upload(&tied).unwrap();

@@ -16,6 +16,7 @@ use deltamoe_model::{Logits, ModelConfig, Qwen3Hybrid};
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
+use crate::backend::sharded::{MakeShard, ShardedBackend};
 use crate::backend::{Backend, SavedState, StepRow};
 use crate::error::{no_such_sequence, EngineError, Result};
 use crate::sampler::{Sampler, SamplingParams};
@@ -104,6 +105,42 @@ impl Engine {
     ) -> Result<Engine> {
         let max_ctx = max_ctx.min(config.max_position_embeddings);
         let backend = CudaBackend::with_model(model, max_ctx, max_seqs)?;
+        Ok(Engine::with_backend(config, Box::new(backend), max_ctx))
+    }
+
+    /// An engine on several GPUs, the routed experts divided among them (expert parallel, see
+    /// `deltamoe_model::gpu::Shard`): each GPU gets every other weight of `model` and its share
+    /// of the experts, read from the loaded checkpoint; state is reserved as
+    /// [`Engine::new_cuda`] does, the same on each GPU.
+    pub fn new_cuda_gpus(
+        model: Qwen3Hybrid,
+        gpus: Vec<Arc<Gpu>>,
+        max_ctx: usize,
+        max_seqs: usize,
+    ) -> Result<Engine> {
+        let config = model.config().clone();
+        let model = Arc::new(model);
+        let make: Arc<MakeShard> =
+            Arc::new(move |gpu, shard| GpuModel::upload_shard(&*model, gpu, shard));
+        Engine::new_cuda_shards(config, gpus, make, max_ctx, max_seqs)
+    }
+
+    /// An engine on several GPUs whose parts `make` builds, one on each GPU's thread (e.g.
+    /// `GpuModel::synthetic_shard`); `config` is the model's config.
+    pub fn new_cuda_shards(
+        config: ModelConfig,
+        gpus: Vec<Arc<Gpu>>,
+        make: Arc<MakeShard>,
+        max_ctx: usize,
+        max_seqs: usize,
+    ) -> Result<Engine> {
+        if gpus.len() < 2 {
+            return Err(EngineError::Input(
+                "several GPUs means two or more: name them with --gpus, e.g. --gpus 0,1".into(),
+            ));
+        }
+        let max_ctx = max_ctx.min(config.max_position_embeddings);
+        let backend = ShardedBackend::new(gpus, make, max_ctx, max_seqs)?;
         Ok(Engine::with_backend(config, Box::new(backend), max_ctx))
     }
 
@@ -361,6 +398,12 @@ impl Engine {
         self.check_step(batch)?;
         let mut rows = step_rows(&mut self.sequences, batch);
         self.backend.step(&mut rows)
+    }
+
+    /// Seconds a decode step of `rows` rows spends in collectives between GPUs, measured
+    /// alone; None on one device.
+    pub fn comm_seconds(&mut self, rows: usize) -> Result<Option<f64>> {
+        self.backend.comm_seconds(rows)
     }
 
     /// Checks a step's tokens and that no sequence appears twice.

@@ -16,6 +16,7 @@ pub mod sequence;
 pub mod speculative;
 pub mod tokenizer;
 
+pub use backend::sharded::MakeShard;
 pub use engine::Engine;
 pub use error::{EngineError, Result};
 pub use generate::{generate, GenerateRequest, GenerateStats};

@@ -114,7 +114,7 @@ pub struct Server {
     app: Arc<App>,
     facts: EngineFacts,
     conn: ConnLimits,
-    _engine_thread: JoinHandle<()>,
+    engine_thread: JoinHandle<()>,
 }
 
 impl Server {
@@ -191,11 +191,18 @@ impl Server {
             app,
             facts,
             conn: opts.conn.clone(),
-            _engine_thread: thread,
+            engine_thread: thread,
         })
     }
 
     /// The HTTP routes.
+    /// Ends the engine thread once nothing else holds the app (the HTTP tasks have ended): the
+    /// engine and its devices are released before the process exits.
+    pub fn stop(self) {
+        drop(self.app);
+        let _ = self.engine_thread.join();
+    }
+
     pub fn router(&self) -> axum::Router {
         routes::router(self.app.clone())
     }

@@ -352,8 +352,16 @@ fn ptx_for(file: &str, src: &str, arch: &'static str, build: Build) -> Result<St
             log: e.to_string().replace('\n', " | "),
         })?
         .to_src();
+    // Written aside and renamed into place: another process or GPU thread may read it meanwhile.
     if let Some(dir) = cached.parent() {
-        let _ = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&cached, &ptx));
+        let tmp = cached.with_extension(format!(
+            "{}.{:?}.tmp",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::create_dir_all(dir)
+            .and_then(|_| std::fs::write(&tmp, &ptx))
+            .and_then(|_| std::fs::rename(&tmp, &cached));
     }
     Ok(ptx)
 }

@@ -7,6 +7,7 @@
 //! cached on disk (see [`kernels`]). Launch wrappers are in [`ops`].
 
 pub mod attention;
+pub mod comm;
 pub mod dispatch;
 pub mod gdn;
 pub mod gdn_chunk;
@@ -284,6 +285,15 @@ impl Gpu {
         let mut view = dst.slice.slice_mut(at..at + n);
         self.stream
             .memset_zeros(&mut view)
+            .map_err(driver_err("zeroing device memory"))
+    }
+
+    /// Zero `bytes` bytes at device address `at` (in stream order; captured as a memset).
+    ///
+    /// # Safety
+    /// `at..at + bytes` lies in one allocation on this device.
+    pub unsafe fn zero_raw(&self, at: u64, bytes: usize) -> Result<()> {
+        cudarc::driver::result::memset_d8_async(at, 0, bytes, self.stream.cu_stream())
             .map_err(driver_err("zeroing device memory"))
     }
 

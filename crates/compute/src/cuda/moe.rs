@@ -144,13 +144,16 @@ pub struct Route {
     /// Index of the shared expert in the stacked expert weights, when it is stacked there.
     pub shared_slot: Option<usize>,
     /// Device int[experts]: the stacked index each routed expert's weights are at (see
-    /// [`super::Far`]); 0 when expert e is at index e.
+    /// [`super::Far`]), negative for another GPU's expert; 0 when expert e is at index e.
     pub loc: u64,
     /// Device int[top_k + 1] (0 for none): of a row's c picks at stacked indices ≥ `far_from`
     /// (outside the device cache), the first `host_take[c]` go to the host, their ids written
     /// as −1 − (index − far_from) ([`crate::cuda::ops::host_experts_publish`]).
     pub host_take: u64,
     pub far_from: usize,
+    /// Whether the shared slot runs on this GPU (else its id is −1 and weight 0, as for the
+    /// routed experts whose `loc` is negative: other GPUs', expert parallel).
+    pub shared_here: bool,
 }
 
 /// Per row (of `rows`, logits `logit_stride` floats apart): softmax + top-k over the router
@@ -176,6 +179,7 @@ pub fn router_topk(
     let slot = r.shared_slot.map_or(-1, |s| s as i32);
     let ls = logit_stride as i64;
     let far_from = i32::try_from(r.far_from).unwrap_or(i32::MAX);
+    let shared_here = r.shared_here as i32;
     let mut b = g.launch_builder(g.kernels().get("router_topk"));
     b.arg(&logits)
         .arg(&e32)
@@ -189,7 +193,8 @@ pub fn router_topk(
         .arg(&ls)
         .arg(&r.loc)
         .arg(&far_from)
-        .arg(&r.host_take);
+        .arg(&r.host_take)
+        .arg(&shared_here);
     // SAFETY: experts ≤ 1024 and top_k ≤ 32 (checked at upload); logits hold rows rows of
     // experts (+1) floats; ids and w hold rows·(top_k (+1 with a shared slot)) entries, sg rows;
     // loc, when given, holds `experts` ints, host_take top_k + 1.

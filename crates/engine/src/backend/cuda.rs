@@ -23,6 +23,9 @@ use crate::error::{no_such_sequence, EngineError, Result};
 use crate::sampler::SamplingParams;
 use crate::sequence::SeqId;
 
+/// Replays that time a step's collectives.
+const COMM_REPS: usize = 20;
+
 /// The GPU model and the device states of the sequences on it.
 pub struct CudaBackend {
     gpu: GpuModel,
@@ -62,6 +65,41 @@ impl CudaBackend {
 
     fn seq(&self, id: SeqId) -> Result<&GpuSeq> {
         self.seqs.get(&id).ok_or_else(|| no_such_sequence(id))
+    }
+
+    /// One batched step of `part` (sequence, token fed; at most `max_batch` rows): each row's
+    /// pick on the device.
+    fn step_part(&mut self, part: &[(SeqId, u32)]) -> Result<Vec<u32>> {
+        let mut seqs: Vec<(&SeqId, &mut GpuSeq)> = self
+            .seqs
+            .iter_mut()
+            .filter(|(id, _)| part.iter().any(|r| r.0 == **id))
+            .collect();
+        if seqs.len() != part.len() {
+            return Err(EngineError::Input(
+                "a step names a sequence without device state".into(),
+            ));
+        }
+        seqs.sort_by_key(|(id, _)| part.iter().position(|r| r.0 == **id));
+        let mut dev: Vec<(&mut GpuSeq, u32)> = seqs
+            .into_iter()
+            .zip(part)
+            .map(|((_, st), r)| (st, r.1))
+            .collect();
+        self.gpu.step_batch(&mut dev).map_err(cuda_err)
+    }
+
+    /// [`Backend::comm_seconds`] on this GPU.
+    pub(crate) fn comm_seconds(&mut self, rows: usize) -> Result<Option<f64>> {
+        self.gpu.comm_seconds(rows, COMM_REPS).map_err(cuda_err)
+    }
+
+    /// Feeds each (sequence, token) as [`Backend::step`] does, without the picks: another
+    /// GPU's part of a step whose tokens the first GPU picks (see `super::sharded`).
+    pub(crate) fn step_tokens(&mut self, rows: &[(SeqId, u32)]) -> Result<()> {
+        let max = self.gpu.max_batch();
+        rows.chunks(max)
+            .try_for_each(|part| self.step_part(part).map(|_| ()))
     }
 }
 
@@ -133,26 +171,11 @@ impl Backend for CudaBackend {
     /// Batches of at most `max_batch` rows; rows whose sequence has a repetition penalty take
     /// the logits to the host sampler.
     fn step(&mut self, rows: &mut [StepRow]) -> Result<Vec<u32>> {
-        let mut seqs: Vec<(&SeqId, &mut GpuSeq)> = self
-            .seqs
-            .iter_mut()
-            .filter(|(id, _)| rows.iter().any(|r| r.id == **id))
-            .collect();
-        if seqs.len() != rows.len() {
-            return Err(EngineError::Input(
-                "a step names a sequence without device state".into(),
-            ));
-        }
-        seqs.sort_by_key(|(id, _)| rows.iter().position(|r| r.id == **id));
-        let mut dev: Vec<(&mut GpuSeq, u32)> = seqs
-            .into_iter()
-            .zip(rows.iter())
-            .map(|((_, st), r)| (st, r.token))
-            .collect();
+        let fed: Vec<(SeqId, u32)> = rows.iter().map(|r| (r.id, r.token)).collect();
         let max = self.gpu.max_batch();
         let mut next = Vec::with_capacity(rows.len());
-        for (dev, hosts) in dev.chunks_mut(max).zip(rows.chunks_mut(max)) {
-            let mut picked = self.gpu.step_batch(dev).map_err(cuda_err)?;
+        for (part, hosts) in fed.chunks(max).zip(rows.chunks_mut(max)) {
+            let mut picked = self.step_part(part)?;
             for (row, host) in hosts.iter_mut().enumerate() {
                 if host.sampler.params().repetition_penalty != 1.0 {
                     let logits = self.gpu.logits(row).map_err(cuda_err)?;
@@ -251,7 +274,7 @@ fn device_params(p: &SamplingParams) -> SampleParams {
     }
 }
 
-fn cuda_err(e: CudaError) -> EngineError {
+pub(crate) fn cuda_err(e: CudaError) -> EngineError {
     EngineError::Input(format!("cuda: {e}"))
 }
 

@@ -7,6 +7,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod sharded;
 
 use std::any::Any;
 
@@ -117,6 +118,12 @@ pub trait Backend {
     /// offloads them.
     fn expert_stats(&self) -> Option<ExpertStats> {
         None
+    }
+
+    /// Seconds a decode step of `rows` rows spends in collectives between GPUs, measured
+    /// alone; None on one device.
+    fn comm_seconds(&mut self, _rows: usize) -> Result<Option<f64>> {
+        Ok(None)
     }
 }
 

@@ -48,6 +48,7 @@ mod offload;
 mod pool;
 mod prefill;
 mod random;
+mod shard;
 mod speculative;
 mod synthetic;
 mod upload;
@@ -60,6 +61,7 @@ pub use offload::{
 };
 pub use pool::{GpuSeq, GpuSnapshot};
 pub use prefill::PREFILL_MAX_ROWS;
+pub use shard::{expert_share, Shard};
 
 use std::sync::Arc;
 
@@ -117,6 +119,8 @@ pub struct GpuModel {
     /// A cap on the pinned host memory of offloaded experts (see
     /// [`GpuModel::set_host_memory`]).
     host_memory: Option<usize>,
+    /// This GPU's share of the experts when several GPUs run the model ([`shard`]).
+    shard: Option<Shard>,
 }
 
 fn unsupported(msg: String) -> CudaError {
@@ -224,6 +228,7 @@ impl GpuModel {
             prefill_gemm: PrefillGemm::default(),
             offload: None,
             host_memory: None,
+            shard: None,
             gpu,
         })
     }
@@ -264,11 +269,36 @@ impl GpuModel {
                 return Err(CudaError::OutOfMemory(msg));
             }
         }
-        let (parts, pending) =
-            upload::upload_model(&gpu, ckpt, cache != ExpertCache::All).map_err(weights_err)?;
+        let (parts, pending) = upload::upload_model(&gpu, ckpt, cache != ExpertCache::All, None)
+            .map_err(weights_err)?;
         let mut m = GpuModel::assemble(&ckpt.config, gpu.clone(), parts)?;
         m.place_experts(cache, pending)?;
         Ok(m)
+    }
+
+    /// GPU `shard.rank()`'s part of `model` on `gpu`: every weight but the routed experts, and
+    /// its share of those (see [`shard`]), read from the loaded checkpoint.
+    pub fn upload_shard(
+        model: &impl AsRef<Checkpoint>,
+        gpu: Arc<Gpu>,
+        shard: Shard,
+    ) -> Result<GpuModel> {
+        let ckpt = model.as_ref();
+        let (bytes, experts) = ckpt.weight_bytes();
+        let held = experts.div_ceil(shard.world());
+        if let Some(msg) = weights_do_not_fit((bytes - experts + held, held), gpu.mem_info()?) {
+            return Err(CudaError::OutOfMemory(msg));
+        }
+        let (parts, _) =
+            upload::upload_model(&gpu, ckpt, false, Some(&shard)).map_err(weights_err)?;
+        let mut m = GpuModel::assemble(&ckpt.config, gpu, parts)?;
+        m.shard = Some(shard);
+        Ok(m)
+    }
+
+    /// This GPU's place when several run the model.
+    pub fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -464,6 +494,7 @@ impl GpuModel {
                 pool.pos.ptr()
             },
             ctx: pool.ctx,
+            shard: self.shard.as_ref(),
         })
     }
 

@@ -43,7 +43,8 @@ impl GpuMtp {
     /// A loaded MTP layer on the device (its experts resident: one layer's worth).
     pub fn upload(g: &Gpu, m: &Mtp, c: &ModelConfig) -> Result<GpuMtp> {
         let rope = Rope::new(c.rotary_dim, c.rope_theta);
-        let (layer, _) = super::upload::upload_layer(g, &m.layer, (c.num_layers, c, &rope), false)?;
+        let (layer, _) =
+            super::upload::upload_layer(g, &m.layer, (c.num_layers, c, &rope), false, None)?;
         Ok(GpuMtp {
             embed_norm: g.upload(&m.embed_norm)?,
             hidden_norm: g.upload(&m.hidden_norm)?,
@@ -57,7 +58,7 @@ impl GpuMtp {
     pub fn random(f: &mut Filler, c: &ModelConfig) -> Result<GpuMtp> {
         let h = c.hidden_size;
         let ffn: FfnMade = match c.ffn_kinds.first() {
-            Some(FfnKind::Moe) => MoeFfn::random(f, c, c.num_layers, false)?,
+            Some(FfnKind::Moe) => MoeFfn::random(f, c, c.num_layers, false, None)?,
             _ => (Box::new(DenseFfn::random(f, h, c.intermediate_size)?), None),
         };
         let layer = GpuLayer {

@@ -106,6 +106,7 @@ impl GpuModel {
             ctx: pool.ctx,
             gdn: self.prefill_gdn,
             gemm: self.prefill_gemm,
+            shard: self.shard.as_ref(),
         };
         for (i, l) in self.layers.iter().enumerate() {
             let delta = if i == 0 { 0 } else { ps.delta.ptr() };

@@ -52,14 +52,29 @@ impl<'a> Filler<'a> {
     }
 
     /// Whether a shared expert ([`Self::mats`]) is stored like the routed ones
-    /// ([`Self::expert_mats`]), so that it may be stacked with them.
+    /// ([`Self::expert_mats_of`]), so that it may be stacked with them.
     pub fn shared_like_routed(&self) -> bool {
         self.dense_format() == self.format
     }
 
-    /// `count` routed experts' `[n, k]` matrices, in the model's format.
-    pub fn expert_mats(&mut self, count: usize, n: usize, k: usize) -> Result<DevMat> {
-        self.mats_as(self.format, count, n, k)
+    /// Routed experts' `[n, k]` matrices in the model's format: those of `parts` (ranges of
+    /// indices) of a stack of them made here, one after another (`[0..count]`: the whole stack;
+    /// one GPU of several holds its share).
+    pub fn expert_mats_of(&mut self, parts: &[Range<usize>], n: usize, k: usize) -> Result<DevMat> {
+        let seeded = self.seeded_as(self.format, n, k);
+        let stack = seeded
+            .fmt
+            .device_stack(self.g, parts.iter().map(Range::len).sum())?;
+        let mut at = 0;
+        for r in parts.iter().filter(|r| !r.is_empty()) {
+            let to = Dest {
+                arrays: &stack.pieces(),
+                at,
+            };
+            seeded.write(self.g, r.clone(), to)?;
+            at += r.len();
+        }
+        Ok(stack)
     }
 
     /// As [`Self::mats`], in `format`: the matrices [`Seeded::write`] fills with the seeds they

@@ -273,6 +273,7 @@ impl GpuModel {
                 ctx: pool.ctx,
                 gdn: self.prefill_gdn,
                 gemm: self.prefill_gemm,
+                shard: None,
             };
             let tokens = ps.tok.at(1 - c);
             m.prefill(&p, &self.head, (tokens, rows.ptr()), state)?;

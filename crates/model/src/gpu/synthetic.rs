@@ -15,7 +15,7 @@ use super::layers::moe::MoeFfn;
 use super::layers::{FfnMade, GpuLayer, Mixer};
 use super::offload::ExpertCache;
 use super::random::Filler;
-use super::{GpuModel, Parts};
+use super::{GpuModel, Parts, Shard};
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 
 impl GpuModel {
@@ -34,9 +34,24 @@ impl GpuModel {
     ) -> Result<GpuModel> {
         let offload = cache != ExpertCache::All;
         let (parts, pending) =
-            random_parts(c, &gpu, (seed, format), offload).map_err(super::weights_err)?;
+            random_parts(c, &gpu, (seed, format), offload, None).map_err(super::weights_err)?;
         let mut m = GpuModel::assemble(c, gpu.clone(), parts)?;
         m.place_experts(cache, pending)?;
+        Ok(m)
+    }
+
+    /// GPU `shard.rank()`'s part of the model [`Self::synthetic`] makes with `seed` and
+    /// `format` (every weight but the routed experts, and its share of those), all on the device.
+    pub fn synthetic_shard(
+        c: &ModelConfig,
+        gpu: Arc<Gpu>,
+        (seed, format): (u64, DevFormat),
+        shard: Shard,
+    ) -> Result<GpuModel> {
+        let (parts, _) = random_parts(c, &gpu, (seed, format), false, Some(&shard))
+            .map_err(super::weights_err)?;
+        let mut m = GpuModel::assemble(c, gpu, parts)?;
+        m.shard = Some(shard);
         Ok(m)
     }
 
@@ -77,6 +92,7 @@ fn random_parts(
     gpu: &Arc<Gpu>,
     (seed, format): (u64, DevFormat),
     offload: bool,
+    shard: Option<&Shard>,
 ) -> Result<(Parts, Vec<Pending<'static>>)> {
     let mut f = Filler::new(gpu, seed, format);
     let mut layers = Vec::with_capacity(c.num_layers);
@@ -91,7 +107,7 @@ fn random_parts(
                 let dense = DenseFfn::random(&mut f, c.hidden_size, c.intermediate_size)?;
                 (Box::new(dense), None)
             }
-            FfnKind::Moe => MoeFfn::random(&mut f, c, i, offload)?,
+            FfnKind::Moe => MoeFfn::random(&mut f, c, i, offload, shard)?,
         };
         pending.extend(experts);
         layers.push(GpuLayer {

@@ -26,6 +26,7 @@ use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 pub(crate) use bufs::{FfnBufs, Needs, PrefillScratch, Scratch};
 
 use super::host_store::Pending;
+use super::shard::Shard;
 
 /// Sizes of a layer's two state arrays for one sequence slot (f32s), and what a snapshot of a
 /// sequence at position `pos` copies of them.
@@ -65,6 +66,8 @@ pub(crate) struct Step<'a> {
     /// Positions per slot `[slots]` and the slots' context.
     pub pos: u64,
     pub ctx: usize,
+    /// This GPU's share when several run the model (expert parallel).
+    pub shard: Option<&'a Shard>,
 }
 
 impl Step<'_> {
@@ -192,6 +195,7 @@ pub(crate) struct Pass<'a> {
     pub ctx: usize,
     pub gdn: GdnPrefill,
     pub gemm: PrefillGemm,
+    pub shard: Option<&'a Shard>,
 }
 
 /// `ops::matvec` (or SwiGLU when `swiglu`) over `t` input rows of `xs` floats.

@@ -13,7 +13,7 @@ use deltamoe_compute::cuda::ops::{self, Route, Slots};
 use deltamoe_compute::cuda::prefill::{self as pf, Grouped};
 use deltamoe_compute::cuda::vec::{self, VecIo};
 use deltamoe_compute::cuda::wide;
-use deltamoe_compute::cuda::{CudaError, Gpu, Result};
+use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu, Result};
 
 use super::{
     expected_distinct, gate_up, pass_mv, Ffn, FfnBufs, FfnIo, FfnMade, Needs, Pass, PrefillGemm,
@@ -24,6 +24,7 @@ use crate::config::ModelConfig;
 use crate::gpu::format::{DevFormat, DevMat, Fmt};
 use crate::gpu::host_store::{Dest, ExpertSource, LayerExperts, Pending};
 use crate::gpu::random::{Filler, SeededExperts};
+use crate::gpu::shard::Shard;
 
 pub(crate) struct MoeFfn {
     pub router: DevMat,
@@ -37,6 +38,27 @@ pub(crate) struct MoeFfn {
     pub experts: usize,
     top_k: usize,
     renorm: bool,
+    /// Routed experts in the stacks: all of them, or this GPU's share.
+    held: usize,
+    /// With several GPUs, where each routed expert is here (see [`crate::gpu::shard`]).
+    part: Option<ExpertPart>,
+}
+
+/// An MoE layer's share of the routed experts on one GPU of several.
+struct ExpertPart {
+    /// Each routed expert's index in the stacks, −1 for other GPUs' ones.
+    loc: DevBuf<i32>,
+    /// Whether this GPU adds the shared expert (one of them does).
+    shared_here: bool,
+}
+
+impl ExpertPart {
+    fn new(g: &Gpu, s: &Shard, experts: usize) -> Result<ExpertPart> {
+        Ok(ExpertPart {
+            loc: g.upload(&s.locations(experts))?,
+            shared_here: s.lead(),
+        })
+    }
 }
 
 /// The buffers of an MoE layer's end (device addresses; see [`MoeFfn::tail`]).
@@ -59,19 +81,23 @@ struct NextNorm {
 
 impl MoeFfn {
     /// A loaded MoE layer (number `layer`) on the device; with `offload` its expert stacks start
-    /// empty and the routed experts are returned to be placed.
+    /// empty and the routed experts are returned to be placed; with `shard` (never with
+    /// `offload`) only this GPU's share of them is uploaded.
     pub fn upload<'a>(
         g: &Gpu,
         m: &'a Moe,
-        layer: usize,
-        hidden: usize,
+        (layer, hidden): (usize, usize),
         offload: bool,
+        shard: Option<&Shard>,
     ) -> Result<FfnMade<'a>> {
         let (e, i) = (m.experts.len(), m.experts[0].gate.out_features());
         check(e, m.top_k)?;
         let si = m.shared.gate.out_features();
         let stacked = si == i && m.shared.gate.weight.stored_alike(&m.experts[0].gate.weight);
-        let mlps = m.experts.iter().chain(stacked.then_some(&m.shared));
+        let own = shard.map_or(0..e, |s| s.experts(e));
+        let mlps = m.experts[own.clone()]
+            .iter()
+            .chain(stacked.then_some(&m.shared));
         let gu: Vec<&LinearWeight> = mlps.clone().flat_map(gate_up).collect();
         let down: Vec<&LinearWeight> = mlps.map(|x| &x.down.weight).collect();
         let shared = match stacked {
@@ -99,7 +125,8 @@ impl MoeFfn {
             (gu_mat, DevMat::stack(g, &down, hidden, i, None)?, None)
         };
         let routing = (e, m.top_k, m.norm_topk_prob);
-        Ok(made(router, experts, shared, routing))
+        let part = shard.map(|s| ExpertPart::new(g, s, e)).transpose()?;
+        Ok(made(router, experts, shared, routing, (own.len(), part)))
     }
 
     /// Random weights of config `c`'s shape for MoE layer `layer` (the experts made where they
@@ -109,6 +136,7 @@ impl MoeFfn {
         c: &ModelConfig,
         layer: usize,
         offload: bool,
+        shard: Option<&Shard>,
     ) -> Result<FfnMade<'a>> {
         let (h, e, n, sn) = (
             c.hidden_size,
@@ -117,6 +145,7 @@ impl MoeFfn {
             c.shared_expert_intermediate_size,
         );
         check(e, c.experts_per_token)?;
+        let own = shard.map_or(0..e, |s| s.experts(e));
         // As on upload: a shared expert of the experts' shape and format is stacked as expert E.
         let stacked = sn == n && f.shared_like_routed();
         let shared = match stacked {
@@ -128,15 +157,17 @@ impl MoeFfn {
             let src = SeededExperts::new(f, (2 * n, h), (h, n));
             placed_later(f.g, (layer, e, stacked), Box::new(src))?
         } else {
-            let count = e + stacked as usize;
+            // This GPU's share and the shared expert, of the stack one GPU would hold.
+            let parts = [own.clone(), e..e + stacked as usize];
             (
-                f.expert_mats(count, 2 * n, h)?,
-                f.expert_mats(count, h, n)?,
+                f.expert_mats_of(&parts, 2 * n, h)?,
+                f.expert_mats_of(&parts, h, n)?,
                 None,
             )
         };
         let routing = (e, c.experts_per_token, c.norm_topk_prob);
-        Ok(made(router, experts, shared, routing))
+        let part = shard.map(|s| ExpertPart::new(f.g, s, e)).transpose()?;
+        Ok(made(router, experts, shared, routing, (own.len(), part)))
     }
 
     /// `ffn` as a routed-experts block, when it is one (expert residency reaches into it).
@@ -153,26 +184,42 @@ impl MoeFfn {
         self.top_k + self.shared.is_none() as usize
     }
 
-    /// `f` summed over the matrices one token multiplies: the router, each of its expert slots
-    /// and the shared expert when it runs apart.
+    /// `f` summed over the matrices one token multiplies here: the router, each of its expert
+    /// slots (on one GPU of several, its share of the picks on average) and the shared expert
+    /// when it runs apart.
     fn per_token(&self, f: impl Fn(&DevMat) -> usize) -> usize {
         let experts = f(&self.experts_gu) + f(&self.experts_down);
-        let shared = self.shared.as_ref().map_or(0, |(gu, d)| f(gu) + f(d));
-        f(&self.router) + self.per_row() * experts + shared
+        let here = self.shared_here() as usize;
+        let shared = here * self.shared.as_ref().map_or(0, |(gu, d)| f(gu) + f(d));
+        let slots =
+            self.top_k as f64 * self.share() + (here * self.shared.is_none() as usize) as f64;
+        f(&self.router) + (slots * experts as f64).round() as usize + shared
     }
 
-    /// The router's top-k as uploaded (every expert at its own index).
+    /// The fraction of the routed experts held here.
+    fn share(&self) -> f64 {
+        self.held as f64 / self.experts as f64
+    }
+
+    /// The router's top-k as uploaded (every expert held at its own index, or this GPU's share
+    /// at theirs).
     fn route(&self) -> Route {
         Route {
             experts: self.experts,
             top_k: self.top_k,
             renorm: self.renorm,
             shared_gate: true,
-            shared_slot: self.shared.is_none().then_some(self.experts),
-            loc: 0,
+            shared_slot: self.shared.is_none().then_some(self.held),
+            loc: self.part.as_ref().map_or(0, |p| p.loc.ptr()),
             host_take: 0,
             far_from: 0,
+            shared_here: self.shared_here(),
         }
+    }
+
+    /// Whether this GPU adds the shared expert.
+    fn shared_here(&self) -> bool {
+        self.part.as_ref().is_none_or(|p| p.shared_here)
     }
 
     /// Words per token of the wide kernels' staged inputs: its `[gate | up]` input or the
@@ -239,10 +286,7 @@ impl MoeFfn {
         (tile, h): (usize, usize),
     ) -> Result<(Grouped, Grouped)> {
         let per_row = self.per_row();
-        let (pairs, stacked) = (
-            rows * per_row,
-            self.experts + self.shared.is_none() as usize,
-        );
+        let (pairs, stacked) = (rows * per_row, self.held + self.shared.is_none() as usize);
         let (order, tiles, n_tiles) = (fb.order.ptr(), fb.tiles.ptr(), fb.n_tiles.ptr());
         pf::moe_group(g, ids, pairs, stacked, tile, order, tiles, n_tiles)?;
         let gate_up = Grouped {
@@ -285,13 +329,13 @@ impl MoeFfn {
             delta,
         };
         let (ys, sg) = match &self.shared {
-            Some((gu, down)) => {
+            Some((gu, down)) if self.shared_here() => {
                 let slots = |k| Slots::rows(rows, k).with_ws(ws.0, ws.1);
                 ops::matvec_swiglu(g, gu.mv(), t.normed, t.hs, slots(h))?;
                 ops::matvec(g, down.mv(), t.hs, t.ys, slots(down.k))?;
                 (t.ys, t.sg)
             }
-            None => (0, 0),
+            _ => (0, 0),
         };
         let (w, y) = (t.weights, t.y);
         match next {
@@ -323,12 +367,13 @@ fn placed_later<'a>(
 }
 
 /// The block of `router`, `experts` and `shared`, routing to `top_k` of `e` experts
-/// (`renorm`: the picks' weights renormalized).
+/// (`renorm`: the picks' weights renormalized), `held` of them in the stacks (`part` says which).
 fn made<'a>(
     router: DevMat,
     (experts_gu, experts_down, pending): Experts<'a>,
     shared: Option<(DevMat, DevMat)>,
     (e, top_k, renorm): (usize, usize, bool),
+    (held, part): (usize, Option<ExpertPart>),
 ) -> FfnMade<'a> {
     let ffn = MoeFfn {
         router,
@@ -339,6 +384,8 @@ fn made<'a>(
         experts: e,
         top_k,
         renorm,
+        held,
+        part,
     };
     (Box::new(ffn), pending)
 }
@@ -372,12 +419,15 @@ impl Ffn for MoeFfn {
 
     fn bytes_per_step(&self, rows: usize) -> usize {
         let expert = self.experts_gu.bytes() + self.experts_down.bytes();
-        let stacked = self.shared.is_none() as usize;
-        let distinct = expected_distinct(self.experts, self.top_k, rows) + stacked as f64;
-        let shared = self
-            .shared
-            .as_ref()
-            .map_or(0, |(gu, d)| gu.bytes() + d.bytes());
+        let here = self.shared_here() as usize;
+        let stacked = here * self.shared.is_none() as usize;
+        let routed = expected_distinct(self.experts, self.top_k, rows) * self.share();
+        let distinct = routed + stacked as f64;
+        let shared = here
+            * self
+                .shared
+                .as_ref()
+                .map_or(0, |(gu, d)| gu.bytes() + d.bytes());
         self.router.bytes() + shared + (distinct * expert as f64) as usize
     }
 
@@ -393,7 +443,33 @@ impl Ffn for MoeFfn {
         vec::takes(&self.router.mv(), &Slots::one())
     }
 
+    /// On one GPU of several, the other GPUs leave the residual to the first (they zero theirs
+    /// once the router has read it), each adds its experts' part into it, and the all-reduce
+    /// sums the parts; the next norm then runs as its own launch unless the form is fused.
     fn decode(&self, st: &Step, io: &FfnIo) -> Result<()> {
+        self.decode_here(st, io)?;
+        let Some(shard) = st.shard else {
+            return Ok(());
+        };
+        shard.all_reduce(st.g, st.s.x.ptr(), st.rows() * st.hidden)?;
+        match st.fused {
+            true => Ok(()),
+            false => st.add_norm(0, io.norm_after),
+        }
+    }
+
+    fn prefill(&self, p: &Pass, stage: &Stager) -> Result<()> {
+        self.prefill_here(p, stage)?;
+        match p.shard {
+            Some(shard) => shard.all_reduce(p.g, p.ps.delta.ptr(), p.t * p.hidden),
+            None => Ok(()),
+        }
+    }
+}
+
+impl MoeFfn {
+    /// A decode step's experts on this GPU (all of them, or its share): see [`Ffn::decode`].
+    fn decode_here(&self, st: &Step, io: &FfnIo) -> Result<()> {
         let (g, s, h, b) = (st.g, st.s, st.hidden, st.rows());
         let fb = &s.ffn;
         let (i_e, per_row) = (self.experts_gu.n / 2, self.per_row());
@@ -426,6 +502,10 @@ impl Ffn for MoeFfn {
         }
         let (w, sg) = (fb.weights.ptr(), fb.sg.ptr());
         ops::router_topk(g, fb.router.ptr(), router.n, route, ids, w, sg, b)?;
+        if st.shard.is_some_and(|s| !s.lead()) {
+            // SAFETY: x holds the step's b rows of h floats.
+            unsafe { g.zero_raw(s.x.ptr(), b * h * 4)? };
+        }
         if let Some(m) = mailbox {
             ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
         }
@@ -451,13 +531,14 @@ impl Ffn for MoeFfn {
         }
         let next = NextNorm {
             x: s.x.ptr(),
-            scale: (!st.fused).then_some(io.norm_after),
+            scale: (!st.fused && st.shard.is_none()).then_some(io.norm_after),
         };
         let bufs = (fb, s.normed.ptr(), s.delta.ptr());
         self.tail(g, bufs, (b, st.workspace()), Some(next), st.eps)
     }
 
-    fn prefill(&self, p: &Pass, stage: &Stager) -> Result<()> {
+    /// A prefill pass's experts on this GPU into `delta`: see [`Ffn::prefill`].
+    fn prefill_here(&self, p: &Pass, stage: &Stager) -> Result<()> {
         let (g, ps, t, h) = (p.g, p.ps, p.t, p.hidden);
         let fb = &ps.ffn;
         let (i_e, ks) = (self.experts_gu.n / 2, self.per_row());
