@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use deltamoe_model::gptq::Packing;
-use deltamoe_model::{LayerKind, ModelConfig, ModelSource};
+use deltamoe_model::{LayerKind, ModelConfig, ModelSource, WeightStore};
 
 #[derive(Args)]
 pub struct InfoArgs {
@@ -104,11 +104,54 @@ fn gguf_types(f: &std::path::Path) -> Result<String> {
         .join(", "))
 }
 
+/// The quantization line of a checkpoint directory's store.
+fn print_quantization(store: &WeightStore) {
+    match store.quantization() {
+        Some(q) => {
+            let d = q.default_spec();
+            println!(
+                "quantization   MLX affine, default {} bits, group size {} (per-module entries in config.json apply; bits/w below include scales and biases)",
+                d.bits, d.group_size
+            );
+        }
+        None => match store.fp8() {
+            Some(f) => println!(
+                "quantization   FP8 e4m3, blocks of {}x{} with a scale each ({} modules kept unquantized; bits/w below include the scales)",
+                f.block[0],
+                f.block[1],
+                f.not_converted.len()
+            ),
+            None => match store.gptq() {
+                Some(g) => println!(
+                    "quantization   {} {} bits, group size {} (repacked at load to affine; bits/w below count its f32 scales and biases on the CPU, CUDA holds f16 scales and zero points)",
+                    match g.packing {
+                        Packing::Gptq { v1: true } => "GPTQ (v1)",
+                        Packing::Gptq { v1: false } => "GPTQ (v2)",
+                        Packing::Awq => "AWQ",
+                    },
+                    g.bits,
+                    g.group_size.map_or("per row".to_string(), |g| g.to_string()),
+                ),
+                None => println!("quantization   none"),
+            },
+        },
+    }
+}
+
 pub fn run(a: InfoArgs) -> Result<()> {
     crate::check_gpus(&a.gpus)?;
     let source = ModelSource::resolve(&a.model)?;
-    let (c, store) = source.open()?;
-    let tensors = store.summary();
+    // A directory's files are mapped; a GGUF file is listed from its tensor table, not unpacked.
+    let (c, tensors, store) = match &source {
+        ModelSource::Dir(_) => {
+            let (c, store) = source.open()?;
+            (c, store.summary(), Some(store))
+        }
+        ModelSource::Gguf(f) => {
+            let (c, tensors) = deltamoe_model::gguf::summary(f)?;
+            (c, tensors, None)
+        }
+    };
     let mut params = [0usize; KINDS.len()];
     let mut bytes = [0usize; KINDS.len()];
     for t in &tensors {
@@ -152,7 +195,8 @@ pub fn run(a: InfoArgs) -> Result<()> {
             c.num_experts, c.experts_per_token, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.norm_topk_prob
         );
     }
-    let mtp = match (c.mtp_layers, store.contains_prefix("mtp.")) {
+    let has_mtp = tensors.iter().any(|t| t.name.starts_with("mtp."));
+    let mtp = match (c.mtp_layers, has_mtp) {
         (0, _) => "none".to_string(),
         (n, true) => format!("{n} layer (mtp.*)"),
         (n, false) => format!(
@@ -163,36 +207,8 @@ pub fn run(a: InfoArgs) -> Result<()> {
     if let ModelSource::Gguf(f) = &source {
         println!("quantization   GGUF {} (quantized matrices repacked at load to affine with f32 scales and biases, exactly, IQ4 as 8-bit codes; CUDA holds Q8_0/Q4_0/Q5_0/IQ4_NL scales as f16 with zero points, other scales and biases as bf16, 5-bit codes as 8-bit, Q6_K as bf16 values)", gguf_types(f)?);
     }
-    match store.quantization() {
-        Some(q) => {
-            let d = q.default_spec();
-            println!(
-                "quantization   MLX affine, default {} bits, group size {} (per-module entries in config.json apply; bits/w below include scales and biases)",
-                d.bits, d.group_size
-            );
-        }
-        None => match store.fp8() {
-            Some(f) => println!(
-                "quantization   FP8 e4m3, blocks of {}x{} with a scale each ({} modules kept unquantized; bits/w below include the scales)",
-                f.block[0],
-                f.block[1],
-                f.not_converted.len()
-            ),
-            None => match store.gptq() {
-                Some(g) => println!(
-                    "quantization   {} {} bits, group size {} (repacked at load to affine; bits/w below count its f32 scales and biases on the CPU, CUDA holds f16 scales and zero points)",
-                    match g.packing {
-                        Packing::Gptq { v1: true } => "GPTQ (v1)",
-                        Packing::Gptq { v1: false } => "GPTQ (v2)",
-                        Packing::Awq => "AWQ",
-                    },
-                    g.bits,
-                    g.group_size.map_or("per row".to_string(), |g| g.to_string()),
-                ),
-                None if matches!(source, ModelSource::Gguf(_)) => {}
-                None => println!("quantization   none"),
-            },
-        },
+    if let Some(store) = &store {
+        print_quantization(store);
     }
     println!();
     let bpw = |b: usize, p: usize| {

@@ -372,6 +372,43 @@ fn split_files_load_as_the_whole() {
 /// matrices in the affine form, f32 parameters) loads as the same config and gives bitwise the
 /// GGUF's logits, also with its experts read from its files (CPU `--expert-cache`); with `GgufOutput::Bf16` (in shards of 1 MiB) each quantized matrix holds its
 /// values rounded once to bf16.
+/// `info`'s listing of a GGUF file, from its tensor table alone, is what loading it lists:
+/// every tensor's name, shape, dtype and bytes, for each block type of the fixtures.
+#[test]
+fn summaries_from_the_tensor_table_are_what_loading_lists() {
+    use deltamoe_model::ModelSource;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let files = [
+        "gguf_quant/qwen3_5_moe_q.q4_k_m",
+        "gguf_quant/qwen3_5_moe_q.iq4_xs",
+        "gguf_quant/qwen3_5_moe_q.q6_k_mix",
+        "gguf_quant/qwen3_next_q.q8_0",
+        "gguf/qwen3_5_moe.q8_0",
+        "gguf/qwen3_5_dense.f32",
+        "gguf/mtp_qwen3_5_moe.f32",
+    ];
+    for file in files {
+        let path = root.join(format!("{file}.gguf"));
+        let (c, listed) = deltamoe_model::gguf::summary(&path).unwrap();
+        let (c2, store) = ModelSource::Gguf(path).open().unwrap();
+        assert_eq!(format!("{c:?}"), format!("{c2:?}"), "{file}");
+        let loaded = store.summary();
+        assert_eq!(listed.len(), loaded.len(), "{file}: tensor count");
+        for (a, b) in listed.iter().zip(&loaded) {
+            let what = |t: &deltamoe_model::TensorInfo| {
+                (
+                    t.name.clone(),
+                    t.shape.clone(),
+                    t.dtype.clone(),
+                    t.bytes,
+                    t.params,
+                )
+            };
+            assert_eq!(what(a), what(b), "{file}");
+        }
+    }
+}
+
 #[test]
 fn converted_gguf_files_give_the_same_logits() {
     use deltamoe_model::convert::{convert_gguf, GgufOutput};

@@ -430,6 +430,15 @@ pub fn load(path: &Path) -> Result<(ModelConfig, WeightStore)> {
 }
 
 /// [`load`], reporting each tensor as it is unpacked.
+/// The model config of GGUF file `path` and its tensors as loading would list them
+/// ([`tensors::summary`]: from the tensor table, nothing unpacked).
+pub fn summary(path: &Path) -> Result<(ModelConfig, Vec<crate::weights::TensorInfo>)> {
+    let f = GgufFile::open(path)?;
+    let c = config::config(&f)?;
+    let t = tensors::summary(&f, &c)?;
+    Ok((c, t))
+}
+
 pub fn load_with_progress(
     path: &Path,
     progress: &mut dyn FnMut(Progress),

@@ -16,7 +16,7 @@
 use super::{repack, BlockType, GgufFile};
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::weights::Prepared;
+use crate::weights::{Prepared, TensorInfo};
 use crate::Progress;
 use deltamoe_compute::{DType, Tensor};
 
@@ -121,15 +121,72 @@ pub fn each_tensor(
     Ok(())
 }
 
-/// File tensor `name` as [`tensors`] gives it: one tensor, or two for Qwen3-Next's `ssm_ba`.
-fn tensor(f: &GgufFile, name: &str, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
-    let Some((to, leaf)) = hf_name(name, c.num_layers) else {
-        return Err(ModelError::Input(format!(
+/// What [`tensors`] gives for each file tensor, from the tensor table alone (nothing is read or
+/// unpacked): names, shapes, dtypes and bytes as the loaded store lists them, sorted by name.
+pub fn summary(f: &GgufFile, c: &ModelConfig) -> Result<Vec<TensorInfo>> {
+    let mut out = Vec::with_capacity(f.tensors.len());
+    for name in f.tensors.keys() {
+        let (to, leaf) = mapped(f, name, c)?;
+        let info = f.info(name)?;
+        let shape = dense_shape(leaf, info.shape());
+        if leaf == "ssm_ba.weight" {
+            for part in ["in_proj_b", "in_proj_a"] {
+                let shape = vec![c.linear_v_heads, shape[1]];
+                out.push(dense_info(
+                    to.replace("in_proj_ba", part),
+                    shape,
+                    DType::F32,
+                ));
+            }
+            continue;
+        }
+        out.push(match affine_spec(f, name, leaf, c)? {
+            Some((bits, group)) => {
+                let n = info.len();
+                TensorInfo {
+                    name: to,
+                    shape: info.shape(),
+                    dtype: format!("affine {bits}-bit"),
+                    bytes: n * bits as usize / 8 + 2 * 4 * (n / group),
+                    params: n,
+                }
+            }
+            None => {
+                let dtype = kept_half(info.kind, leaf).unwrap_or(DType::F32);
+                dense_info(to, shape, dtype)
+            }
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+fn dense_info(name: String, shape: Vec<usize>, dtype: DType) -> TensorInfo {
+    let params = shape.iter().product::<usize>();
+    TensorInfo {
+        name,
+        shape,
+        dtype: dtype.to_string(),
+        bytes: params * dtype.size(),
+        params,
+    }
+}
+
+/// The mlx-lm name of file tensor `name` and its name within its block; an error for a tensor
+/// deltamoe does not map.
+fn mapped<'n>(f: &GgufFile, name: &'n str, c: &ModelConfig) -> Result<(String, &'n str)> {
+    hf_name(name, c.num_layers).ok_or_else(|| {
+        ModelError::Input(format!(
             "{}: tensor `{name}` is not one deltamoe maps for {}",
             f.path().display(),
             c.model_type
-        )));
-    };
+        ))
+    })
+}
+
+/// File tensor `name` as [`tensors`] gives it: one tensor, or two for Qwen3-Next's `ssm_ba`.
+fn tensor(f: &GgufFile, name: &str, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
+    let (to, leaf) = mapped(f, name, c)?;
     if leaf == "ssm_ba.weight" {
         return Ok(split_ba(&to, dense(f, name, leaf, c)?, c).into());
     }
@@ -166,15 +223,11 @@ fn split_ba(name: &str, ba: Tensor, c: &ModelConfig) -> [(String, Prepared); 2] 
 /// `E·out` rows), or `None` for other types, vectors, an embedding in zero-point form (the GPU
 /// reads embedding rows in MLX's parameters only) and a reorder that would cut a group.
 fn affine(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Option<Prepared>> {
-    let info = f.info(name)?;
-    let shape = info.shape();
-    let Some((_, group, zero)) = repack::affine_form(info.kind) else {
+    let Some((_, group)) = affine_spec(f, name, leaf, c)? else {
         return Ok(None);
     };
-    let zero_embedding = name == "token_embd.weight" && zero.is_some();
-    if shape.len() < 2 || zero_embedding || !reorders_whole(leaf, c, group) {
-        return Ok(None);
-    }
+    let info = f.info(name)?;
+    let shape = info.shape();
     let Some(mut g) = repack::Groups::of(info.kind, f.bytes(name)?, info.len()) else {
         return Ok(None);
     };
@@ -189,22 +242,53 @@ fn affine(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Optio
     Ok(Some(Prepared::Affine(w, shape)))
 }
 
-/// Tensor `name` as a dense tensor in mlx-lm's layout: f16 and bf16 as stored, other types
-/// dequantized to f32; `ssm_a` becomes `A_log` and the conv kernel gains its trailing axis.
-fn dense(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Tensor> {
+/// The bits and group of matrix `name` (block name `leaf`) when [`affine`] takes it.
+fn affine_spec(
+    f: &GgufFile,
+    name: &str,
+    leaf: &str,
+    c: &ModelConfig,
+) -> Result<Option<(u32, usize)>> {
     let info = f.info(name)?;
-    let mut shape = info.shape();
-    // ggml drops outer dims of 1 (llama-quantize writes the shared expert's gate [1, H] as [H]).
-    if leaf == "ffn_gate_inp_shexp.weight" && shape.len() == 1 {
-        shape.insert(0, 1);
-    }
-    let row = shape.iter().skip(1).product::<usize>();
-    let half = match info.kind {
+    let Some((bits, group, zero)) = repack::affine_form(info.kind) else {
+        return Ok(None);
+    };
+    let zero_embedding = name == "token_embd.weight" && zero.is_some();
+    let taken = info.shape().len() >= 2 && !zero_embedding && reorders_whole(leaf, c, group);
+    Ok(taken.then_some((bits, group)))
+}
+
+/// The dtype [`dense`] keeps tensor `leaf` of block type `kind` in: f16 and bf16 as stored (but
+/// `ssm_a` and the conv kernel), None for f32.
+fn kept_half(kind: BlockType, leaf: &str) -> Option<DType> {
+    let half = match kind {
         BlockType::F16 => Some(DType::F16),
         BlockType::BF16 => Some(DType::BF16),
         _ => None,
     };
-    if let (Some(dtype), false) = (half, matches!(leaf, "ssm_a" | "ssm_conv1d.weight")) {
+    half.filter(|_| !matches!(leaf, "ssm_a" | "ssm_conv1d.weight"))
+}
+
+/// The shape [`dense`] gives tensor `leaf` stored as `shape`: ggml drops outer dims of 1
+/// (llama-quantize writes the shared expert's gate [1, H] as [H]); the conv kernel gains
+/// mlx-lm's trailing axis.
+fn dense_shape(leaf: &str, mut shape: Vec<usize>) -> Vec<usize> {
+    if leaf == "ffn_gate_inp_shexp.weight" && shape.len() == 1 {
+        shape.insert(0, 1);
+    }
+    if leaf == "ssm_conv1d.weight" {
+        shape.push(1);
+    }
+    shape
+}
+
+/// Tensor `name` as a dense tensor in mlx-lm's layout ([`dense_shape`]): f16 and bf16 as stored,
+/// other types dequantized to f32 ([`kept_half`]); `ssm_a` becomes `A_log`.
+fn dense(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Tensor> {
+    let info = f.info(name)?;
+    let shape = dense_shape(leaf, info.shape());
+    let row = shape.iter().skip(1).product::<usize>();
+    if let Some(dtype) = kept_half(info.kind, leaf) {
         let b = f.bytes(name)?;
         let mut bits: Vec<u16> = b
             .chunks_exact(2)
@@ -214,10 +298,8 @@ fn dense(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Tensor
         return Ok(Tensor::from_half_bits(dtype, shape, bits));
     }
     let mut v = f.f32(name)?;
-    match leaf {
-        "ssm_a" => v.iter_mut().for_each(|a| *a = (-*a).ln()),
-        "ssm_conv1d.weight" => shape.push(1),
-        _ => {}
+    if leaf == "ssm_a" {
+        v.iter_mut().for_each(|a| *a = (-*a).ln());
     }
     reorder(leaf, c, &mut v, row, 1);
     Ok(Tensor::from_f32(shape, v))
