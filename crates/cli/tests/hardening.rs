@@ -72,6 +72,52 @@ fn chat_with_token_ids_is_an_error() {
     );
 }
 
+/// `--gpus` is checked before anything loads: a device named twice, the one-GPU options with
+/// several, and GPUs with the CPU backend are one-line errors naming the flags.
+#[test]
+fn gpus_are_checked_up_front() {
+    let model = fixture("qwen3_5_moe");
+    let m = model.to_str().unwrap();
+    let gen = [
+        "generate",
+        "--model",
+        m,
+        "--prompt-tokens",
+        "1,2",
+        "--max-tokens",
+        "1",
+    ];
+    let with = |more: &[&'static str]| {
+        gen.iter()
+            .copied()
+            .chain(more.iter().copied())
+            .collect::<Vec<_>>()
+    };
+    expect_error(
+        &with(&["--gpus", "0,1,0"]),
+        &["--gpus 0,1,0", "GPU 0 is named twice"],
+    );
+    expect_error(
+        &with(&["--gpus", "0,1", "--expert-cache", "1"]),
+        &["--gpus 0,1", "--expert-cache", "one GPU"],
+    );
+    expect_error(
+        &with(&["--gpus", "0,1", "--device", "cpu"]),
+        &["--gpus", "CPU"],
+    );
+    expect_error(
+        &["info", "--model", m, "--gpus", "1,1"],
+        &["GPU 1 is named twice"],
+    );
+    let (ok, out, err) = run(&["info", "--model", m, "--gpus", "0,1"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("GPU 0 holds routed experts 0..4")
+            && out.contains("GPU 1 holds routed experts 4..8"),
+        "{out}"
+    );
+}
+
 #[test]
 fn threads_are_capped_at_the_cores() {
     let dir = fixture("qwen3_next");

@@ -108,9 +108,34 @@ pub fn expert_share(experts: usize, rank: usize, world: usize) -> Range<usize> {
     start..start + base + (rank < extra) as usize
 }
 
+/// [`expert_share`] when every GPU gets at least one expert, else why not.
+pub(crate) fn held_share(
+    experts: usize,
+    rank: usize,
+    world: usize,
+) -> std::result::Result<Range<usize>, String> {
+    match experts >= world {
+        true => Ok(expert_share(experts, rank, world)),
+        false => Err(format!(
+            "{experts} routed experts cannot be divided among {world} GPUs: name at most {experts}"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::expert_share;
+    use super::{expert_share, held_share};
+
+    #[test]
+    fn every_gpu_holds_an_expert_or_the_split_is_refused() {
+        assert_eq!(held_share(8, 1, 2), Ok(4..8));
+        assert_eq!(held_share(4, 3, 4), Ok(3..4));
+        let e = held_share(3, 0, 4).unwrap_err();
+        assert!(
+            e.contains("3 routed experts") && e.contains("4 GPUs"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn shares_cover_the_experts_once_in_order() {

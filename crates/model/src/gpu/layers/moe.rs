@@ -24,7 +24,7 @@ use crate::config::ModelConfig;
 use crate::gpu::format::{DevFormat, DevMat, Fmt};
 use crate::gpu::host_store::{Dest, ExpertSource, LayerExperts, Pending};
 use crate::gpu::random::{Filler, SeededExperts};
-use crate::gpu::shard::Shard;
+use crate::gpu::shard::{held_share, Shard};
 
 pub(crate) struct MoeFfn {
     pub router: DevMat,
@@ -94,7 +94,7 @@ impl MoeFfn {
         check(e, m.top_k)?;
         let si = m.shared.gate.out_features();
         let stacked = si == i && m.shared.gate.weight.stored_alike(&m.experts[0].gate.weight);
-        let own = shard.map_or(0..e, |s| s.experts(e));
+        let own = share(shard, e)?;
         let mlps = m.experts[own.clone()]
             .iter()
             .chain(stacked.then_some(&m.shared));
@@ -145,7 +145,7 @@ impl MoeFfn {
             c.shared_expert_intermediate_size,
         );
         check(e, c.experts_per_token)?;
-        let own = shard.map_or(0..e, |s| s.experts(e));
+        let own = share(shard, e)?;
         // As on upload: a shared expert of the experts' shape and format is stacked as expert E.
         let stacked = sn == n && f.shared_like_routed();
         let shared = match stacked {
@@ -388,6 +388,14 @@ fn made<'a>(
         part,
     };
     (Box::new(ffn), pending)
+}
+
+/// The routed experts of `experts` held here: all, or this GPU's share.
+fn share(shard: Option<&Shard>, experts: usize) -> Result<Range<usize>> {
+    match shard {
+        Some(s) => held_share(experts, s.rank(), s.world()).map_err(CudaError::Unsupported),
+        None => Ok(0..experts),
+    }
 }
 
 /// The expert counts the CUDA router takes.
