@@ -281,6 +281,25 @@ fn value_bytes(v: &Value) -> (u32, Vec<u8>) {
 
 /// A GGUF file of `meta` and the tensors `names` of `src` (their type ids as in `ids`).
 fn write_gguf(meta: &[(String, Value)], src: &GgufFile, names: &[&String], ids: &[u32]) -> Vec<u8> {
+    let dims = |n: &str| {
+        src.info(n)
+            .unwrap()
+            .dims
+            .iter()
+            .map(|&d| d as u64)
+            .collect()
+    };
+    write_gguf_dims(meta, src, names, ids, &dims)
+}
+
+/// [`write_gguf`] with each tensor's dims as `dims` gives them.
+fn write_gguf_dims(
+    meta: &[(String, Value)],
+    src: &GgufFile,
+    names: &[&String],
+    ids: &[u32],
+    dims: &dyn Fn(&str) -> Vec<u64>,
+) -> Vec<u8> {
     let mut b = b"GGUF".to_vec();
     b.extend(3u32.to_le_bytes());
     b.extend((names.len() as u64).to_le_bytes());
@@ -294,13 +313,11 @@ fn write_gguf(meta: &[(String, Value)], src: &GgufFile, names: &[&String], ids: 
     }
     let mut offset = 0u64;
     for (n, id) in names.iter().zip(ids) {
-        let info = src.info(n).unwrap();
+        let d = dims(n);
         b.extend((n.len() as u64).to_le_bytes());
         b.extend(n.as_bytes());
-        b.extend((info.dims.len() as u32).to_le_bytes());
-        info.dims
-            .iter()
-            .for_each(|d| b.extend((*d as u64).to_le_bytes()));
+        b.extend((d.len() as u32).to_le_bytes());
+        d.iter().for_each(|d| b.extend(d.to_le_bytes()));
         b.extend(id.to_le_bytes());
         b.extend(offset.to_le_bytes());
         offset += (src.bytes(n).unwrap().len() as u64).div_ceil(32) * 32;
@@ -500,8 +517,9 @@ fn held_models_round_like_the_gpu() {
     }
 }
 
-/// A GGUF fixture rewritten with one metadata value replaced, then opened, its tokenizer read
-/// and loaded: the load's error message, or `Err` when any of it panicked.
+/// A GGUF fixture rewritten with one metadata value replaced, then opened, its tokenizer read,
+/// listed as `info` lists it and loaded: the load's error message, or `Err` when any of it
+/// panicked.
 struct Rewrite {
     src: GgufFile,
     meta: Vec<(String, Value)>,
@@ -541,9 +559,91 @@ impl Rewrite {
             if let Ok(f) = GgufFile::open(&path) {
                 let _ = vocab::vocab(&f);
             }
+            let _ = deltamoe_model::gguf::summary(&path);
             Qwen3Hybrid::load(&path).err().map(|e| e.to_string())
         })
     }
+}
+
+/// Every tensor of `qwen35moe` (Q8_0, Q4_K_M) and `qwen3next` GGUF fixtures given in turn
+/// another shape of the same size (flattened, its dims reversed, one more outer dim of 1) or
+/// another block type: listing it as `info` does and loading it end in `Ok` or an `Err`, never a
+/// panic.
+#[test]
+fn reshaped_and_retyped_tensors_never_panic() {
+    use deltamoe_model::gguf::BlockType;
+    use deltamoe_model::Qwen3Hybrid;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.gguf");
+    let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
+    let kinds = [
+        BlockType::F32,
+        BlockType::BF16,
+        BlockType::Q8_0,
+        BlockType::Q4K,
+        BlockType::Q6K,
+    ];
+    let mut tried = 0;
+    let files = [
+        "gguf/qwen3_5_moe.q8_0",
+        "gguf_quant/qwen3_next_q.q8_0",
+        "gguf_quant/qwen3_5_moe_q.q4_k_m",
+    ];
+    for file in files {
+        let src = GgufFile::open(&root.join(format!("{file}.gguf"))).unwrap();
+        let meta: Vec<(String, Value)> = src
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let names: Vec<&String> = src.tensors.keys().collect();
+        let dims_of = |n: &str| -> Vec<u64> {
+            src.info(n)
+                .unwrap()
+                .dims
+                .iter()
+                .map(|&x| x as u64)
+                .collect()
+        };
+        let ids: Vec<u32> = names
+            .iter()
+            .map(|n| id_of(src.info(n).unwrap().kind))
+            .collect();
+        let mut check = |what: String, ids: &[u32], dims: &dyn Fn(&str) -> Vec<u64>| {
+            std::fs::write(&path, write_gguf_dims(&meta, &src, &names, ids, dims)).unwrap();
+            let r = std::panic::catch_unwind(|| {
+                let _ = deltamoe_model::gguf::summary(&path);
+                let _ = Qwen3Hybrid::load(&path);
+            });
+            assert!(r.is_ok(), "{file}: {what}: panicked");
+            tried += 1;
+        };
+        for (i, name) in names.iter().enumerate() {
+            let d = dims_of(name);
+            let shapes = [
+                vec![d.iter().product()],
+                d.iter().rev().copied().collect(),
+                d.iter().copied().chain([1]).collect(),
+            ];
+            for shape in shapes.into_iter().filter(|s| *s != d) {
+                let dims = |n: &str| {
+                    if n == name.as_str() {
+                        shape.clone()
+                    } else {
+                        dims_of(n)
+                    }
+                };
+                check(format!("`{name}` as {shape:?}"), &ids, &dims);
+            }
+            for k in kinds.iter().filter(|k| id_of(**k) != ids[i]) {
+                let mut retyped = ids.clone();
+                retyped[i] = id_of(*k);
+                check(format!("`{name}` as {k:?}"), &retyped, &dims_of);
+            }
+        }
+    }
+    assert!(tried >= 200, "{tried} cases");
 }
 
 /// Every integer metadata value of a GGUF fixture set in turn to an extreme (0, 1, odd, 2^31,

@@ -130,8 +130,9 @@ pub fn summary(f: &GgufFile, c: &ModelConfig) -> Result<Vec<TensorInfo>> {
         let info = f.info(name)?;
         let shape = dense_shape(leaf, info.shape());
         if leaf == "ssm_ba.weight" {
+            let h = ba_width(f, name, &shape, c)?;
             for part in ["in_proj_b", "in_proj_a"] {
-                let shape = vec![c.linear_v_heads, shape[1]];
+                let shape = vec![c.linear_v_heads, h];
                 out.push(dense_info(
                     to.replace("in_proj_ba", part),
                     shape,
@@ -184,11 +185,27 @@ fn mapped<'n>(f: &GgufFile, name: &'n str, c: &ModelConfig) -> Result<(String, &
     })
 }
 
+/// The width of Qwen3-Next's `in_proj_ba` tensor `name` of `shape`: `[2·Hv, H]`, or an error
+/// naming it.
+fn ba_width(f: &GgufFile, name: &str, shape: &[usize], c: &ModelConfig) -> Result<usize> {
+    match shape {
+        [rows, h] if *rows == 2 * c.linear_v_heads && c.linear_k_heads > 0 => Ok(*h),
+        _ => Err(ModelError::Input(format!(
+            "{}: tensor `{name}` has shape {shape:?}, expected [{}, hidden] (two rows per value \
+             head)",
+            f.path().display(),
+            2 * c.linear_v_heads
+        ))),
+    }
+}
+
 /// File tensor `name` as [`tensors`] gives it: one tensor, or two for Qwen3-Next's `ssm_ba`.
 fn tensor(f: &GgufFile, name: &str, c: &ModelConfig) -> Result<Vec<(String, Prepared)>> {
     let (to, leaf) = mapped(f, name, c)?;
     if leaf == "ssm_ba.weight" {
-        return Ok(split_ba(&to, dense(f, name, leaf, c)?, c).into());
+        let ba = dense(f, name, leaf, c)?;
+        ba_width(f, name, ba.shape(), c)?;
+        return Ok(split_ba(&to, ba, c).into());
     }
     let t = match affine(f, name, leaf, c)? {
         Some(w) => w,
@@ -361,7 +378,9 @@ fn reorder<T: Copy>(leaf: &str, c: &ModelConfig, v: &mut [T], row: usize, unit: 
     let qk = 2 * hk * dk;
     match leaf {
         "attn_qkv.weight" | "ssm_conv1d.weight" => {
-            group_rows(&mut v[qk * row..], (hk, hv), dv * row)
+            if let Some(v) = v.get_mut(qk * row..) {
+                group_rows(v, (hk, hv), dv * row)
+            }
         }
         "attn_gate.weight" => group_rows(v, (hk, hv), dv * row),
         "ssm_beta.weight" | "ssm_alpha.weight" | "ssm_a" | "ssm_dt.bias" => {
@@ -377,8 +396,13 @@ fn reorder<T: Copy>(leaf: &str, c: &ModelConfig, v: &mut [T], row: usize, unit: 
 }
 
 /// Reorders `hv` blocks of `block` values from tiled order (block of value head j of key head k
-/// at j·hk + k) to grouped order (at k·(hv/hk) + j).
+/// at j·hk + k) to grouped order (at k·(hv/hk) + j). Values too few for the heads (a tensor of
+/// another shape than the config implies) are left as they are: the checkpoint's shape check
+/// then names the tensor.
 fn group_rows<T: Copy>(v: &mut [T], (hk, hv): (usize, usize), block: usize) {
+    if hk == 0 || v.len() < hv * block {
+        return;
+    }
     let r = hv / hk;
     let tiled = v[..hv * block].to_vec();
     for k in 0..hk {
