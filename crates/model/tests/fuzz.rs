@@ -1,5 +1,6 @@
 //! Bounded property tests ("fuzzing" in CI time): the safetensors header / index path of
-//! `WeightStore::open` and `ModelConfig` parsing must turn any input into `Ok` or `Err`, never a
+//! `WeightStore::open`, `ModelConfig` parsing and loading a checkpoint whose tensors have other
+//! shapes or dtypes must turn any input into `Ok` or `Err`, never a
 //! panic. Each property runs a few hundred cases so the suite stays fast.
 
 use std::path::Path;
@@ -151,4 +152,82 @@ fn a_huge_layer_count_is_refused_before_anything_is_sized_by_it() {
     v["num_hidden_layers"] = Value::from(1u64 << 60);
     let err = ModelConfig::from_json_str(&v.to_string(), Path::new("config.json")).unwrap_err();
     assert!(err.to_string().contains("num_hidden_layers"), "{err}");
+}
+
+/// A fixture directory with `model.safetensors`'s header rewritten by `edit` (the data kept);
+/// loading it ends in `Ok` or an `Err`, never a panic.
+fn load_with_header(name: &str, edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -> bool {
+    let src = fixture(&format!("fixtures/{name}"));
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "json" || x == "jinja") {
+            std::fs::copy(&p, d.path().join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut header);
+    let mut text = serde_json::to_vec(&header).unwrap();
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(d.path().join("model.safetensors"), out).unwrap();
+    std::panic::catch_unwind(|| {
+        let _ = deltamoe_model::Qwen3Hybrid::load(d.path());
+    })
+    .is_ok()
+}
+
+/// Every tensor of a bf16 MoE, a Qwen3-Next and an MLX 4-bit fixture given in turn another shape
+/// of the same size (flattened, its dims reversed, one more outer dim of 1) or another dtype of
+/// the same width: loading ends in `Ok` or an `Err`, never a panic.
+#[test]
+fn reshaped_and_retyped_checkpoint_tensors_never_panic() {
+    let mut tried = 0;
+    for name in ["qwen3_5_moe", "qwen3_next", "mlx_qwen3_5_moe_q4"] {
+        let bytes = std::fs::read(fixture(&format!("fixtures/{name}/model.safetensors"))).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Map<String, Value> =
+            serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        for (key, entry) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+            let shape: Vec<u64> = entry["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            let shapes = [
+                vec![shape.iter().product()],
+                shape.iter().rev().copied().collect(),
+                shape.iter().copied().chain([1]).collect(),
+            ];
+            for s in shapes.into_iter().filter(|s| *s != shape) {
+                let edit =
+                    |h: &mut serde_json::Map<String, Value>| h[key]["shape"] = s.clone().into();
+                assert!(
+                    load_with_header(name, &edit),
+                    "{name}: `{key}` as {s:?}: panicked"
+                );
+                tried += 1;
+            }
+            let other = match entry["dtype"].as_str().unwrap() {
+                "BF16" => "F16",
+                "F16" => "BF16",
+                "F32" => "U32",
+                "U32" => "F32",
+                _ => continue,
+            };
+            let edit = |h: &mut serde_json::Map<String, Value>| h[key]["dtype"] = other.into();
+            assert!(
+                load_with_header(name, &edit),
+                "{name}: `{key}` as {other}: panicked"
+            );
+            tried += 1;
+        }
+    }
+    assert!(tried >= 100, "{tried} cases");
 }
