@@ -1,7 +1,7 @@
 //! Bounded property tests ("fuzzing" in CI time): the safetensors header / index path of
 //! `WeightStore::open`, `ModelConfig` parsing and loading a checkpoint whose tensors have other
-//! shapes or dtypes must turn any input into `Ok` or `Err`, never a
-//! panic. Each property runs a few hundred cases so the suite stays fast.
+//! shapes or dtypes must turn any input into `Ok` or `Err`, never a panic. Each property runs a
+//! few hundred cases so the suite stays fast.
 
 use std::path::Path;
 
