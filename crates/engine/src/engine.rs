@@ -144,7 +144,11 @@ impl Engine {
         Ok(Engine::with_backend(config, Box::new(backend), max_ctx))
     }
 
-    fn with_backend(config: ModelConfig, backend: Box<dyn Backend>, max_ctx: usize) -> Engine {
+    pub(crate) fn with_backend(
+        config: ModelConfig,
+        backend: Box<dyn Backend>,
+        max_ctx: usize,
+    ) -> Engine {
         Engine {
             config,
             backend,

@@ -240,6 +240,15 @@ impl Backend for CpuBackend {
     }
 }
 
+/// The lock step's tests run CPU members in place of GPUs.
+#[cfg(test)]
+impl super::sharded::Member for CpuBackend {
+    fn feed_tokens(&mut self, rows: &[(SeqId, u32)]) -> Result<()> {
+        rows.iter()
+            .try_for_each(|&(id, t)| self.feed(id, &[t], Logits::Last).map(|_| ()))
+    }
+}
+
 /// The error for speculative decoding on a model without an MTP layer.
 pub(crate) fn no_mtp_layer() -> EngineError {
     EngineError::Input(

@@ -89,11 +89,6 @@ impl CudaBackend {
         self.gpu.step_batch(&mut dev).map_err(cuda_err)
     }
 
-    /// [`Backend::comm_seconds`] on this GPU.
-    pub(crate) fn comm_seconds(&mut self, rows: usize) -> Result<Option<f64>> {
-        self.gpu.comm_seconds(rows, COMM_REPS).map_err(cuda_err)
-    }
-
     /// Feeds each (sequence, token) as [`Backend::step`] does, without the picks: another
     /// GPU's part of a step whose tokens the first GPU picks (see `super::sharded`).
     pub(crate) fn step_tokens(&mut self, rows: &[(SeqId, u32)]) -> Result<()> {
@@ -260,6 +255,10 @@ impl Backend for CudaBackend {
 
     fn offload_stats(&self) -> Option<OffloadStats> {
         self.gpu.offload_stats()
+    }
+
+    fn comm_seconds(&mut self, rows: usize) -> Result<Option<f64>> {
+        self.gpu.comm_seconds(rows, COMM_REPS).map_err(cuda_err)
     }
 }
 
