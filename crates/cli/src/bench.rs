@@ -237,7 +237,7 @@ fn layer_times(
 /// First tokens for `b` sequences that differ from each other (within a vocabulary of `vocab`):
 /// sequences fed the same token from the same state route every row to the same experts, which
 /// no server's batch does.
-fn distinct_tokens(b: usize, vocab: usize) -> Vec<u32> {
+pub(crate) fn distinct_tokens(b: usize, vocab: usize) -> Vec<u32> {
     (0..b)
         .map(|i| ((1 + i * 7919) % vocab.max(1)) as u32)
         .collect()

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_engine::{Engine, SeqId};
 use deltamoe_model::gpu::ExpertCache;
@@ -26,7 +26,7 @@ pub fn run(a: &BenchArgs, ordinals: &[usize]) -> Result<Value> {
     if !a.expert_cache_fraction.is_empty() || a.host_memory.is_some() {
         bail!("bench --gpus: offloaded experts run on one GPU; drop --expert-cache-fraction and --host-memory");
     }
-    let gpus = commands::open_gpus(ordinals)?;
+    let gpus = commands::open_gpus(ordinals).context("--device cuda")?;
     let max_pos_ctx = a.contexts.iter().max().copied().unwrap_or(128);
     let max_ctx = (max_pos_ctx + a.warmup + a.gen_len + 16)
         .max(a.prompt_len.iter().max().copied().unwrap_or(1) + 1);
@@ -153,7 +153,7 @@ fn decode_at(
         )?;
         ids.push(id);
     }
-    let mut toks: Vec<u32> = (0..b).map(|i| ((1 + i * 7919) % vocab) as u32).collect();
+    let mut toks = crate::bench::distinct_tokens(b, vocab);
     let mut step = |toks: &mut Vec<u32>| -> Result<()> {
         let batch: Vec<(SeqId, u32)> = ids.iter().copied().zip(toks.iter().copied()).collect();
         *toks = engine.step(&batch)?;

@@ -213,19 +213,33 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
         return Ok(Engine::new(model));
     }
     let t0 = Instant::now();
-    let gpus = open_gpus(&gpus)?;
-    let mut engine = match gpus.len() {
-        1 => Engine::new_cuda_with(model, gpus[0].clone(), DEFAULT_CUDA_CONTEXT, seqs, cache)?,
-        _ => Engine::new_cuda_gpus(model, gpus, DEFAULT_CUDA_CONTEXT, seqs)?,
-    };
-    if args.cpu_experts() {
-        engine.set_host_experts(true)?;
-    }
+    let gpus = open_gpus(&gpus).context("--device cuda")?;
+    let place = (cache, args.cpu_experts());
+    let engine = cuda_engine(model, gpus, (DEFAULT_CUDA_CONTEXT, seqs), place)?;
     eprintln!(
         "backend: {}, weights uploaded in {:.2} s",
         engine.backend_name(),
         t0.elapsed().as_secs_f64()
     );
+    Ok(engine)
+}
+
+/// An engine for `model` on `gpus` with state for `seqs` sequences of `ctx` tokens: on several,
+/// the routed experts divided among them; on one, behind expert cache `cache`, the CPU computing
+/// experts outside it when `cpu_experts`.
+pub fn cuda_engine(
+    model: Qwen3Hybrid,
+    gpus: Vec<Arc<cuda::Gpu>>,
+    (ctx, seqs): (usize, usize),
+    (cache, cpu_experts): (ExpertCache, bool),
+) -> deltamoe_engine::Result<Engine> {
+    if gpus.len() > 1 {
+        return Engine::new_cuda_gpus(model, gpus, ctx, seqs);
+    }
+    let mut engine = Engine::new_cuda_with(model, gpus[0].clone(), ctx, seqs, cache)?;
+    if cpu_experts {
+        engine.set_host_experts(true)?;
+    }
     Ok(engine)
 }
 
@@ -235,7 +249,7 @@ pub fn open_gpus(ordinals: &[usize]) -> Result<Vec<Arc<cuda::Gpu>>> {
     ordinals
         .iter()
         .map(|&i| {
-            let gpu = cuda::Gpu::new(i).with_context(|| format!("--device cuda, GPU {i}"))?;
+            let gpu = cuda::Gpu::new(i).with_context(|| format!("GPU {i}"))?;
             Ok(Arc::new(gpu))
         })
         .collect()

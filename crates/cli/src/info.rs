@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
+use deltamoe_model::gguf::GgufFile;
 use deltamoe_model::gptq::Packing;
 use deltamoe_model::{LayerKind, ModelConfig, ModelSource, WeightStore};
 
@@ -90,18 +91,17 @@ pub fn state_bytes(c: &ModelConfig, ctx: usize) -> (usize, usize) {
 }
 
 /// The block types of a GGUF file's tensors with their counts: `Q4_K ×120, F32 ×61`.
-fn gguf_types(f: &std::path::Path) -> Result<String> {
-    let file = deltamoe_model::gguf::GgufFile::open(f)?;
+fn gguf_types(file: &GgufFile) -> String {
     let mut n = std::collections::BTreeMap::new();
     for t in file.tensors.values() {
         *n.entry(t.kind.name()).or_insert(0usize) += 1;
     }
     let mut v: Vec<_> = n.into_iter().collect();
     v.sort_by_key(|e| std::cmp::Reverse(e.1));
-    Ok(v.iter()
+    v.iter()
         .map(|(k, c)| format!("{k} ×{c}"))
         .collect::<Vec<_>>()
-        .join(", "))
+        .join(", ")
 }
 
 /// The quantization line of a checkpoint directory's store.
@@ -142,14 +142,15 @@ pub fn run(a: InfoArgs) -> Result<()> {
     crate::check_gpus(&a.gpus)?;
     let source = ModelSource::resolve(&a.model)?;
     // A directory's files are mapped; a GGUF file is listed from its tensor table, not unpacked.
-    let (c, tensors, store) = match &source {
+    let (c, tensors, store, types) = match &source {
         ModelSource::Dir(_) => {
             let (c, store) = source.open()?;
-            (c, store.summary(), Some(store))
+            (c, store.summary(), Some(store), None)
         }
         ModelSource::Gguf(f) => {
-            let (c, tensors) = deltamoe_model::gguf::summary(f)?;
-            (c, tensors, None)
+            let file = GgufFile::open(f)?;
+            let (c, tensors) = deltamoe_model::gguf::summary(&file)?;
+            (c, tensors, None, Some(gguf_types(&file)))
         }
     };
     let mut params = [0usize; KINDS.len()];
@@ -204,8 +205,8 @@ pub fn run(a: InfoArgs) -> Result<()> {
         ),
     };
     println!("mtp            {mtp}");
-    if let ModelSource::Gguf(f) = &source {
-        println!("quantization   GGUF {} (quantized matrices repacked at load to affine with f32 scales and biases, exactly, IQ4 as 8-bit codes; CUDA holds Q8_0/Q4_0/Q5_0/IQ4_NL scales as f16 with zero points, other scales and biases as bf16, 5-bit codes as 8-bit, Q6_K as bf16 values)", gguf_types(f)?);
+    if let Some(types) = &types {
+        println!("quantization   GGUF {} (quantized matrices repacked at load to affine with f32 scales and biases, exactly, IQ4 as 8-bit codes; CUDA holds Q8_0/Q4_0/Q5_0/IQ4_NL scales as f16 with zero points, other scales and biases as bf16, 5-bit codes as 8-bit, Q6_K as bf16 values)", types);
     }
     if let Some(store) = &store {
         print_quantization(store);

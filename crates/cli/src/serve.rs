@@ -152,9 +152,8 @@ impl Placement {
 
     /// The GPUs, opened in order.
     fn open(&self, flag: &str) -> std::result::Result<Vec<Arc<cuda::Gpu>>, EngineError> {
-        let open = |&i: &usize| cuda::Gpu::new(i).map(Arc::new);
-        let gpus = self.gpus.iter().map(open).collect::<cuda::Result<Vec<_>>>();
-        gpus.map_err(|e| EngineError::Input(format!("{flag}: {e}")))
+        let gpus = crate::commands::open_gpus(&self.gpus);
+        gpus.map_err(|e| EngineError::Input(format!("{flag}: {e:#}")))
     }
 }
 
@@ -172,16 +171,8 @@ fn factory(
         let mut engine = if cuda {
             let gpus = place.open("--device cuda")?;
             let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
-            if gpus.len() > 1 {
-                let mut engine = Engine::new_cuda_gpus(model, gpus, ctx, max_seqs)?;
-                engine.set_speculative(drafts)?;
-                return Ok(engine);
-            }
-            let mut engine = Engine::new_cuda_with(model, gpus[0].clone(), ctx, max_seqs, cache)?;
-            if place.cpu_experts {
-                engine.set_host_experts(true)?;
-            }
-            engine
+            let experts = (cache, place.cpu_experts);
+            crate::commands::cuda_engine(model, gpus, (ctx, max_seqs), experts)?
         } else {
             if let ExpertCache::Bytes(bytes) = cache {
                 let slots = model.expert_slots_for_bytes(bytes);

@@ -406,7 +406,7 @@ fn summaries_from_the_tensor_table_are_what_loading_lists() {
     ];
     for file in files {
         let path = root.join(format!("{file}.gguf"));
-        let (c, listed) = deltamoe_model::gguf::summary(&path).unwrap();
+        let (c, listed) = deltamoe_model::gguf::summary(&GgufFile::open(&path).unwrap()).unwrap();
         let (c2, store) = ModelSource::Gguf(path).open().unwrap();
         assert_eq!(format!("{c:?}"), format!("{c2:?}"), "{file}");
         let loaded = store.summary();
@@ -517,49 +517,79 @@ fn held_models_round_like_the_gpu() {
     }
 }
 
-/// A GGUF fixture rewritten with one metadata value replaced, then opened, its tokenizer read,
-/// listed as `info` lists it and loaded: the load's error message, or `Err` when any of it
-/// panicked.
+/// The id of block type `k` in a GGUF file's tensor table.
+fn block_id(k: deltamoe_model::gguf::BlockType) -> u32 {
+    use deltamoe_model::gguf::BlockType;
+    (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap()
+}
+
+/// A GGUF fixture rewritten with its metadata, tensor types or tensor dims changed, then opened,
+/// its tokenizer read, listed as `info` lists it and loaded: the load's error message, or `Err`
+/// when any of it panicked.
 struct Rewrite {
     src: GgufFile,
     meta: Vec<(String, Value)>,
+    /// Each tensor's block type id, in the file's order.
+    ids: Vec<u32>,
     dir: tempfile::TempDir,
 }
 
 impl Rewrite {
-    fn new() -> Rewrite {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gguf");
-        let src = GgufFile::open(&root.join("qwen3_5_moe.q8_0.gguf")).unwrap();
+    /// `fixtures/{file}.gguf`.
+    fn of(file: &str) -> Rewrite {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+        let src = GgufFile::open(&root.join(format!("{file}.gguf"))).unwrap();
         let meta = src
             .metadata
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        let ids = src.tensors.values().map(|t| block_id(t.kind)).collect();
         Rewrite {
             src,
             meta,
+            ids,
             dir: tempfile::tempdir().unwrap(),
         }
     }
 
+    fn new() -> Rewrite {
+        Rewrite::of("gguf/qwen3_5_moe.q8_0")
+    }
+
+    fn names(&self) -> Vec<&String> {
+        self.src.tensors.keys().collect()
+    }
+
+    /// Tensor `n`'s dims as the file stores them.
+    fn dims(&self, n: &str) -> Vec<u64> {
+        let d = &self.src.info(n).unwrap().dims;
+        d.iter().map(|&x| x as u64).collect()
+    }
+
     fn load_with(&self, i: usize, v: Value) -> std::thread::Result<Option<String>> {
-        use deltamoe_model::gguf::{vocab, BlockType};
-        use deltamoe_model::Qwen3Hybrid;
-        let names: Vec<&String> = self.src.tensors.keys().collect();
-        let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
-        let ids: Vec<u32> = names
-            .iter()
-            .map(|n| id_of(self.src.info(n).unwrap().kind))
-            .collect();
         let mut m = self.meta.clone();
         m[i].1 = v;
+        self.load(&m, &self.ids, &|n| self.dims(n))
+    }
+
+    /// The file written with metadata `meta`, tensor types `ids` and dims `dims`, then read.
+    fn load(
+        &self,
+        meta: &[(String, Value)],
+        ids: &[u32],
+        dims: &dyn Fn(&str) -> Vec<u64>,
+    ) -> std::thread::Result<Option<String>> {
+        use deltamoe_model::gguf::vocab;
+        use deltamoe_model::Qwen3Hybrid;
         let path = self.dir.path().join("m.gguf");
-        std::fs::write(&path, write_gguf(&m, &self.src, &names, &ids)).unwrap();
+        let bytes = write_gguf_dims(meta, &self.src, &self.names(), ids, dims);
+        std::fs::write(&path, bytes).unwrap();
         std::panic::catch_unwind(|| {
             if let Ok(f) = GgufFile::open(&path) {
                 let _ = vocab::vocab(&f);
+                let _ = deltamoe_model::gguf::summary(&f);
             }
-            let _ = deltamoe_model::gguf::summary(&path);
             Qwen3Hybrid::load(&path).err().map(|e| e.to_string())
         })
     }
@@ -572,11 +602,6 @@ impl Rewrite {
 #[test]
 fn reshaped_and_retyped_tensors_never_panic() {
     use deltamoe_model::gguf::BlockType;
-    use deltamoe_model::Qwen3Hybrid;
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("r.gguf");
-    let id_of = |k: BlockType| (0..64).find(|&i| BlockType::from_id(i) == Some(k)).unwrap();
     let kinds = [
         BlockType::F32,
         BlockType::BF16,
@@ -591,55 +616,29 @@ fn reshaped_and_retyped_tensors_never_panic() {
         "gguf_quant/qwen3_5_moe_q.q4_k_m",
     ];
     for file in files {
-        let src = GgufFile::open(&root.join(format!("{file}.gguf"))).unwrap();
-        let meta: Vec<(String, Value)> = src
-            .metadata
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        let names: Vec<&String> = src.tensors.keys().collect();
-        let dims_of = |n: &str| -> Vec<u64> {
-            src.info(n)
-                .unwrap()
-                .dims
-                .iter()
-                .map(|&x| x as u64)
-                .collect()
-        };
-        let ids: Vec<u32> = names
-            .iter()
-            .map(|n| id_of(src.info(n).unwrap().kind))
-            .collect();
-        let mut check = |what: String, ids: &[u32], dims: &dyn Fn(&str) -> Vec<u64>| {
-            std::fs::write(&path, write_gguf_dims(&meta, &src, &names, ids, dims)).unwrap();
-            let r = std::panic::catch_unwind(|| {
-                let _ = deltamoe_model::gguf::summary(&path);
-                let _ = Qwen3Hybrid::load(&path);
-            });
-            assert!(r.is_ok(), "{file}: {what}: panicked");
-            tried += 1;
-        };
-        for (i, name) in names.iter().enumerate() {
-            let d = dims_of(name);
+        let r = Rewrite::of(file);
+        for (i, name) in r.names().into_iter().enumerate() {
+            let d = r.dims(name);
             let shapes = [
                 vec![d.iter().product()],
                 d.iter().rev().copied().collect(),
                 d.iter().copied().chain([1]).collect(),
             ];
             for shape in shapes.into_iter().filter(|s| *s != d) {
-                let dims = |n: &str| {
-                    if n == name.as_str() {
-                        shape.clone()
-                    } else {
-                        dims_of(n)
-                    }
+                let dims = |n: &str| match n == name.as_str() {
+                    true => shape.clone(),
+                    false => r.dims(n),
                 };
-                check(format!("`{name}` as {shape:?}"), &ids, &dims);
+                let out = r.load(&r.meta, &r.ids, &dims);
+                assert!(out.is_ok(), "{file}: `{name}` as {shape:?}: panicked");
+                tried += 1;
             }
-            for k in kinds.iter().filter(|k| id_of(**k) != ids[i]) {
-                let mut retyped = ids.clone();
-                retyped[i] = id_of(*k);
-                check(format!("`{name}` as {k:?}"), &retyped, &dims_of);
+            for k in kinds.iter().filter(|k| block_id(**k) != r.ids[i]) {
+                let mut retyped = r.ids.clone();
+                retyped[i] = block_id(*k);
+                let out = r.load(&r.meta, &retyped, &|n| r.dims(n));
+                assert!(out.is_ok(), "{file}: `{name}` as {k:?}: panicked");
+                tried += 1;
             }
         }
     }

@@ -96,12 +96,6 @@ impl Comm {
         .map(|_| ())
         .map_err(nccl_err("an all-reduce"))
     }
-
-    /// As [`Self::all_reduce_sum`] over a whole buffer.
-    pub fn all_reduce_buf(&self, g: &Gpu, x: &super::DevBuf<f32>) -> Result<()> {
-        // SAFETY: the buffer holds len() f32 on g; the caller keeps the ranks in step.
-        unsafe { self.all_reduce_sum(g, x.ptr(), x.len()) }
-    }
 }
 
 impl Drop for Comm {

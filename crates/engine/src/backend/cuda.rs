@@ -18,6 +18,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::cpu::no_mtp_layer;
+use super::sharded::Member;
 use super::{wrong_backend, Backend, SavedState, StepRow};
 use crate::error::{no_such_sequence, EngineError, Result};
 use crate::sampler::SamplingParams;
@@ -88,10 +89,11 @@ impl CudaBackend {
             .collect();
         self.gpu.step_batch(&mut dev).map_err(cuda_err)
     }
+}
 
-    /// Feeds each (sequence, token) as [`Backend::step`] does, without the picks: another
-    /// GPU's part of a step whose tokens the first GPU picks (see `super::sharded`).
-    pub(crate) fn step_tokens(&mut self, rows: &[(SeqId, u32)]) -> Result<()> {
+/// Another GPU's part of a step whose tokens the first GPU picks (see `super::sharded`).
+impl Member for CudaBackend {
+    fn feed_tokens(&mut self, rows: &[(SeqId, u32)]) -> Result<()> {
         let max = self.gpu.max_batch();
         rows.chunks(max)
             .try_for_each(|part| self.step_part(part).map(|_| ()))

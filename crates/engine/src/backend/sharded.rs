@@ -34,12 +34,6 @@ pub trait Member: Backend + 'static {
     fn feed_tokens(&mut self, rows: &[(SeqId, u32)]) -> Result<()>;
 }
 
-impl Member for CudaBackend {
-    fn feed_tokens(&mut self, rows: &[(SeqId, u32)]) -> Result<()> {
-        self.step_tokens(rows)
-    }
-}
-
 /// How a member other than the first is made, on its own thread: its model first, then, once
 /// the first member has reserved its sequence slots, the backend with as many.
 pub type Build<B> = Box<dyn FnOnce() -> Result<Reserve<B>> + Send>;

@@ -429,16 +429,15 @@ pub fn load(path: &Path) -> Result<(ModelConfig, WeightStore)> {
     load_with_progress(path, &mut |_| {})
 }
 
-/// [`load`], reporting each tensor as it is unpacked.
-/// The model config of GGUF file `path` and its tensors as loading would list them
+/// The model config of GGUF file `f` and its tensors as loading would list them
 /// ([`tensors::summary`]: from the tensor table, nothing unpacked).
-pub fn summary(path: &Path) -> Result<(ModelConfig, Vec<crate::weights::TensorInfo>)> {
-    let f = GgufFile::open(path)?;
-    let c = config::config(&f)?;
-    let t = tensors::summary(&f, &c)?;
+pub fn summary(f: &GgufFile) -> Result<(ModelConfig, Vec<crate::weights::TensorInfo>)> {
+    let c = config::config(f)?;
+    let t = tensors::summary(f, &c)?;
     Ok((c, t))
 }
 
+/// [`load`], reporting each tensor as it is unpacked.
 pub fn load_with_progress(
     path: &Path,
     progress: &mut dyn FnMut(Progress),
