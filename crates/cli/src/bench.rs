@@ -91,13 +91,14 @@ pub struct BenchArgs {
     /// With offloaded experts: let the CPU compute some of the experts outside the GPU's cache
     /// (on) or read them all over PCIe (off); several values are measured one after another.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [OnOff::Off])]
-    cpu_experts: Vec<OnOff>,
+    pub(crate) cpu_experts: Vec<OnOff>,
     /// Also write the results as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
     /// CUDA: measure the model on these GPUs (e.g. 0,1: the routed experts divided among them,
     /// expert parallel over NCCL) through the engine, each GPU's memory and the time a decode
-    /// step spends in all-reduces reported; one number measures that GPU the same way.
+    /// step spends in all-reduces reported; one number measures that GPU the same way. With one
+    /// --expert-cache-fraction or --gpu-memory (per GPU), each GPU offloads its share.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub(crate) gpus: Vec<usize>,
     /// Also measure speculative decoding with the model's MTP layer drafting N tokens a step
@@ -112,13 +113,13 @@ pub struct BenchArgs {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum OnOff {
+pub(crate) enum OnOff {
     On,
     Off,
 }
 
 /// The expert caches the flags ask for, in measurement order.
-fn cache_specs(a: &BenchArgs) -> Result<Vec<ExpertCache>> {
+pub(crate) fn cache_specs(a: &BenchArgs) -> Result<Vec<ExpertCache>> {
     if let Some(gb) = a.gpu_memory {
         if !(gb.is_finite() && gb > 0.0) {
             bail!("--gpu-memory {gb}: expected a size in GB above 0");

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_engine::{Engine, SeqId};
-use deltamoe_model::gpu::ExpertCache;
+use deltamoe_model::gpu::{ExpertCache, OffloadStats};
 use deltamoe_model::Logits;
 use serde_json::{json, Value};
 
@@ -20,19 +20,21 @@ use crate::{commands, synthetic};
 /// Runs the measurements on `ordinals`.
 pub fn run(a: &BenchArgs, ordinals: &[usize]) -> Result<Value> {
     crate::check_gpus(ordinals)?;
-    if a.speculative_tokens > 0 || a.zipf.is_some() || a.gpu_memory.is_some() {
-        bail!("bench --gpus: --speculative-tokens, --zipf and --gpu-memory measure one GPU; drop them or --gpus");
+    let host_experts = a.cpu_experts.contains(&crate::bench::OnOff::On);
+    if a.speculative_tokens > 0 || a.zipf.is_some() || a.host_memory.is_some() || host_experts {
+        bail!("bench --gpus: --speculative-tokens, --zipf, --host-memory and --cpu-experts on measure one GPU; drop them or --gpus");
     }
-    if !a.expert_cache_fraction.is_empty() || a.host_memory.is_some() {
-        bail!("bench --gpus: offloaded experts run on one GPU; drop --expert-cache-fraction and --host-memory");
-    }
+    let cache = match crate::bench::cache_specs(a)?[..] {
+        [cache] => cache,
+        _ => bail!("bench --gpus: one --expert-cache-fraction at a time"),
+    };
     let gpus = commands::open_gpus(ordinals).context("--device cuda")?;
     let max_pos_ctx = a.contexts.iter().max().copied().unwrap_or(128);
     let max_ctx = (max_pos_ctx + a.warmup + a.gen_len + 16)
         .max(a.prompt_len.iter().max().copied().unwrap_or(1) + 1);
     let max_batch = a.batch.iter().copied().max().unwrap_or(1).max(1);
     let t0 = Instant::now();
-    let (mut engine, name) = engine(a, &gpus, max_ctx, max_batch)?;
+    let (mut engine, name) = engine(a, &gpus, (max_ctx, max_batch), cache)?;
     println!("model    {name}");
     let mut memory = Vec::new();
     for (i, g) in ordinals.iter().zip(&gpus) {
@@ -72,23 +74,24 @@ pub fn run(a: &BenchArgs, ordinals: &[usize]) -> Result<Value> {
     )
 }
 
-/// The engine on `gpus` with room for `max_batch` sequences of `max_ctx` tokens.
+/// The engine on `gpus` with room for `max_batch` sequences of `max_ctx` tokens, the routed
+/// experts behind `cache` (see `ExpertCache::per_gpu`).
 fn engine(
     a: &BenchArgs,
     gpus: &[Arc<Gpu>],
-    max_ctx: usize,
-    max_batch: usize,
+    (max_ctx, max_batch): (usize, usize),
+    cache: ExpertCache,
 ) -> Result<(Engine, String)> {
     let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
     let several = gpus.len() > 1;
     if let Some((cfg, name)) = synthetic_config(a)? {
         let e = match several {
             true => {
-                let make = synthetic::shard_maker(&cfg, quant);
+                let make = synthetic::shard_maker(&cfg, quant, (cache, gpus.len()));
                 Engine::new_cuda_shards(cfg, gpus.to_vec(), make, max_ctx, max_batch)?
             }
             false => {
-                let m = synthetic::gpu_model(&cfg, gpus[0].clone(), quant, ExpertCache::All)?;
+                let m = synthetic::gpu_model(&cfg, gpus[0].clone(), quant, cache)?;
                 Engine::new_cuda_model(cfg, m, max_ctx, max_batch)?
             }
         };
@@ -97,8 +100,8 @@ fn engine(
     let dir = a.model.clone().unwrap_or_default();
     let m = commands::load_dir(&dir)?;
     let e = match several {
-        true => Engine::new_cuda_gpus(m, gpus.to_vec(), max_ctx, max_batch)?,
-        false => Engine::new_cuda(m, gpus[0].clone(), max_ctx, max_batch)?,
+        true => Engine::new_cuda_gpus(m, gpus.to_vec(), (max_ctx, max_batch), cache)?,
+        false => Engine::new_cuda_with(m, gpus[0].clone(), max_ctx, max_batch, cache)?,
     };
     Ok((e, dir.display().to_string()))
 }
@@ -154,19 +157,21 @@ fn decode_at(
         ids.push(id);
     }
     let mut toks = crate::bench::distinct_tokens(b, vocab);
-    let mut step = |toks: &mut Vec<u32>| -> Result<()> {
+    let step = |engine: &mut Engine, toks: &mut Vec<u32>| -> Result<()> {
         let batch: Vec<(SeqId, u32)> = ids.iter().copied().zip(toks.iter().copied()).collect();
         *toks = engine.step(&batch)?;
         Ok(())
     };
     for _ in 0..warmup {
-        step(&mut toks)?;
+        step(engine, &mut toks)?;
     }
+    let before = engine.offload_stats();
     let t = Instant::now();
     for _ in 0..gen_len {
-        step(&mut toks)?;
+        step(engine, &mut toks)?;
     }
     let secs = t.elapsed().as_secs_f64() / gen_len as f64;
+    let offload = offload_during(before, engine.offload_stats());
     let comm = engine.comm_seconds(b)?;
     for id in ids {
         engine.remove_sequence(id);
@@ -175,9 +180,29 @@ fn decode_at(
     let comm_note = comm.map_or(String::new(), |c| {
         format!("  {:6.3} ms of it in all-reduces (alone)", c * 1e3)
     });
-    println!("decode   context {ctx:>6}, batch {b:>3}: {tok_s:8.1} tok/s in all  {:7.3} ms/step{comm_note}", secs * 1e3);
+    let offload_note = offload.map_or(String::new(), |(hit, gb)| {
+        format!(
+            "  cache hits {:5.1}%, {gb:.3} GB/token over PCIe",
+            hit * 100.0
+        )
+    });
+    println!("decode   context {ctx:>6}, batch {b:>3}: {tok_s:8.1} tok/s in all  {:7.3} ms/step{comm_note}{offload_note}", secs * 1e3);
     Ok(
         json!({"context": ctx, "batch": b, "tok_s": tok_s, "ms_per_step": secs * 1e3,
-              "comm_ms_per_step": comm.map(|c| c * 1e3)}),
+              "comm_ms_per_step": comm.map(|c| c * 1e3),
+              "cache_hit_rate": offload.map(|o| o.0), "pcie_gb_per_token": offload.map(|o| o.1)}),
     )
+}
+
+/// The expert cache's hit rate and the GB a token read over PCIe between two readings of the
+/// offload statistics (all GPUs together), when experts are offloaded.
+fn offload_during(before: Option<OffloadStats>, after: Option<OffloadStats>) -> Option<(f64, f64)> {
+    let (b, a) = (before?, after?);
+    let (hits, misses) = (a.hits - b.hits, a.misses - b.misses);
+    let bytes = (a.far_bytes + a.admit_bytes - b.far_bytes - b.admit_bytes) as f64;
+    let tokens = (a.tokens - b.tokens).max(1) as f64;
+    Some((
+        hits as f64 / (hits + misses).max(1) as f64,
+        bytes / tokens / 1e9,
+    ))
 }

@@ -224,9 +224,9 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
     Ok(engine)
 }
 
-/// An engine for `model` on `gpus` with state for `seqs` sequences of `ctx` tokens: on several,
-/// the routed experts divided among them; on one, behind expert cache `cache`, the CPU computing
-/// experts outside it when `cpu_experts`.
+/// An engine for `model` on `gpus` with state for `seqs` sequences of `ctx` tokens, behind expert
+/// cache `cache`: on several, the routed experts divided among them; on one, the CPU computing
+/// experts outside the cache when `cpu_experts`.
 pub fn cuda_engine(
     model: Qwen3Hybrid,
     gpus: Vec<Arc<cuda::Gpu>>,
@@ -234,7 +234,7 @@ pub fn cuda_engine(
     (cache, cpu_experts): (ExpertCache, bool),
 ) -> deltamoe_engine::Result<Engine> {
     if gpus.len() > 1 {
-        return Engine::new_cuda_gpus(model, gpus, ctx, seqs);
+        return Engine::new_cuda_gpus(model, gpus, (ctx, seqs), cache);
     }
     let mut engine = Engine::new_cuda_with(model, gpus[0].clone(), ctx, seqs, cache)?;
     if cpu_experts {

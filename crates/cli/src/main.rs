@@ -89,8 +89,8 @@ pub struct ModelArgs {
     #[arg(long)]
     cpu_experts: bool,
     /// CUDA: run on these GPUs (device numbers, e.g. 0,1), the routed experts divided among them
-    /// and every other weight on each (expert parallel over NCCL). One number picks that GPU.
-    /// Default: GPU 0.
+    /// and every other weight on each (expert parallel over NCCL; with --expert-cache GB, each
+    /// GPU caches its share of the GB). One number picks that GPU. Default: GPU 0.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     gpus: Vec<usize>,
 }
@@ -100,9 +100,9 @@ impl ModelArgs {
     /// several, none of the one-GPU options.
     pub fn gpus(&self) -> anyhow::Result<Vec<usize>> {
         check_gpus(&self.gpus)?;
-        if self.gpus.len() > 1 && (self.expert_cache.is_some() || self.cpu_experts) {
+        if self.gpus.len() > 1 && self.cpu_experts {
             anyhow::bail!(
-                "--gpus {}: --expert-cache and --cpu-experts run on one GPU; drop them or name one GPU",
+                "--gpus {}: --cpu-experts runs on one GPU; drop it or name one GPU",
                 list(&self.gpus)
             );
         }

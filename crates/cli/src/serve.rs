@@ -244,7 +244,7 @@ fn synthetic_factory(
         let gpus = place.open("--synthetic")?;
         let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
         if gpus.len() > 1 {
-            let make = synthetic::shard_maker(&cfg, quant);
+            let make = synthetic::shard_maker(&cfg, quant, (place.cache, gpus.len()));
             return Engine::new_cuda_shards(cfg, gpus, make, ctx, max_seqs);
         }
         let model = synthetic::gpu_model(&cfg, gpus[0].clone(), quant, place.cache);

@@ -112,10 +112,16 @@ pub fn gpu_model(
     GpuModel::synthetic(cfg, gpu, SEED, format, cache)
 }
 
-/// How each of several GPUs makes its part of [`gpu_model`]'s model (`--gpus`).
-pub fn shard_maker(cfg: &ModelConfig, format: DevFormat) -> Arc<MakeShard> {
+/// How each of several GPUs makes its part of [`gpu_model`]'s model (`--gpus`), its share of the
+/// routed experts behind its part of `cache` (see `ExpertCache::per_gpu`).
+pub fn shard_maker(
+    cfg: &ModelConfig,
+    format: DevFormat,
+    (cache, gpus): (ExpertCache, usize),
+) -> Arc<MakeShard> {
     let cfg = cfg.clone();
-    Arc::new(move |gpu, shard| GpuModel::synthetic_shard(&cfg, gpu, (SEED, format), shard))
+    let cache = cache.per_gpu(gpus);
+    Arc::new(move |gpu, shard| GpuModel::synthetic_shard(&cfg, gpu, (SEED, format), shard, cache))
 }
 
 #[cfg(test)]

@@ -72,8 +72,9 @@ fn chat_with_token_ids_is_an_error() {
     );
 }
 
-/// `--gpus` is checked before anything loads: a device named twice, the one-GPU options with
-/// several, and GPUs with the CPU backend are one-line errors naming the flags.
+/// `--gpus` is checked before anything loads: a device named twice, the one-GPU option
+/// (`--cpu-experts`) with several, and GPUs with the CPU backend are one-line errors naming the
+/// flags.
 #[test]
 fn gpus_are_checked_up_front() {
     let model = fixture("qwen3_5_moe");
@@ -98,8 +99,8 @@ fn gpus_are_checked_up_front() {
         &["--gpus 0,1,0", "GPU 0 is named twice"],
     );
     expect_error(
-        &with(&["--gpus", "0,1", "--expert-cache", "1"]),
-        &["--gpus 0,1", "--expert-cache", "one GPU"],
+        &with(&["--gpus", "0,1", "--expert-cache", "1", "--cpu-experts"]),
+        &["--gpus 0,1", "--cpu-experts", "one GPU"],
     );
     expect_error(
         &with(&["--gpus", "0,1", "--device", "cpu"]),

@@ -4,7 +4,8 @@
 //! the parts, which changes the order of that sum and nothing else: the foundation tolerance
 //! against transformers holds as on one GPU (5e-3·max|ref|, argmax ≥ 98%, the same greedy
 //! tokens), in one prefill pass, passes of 37, single and batched decode steps, and a restored
-//! snapshot resumes bitwise. The GGUF files, whose bf16 roundings make these random models
+//! snapshot resumes bitwise. With each GPU's share of the experts offloaded behind a device
+//! cache, the logits are bitwise those of the two GPUs with every expert resident. The GGUF files, whose bf16 roundings make these random models
 //! chaotic against transformers (see `golden_cuda.rs`), are checked against one GPU.
 
 mod common;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use common::{check_logits, fixtures, gguf_prompts, greedy, prompts};
 use deltamoe_compute::cuda::Gpu;
 use deltamoe_engine::Engine;
-use deltamoe_model::gpu::{GdnPrefill, PrefillGemm};
+use deltamoe_model::gpu::{ExpertCache, GdnPrefill, OffloadStats, PrefillGemm};
 use deltamoe_model::{Logits, Qwen3Hybrid};
 
 fn gpus(n: usize) -> Vec<Arc<Gpu>> {
@@ -27,7 +28,7 @@ fn engine(path: &std::path::Path, gpus: &[Arc<Gpu>]) -> Engine {
     let model = Qwen3Hybrid::load(path).unwrap();
     let mut e = match gpus.len() {
         1 => Engine::new_cuda(model, gpus[0].clone(), 4096, 8).unwrap(),
-        _ => Engine::new_cuda_gpus(model, gpus.to_vec(), 4096, 8).unwrap(),
+        _ => Engine::new_cuda_gpus(model, gpus.to_vec(), (4096, 8), ExpertCache::All).unwrap(),
     };
     e.set_gdn_prefill(GdnPrefill::Recurrent);
     e.set_prefill_gemm(PrefillGemm::Exact);
@@ -98,4 +99,84 @@ fn two_gpus_match_one_on_gguf_files() {
             }
         }
     }
+}
+
+/// Prefill each prompt in passes of 5 tokens, then 24 batched decode steps of all of them (each
+/// row fed its greedy token), then one more token each through a one-token pass: the passes'
+/// logit rows and the steps' tokens, in order, and the offload statistics. A step that computed
+/// other values would also change the state the last pass reads.
+fn prefill_and_steps(
+    e: &mut Engine,
+    ps: &[Vec<u32>],
+) -> (Vec<Vec<f32>>, Vec<u32>, Option<OffloadStats>) {
+    let vocab = e.config().vocab_size;
+    let argmax = |r: &[f32]| (0..r.len()).fold(0, |b, i| if r[i] > r[b] { i } else { b }) as u32;
+    let (mut out, mut ids, mut toks) = (Vec::new(), Vec::new(), Vec::new());
+    for p in ps {
+        let id = e.add_sequence().unwrap();
+        let l = e.prefill(id, p, Some(5), Logits::All).unwrap();
+        toks.push(argmax(&l[l.len() - vocab..]));
+        out.push(l);
+        ids.push(id);
+    }
+    let mut stepped = Vec::new();
+    for _ in 0..24 {
+        let batch: Vec<_> = ids.iter().copied().zip(toks.iter().copied()).collect();
+        toks = e.step(&batch).unwrap();
+        stepped.extend(&toks);
+    }
+    let batch: Vec<_> = ids.iter().copied().zip(toks.iter().copied()).collect();
+    out.extend(e.decode(&batch).unwrap());
+    for id in ids {
+        e.remove_sequence(id);
+    }
+    (out, stepped, e.offload_stats())
+}
+
+/// Each GPU's share of the routed experts in pinned host memory behind a device cache of none
+/// or a quarter of them: a prefill in passes of 5 (its experts staged), 24 steps of three
+/// sequences at once (far experts read over PCIe, the residency policy's swaps between steps)
+/// and a pass after them give bitwise the logits (and the same tokens) of the two GPUs with
+/// every expert resident.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn two_gpus_with_offloaded_experts_match_all_resident() {
+    let two = gpus(2);
+    let mut checked = 0;
+    for dir in fixtures() {
+        let model = || Qwen3Hybrid::load(&dir).unwrap();
+        if model().config().num_experts == 0 {
+            continue;
+        }
+        let ps: Vec<Vec<u32>> = prompts(&dir)
+            .iter()
+            .map(|p| p.tokens.clone())
+            .chain([prompts(&dir)[0].tokens[..7].to_vec()])
+            .collect();
+        let run = |cache| {
+            let mut e = Engine::new_cuda_gpus(model(), two.clone(), (4096, 8), cache).unwrap();
+            prefill_and_steps(&mut e, &ps)
+        };
+        let (want, want_steps, none) = run(ExpertCache::All);
+        assert!(
+            none.is_none(),
+            "{}: all resident, nothing offloaded",
+            dir.display()
+        );
+        for cache in [ExpertCache::Fraction(0.0), ExpertCache::Fraction(0.25)] {
+            let (got, steps, st) = run(cache);
+            let name = format!("2 gpus {} {cache:?}", dir.display());
+            assert_eq!(steps, want_steps, "{name}: the steps' tokens");
+            assert_eq!(got.len(), want.len(), "{name}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{name}: logit row block {i} differs");
+            }
+            let st = st.unwrap();
+            assert!(st.misses > 0 && st.staged_host_bytes > 0, "{name}: {st:?}");
+            eprintln!("{name}: bitwise equal; {st:?}");
+        }
+        checked += 1;
+    }
+    assert!(checked >= 3, "only {checked} MoE fixtures");
 }

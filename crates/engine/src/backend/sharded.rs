@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 
 use deltamoe_compute::cuda::comm::{Comm, CommId};
 use deltamoe_compute::cuda::Gpu;
-use deltamoe_model::gpu::{GdnPrefill, GpuModel, PrefillGemm, Shard};
+use deltamoe_model::gpu::{GdnPrefill, GpuModel, OffloadStats, PrefillGemm, Shard};
 use deltamoe_model::Logits;
 
 use super::cuda::{cuda_err, CudaBackend};
@@ -381,9 +381,32 @@ impl<B: Member> Backend for ShardedBackend<B> {
         match on {
             false => Ok(()),
             true => Err(EngineError::Input(
-                "--cpu-experts needs offloaded experts, which run on one GPU: drop --gpus".into(),
+                "--cpu-experts runs on one GPU: drop it or --gpus".into(),
             )),
         }
+    }
+
+    /// Every GPU's expert offload together (see `OffloadStats::with`).
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        let replies: Vec<_> = self
+            .workers
+            .iter()
+            .map(|w| {
+                let (tx, rx) = mpsc::channel();
+                let _ = w.jobs.send(Box::new(move |m: &mut Slot<B>| {
+                    let _ = tx.send(m.backend.offload_stats());
+                }));
+                rx
+            })
+            .collect();
+        let lead = self.lead.offload_stats();
+        replies
+            .iter()
+            .map(|rx| rx.recv().ok().flatten())
+            .fold(lead, |a, b| match (a, b) {
+                (Some(a), Some(b)) => Some(a.with(b)),
+                (a, b) => a.or(b),
+            })
     }
 }
 

@@ -100,26 +100,46 @@ pub(super) fn copy_matrices(
     Ok(())
 }
 
+/// The routed experts of a layer that one GPU places: `own` of the layer's `total` (all of them,
+/// or this GPU's share when several run the model, see `super::shard`). Index j of the placed
+/// experts is the layer's expert `own.start + j`.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Held {
+    pub(crate) own: Range<usize>,
+    pub(crate) total: usize,
+}
+
+impl Held {
+    pub(crate) fn len(&self) -> usize {
+        self.own.len()
+    }
+
+    /// Whether other GPUs hold some of the layer's experts.
+    fn shared_out(&self) -> bool {
+        self.own.len() < self.total
+    }
+}
+
 /// A layer whose routed experts wait to be placed, and where they come from.
 pub(crate) struct Pending<'a> {
     pub(crate) layer: usize,
-    pub(crate) experts: usize,
+    pub(crate) held: Held,
     pub(crate) stacked: bool,
     pub(crate) src: Box<dyn ExpertSource + 'a>,
 }
 
 impl<'a> Pending<'a> {
-    /// Layer `layer`'s `experts` routed experts (the shared one stacked after them when
-    /// `stacked`), from `src`.
+    /// Layer `layer`'s `held` routed experts (the shared one stacked after them when
+    /// `stacked`), from `src`, which numbers them from 0.
     pub(crate) fn new(
         layer: usize,
-        experts: usize,
+        held: Held,
         stacked: bool,
         src: Box<dyn ExpertSource + 'a>,
     ) -> Pending<'a> {
         Pending {
             layer,
-            experts,
+            held,
             stacked,
             src,
         }
@@ -172,27 +192,30 @@ pub(crate) struct LayerExperts {
     /// Which host position holds each expert's data (always, outside the cache; a clean copy,
     /// in it).
     homes: Homes,
-    /// Where each routed expert is: its cache slot or split + its host position (read over
-    /// PCIe, or handed to the host by the router); and the host's copy of that table.
+    /// Where each of the layer's routed experts is: its cache slot or split + its host position
+    /// (read over PCIe, or handed to the host by the router), −1 for other GPUs' experts; and
+    /// the host's copy of that table.
     loc: DevBuf<i32>,
     loc_host: Vec<i32>,
     pub(super) res: Residency,
+    /// The experts placed here (`experts` of them, numbered from 0 in the tables above).
+    pub(super) held: Held,
     pub(super) experts: usize,
     pub(super) stacked: bool,
 }
 
 impl LayerExperts {
-    /// Place the `experts` routed experts of `src` (then its shared expert, when `stacked`):
+    /// Place the `held` routed experts of `src` (then its shared expert, when `stacked`):
     /// `slots` of them in new device stacks (returned: `[gate | up]`, down), the others in
     /// pinned host stacks, with clean copies of `copies` cached ones.
     pub(super) fn place(
         g: &Gpu,
         src: &dyn ExpertSource,
-        experts: usize,
-        stacked: bool,
+        (held, stacked): (Held, bool),
         slots: usize,
         copies: usize,
     ) -> Result<(LayerExperts, DevMat, DevMat)> {
+        let experts = held.len();
         let s = slots.min(experts);
         let (c, out) = (copies.min(s), experts - s);
         let (fg, fd) = src.formats();
@@ -219,13 +242,20 @@ impl LayerExperts {
             gu,
             down,
             homes: Homes::new(experts, s, c),
-            loc: g.zeros(experts)?,
+            loc: g.zeros(held.total)?,
             loc_host: Vec::new(),
             res: Residency::new(experts, s, Policy::default()),
+            held,
             experts,
             stacked,
         };
-        lx.loc_host = (0..experts).map(|e| lx.locate(e)).collect();
+        let own = lx.held.own.clone();
+        lx.loc_host = (0..lx.held.total)
+            .map(|e| match own.contains(&e) {
+                true => lx.locate(e - own.start),
+                false => -1,
+            })
+            .collect();
         g.write(&mut lx.loc, &lx.loc_host)?;
         Ok((lx, dev.0, dev.1))
     }
@@ -296,10 +326,12 @@ impl LayerExperts {
     }
 
     /// The expert a routed id of the last step names: a cache slot (below split), a host
-    /// position (split + p), or a host position handed to the host (−1 − p).
+    /// position (split + p), or a host position handed to the host (−1 − p); none for −1 when
+    /// other GPUs hold some experts (theirs; the host takes none then).
     pub(super) fn expert_of(&self, id: i32) -> Option<usize> {
         let split = self.split() as i64;
         match id as i64 {
+            id if id < 0 && self.held.shared_out() => None,
             id if id < 0 => self.homes.lodger((-1 - id) as usize),
             id if id >= split => self.homes.lodger((id - split) as usize),
             id => self.res.expert_in(id as usize),
@@ -321,12 +353,13 @@ impl LayerExperts {
         }
     }
 
-    /// Point `loc[e]` at where expert `e` is now (in stream order).
+    /// Point the `loc` entry of expert `e` (of those placed here) at where it is now (in stream
+    /// order).
     fn relocate(&mut self, g: &Gpu, e: usize) -> Result<()> {
-        let v = self.locate(e);
-        if self.loc_host[e] != v {
-            g.set_i32(&self.loc, e, v)?;
-            self.loc_host[e] = v;
+        let (v, at) = (self.locate(e), self.held.own.start + e);
+        if self.loc_host[at] != v {
+            g.set_i32(&self.loc, at, v)?;
+            self.loc_host[at] = v;
         }
         Ok(())
     }

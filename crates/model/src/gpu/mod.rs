@@ -277,22 +277,29 @@ impl GpuModel {
     }
 
     /// GPU `shard.rank()`'s part of `model` on `gpu`: every weight but the routed experts, and
-    /// its share of those (see [`shard`]), read from the loaded checkpoint.
+    /// its share of those (see [`shard`]), read from the loaded checkpoint; offloaded to pinned
+    /// host memory with a device cache sized by `cache` (for this GPU's share) unless that is
+    /// [`ExpertCache::All`].
     pub fn upload_shard(
         model: &impl AsRef<Checkpoint>,
         gpu: Arc<Gpu>,
         shard: Shard,
+        cache: ExpertCache,
     ) -> Result<GpuModel> {
         let ckpt = model.as_ref();
-        let (bytes, experts) = ckpt.weight_bytes();
-        let held = experts.div_ceil(shard.world());
-        if let Some(msg) = weights_do_not_fit((bytes - experts + held, held), gpu.mem_info()?) {
-            return Err(CudaError::OutOfMemory(msg));
+        let offload = cache != ExpertCache::All;
+        if !offload {
+            let (bytes, experts) = ckpt.weight_bytes();
+            let held = experts.div_ceil(shard.world());
+            if let Some(msg) = weights_do_not_fit((bytes - experts + held, held), gpu.mem_info()?) {
+                return Err(CudaError::OutOfMemory(msg));
+            }
         }
-        let (parts, _) =
-            upload::upload_model(&gpu, ckpt, false, Some(&shard)).map_err(weights_err)?;
+        let (parts, pending) =
+            upload::upload_model(&gpu, ckpt, offload, Some(&shard)).map_err(weights_err)?;
         let mut m = GpuModel::assemble(&ckpt.config, gpu, parts)?;
         m.shard = Some(shard);
+        m.place_experts(cache, pending)?;
         Ok(m)
     }
 

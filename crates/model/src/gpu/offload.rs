@@ -44,6 +44,17 @@ pub enum ExpertCache {
     GpuMemory(usize),
 }
 
+impl ExpertCache {
+    /// The cache of each of `gpus` GPUs that hold a share of the experts each: a byte budget
+    /// divided among them, the other forms as they are.
+    pub fn per_gpu(self, gpus: usize) -> ExpertCache {
+        match self {
+            ExpertCache::Bytes(b) => ExpertCache::Bytes(b / gpus.max(1)),
+            other => other,
+        }
+    }
+}
+
 /// Device memory an offloaded model leaves free for sequence state and activations when it
 /// sizes its caches.
 pub const STATE_RESERVE: usize = 8 << 30;
@@ -97,6 +108,25 @@ pub struct OffloadStats {
 }
 
 impl OffloadStats {
+    /// The statistics of two GPUs' shares of the experts together: counts and bytes summed,
+    /// steps and tokens (which every GPU runs) as they are, the host's seconds the longer.
+    pub fn with(self, o: OffloadStats) -> OffloadStats {
+        OffloadStats {
+            steps: self.steps.max(o.steps),
+            tokens: self.tokens.max(o.tokens),
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            far_bytes: self.far_bytes + o.far_bytes,
+            host: self.host + o.host,
+            host_seconds: self.host_seconds.max(o.host_seconds),
+            admitted: self.admitted + o.admitted,
+            admit_bytes: self.admit_bytes + o.admit_bytes,
+            written_back: self.written_back + o.written_back,
+            staged_host_bytes: self.staged_host_bytes + o.staged_host_bytes,
+            staged_device_bytes: self.staged_device_bytes + o.staged_device_bytes,
+        }
+    }
+
     pub fn hit_rate(&self) -> f64 {
         self.hits as f64 / (self.hits + self.misses).max(1) as f64
     }
@@ -169,7 +199,8 @@ impl GpuModel {
         let Some(lx) = moe.first().and_then(|&i| self.layer_experts(i)) else {
             return Ok(self.num_experts);
         };
-        let (experts, stacked) = (lx.experts, lx.stacked);
+        let (held, stacked) = (lx.held.clone(), lx.stacked);
+        let experts = held.len();
         let slot_bytes = lx.expert_bytes();
         // What the layers hold now counts as free: each layer's is freed before it is placed.
         let held_device = moe.len() * lx.res.slots() * slot_bytes;
@@ -191,12 +222,7 @@ impl GpuModel {
             drop(lx);
             *experts_gu = experts_gu.empty(&g)?;
             *experts_down = experts_down.empty(&g)?;
-            let p = Pending {
-                layer: i,
-                experts,
-                stacked,
-                src: Box::new(src),
-            };
+            let p = Pending::new(i, held.clone(), stacked, Box::new(src));
             self.place_layer(p, slots, copies)?;
         }
         self.placed(slots)
@@ -213,7 +239,7 @@ impl GpuModel {
         let Some(first) = pending.first() else {
             return Ok(self.num_experts);
         };
-        let (experts, stacked) = (first.experts, first.stacked);
+        let (experts, stacked) = (first.held.len(), first.stacked);
         let (fg, fd) = first.src.formats();
         let slot_bytes = fg.matrix_bytes() + fd.matrix_bytes();
         if self.offload.is_none() {
@@ -280,9 +306,11 @@ impl GpuModel {
                 STATE_RESERVE >> 30
             )));
         }
+        // With several GPUs each takes its share of what the host has.
+        let world = self.shard.as_ref().map_or(1, |s| s.world());
         let host_room = match self.host_memory {
             Some(b) => b,
-            None => (host_available() + held_host).saturating_sub(HOST_RESERVE),
+            None => (host_available() + held_host).saturating_sub(HOST_RESERVE) / world,
         };
         let copies = clean_copies(host_room, layers, slot_bytes, experts, slots);
         Ok((slots, copies))
@@ -291,7 +319,7 @@ impl GpuModel {
     /// Place one layer's experts: `slots` cached, `copies` of them with clean host copies.
     fn place_layer(&mut self, p: Pending<'_>, slots: usize, copies: usize) -> Result<()> {
         let g = self.gpu.clone();
-        let (lx, gu, down) = LayerExperts::place(&g, &*p.src, p.experts, p.stacked, slots, copies)?;
+        let (lx, gu, down) = LayerExperts::place(&g, &*p.src, (p.held, p.stacked), slots, copies)?;
         // The source (a gathered layer: host memory) is freed before the next one is placed.
         drop(p.src);
         if let Some(MoeFfn {
@@ -430,9 +458,9 @@ impl GpuModel {
         Ok(())
     }
 
-    /// For a prefill pass of layer `i` whose `pairs` routed ids (expert indices; the shared
-    /// expert at index E) are at `ids`: copy the experts they use into the staging stacks and
-    /// return the stacks' products.
+    /// For a prefill pass of layer `i` whose `pairs` routed ids (indices of the experts held
+    /// here; the shared expert after them; −1 for other GPUs' picks) are at `ids`: copy the
+    /// experts they use into the staging stacks and return the stacks' products.
     pub(super) fn stage_experts(
         &self,
         i: usize,
@@ -446,7 +474,9 @@ impl GpuModel {
         let g = &*self.gpu;
         let mut used = vec![false; lx.experts + 1];
         for id in g.read(ids, pairs)? {
-            used[id as usize] = true;
+            if let Ok(e) = usize::try_from(id) {
+                used[e] = true;
+            }
         }
         let (stage_gu, stage_down) = (o.stage.0.pieces(), o.stage.1.pieces());
         let (cache_gu, cache_down) = (experts_gu.pieces(), experts_down.pieces());

@@ -212,26 +212,57 @@ impl Seeded {
     }
 }
 
-/// A synthetic MoE layer's experts (`[gate | up]`, down): filled where they are placed.
-pub(crate) struct SeededExperts(Seeded, Seeded);
+/// A synthetic MoE layer's experts (`[gate | up]`, down): filled where they are placed. The
+/// source numbers the experts `held` of the layer's `routed` from 0 (then the stacked shared
+/// expert), with the values they have in the stack of all `routed` (shared at `routed`).
+pub(crate) struct SeededExperts {
+    gu: Seeded,
+    down: Seeded,
+    held: Range<usize>,
+    routed: usize,
+}
 
 impl SeededExperts {
-    /// The seeds of random experts whose `[gate | up]` and down are `gu` and `down` (n, k).
-    pub fn new(f: &mut Filler, gu: (usize, usize), down: (usize, usize)) -> SeededExperts {
-        SeededExperts(f.seeded(gu.0, gu.1), f.seeded(down.0, down.1))
+    /// The seeds of random experts whose `[gate | up]` and down are `gu` and `down` (n, k),
+    /// `held` of the layer's `routed` ones.
+    pub fn new(
+        f: &mut Filler,
+        (gu, down): ((usize, usize), (usize, usize)),
+        held: Range<usize>,
+        routed: usize,
+    ) -> SeededExperts {
+        let (gu, down) = (f.seeded(gu.0, gu.1), f.seeded(down.0, down.1));
+        SeededExperts {
+            gu,
+            down,
+            held,
+            routed,
+        }
     }
 }
 
 impl ExpertSource for SeededExperts {
     fn formats(&self) -> (Fmt, Fmt) {
-        (self.0.fmt, self.1.fmt)
+        (self.gu.fmt, self.down.fmt)
     }
 
     fn write(&self, g: &Gpu, down: bool, experts: Range<usize>, to: Dest<'_>) -> Result<()> {
-        if experts.is_empty() {
-            return Ok(());
+        let stack = if down { &self.down } else { &self.gu };
+        // The routed experts among `experts`, then the shared one, at their indices in the
+        // stack of all experts.
+        let n = self.held.len();
+        let (a, b) = (experts.start.min(n), experts.end.min(n));
+        let shared = experts.start.max(n)..experts.end.max(n);
+        let parts = [
+            (self.held.start + a..self.held.start + b, to.at),
+            (
+                self.routed + shared.start - n..self.routed + shared.end - n,
+                to.at + b - a,
+            ),
+        ];
+        for (mats, at) in parts.into_iter().filter(|(m, _)| !m.is_empty()) {
+            stack.write(g, mats, Dest { at, ..to })?;
         }
-        let stack = if down { &self.1 } else { &self.0 };
-        stack.write(g, experts, to)
+        Ok(())
     }
 }

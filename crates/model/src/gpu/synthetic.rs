@@ -41,17 +41,21 @@ impl GpuModel {
     }
 
     /// GPU `shard.rank()`'s part of the model [`Self::synthetic`] makes with `seed` and
-    /// `format` (every weight but the routed experts, and its share of those), all on the device.
+    /// `format`: every weight but the routed experts, and its share of those, cached on the
+    /// device as `cache` says (for this GPU's share).
     pub fn synthetic_shard(
         c: &ModelConfig,
         gpu: Arc<Gpu>,
         (seed, format): (u64, DevFormat),
         shard: Shard,
+        cache: ExpertCache,
     ) -> Result<GpuModel> {
-        let (parts, _) = random_parts(c, &gpu, (seed, format), false, Some(&shard))
+        let offload = cache != ExpertCache::All;
+        let (parts, pending) = random_parts(c, &gpu, (seed, format), offload, Some(&shard))
             .map_err(super::weights_err)?;
         let mut m = GpuModel::assemble(c, gpu, parts)?;
         m.shard = Some(shard);
+        m.place_experts(cache, pending)?;
         Ok(m)
     }
 

@@ -22,7 +22,7 @@ use super::{
 use crate::checkpoint::{LinearWeight, Moe};
 use crate::config::ModelConfig;
 use crate::gpu::format::{DevFormat, DevMat, Fmt};
-use crate::gpu::host_store::{Dest, ExpertSource, LayerExperts, Pending};
+use crate::gpu::host_store::{Dest, ExpertSource, Held, LayerExperts, Pending};
 use crate::gpu::random::{Filler, SeededExperts};
 use crate::gpu::shard::{held_share, Shard};
 
@@ -81,8 +81,8 @@ struct NextNorm {
 
 impl MoeFfn {
     /// A loaded MoE layer (number `layer`) on the device; with `offload` its expert stacks start
-    /// empty and the routed experts are returned to be placed; with `shard` (never with
-    /// `offload`) only this GPU's share of them is uploaded.
+    /// empty and the routed experts are returned to be placed; with `shard` only this GPU's
+    /// share of them is uploaded (or placed).
     pub fn upload<'a>(
         g: &Gpu,
         m: &'a Moe,
@@ -119,7 +119,11 @@ impl MoeFfn {
                 down,
                 formats: (gu_fmt, down_fmt),
             };
-            placed_later(g, (layer, e, stacked), Box::new(src))?
+            let held = Held {
+                own: own.clone(),
+                total: e,
+            };
+            placed_later(g, (layer, held, stacked), Box::new(src))?
         } else {
             let gu_mat = DevMat::stack(g, &gu, 2 * i, hidden, None)?;
             (gu_mat, DevMat::stack(g, &down, hidden, i, None)?, None)
@@ -154,8 +158,12 @@ impl MoeFfn {
         };
         let router = f.router(e + 1, h)?;
         let experts = if offload {
-            let src = SeededExperts::new(f, (2 * n, h), (h, n));
-            placed_later(f.g, (layer, e, stacked), Box::new(src))?
+            let src = SeededExperts::new(f, ((2 * n, h), (h, n)), own.clone(), e);
+            let held = Held {
+                own: own.clone(),
+                total: e,
+            };
+            placed_later(f.g, (layer, held, stacked), Box::new(src))?
         } else {
             // This GPU's share and the shared expert, of the stack one GPU would hold.
             let parts = [own.clone(), e..e + stacked as usize];
@@ -357,12 +365,12 @@ type Experts<'a> = (DevMat, DevMat, Option<Pending<'a>>);
 /// one `stacked` after them), its experts to be placed from `src`.
 fn placed_later<'a>(
     g: &Gpu,
-    (layer, experts, stacked): (usize, usize, bool),
+    (layer, held, stacked): (usize, Held, bool),
     src: Box<dyn ExpertSource + 'a>,
 ) -> Result<Experts<'a>> {
     let (fg, fd) = src.formats();
     let stacks = (fg.device_stack(g, 0)?, fd.device_stack(g, 0)?);
-    let p = Pending::new(layer, experts, stacked, src);
+    let p = Pending::new(layer, held, stacked, src);
     Ok((stacks.0, stacks.1, Some(p)))
 }
 
