@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// --expert-cache-fraction or --gpu-memory (per GPU), each GPU offloads its share.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub(crate) gpus: Vec<usize>,
+    /// With several --gpus: divide the attention and GDN heads among them too (tensor
+    /// parallel), one all-reduce after each mixer.
+    #[arg(long, requires = "gpus")]
+    pub(crate) tensor_parallel: bool,
     /// Also measure speculative decoding with the model's MTP layer drafting N tokens a step
     /// (a --config or --synthetic shape gets a random MTP layer: on the CPU when its config
     /// names one, `mtp_num_hidden_layers`; on CUDA always).

@@ -24,6 +24,9 @@ pub fn run(a: &BenchArgs, ordinals: &[usize]) -> Result<Value> {
     if a.speculative_tokens > 0 || a.zipf.is_some() || a.host_memory.is_some() || host_experts {
         bail!("bench --gpus: --speculative-tokens, --zipf, --host-memory and --cpu-experts on measure one GPU; drop them or --gpus");
     }
+    if a.tensor_parallel && ordinals.len() < 2 {
+        bail!("bench --tensor-parallel divides heads among GPUs: name two or more with --gpus");
+    }
     let cache = match crate::bench::cache_specs(a)?[..] {
         [cache] => cache,
         _ => bail!("bench --gpus: one --expert-cache-fraction at a time"),
@@ -87,7 +90,8 @@ fn engine(
     if let Some((cfg, name)) = synthetic_config(a)? {
         let e = match several {
             true => {
-                let make = synthetic::shard_maker(&cfg, quant, (cache, gpus.len()));
+                let split = (cache, gpus.len(), a.tensor_parallel);
+                let make = synthetic::shard_maker(&cfg, quant, split);
                 Engine::new_cuda_shards(cfg, gpus.to_vec(), make, max_ctx, max_batch)?
             }
             false => {
@@ -100,7 +104,10 @@ fn engine(
     let dir = a.model.clone().unwrap_or_default();
     let m = commands::load_dir(&dir)?;
     let e = match several {
-        true => Engine::new_cuda_gpus(m, gpus.to_vec(), (max_ctx, max_batch), cache)?,
+        true => {
+            let split = (cache, a.tensor_parallel);
+            Engine::new_cuda_gpus(m, gpus.to_vec(), (max_ctx, max_batch), split)?
+        }
         false => Engine::new_cuda_with(m, gpus[0].clone(), max_ctx, max_batch, cache)?,
     };
     Ok((e, dir.display().to_string()))

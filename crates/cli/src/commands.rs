@@ -214,7 +214,7 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
     }
     let t0 = Instant::now();
     let gpus = open_gpus(&gpus).context("--device cuda")?;
-    let place = (cache, args.cpu_experts());
+    let place = (cache, args.cpu_experts(), args.tensor_parallel());
     let engine = cuda_engine(model, gpus, (DEFAULT_CUDA_CONTEXT, seqs), place)?;
     eprintln!(
         "backend: {}, weights uploaded in {:.2} s",
@@ -225,16 +225,16 @@ pub fn engine_for(mut model: Qwen3Hybrid, args: &ModelArgs, seqs: usize) -> Resu
 }
 
 /// An engine for `model` on `gpus` with state for `seqs` sequences of `ctx` tokens, behind expert
-/// cache `cache`: on several, the routed experts divided among them; on one, the CPU computing
-/// experts outside the cache when `cpu_experts`.
+/// cache `cache`: on several, the routed experts divided among them (and the mixers' heads with
+/// `heads`); on one, the CPU computing experts outside the cache when `cpu_experts`.
 pub fn cuda_engine(
     model: Qwen3Hybrid,
     gpus: Vec<Arc<cuda::Gpu>>,
     (ctx, seqs): (usize, usize),
-    (cache, cpu_experts): (ExpertCache, bool),
+    (cache, cpu_experts, heads): (ExpertCache, bool, bool),
 ) -> deltamoe_engine::Result<Engine> {
     if gpus.len() > 1 {
-        return Engine::new_cuda_gpus(model, gpus, (ctx, seqs), cache);
+        return Engine::new_cuda_gpus(model, gpus, (ctx, seqs), (cache, heads));
     }
     let mut engine = Engine::new_cuda_with(model, gpus[0].clone(), ctx, seqs, cache)?;
     if cpu_experts {

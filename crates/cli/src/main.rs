@@ -93,6 +93,11 @@ pub struct ModelArgs {
     /// GPU caches its share of the GB). One number picks that GPU. Default: GPU 0.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     gpus: Vec<usize>,
+    /// With several --gpus: divide each attention and GDN layer's heads among them too (tensor
+    /// parallel: each GPU holds its heads' share of the mixer weights and state, one all-reduce
+    /// after each mixer). The head counts must divide by the number of GPUs.
+    #[arg(long)]
+    tensor_parallel: bool,
 }
 
 impl ModelArgs {
@@ -100,6 +105,11 @@ impl ModelArgs {
     /// several, none of the one-GPU options.
     pub fn gpus(&self) -> anyhow::Result<Vec<usize>> {
         check_gpus(&self.gpus)?;
+        if self.tensor_parallel && self.gpus.len() < 2 {
+            anyhow::bail!(
+                "--tensor-parallel divides heads among GPUs: name two or more with --gpus"
+            );
+        }
         if self.gpus.len() > 1 && self.cpu_experts {
             anyhow::bail!(
                 "--gpus {}: --cpu-experts runs on one GPU; drop it or name one GPU",
@@ -110,6 +120,11 @@ impl ModelArgs {
             true => vec![0],
             false => self.gpus.clone(),
         })
+    }
+
+    /// Whether the mixers' heads are divided among the GPUs (`--tensor-parallel`).
+    pub fn tensor_parallel(&self) -> bool {
+        self.tensor_parallel
     }
 
     /// Whether `--gpus` was given.

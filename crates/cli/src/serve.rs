@@ -139,6 +139,7 @@ struct Placement {
     gpus: Vec<usize>,
     cache: ExpertCache,
     cpu_experts: bool,
+    heads: bool,
 }
 
 impl Placement {
@@ -147,6 +148,7 @@ impl Placement {
             gpus: m.gpus()?,
             cache: m.expert_cache()?,
             cpu_experts: m.cpu_experts(),
+            heads: m.tensor_parallel(),
         })
     }
 
@@ -171,7 +173,7 @@ fn factory(
         let mut engine = if cuda {
             let gpus = place.open("--device cuda")?;
             let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
-            let experts = (cache, place.cpu_experts);
+            let experts = (cache, place.cpu_experts, place.heads);
             crate::commands::cuda_engine(model, gpus, (ctx, max_seqs), experts)?
         } else {
             if let ExpertCache::Bytes(bytes) = cache {
@@ -244,7 +246,7 @@ fn synthetic_factory(
         let gpus = place.open("--synthetic")?;
         let ctx = ctx.unwrap_or(DEFAULT_CUDA_CONTEXT);
         if gpus.len() > 1 {
-            let make = synthetic::shard_maker(&cfg, quant, (place.cache, gpus.len()));
+            let make = synthetic::shard_maker(&cfg, quant, (place.cache, gpus.len(), place.heads));
             return Engine::new_cuda_shards(cfg, gpus, make, ctx, max_seqs);
         }
         let model = synthetic::gpu_model(&cfg, gpus[0].clone(), quant, place.cache);

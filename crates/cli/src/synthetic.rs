@@ -113,15 +113,19 @@ pub fn gpu_model(
 }
 
 /// How each of several GPUs makes its part of [`gpu_model`]'s model (`--gpus`), its share of the
-/// routed experts behind its part of `cache` (see `ExpertCache::per_gpu`).
+/// routed experts behind its part of `cache` (see `ExpertCache::per_gpu`), and with `heads` its
+/// share of the mixers' heads.
 pub fn shard_maker(
     cfg: &ModelConfig,
     format: DevFormat,
-    (cache, gpus): (ExpertCache, usize),
+    (cache, gpus, heads): (ExpertCache, usize, bool),
 ) -> Arc<MakeShard> {
     let cfg = cfg.clone();
     let cache = cache.per_gpu(gpus);
-    Arc::new(move |gpu, shard| GpuModel::synthetic_shard(&cfg, gpu, (SEED, format), shard, cache))
+    Arc::new(move |gpu, shard| {
+        let shard = shard.with_heads(heads);
+        GpuModel::synthetic_shard(&cfg, gpu, (SEED, format), shard, cache)
+    })
 }
 
 #[cfg(test)]

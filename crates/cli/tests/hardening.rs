@@ -73,8 +73,8 @@ fn chat_with_token_ids_is_an_error() {
 }
 
 /// `--gpus` is checked before anything loads: a device named twice, the one-GPU option
-/// (`--cpu-experts`) with several, and GPUs with the CPU backend are one-line errors naming the
-/// flags.
+/// (`--cpu-experts`) with several, GPUs with the CPU backend and `--tensor-parallel` without
+/// several GPUs are one-line errors naming the flags.
 #[test]
 fn gpus_are_checked_up_front() {
     let model = fixture("qwen3_5_moe");
@@ -105,6 +105,10 @@ fn gpus_are_checked_up_front() {
     expect_error(
         &with(&["--gpus", "0,1", "--device", "cpu"]),
         &["--gpus", "CPU"],
+    );
+    expect_error(
+        &with(&["--tensor-parallel"]),
+        &["--tensor-parallel", "two or more"],
     );
     expect_error(
         &["info", "--model", m, "--gpus", "1,1"],

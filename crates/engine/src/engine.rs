@@ -111,19 +111,21 @@ impl Engine {
     /// An engine on several GPUs, the routed experts divided among them (expert parallel, see
     /// `deltamoe_model::gpu::Shard`): each GPU gets every other weight of `model` and its share
     /// of the experts, read from the loaded checkpoint, behind an expert cache (`cache` for all
-    /// GPUs together, see `ExpertCache::per_gpu`); state is reserved as [`Engine::new_cuda`]
-    /// does, the same on each GPU.
+    /// GPUs together, see `ExpertCache::per_gpu`), and with `heads` its share of the token
+    /// mixers' heads (tensor parallel) rather than all of them; state is reserved as
+    /// [`Engine::new_cuda`] does, the same on each GPU.
     pub fn new_cuda_gpus(
         model: Qwen3Hybrid,
         gpus: Vec<Arc<Gpu>>,
         (max_ctx, max_seqs): (usize, usize),
-        cache: ExpertCache,
+        (cache, heads): (ExpertCache, bool),
     ) -> Result<Engine> {
         let config = model.config().clone();
         let model = Arc::new(model);
         let cache = cache.per_gpu(gpus.len());
-        let make: Arc<MakeShard> =
-            Arc::new(move |gpu, shard| GpuModel::upload_shard(&*model, gpu, shard, cache));
+        let make: Arc<MakeShard> = Arc::new(move |gpu, shard| {
+            GpuModel::upload_shard(&*model, gpu, shard.with_heads(heads), cache)
+        });
         Engine::new_cuda_shards(config, gpus, make, max_ctx, max_seqs)
     }
 

@@ -25,14 +25,24 @@ fn gpus(n: usize) -> Vec<Arc<Gpu>> {
 /// An engine on `gpus` (one: the plain CUDA backend) with the exact prefill products and the
 /// f32 delta rule, as `golden_cuda.rs` runs them.
 fn engine(path: &std::path::Path, gpus: &[Arc<Gpu>]) -> Engine {
+    engine_split(path, gpus, false).unwrap()
+}
+
+/// [`engine`], the mixers' heads divided among the GPUs too when `heads`.
+fn engine_split(
+    path: &std::path::Path,
+    gpus: &[Arc<Gpu>],
+    heads: bool,
+) -> deltamoe_engine::Result<Engine> {
     let model = Qwen3Hybrid::load(path).unwrap();
+    let split = (ExpertCache::All, heads);
     let mut e = match gpus.len() {
-        1 => Engine::new_cuda(model, gpus[0].clone(), 4096, 8).unwrap(),
-        _ => Engine::new_cuda_gpus(model, gpus.to_vec(), (4096, 8), ExpertCache::All).unwrap(),
+        1 => Engine::new_cuda(model, gpus[0].clone(), 4096, 8)?,
+        _ => Engine::new_cuda_gpus(model, gpus.to_vec(), (4096, 8), split)?,
     };
     e.set_gdn_prefill(GdnPrefill::Recurrent);
     e.set_prefill_gemm(PrefillGemm::Exact);
-    e
+    Ok(e)
 }
 
 fn prefill_all(e: &mut Engine, tokens: &[u32], chunk: Option<usize>) -> Vec<f32> {
@@ -79,6 +89,97 @@ fn two_gpus_match_transformers() {
         }
         common::check_snapshot_resume(&mut e, &ps[0]);
     }
+}
+
+/// An engine on `gpus` with the mixers' heads divided among them, or None when the model is
+/// refused with the one-line error that says to drop `--tensor-parallel`.
+fn heads_or_refused(path: &std::path::Path, gpus: &[Arc<Gpu>]) -> Option<Engine> {
+    match engine_split(path, gpus, true) {
+        Ok(e) => Some(e),
+        Err(err) => {
+            let msg = err.to_string();
+            assert!(
+                msg.contains("drop --tensor-parallel"),
+                "{}: {msg}",
+                path.display()
+            );
+            eprintln!("{}: refused: {msg}", path.display());
+            None
+        }
+    }
+}
+
+/// The mixers' heads divided between the two GPUs too (tensor parallel, one all-reduce after
+/// each mixer's output projection): against transformers in one pass and passes of 37, greedy
+/// and batched continuations. A quantized fixture whose heads do not fill whole groups or FP8
+/// blocks (their GDN value width is 48 a GPU against groups of 32,
+/// FP8 blocks of 128) is refused with a one-line error.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn two_gpus_with_heads_divided_match_transformers() {
+    let two = gpus(2);
+    let mut checked = 0;
+    for dir in fixtures() {
+        let Some(mut e) = heads_or_refused(&dir, &two) else {
+            continue;
+        };
+        let vocab = e.config().vocab_size;
+        let ps = prompts(&dir);
+        for (i, p) in ps.iter().enumerate() {
+            for chunk in [None, Some(37)] {
+                let got = prefill_all(&mut e, &p.tokens, chunk);
+                let name = format!("2 gpus heads {} prompt{i} chunk {chunk:?}", dir.display());
+                check_logits(&name, &got, &p.logits, vocab);
+            }
+            assert_eq!(
+                greedy(&mut e, p),
+                p.greedy,
+                "heads greedy {}",
+                dir.display()
+            );
+        }
+        let rows: Vec<&common::Prompt> = ps.iter().chain(&ps).chain(&ps).collect();
+        for stagger in [0, 2] {
+            let out = common::greedy_batched(&mut e, &rows, stagger);
+            for (i, o) in out.iter().enumerate() {
+                assert_eq!(
+                    o,
+                    &rows[i].greedy,
+                    "heads batched {} row {i}",
+                    dir.display()
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked >= 9, "only {checked} fixtures ran");
+}
+
+/// The GGUF files with the mixers' heads divided between two GPUs against one GPU (a file whose
+/// heads do not fill whole groups is refused, as above).
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn two_gpus_with_heads_divided_match_one_on_gguf_files() {
+    let two = gpus(2);
+    let one = vec![two[0].clone()];
+    let mut checked = 0;
+    for (file, ps) in gguf_prompts() {
+        let Some(mut e2) = heads_or_refused(&file, &two) else {
+            continue;
+        };
+        checked += 1;
+        let mut e1 = engine(&file, &one);
+        let vocab = e1.config().vocab_size;
+        for (i, p) in ps.iter().enumerate() {
+            let want = prefill_all(&mut e1, &p.tokens, None);
+            for chunk in [None, Some(1), Some(37)] {
+                let got = prefill_all(&mut e2, &p.tokens, chunk);
+                let name = format!("2 gpus heads {} prompt{i} chunk {chunk:?}", file.display());
+                check_logits(&name, &got, &want, vocab);
+            }
+        }
+    }
+    assert!(checked >= 3, "only {checked} GGUF files ran");
 }
 
 #[test]
@@ -154,7 +255,8 @@ fn two_gpus_with_offloaded_experts_match_all_resident() {
             .chain([prompts(&dir)[0].tokens[..7].to_vec()])
             .collect();
         let run = |cache| {
-            let mut e = Engine::new_cuda_gpus(model(), two.clone(), (4096, 8), cache).unwrap();
+            let mut e =
+                Engine::new_cuda_gpus(model(), two.clone(), (4096, 8), (cache, false)).unwrap();
             prefill_and_steps(&mut e, &ps)
         };
         let (want, want_steps, none) = run(ExpertCache::All);

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod gdn;
+pub mod heads;
 pub mod linear;
 pub mod mlp;
 pub mod moe;

@@ -71,6 +71,7 @@ use deltamoe_compute::cuda::dispatch;
 use deltamoe_compute::cuda::ops::Batch;
 use deltamoe_compute::cuda::{CudaError, DevBuf, Gpu};
 
+use crate::checkpoint::heads::heads_share;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use layers::head::{Head, Picks};
@@ -149,6 +150,11 @@ fn weights_do_not_fit(
             gib(experts)
         )
     })
+}
+
+/// A model error met while making a GPU's part of the weights, as a CUDA error.
+pub(crate) fn input_err(e: crate::error::ModelError) -> CudaError {
+    CudaError::Unsupported(e.to_string())
 }
 
 /// An error met while placing the weights on the device; running out of memory there says what
@@ -279,14 +285,20 @@ impl GpuModel {
     /// GPU `shard.rank()`'s part of `model` on `gpu`: every weight but the routed experts, and
     /// its share of those (see [`shard`]), read from the loaded checkpoint; offloaded to pinned
     /// host memory with a device cache sized by `cache` (for this GPU's share) unless that is
-    /// [`ExpertCache::All`].
+    /// [`ExpertCache::All`]. With [`Shard::heads`], only its share of the mixers' heads
+    /// (`checkpoint::heads`).
     pub fn upload_shard(
         model: &impl AsRef<Checkpoint>,
         gpu: Arc<Gpu>,
         shard: Shard,
         cache: ExpertCache,
     ) -> Result<GpuModel> {
-        let ckpt = model.as_ref();
+        let whole = model.as_ref();
+        let part = match shard.heads() {
+            true => Some(heads_share(whole, shard.rank(), shard.world()).map_err(input_err)?),
+            false => None,
+        };
+        let ckpt = part.as_ref().unwrap_or(whole);
         let offload = cache != ExpertCache::All;
         if !offload {
             let (bytes, experts) = ckpt.weight_bytes();

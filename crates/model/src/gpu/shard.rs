@@ -17,11 +17,25 @@ use super::GpuModel;
 /// This GPU's place among the GPUs that run one model.
 pub struct Shard {
     comm: Comm,
+    heads: bool,
 }
 
 impl Shard {
+    /// A place that divides the routed experts only.
     pub fn new(comm: Comm) -> Shard {
-        Shard { comm }
+        Shard { comm, heads: false }
+    }
+
+    /// This place, the token mixers' heads divided too when `on` (tensor parallel, see
+    /// `checkpoint::heads`): each GPU's mixer output is then a partial sum, added up by one
+    /// all-reduce per mixer.
+    pub fn with_heads(self, on: bool) -> Shard {
+        Shard { heads: on, ..self }
+    }
+
+    /// Whether the mixers' heads are divided among the GPUs.
+    pub fn heads(&self) -> bool {
+        self.heads
     }
 
     pub fn rank(&self) -> usize {
@@ -64,8 +78,8 @@ impl Shard {
 
 impl GpuModel {
     /// Seconds a decode step of `rows` rows spends in its all-reduces alone (one per MoE
-    /// layer), timed over `reps` replays of a graph of just those; None on one GPU. Every GPU
-    /// calls it at the same time.
+    /// layer, and one per mixer with the heads divided), timed over `reps` replays of a graph
+    /// of just those; None on one GPU. Every GPU calls it at the same time.
     pub fn comm_seconds(&self, rows: usize, reps: usize) -> Result<Option<f64>> {
         let Some(shard) = &self.shard else {
             return Ok(None);
@@ -73,6 +87,7 @@ impl GpuModel {
         let g = &self.gpu;
         let layers = self.layers.iter();
         let moe = layers.filter(|l| MoeFfn::of(&*l.ffn).is_some()).count();
+        let moe = moe + shard.heads() as usize * self.layers.len();
         let (x, n) = (g.zeros::<f32>(rows * self.hidden)?, rows * self.hidden);
         let stream = g.stream();
         let capture = |e| CudaError::Unsupported(format!("graph capture: {e}"));

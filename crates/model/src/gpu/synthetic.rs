@@ -16,6 +16,7 @@ use super::layers::{FfnMade, GpuLayer, Mixer};
 use super::offload::ExpertCache;
 use super::random::Filler;
 use super::{GpuModel, Parts, Shard};
+use crate::checkpoint::heads::heads_config;
 use crate::config::{FfnKind, LayerKind, ModelConfig};
 
 impl GpuModel {
@@ -42,7 +43,8 @@ impl GpuModel {
 
     /// GPU `shard.rank()`'s part of the model [`Self::synthetic`] makes with `seed` and
     /// `format`: every weight but the routed experts, and its share of those, cached on the
-    /// device as `cache` says (for this GPU's share).
+    /// device as `cache` says (for this GPU's share). With [`Shard::heads`], random mixers of
+    /// its share of the heads (not the values the one-GPU model's have).
     pub fn synthetic_shard(
         c: &ModelConfig,
         gpu: Arc<Gpu>,
@@ -50,6 +52,14 @@ impl GpuModel {
         shard: Shard,
         cache: ExpertCache,
     ) -> Result<GpuModel> {
+        let local;
+        let c = match shard.heads() {
+            true => {
+                local = heads_config(c, shard.world()).map_err(super::input_err)?;
+                &local
+            }
+            false => c,
+        };
         let offload = cache != ExpertCache::All;
         let (parts, pending) = random_parts(c, &gpu, (seed, format), offload, Some(&shard))
             .map_err(super::weights_err)?;

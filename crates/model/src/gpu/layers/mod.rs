@@ -114,7 +114,14 @@ impl Step<'_> {
                 ..io
             };
             let (x, y) = (s.x.ptr(), s.proj.ptr());
-            vec::matvec_rows(self.g, m, (x, y), self.rows(), self.hidden, io)
+            vec::matvec_rows(self.g, m, (x, y), self.rows(), self.hidden, io)?;
+            // With the heads divided, the output projections' partial sums meet in the
+            // residual: every GPU but the first zeroes its copy once it has been read.
+            match self.shard.filter(|sh| sh.heads() && !sh.lead()) {
+                // SAFETY: x holds the step's rows of `hidden` floats.
+                Some(_) => unsafe { self.g.zero_raw(x, self.rows() * self.hidden * 4) },
+                None => Ok(()),
+            }
         } else {
             let rows = self.row_slots(self.hidden);
             ops::matvec(self.g, m, s.normed.ptr(), s.proj.ptr(), rows)
@@ -122,19 +129,25 @@ impl Step<'_> {
     }
 
     /// A mixer's output projection of `mix_out`: added into the residual in the fused form,
-    /// else into `delta`.
+    /// else into `delta`; with the heads divided, the GPUs' partial sums are then added up.
     pub fn output_projection(&self, m: Matvec) -> Result<()> {
         let s = self.s;
-        if self.fused {
+        let out = if self.fused {
             let io = VecIo {
                 accumulate: 1,
                 ..VecIo::default()
             };
             let (x, y) = (s.mix_out.ptr(), s.x.ptr());
-            vec::matvec_rows(self.g, m, (x, y), self.rows(), m.k, io)
+            vec::matvec_rows(self.g, m, (x, y), self.rows(), m.k, io)?;
+            y
         } else {
             let rows = self.row_slots(m.k);
-            ops::matvec(self.g, m, s.mix_out.ptr(), s.delta.ptr(), rows)
+            ops::matvec(self.g, m, s.mix_out.ptr(), s.delta.ptr(), rows)?;
+            s.delta.ptr()
+        };
+        match self.shard.filter(|sh| sh.heads()) {
+            Some(sh) => sh.all_reduce(self.g, out, self.rows() * self.hidden),
+            None => Ok(()),
         }
     }
 }

@@ -1,0 +1,396 @@
+//! Tensor parallel over the token mixers' heads: GPU `rank` of `world` keeps an equal contiguous
+//! share of every attention layer's query and KV heads and of every GDN layer's key heads (with
+//! the value heads that read them), the input projections' rows and the output projections'
+//! columns of those heads, and the per-head conv channels, decays and biases. Its output
+//! projection then gives a partial sum of the layer's output, which the GPUs add (one all-reduce
+//! per mixer, `gpu::layers`). The config it returns counts this GPU's heads, so every layer
+//! and state buffer is sized for them. Everything else (norms, feed-forward blocks, the
+//! embedding and head) is kept whole.
+//!
+//! Head layouts (HF's, which every checkpoint format is loaded into): attention `q_proj` rows are
+//! per head `[q_h | gate_h]`, `o_proj` columns per head; GDN `in_proj_qkv` rows (and conv
+//! channels) are `[q (key heads) | k (key heads) | v (value heads)]`, value head j reading key
+//! head j / (value heads / key heads); Qwen3-Next's `in_proj_qkvz` packs `[q_h | k_h | v | z]`
+//! per key head and `in_proj_ba` `[b | a]` per key head.
+
+use std::ops::Range;
+
+use deltamoe_compute::fp8::Bytes;
+use deltamoe_compute::{AffineWeight, Fp8Weight, PackedWords, Tensor};
+
+use super::gdn::InProj;
+use super::{Attention, Checkpoint, GatedDeltaNet, Layer, Linear, LinearWeight, Mixer};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// GPU `rank`'s part of `ckpt` when `world` GPUs divide the mixers' heads (see the module doc).
+pub fn heads_share(ckpt: &Checkpoint, rank: usize, world: usize) -> Result<Checkpoint> {
+    let mut out = ckpt.clone();
+    out.config = heads_config(&ckpt.config, world)?;
+    let part = Part { rank, world };
+    for l in &mut out.layers {
+        share_layer(l, part)?;
+    }
+    if let Some(m) = &mut out.mtp {
+        share_layer(&mut m.layer, part)?;
+    }
+    Ok(out)
+}
+
+/// Config `c` with each mixer's head counts those one of `world` GPUs keeps; an error naming
+/// the count that does not divide among them.
+pub fn heads_config(c: &ModelConfig, world: usize) -> Result<ModelConfig> {
+    let counts = [
+        ("attention heads", c.num_heads),
+        ("KV heads", c.num_kv_heads),
+        ("GDN key heads", c.linear_k_heads),
+        ("GDN value heads", c.linear_v_heads),
+    ];
+    if let Some((what, n)) = counts.iter().find(|(_, n)| !n.is_multiple_of(world)) {
+        return Err(ModelError::Input(format!(
+            "tensor parallel over {world} GPUs: the model's {n} {what} do not divide among them; \
+             name a number of GPUs that divides it or drop --tensor-parallel"
+        )));
+    }
+    let mut out = c.clone();
+    out.num_heads /= world;
+    out.num_kv_heads /= world;
+    out.linear_k_heads /= world;
+    out.linear_v_heads /= world;
+    Ok(out)
+}
+
+/// Part `rank` of `world` equal parts.
+#[derive(Clone, Copy)]
+struct Part {
+    rank: usize,
+    world: usize,
+}
+
+impl Part {
+    /// This part of `n` things, in units of `unit`.
+    fn of(self, n: usize, unit: usize) -> Range<usize> {
+        let each = n / self.world;
+        (self.rank * each * unit)..((self.rank + 1) * each * unit)
+    }
+}
+
+fn share_layer(l: &mut Layer, part: Part) -> Result<()> {
+    match &mut l.mixer {
+        Mixer::Full(a) => share_attention(a, part),
+        Mixer::Linear(g) => share_gdn(g, part),
+    }
+}
+
+fn share_attention(a: &mut Attention, part: Part) -> Result<()> {
+    let (nq, nkv, d) = (a.shape.n_heads, a.shape.n_kv_heads, a.shape.head_dim);
+    a.q_proj = rows(&a.q_proj, &[part.of(nq, 2 * d)])?;
+    a.k_proj = rows(&a.k_proj, &[part.of(nkv, d)])?;
+    a.v_proj = rows(&a.v_proj, &[part.of(nkv, d)])?;
+    a.o_proj = cols(&a.o_proj, part)?;
+    a.shape.n_heads = nq / part.world;
+    a.shape.n_kv_heads = nkv / part.world;
+    Ok(())
+}
+
+fn share_gdn(g: &mut GatedDeltaNet, part: Part) -> Result<()> {
+    let s = g.shape;
+    let (nk, nv, dk, dv) = (s.n_k_heads, s.n_v_heads, s.k_dim, s.v_dim);
+    let r = nv / nk.max(1);
+    let keys = part.of(nk, 1);
+    let values = part.of(nv, 1);
+    let per = |h: &Range<usize>, unit: usize| h.start * unit..h.end * unit;
+    let shift = |h: Range<usize>, by: usize| h.start + by..h.end + by;
+    // The conv channels, as the rows of in_proj_qkv.
+    let qkv = [
+        per(&keys, dk),
+        shift(per(&keys, dk), nk * dk),
+        shift(per(&values, dv), 2 * nk * dk),
+    ];
+    g.proj = match &g.proj {
+        InProj::Split { qkv: w, z, b, a } => InProj::Split {
+            qkv: rows(w, &qkv)?,
+            z: rows(z, &[per(&values, dv)])?,
+            b: rows(b, std::slice::from_ref(&values))?,
+            a: rows(a, std::slice::from_ref(&values))?,
+        },
+        InProj::Packed { qkvz, ba } => InProj::Packed {
+            qkvz: rows(qkvz, &[per(&keys, 2 * dk + 2 * r * dv)])?,
+            ba: rows(ba, &[per(&keys, 2 * r)])?,
+        },
+    };
+    let k = g.conv_kernel;
+    g.conv_w = qkv
+        .iter()
+        .flat_map(|ch| g.conv_w[ch.start * k..ch.end * k].iter().copied())
+        .collect();
+    g.neg_a = g.neg_a[values.clone()].to_vec();
+    g.dt_bias = g.dt_bias[values].to_vec();
+    g.out_proj = cols(&g.out_proj, part)?;
+    g.shape.n_k_heads = nk / part.world;
+    g.shape.n_v_heads = nv / part.world;
+    Ok(())
+}
+
+/// The rows `ranges` of `l` (weight and bias), in order.
+fn rows(l: &Linear, ranges: &[Range<usize>]) -> Result<Linear> {
+    let idx: Vec<usize> = ranges.iter().flat_map(|r| r.clone()).collect();
+    let weight = match &l.weight {
+        LinearWeight::Dense(t) => LinearWeight::Dense(t.gather_rows(&idx)),
+        LinearWeight::Affine(a) => affine_rows(a, &idx)?.into(),
+        LinearWeight::Fp8(f) => fp8_rows(f, ranges)?.into(),
+    };
+    let bias = l.bias.as_ref().map(|b| idx.iter().map(|&i| b[i]).collect());
+    Ok(Linear { weight, bias })
+}
+
+/// `part`'s share of the columns of `l`; the bias stays with part 0 (the parts' outputs are
+/// summed).
+fn cols(l: &Linear, part: Part) -> Result<Linear> {
+    let weight = match &l.weight {
+        LinearWeight::Dense(t) => {
+            let [n, k] = l.weight.shape();
+            LinearWeight::Dense(cols_of(t, (n, k), part)?)
+        }
+        LinearWeight::Affine(a) => affine_cols(a, part)?.into(),
+        LinearWeight::Fp8(f) => fp8_cols(f, part)?.into(),
+    };
+    let bias = l.bias.clone().filter(|_| part.rank == 0);
+    Ok(Linear { weight, bias })
+}
+
+/// Columns `part` of the `[n, k]` matrix `t` (k divides among the parts).
+fn cols_of(t: &Tensor, (n, k): (usize, usize), part: Part) -> Result<Tensor> {
+    let w = part.world;
+    if !k.is_multiple_of(w) {
+        return Err(indivisible(format!("{k} inputs"), w));
+    }
+    let idx: Vec<usize> = (0..n).map(|i| i * w + part.rank).collect();
+    Ok(t.reshape(vec![n * w, k / w])
+        .gather_rows(&idx)
+        .reshape(vec![n, k / w]))
+}
+
+fn indivisible(what: String, world: usize) -> ModelError {
+    ModelError::Input(format!(
+        "tensor parallel over {world} GPUs: a projection's {what} do not divide among them; \
+         drop --tensor-parallel"
+    ))
+}
+
+fn quant_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Input(format!("tensor parallel: {e}"))
+}
+
+fn affine_rows(a: &AffineWeight, idx: &[usize]) -> Result<AffineWeight> {
+    let (wpr, gpr) = (a.words_per_row(), a.groups_per_row());
+    let words = a.words();
+    let w: Vec<u32> = idx
+        .iter()
+        .flat_map(|&r| words[r * wpr..(r + 1) * wpr].iter().copied())
+        .collect();
+    let params = |t: &Tensor| t.reshape(vec![a.out_features(), gpr]).gather_rows(idx);
+    let (s, b) = (params(a.scales()), params(a.biases()));
+    let bits = (a.bits(), a.group_size());
+    affine(
+        bits,
+        (idx.len(), a.in_features()),
+        w,
+        (s, b),
+        a.has_zero_points(),
+    )
+}
+
+fn affine_cols(a: &AffineWeight, part: Part) -> Result<AffineWeight> {
+    let (n, wpr, gpr, wd) = (
+        a.out_features(),
+        a.words_per_row(),
+        a.groups_per_row(),
+        part.world,
+    );
+    if !wpr.is_multiple_of(wd) || !gpr.is_multiple_of(wd) {
+        return Err(indivisible(
+            format!("{} inputs in groups of {}", a.in_features(), a.group_size()),
+            wd,
+        ));
+    }
+    let words = a.words();
+    let each = wpr / wd;
+    let w: Vec<u32> = (0..n)
+        .flat_map(|r| {
+            let at = r * wpr + part.rank * each;
+            words[at..at + each].iter().copied()
+        })
+        .collect();
+    let s = cols_of(a.scales(), (n, gpr), part)?;
+    let b = cols_of(a.biases(), (n, gpr), part)?;
+    let bits = (a.bits(), a.group_size());
+    affine(
+        bits,
+        (n, a.in_features() / wd),
+        w,
+        (s, b),
+        a.has_zero_points(),
+    )
+}
+
+fn affine(
+    (bits, group): (u32, usize),
+    (n, k): (usize, usize),
+    words: Vec<u32>,
+    (s, b): (Tensor, Tensor),
+    zero_points: bool,
+) -> Result<AffineWeight> {
+    let w = AffineWeight::new(bits, group, n, k, PackedWords::from_vec(words), s, b)
+        .map_err(quant_err)?;
+    Ok(match zero_points {
+        true => w.with_zero_points(),
+        false => w,
+    })
+}
+
+/// FP8 rows: whole blocks of rows (a range may end at the last row).
+fn fp8_rows(f: &Fp8Weight, ranges: &[Range<usize>]) -> Result<Fp8Weight> {
+    let (out, inp, [br, _]) = (f.out_features(), f.in_features(), f.block());
+    let aligned = |r: &Range<usize>| {
+        r.start.is_multiple_of(br) && (r.len().is_multiple_of(br) || r.end == out)
+    };
+    if !ranges.iter().all(aligned) {
+        return Err(ModelError::Input(format!(
+            "tensor parallel: a share of heads does not fill whole FP8 blocks of {br} rows; \
+             drop --tensor-parallel"
+        )));
+    }
+    let codes = f.codes();
+    let mut c = Vec::new();
+    let mut s = Vec::new();
+    for r in ranges {
+        c.extend_from_slice(&codes[r.start * inp..r.end * inp]);
+        for b in (r.start..r.end).step_by(br) {
+            s.extend_from_slice(f.row_scales(b));
+        }
+    }
+    let n = ranges.iter().map(Range::len).sum();
+    Fp8Weight::new(n, inp, f.block(), Bytes::from_vec(c), s, f.scale_dtype()).map_err(quant_err)
+}
+
+/// FP8 columns: whole blocks of inputs for each part.
+fn fp8_cols(f: &Fp8Weight, part: Part) -> Result<Fp8Weight> {
+    let (out, inp, [br, bc], w) = (f.out_features(), f.in_features(), f.block(), part.world);
+    if !inp.is_multiple_of(w * bc) {
+        return Err(indivisible(
+            format!("{inp} inputs in FP8 blocks of {bc}"),
+            w,
+        ));
+    }
+    let (k, gc) = (inp / w, f.grid_cols() / w);
+    let codes = f.codes();
+    let c: Vec<u8> = (0..out)
+        .flat_map(|r| {
+            codes[r * inp + part.rank * k..r * inp + (part.rank + 1) * k]
+                .iter()
+                .copied()
+        })
+        .collect();
+    let s: Vec<f32> = (0..out)
+        .step_by(br)
+        .flat_map(|b| f.row_scales(b)[part.rank * gc..(part.rank + 1) * gc].to_vec())
+        .collect();
+    Fp8Weight::new(out, k, f.block(), Bytes::from_vec(c), s, f.scale_dtype()).map_err(quant_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{cols, rows, Part};
+    use crate::checkpoint::{Linear, LinearWeight};
+    use deltamoe_compute::cpu::quant::quantize;
+    use deltamoe_compute::fp8::Bytes;
+    use deltamoe_compute::{AffineWeight, DType, Fp8Weight, PackedWords, Tensor};
+
+    /// A seeded value in [−1, 1).
+    fn val(i: usize) -> f32 {
+        let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+        x as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn dense(n: usize, k: usize) -> Vec<f32> {
+        (0..n * k).map(val).collect()
+    }
+
+    /// The same `[n, k]` matrix as f32, 4-bit affine (g32, with and without zero points) and
+    /// FP8 (blocks of 4 × 8), each with a bias.
+    fn formats(n: usize, k: usize) -> Vec<Linear> {
+        let w = dense(n, k);
+        let t = Tensor::from_f32(vec![n, k], w.clone());
+        let q = quantize(&w, k, 32, 4).unwrap();
+        let g = vec![n, k / 32];
+        let (s, b) = (
+            Tensor::from_f32(g.clone(), q.scales),
+            Tensor::from_f32(g, q.biases),
+        );
+        let a = AffineWeight::new(4, 32, n, k, PackedWords::from_vec(q.words), s, b).unwrap();
+        let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 120) as u8).collect();
+        let scales: Vec<f32> = (0..(n / 4) * (k / 8)).map(|i| 0.5 + i as f32).collect();
+        let f = Fp8Weight::new(n, k, [4, 8], Bytes::from_vec(codes), scales, DType::F32).unwrap();
+        let bias: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        [
+            LinearWeight::Dense(t),
+            LinearWeight::Affine(Box::new(a.clone())),
+            LinearWeight::Affine(Box::new(a.with_zero_points())),
+            LinearWeight::Fp8(Box::new(f)),
+        ]
+        .into_iter()
+        .map(|weight| Linear {
+            weight,
+            bias: Some(bias.clone()),
+        })
+        .collect()
+    }
+
+    fn values(l: &Linear) -> Vec<f32> {
+        l.weight
+            .dequantize()
+            .unwrap_or_else(|| l.weight.to_dense().to_f32_vec())
+    }
+
+    #[test]
+    fn row_and_column_shares_hold_the_same_values() {
+        let (n, k) = (16, 128);
+        for l in formats(n, k) {
+            let full = values(&l);
+            let picked = rows(&l, &[4..8, 12..16]).unwrap();
+            let want: Vec<f32> = [4..8, 12..16]
+                .into_iter()
+                .flat_map(|r| full[r.start * k..r.end * k].to_vec())
+                .collect();
+            assert_eq!(values(&picked), want);
+            assert_eq!(
+                picked.bias.as_deref(),
+                Some(&[4.0, 5.0, 6.0, 7.0, 12.0, 13.0, 14.0, 15.0][..])
+            );
+            for rank in 0..2 {
+                let c = cols(&l, Part { rank, world: 2 }).unwrap();
+                let want: Vec<f32> = (0..n)
+                    .flat_map(|r| full[r * k + rank * 64..r * k + rank * 64 + 64].to_vec())
+                    .collect();
+                assert_eq!(values(&c), want, "rank {rank}");
+                assert_eq!(c.bias.is_some(), rank == 0);
+            }
+        }
+    }
+
+    #[test]
+    fn shares_that_split_a_group_or_block_are_refused() {
+        let l = &formats(16, 96)[1];
+        let e = cols(l, Part { rank: 0, world: 2 }).unwrap_err().to_string();
+        assert!(
+            e.contains("groups of 32") && e.contains("--tensor-parallel"),
+            "{e}"
+        );
+        let f = &formats(16, 128)[3];
+        let e = rows(f, std::slice::from_ref(&(2..6)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("FP8 blocks of 4"), "{e}");
+    }
+}
