@@ -52,6 +52,53 @@ fn prefill_all(e: &mut Engine, tokens: &[u32], chunk: Option<usize>) -> Vec<f32>
     got
 }
 
+/// Fixture `dir`'s prompts on `e` against transformers in one pass and passes of 37, and its
+/// greedy continuations alone and batched (six rows at once take the unfused form, two rows the
+/// fused one; `tag` names the run).
+fn check_fixture(e: &mut Engine, dir: &std::path::Path, ps: &[common::Prompt], tag: &str) {
+    let vocab = e.config().vocab_size;
+    for (i, p) in ps.iter().enumerate() {
+        for chunk in [None, Some(37)] {
+            let got = prefill_all(e, &p.tokens, chunk);
+            let name = format!("{tag} {} prompt{i} chunk {chunk:?}", dir.display());
+            check_logits(&name, &got, &p.logits, vocab);
+        }
+        assert_eq!(greedy(e, p), p.greedy, "{tag} greedy {}", dir.display());
+    }
+    let rows: Vec<&common::Prompt> = ps.iter().chain(ps).chain(ps).collect();
+    for stagger in [0, 2] {
+        let out = common::greedy_batched(e, &rows, stagger);
+        for (i, o) in out.iter().enumerate() {
+            assert_eq!(
+                o,
+                &rows[i].greedy,
+                "{tag} batched {} row {i}",
+                dir.display()
+            );
+        }
+    }
+}
+
+/// Each GGUF file's prompts on `e2` (in one pass, passes of 1 and of 37) against `e1` in one
+/// pass (`tag` names the run).
+fn check_gguf(
+    e1: &mut Engine,
+    e2: &mut Engine,
+    file: &std::path::Path,
+    ps: &[common::Prompt],
+    tag: &str,
+) {
+    let vocab = e1.config().vocab_size;
+    for (i, p) in ps.iter().enumerate() {
+        let want = prefill_all(e1, &p.tokens, None);
+        for chunk in [None, Some(1), Some(37)] {
+            let got = prefill_all(e2, &p.tokens, chunk);
+            let name = format!("{tag} {} prompt{i} chunk {chunk:?}", file.display());
+            check_logits(&name, &got, &want, vocab);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn two_gpus_match_transformers() {
@@ -59,34 +106,8 @@ fn two_gpus_match_transformers() {
     for dir in fixtures() {
         let mut e = engine(&dir, &two);
         assert!(e.backend_name().ends_with("× 2"), "{}", e.backend_name());
-        let vocab = e.config().vocab_size;
         let ps = prompts(&dir);
-        for (i, p) in ps.iter().enumerate() {
-            for chunk in [None, Some(37)] {
-                let got = prefill_all(&mut e, &p.tokens, chunk);
-                let name = format!("2 gpus {} prompt{i} chunk {chunk:?}", dir.display());
-                check_logits(&name, &got, &p.logits, vocab);
-            }
-            assert_eq!(
-                greedy(&mut e, p),
-                p.greedy,
-                "2 gpus greedy {}",
-                dir.display()
-            );
-        }
-        // Six rows at once take the unfused form, two rows the fused one.
-        let rows: Vec<&common::Prompt> = ps.iter().chain(&ps).chain(&ps).collect();
-        for stagger in [0, 2] {
-            let out = common::greedy_batched(&mut e, &rows, stagger);
-            for (i, o) in out.iter().enumerate() {
-                assert_eq!(
-                    o,
-                    &rows[i].greedy,
-                    "2 gpus batched {} row {i}",
-                    dir.display()
-                );
-            }
-        }
+        check_fixture(&mut e, &dir, &ps, "2 gpus");
         common::check_snapshot_resume(&mut e, &ps[0]);
     }
 }
@@ -123,33 +144,7 @@ fn two_gpus_with_heads_divided_match_transformers() {
         let Some(mut e) = heads_or_refused(&dir, &two) else {
             continue;
         };
-        let vocab = e.config().vocab_size;
-        let ps = prompts(&dir);
-        for (i, p) in ps.iter().enumerate() {
-            for chunk in [None, Some(37)] {
-                let got = prefill_all(&mut e, &p.tokens, chunk);
-                let name = format!("2 gpus heads {} prompt{i} chunk {chunk:?}", dir.display());
-                check_logits(&name, &got, &p.logits, vocab);
-            }
-            assert_eq!(
-                greedy(&mut e, p),
-                p.greedy,
-                "heads greedy {}",
-                dir.display()
-            );
-        }
-        let rows: Vec<&common::Prompt> = ps.iter().chain(&ps).chain(&ps).collect();
-        for stagger in [0, 2] {
-            let out = common::greedy_batched(&mut e, &rows, stagger);
-            for (i, o) in out.iter().enumerate() {
-                assert_eq!(
-                    o,
-                    &rows[i].greedy,
-                    "heads batched {} row {i}",
-                    dir.display()
-                );
-            }
-        }
+        check_fixture(&mut e, &dir, &prompts(&dir), "2 gpus heads");
         checked += 1;
     }
     assert!(checked >= 9, "only {checked} fixtures ran");
@@ -169,15 +164,7 @@ fn two_gpus_with_heads_divided_match_one_on_gguf_files() {
         };
         checked += 1;
         let mut e1 = engine(&file, &one);
-        let vocab = e1.config().vocab_size;
-        for (i, p) in ps.iter().enumerate() {
-            let want = prefill_all(&mut e1, &p.tokens, None);
-            for chunk in [None, Some(1), Some(37)] {
-                let got = prefill_all(&mut e2, &p.tokens, chunk);
-                let name = format!("2 gpus heads {} prompt{i} chunk {chunk:?}", file.display());
-                check_logits(&name, &got, &want, vocab);
-            }
-        }
+        check_gguf(&mut e1, &mut e2, &file, &ps, "2 gpus heads");
     }
     assert!(checked >= 3, "only {checked} GGUF files ran");
 }
@@ -190,15 +177,7 @@ fn two_gpus_match_one_on_gguf_files() {
     for (file, ps) in gguf_prompts() {
         let mut e1 = engine(&file, &one);
         let mut e2 = engine(&file, &two);
-        let vocab = e1.config().vocab_size;
-        for (i, p) in ps.iter().enumerate() {
-            let want = prefill_all(&mut e1, &p.tokens, None);
-            for chunk in [None, Some(1), Some(37)] {
-                let got = prefill_all(&mut e2, &p.tokens, chunk);
-                let name = format!("2 gpus {} prompt{i} chunk {chunk:?}", file.display());
-                check_logits(&name, &got, &want, vocab);
-            }
-        }
+        check_gguf(&mut e1, &mut e2, &file, &ps, "2 gpus");
     }
 }
 
