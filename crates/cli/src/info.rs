@@ -22,6 +22,10 @@ pub struct InfoArgs {
     /// (`--gpus` of the other commands; e.g. 0,1).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     gpus: Vec<usize>,
+    /// With --gpus: the attention and GDN heads divided among them too (`--tensor-parallel` of
+    /// the other commands).
+    #[arg(long, requires = "gpus")]
+    tensor_parallel: bool,
 }
 
 /// Kinds of parameters, in display order.
@@ -278,12 +282,25 @@ pub fn run(a: InfoArgs) -> Result<()> {
             c.num_experts,
             gib(per_expert as f64)
         );
-        let other = total_bytes - bytes[5];
-        for (rank, g) in a.gpus.iter().enumerate().filter(|_| a.gpus.len() > 1) {
-            let own = deltamoe_model::gpu::expert_share(c.num_experts, rank, a.gpus.len());
+        let world = a.gpus.len();
+        // With the heads divided, each GPU holds its share of the mixers (GDN, attention).
+        let mixers = bytes[2] + bytes[3];
+        let other = match a.tensor_parallel {
+            true => {
+                deltamoe_model::checkpoint::heads::heads_config(&c, world)?;
+                total_bytes - bytes[5] - mixers + mixers / world
+            }
+            false => total_bytes - bytes[5],
+        };
+        let heads = match a.tensor_parallel {
+            true => ", of the mixers only its share of the heads,",
+            false => "",
+        };
+        for (rank, g) in a.gpus.iter().enumerate().filter(|_| world > 1) {
+            let own = deltamoe_model::gpu::expert_share(c.num_experts, rank, world);
             println!(
                 "--gpus {}: GPU {g} holds routed experts {}..{} of each MoE layer ({}) and every \
-                 other weight ({}), plus the state of each sequence",
+                 other weight ({}){heads} plus the state of each sequence",
                 crate::list(&a.gpus),
                 own.start,
                 own.end,

@@ -114,6 +114,10 @@ fn gpus_are_checked_up_front() {
         &["info", "--model", m, "--gpus", "1,1"],
         &["GPU 1 is named twice"],
     );
+    expect_error(
+        &["info", "--model", m, "--gpus", "0,1,2", "--tensor-parallel"],
+        &["tensor parallel over 3 GPUs", "4 attention heads"],
+    );
     let (ok, out, err) = run(&["info", "--model", m, "--gpus", "0,1"]);
     assert!(ok, "{err}");
     assert!(
