@@ -483,15 +483,15 @@ fn offload_report(
     slots: Option<usize>,
     stall_ms: Option<f64>,
 ) -> Value {
-    let tokens = (s1.tokens - s0.tokens).max(1) as f64;
-    let (hits, misses) = (s1.hits - s0.hits, s1.misses - s0.misses);
-    let hit_rate = hits as f64 / (hits + misses).max(1) as f64;
-    let far = (s1.far_bytes - s0.far_bytes) as f64 / tokens;
-    let admit = (s1.admit_bytes - s0.admit_bytes) as f64 / tokens;
-    let admitted = (s1.admitted - s0.admitted) as f64 / tokens;
-    let host = (s1.host - s0.host) as f64 / tokens;
-    let host_ms = (s1.host_seconds - s0.host_seconds) * 1e3 / tokens;
-    let back = (s1.written_back - s0.written_back) as f64 / tokens;
+    let d = s1.since(s0);
+    let tokens = d.tokens.max(1) as f64;
+    let hit_rate = d.hit_rate();
+    let far = d.far_bytes as f64 / tokens;
+    let admit = d.admit_bytes as f64 / tokens;
+    let admitted = d.admitted as f64 / tokens;
+    let host = d.host as f64 / tokens;
+    let host_ms = d.host_seconds * 1e3 / tokens;
+    let back = d.written_back as f64 / tokens;
     let tok_s = row["tok_s"].as_f64().unwrap_or(0.0);
     let link_frac = (far + admit) * tok_s / link.max(1.0);
     let stall = stall_ms.map_or(String::new(), |m| {
@@ -502,7 +502,7 @@ fn offload_report(
     } else {
         String::new()
     };
-    let cpu = if s1.host > s0.host {
+    let cpu = if d.host > 0 {
         format!(", {host:.2} experts/token computed by the CPU ({host_ms:.3} ms/token)")
     } else {
         String::new()

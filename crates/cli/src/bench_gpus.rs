@@ -204,12 +204,6 @@ fn decode_at(
 /// The expert cache's hit rate and the GB a token read over PCIe between two readings of the
 /// offload statistics (all GPUs together), when experts are offloaded.
 fn offload_during(before: Option<OffloadStats>, after: Option<OffloadStats>) -> Option<(f64, f64)> {
-    let (b, a) = (before?, after?);
-    let (hits, misses) = (a.hits - b.hits, a.misses - b.misses);
-    let bytes = (a.far_bytes + a.admit_bytes - b.far_bytes - b.admit_bytes) as f64;
-    let tokens = (a.tokens - b.tokens).max(1) as f64;
-    Some((
-        hits as f64 / (hits + misses).max(1) as f64,
-        bytes / tokens / 1e9,
-    ))
+    let d = after?.since(&before?);
+    Some((d.hit_rate(), d.pcie_bytes_per_token() / 1e9))
 }

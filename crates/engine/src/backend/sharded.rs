@@ -157,10 +157,10 @@ impl<B: Member> ShardedBackend<B> {
 
     /// Sends `each` to every other member's thread; their replies come back through the
     /// receivers.
-    fn broadcast(
+    fn broadcast<R: Send + 'static>(
         &self,
-        each: impl Fn(&mut Slot<B>) -> Result<()> + Send + Sync + 'static,
-    ) -> Vec<Receiver<Result<()>>> {
+        each: impl Fn(&mut Slot<B>) -> R + Send + Sync + 'static,
+    ) -> Vec<Receiver<R>> {
         let each = Arc::new(each);
         self.workers
             .iter()
@@ -388,17 +388,7 @@ impl<B: Member> Backend for ShardedBackend<B> {
 
     /// Every GPU's expert offload together (see `OffloadStats::with`).
     fn offload_stats(&self) -> Option<OffloadStats> {
-        let replies: Vec<_> = self
-            .workers
-            .iter()
-            .map(|w| {
-                let (tx, rx) = mpsc::channel();
-                let _ = w.jobs.send(Box::new(move |m: &mut Slot<B>| {
-                    let _ = tx.send(m.backend.offload_stats());
-                }));
-                rx
-            })
-            .collect();
+        let replies = self.broadcast(|m| m.backend.offload_stats());
         let lead = self.lead.offload_stats();
         replies
             .iter()

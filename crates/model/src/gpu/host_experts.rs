@@ -213,7 +213,7 @@ impl GpuModel {
         // Until misses are observed: each pick outside the cache as often as the cache is short.
         let short: Vec<f64> = (0..self.layers.len())
             .filter_map(|i| self.layer_experts(i))
-            .map(|lx| 1.0 - lx.res.slots() as f64 / lx.experts.max(1) as f64)
+            .map(|lx| 1.0 - lx.res.slots() as f64 / lx.experts().max(1) as f64)
             .collect();
         let miss = short.iter().sum::<f64>() / short.len().max(1) as f64;
         let fp8 = (0..self.layers.len())

@@ -198,9 +198,8 @@ pub(crate) struct LayerExperts {
     loc: DevBuf<i32>,
     loc_host: Vec<i32>,
     pub(super) res: Residency,
-    /// The experts placed here (`experts` of them, numbered from 0 in the tables above).
+    /// The experts placed here (numbered from 0 in the tables above).
     pub(super) held: Held,
-    pub(super) experts: usize,
     pub(super) stacked: bool,
 }
 
@@ -246,7 +245,6 @@ impl LayerExperts {
             loc_host: Vec::new(),
             res: Residency::new(experts, s, Policy::default()),
             held,
-            experts,
             stacked,
         };
         let own = lx.held.own.clone();
@@ -263,14 +261,14 @@ impl LayerExperts {
     /// Every expert of the layer (the device cache `cache` and the host stacks) copied to new
     /// host stacks at its index, for placing again.
     pub(super) fn gather(&self, g: &Gpu, cache: (&DevMat, &DevMat)) -> Result<Gathered> {
-        let count = self.experts + self.stacked as usize;
+        let count = self.experts() + self.stacked as usize;
         let gu = HostMat::zeros(g, self.gu.fmt(), count)?;
         let down = HostMat::zeros(g, self.down.fmt(), count)?;
         let (to_gu, to_down) = (gu.pieces(), down.pieces());
         let (cache_gu, cache_down) = (cache.0.pieces(), cache.1.pieces());
         let slots = self.res.slots();
         let cached = (0..slots).filter_map(|c| Some((c, self.res.expert_in(c)?)));
-        let shared = self.stacked.then_some((slots, self.experts));
+        let shared = self.stacked.then_some((slots, self.experts()));
         for (c, e) in cached.chain(shared) {
             copy_matrices(g, &cache_gu, c, &to_gu, e, 1)?;
             copy_matrices(g, &cache_down, c, &to_down, e, 1)?;
@@ -287,6 +285,11 @@ impl LayerExperts {
         }
         g.sync()?;
         Ok(Gathered { gu, down })
+    }
+
+    /// Routed experts placed here.
+    pub(super) fn experts(&self) -> usize {
+        self.held.len()
     }
 
     pub(super) fn split(&self) -> usize {

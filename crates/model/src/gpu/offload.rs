@@ -127,6 +127,24 @@ impl OffloadStats {
         }
     }
 
+    /// What happened between `earlier` (a reading of the same statistics) and these.
+    pub fn since(&self, earlier: &OffloadStats) -> OffloadStats {
+        OffloadStats {
+            steps: self.steps - earlier.steps,
+            tokens: self.tokens - earlier.tokens,
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            far_bytes: self.far_bytes - earlier.far_bytes,
+            host: self.host - earlier.host,
+            host_seconds: self.host_seconds - earlier.host_seconds,
+            admitted: self.admitted - earlier.admitted,
+            admit_bytes: self.admit_bytes - earlier.admit_bytes,
+            written_back: self.written_back - earlier.written_back,
+            staged_host_bytes: self.staged_host_bytes - earlier.staged_host_bytes,
+            staged_device_bytes: self.staged_device_bytes - earlier.staged_device_bytes,
+        }
+    }
+
     pub fn hit_rate(&self) -> f64 {
         self.hits as f64 / (self.hits + self.misses).max(1) as f64
     }
@@ -472,7 +490,7 @@ impl GpuModel {
             return Err(unsupported("the model offloads no experts".into()));
         };
         let g = &*self.gpu;
-        let mut used = vec![false; lx.experts + 1];
+        let mut used = vec![false; lx.experts() + 1];
         for id in g.read(ids, pairs)? {
             if let Ok(e) = usize::try_from(id) {
                 used[e] = true;
@@ -483,7 +501,7 @@ impl GpuModel {
         let bytes = lx.expert_bytes() as u64;
         let (mut host, mut dev) = (0, 0);
         let (host_gu, host_down) = (lx.gu.pieces(), lx.down.pieces());
-        for e in (0..lx.experts).filter(|&e| used[e]) {
+        for e in (0..lx.experts()).filter(|&e| used[e]) {
             match lx.res.slot_of(e) {
                 Some(c) => {
                     copy_matrices(g, &cache_gu, c, &stage_gu, e, 1)?;
@@ -502,10 +520,10 @@ impl GpuModel {
                 }
             }
         }
-        if lx.stacked && used[lx.experts] {
+        if lx.stacked && used[lx.experts()] {
             let c = lx.res.slots();
-            copy_matrices(g, &cache_gu, c, &stage_gu, lx.experts, 1)?;
-            copy_matrices(g, &cache_down, c, &stage_down, lx.experts, 1)?;
+            copy_matrices(g, &cache_gu, c, &stage_gu, lx.experts(), 1)?;
+            copy_matrices(g, &cache_down, c, &stage_down, lx.experts(), 1)?;
         }
         o.add(|s| {
             s.staged_host_bytes += host;

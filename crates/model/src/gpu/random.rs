@@ -8,7 +8,7 @@ use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 use deltamoe_compute::DType;
 
 use super::format::{DevFormat, DevMat, Fmt};
-use super::host_store::{seed_at, Dest, ExpertSource};
+use super::host_store::{seed_at, Dest, ExpertSource, Held};
 use crate::convert::ROUTER_SPEC;
 
 /// Fills buffers with seeded uniform values, a new seed per buffer. Matrices are in `format`
@@ -213,31 +213,24 @@ impl Seeded {
 }
 
 /// A synthetic MoE layer's experts (`[gate | up]`, down): filled where they are placed. The
-/// source numbers the experts `held` of the layer's `routed` from 0 (then the stacked shared
-/// expert), with the values they have in the stack of all `routed` (shared at `routed`).
+/// source numbers the experts `held` from 0 (then the stacked shared expert), with the values
+/// they have in the stack of all the layer's experts (the shared one at `held.total`).
 pub(crate) struct SeededExperts {
     gu: Seeded,
     down: Seeded,
-    held: Range<usize>,
-    routed: usize,
+    held: Held,
 }
 
 impl SeededExperts {
-    /// The seeds of random experts whose `[gate | up]` and down are `gu` and `down` (n, k),
-    /// `held` of the layer's `routed` ones.
+    /// The seeds of random experts whose `[gate | up]` and down are `gu` and `down` (n, k), the
+    /// `held` ones of the layer's.
     pub fn new(
         f: &mut Filler,
         (gu, down): ((usize, usize), (usize, usize)),
-        held: Range<usize>,
-        routed: usize,
+        held: Held,
     ) -> SeededExperts {
         let (gu, down) = (f.seeded(gu.0, gu.1), f.seeded(down.0, down.1));
-        SeededExperts {
-            gu,
-            down,
-            held,
-            routed,
-        }
+        SeededExperts { gu, down, held }
     }
 }
 
@@ -250,13 +243,13 @@ impl ExpertSource for SeededExperts {
         let stack = if down { &self.down } else { &self.gu };
         // The routed experts among `experts`, then the shared one, at their indices in the
         // stack of all experts.
-        let n = self.held.len();
+        let (n, first, routed) = (self.held.len(), self.held.own.start, self.held.total);
         let (a, b) = (experts.start.min(n), experts.end.min(n));
         let shared = experts.start.max(n)..experts.end.max(n);
         let parts = [
-            (self.held.start + a..self.held.start + b, to.at),
+            (first + a..first + b, to.at),
             (
-                self.routed + shared.start - n..self.routed + shared.end - n,
+                routed + shared.start - n..routed + shared.end - n,
                 to.at + b - a,
             ),
         ];

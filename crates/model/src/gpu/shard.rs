@@ -87,14 +87,14 @@ impl GpuModel {
         let g = &self.gpu;
         let layers = self.layers.iter();
         let moe = layers.filter(|l| MoeFfn::of(&*l.ffn).is_some()).count();
-        let moe = moe + shard.heads() as usize * self.layers.len();
+        let reduces = moe + shard.heads() as usize * self.layers.len();
         let (x, n) = (g.zeros::<f32>(rows * self.hidden)?, rows * self.hidden);
         let stream = g.stream();
         let capture = |e| CudaError::Unsupported(format!("graph capture: {e}"));
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(capture)?;
-        let r = (0..moe).try_for_each(|_| shard.all_reduce(g, x.ptr(), n));
+        let r = (0..reduces).try_for_each(|_| shard.all_reduce(g, x.ptr(), n));
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(capture)?;

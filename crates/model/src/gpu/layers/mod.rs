@@ -87,6 +87,20 @@ impl Step<'_> {
         Slots::rows(self.rows(), x_stride).with_ws(ws, words)
     }
 
+    /// On every GPU but the first, zero the residual once it has been read: each GPU then adds
+    /// its part of a layer's output into it, and an all-reduce gives every GPU the sum (the
+    /// residual plus the whole output).
+    pub fn residual_to_lead(&self) -> Result<()> {
+        match self.shard {
+            // SAFETY: x holds the step's rows of `hidden` floats.
+            Some(sh) if !sh.lead() => unsafe {
+                self.g
+                    .zero_raw(self.s.x.ptr(), self.rows() * self.hidden * 4)
+            },
+            _ => Ok(()),
+        }
+    }
+
     /// `x += delta` (when delta ≠ 0), then `normed = rmsnorm(x) · scale`.
     pub fn add_norm(&self, delta: u64, scale: u64) -> Result<()> {
         let s = self.s;
@@ -116,11 +130,10 @@ impl Step<'_> {
             let (x, y) = (s.x.ptr(), s.proj.ptr());
             vec::matvec_rows(self.g, m, (x, y), self.rows(), self.hidden, io)?;
             // With the heads divided, the output projections' partial sums meet in the
-            // residual: every GPU but the first zeroes its copy once it has been read.
-            match self.shard.filter(|sh| sh.heads() && !sh.lead()) {
-                // SAFETY: x holds the step's rows of `hidden` floats.
-                Some(_) => unsafe { self.g.zero_raw(x, self.rows() * self.hidden * 4) },
-                None => Ok(()),
+            // residual.
+            match self.shard.is_some_and(|sh| sh.heads()) {
+                true => self.residual_to_lead(),
+                false => Ok(()),
             }
         } else {
             let rows = self.row_slots(self.hidden);

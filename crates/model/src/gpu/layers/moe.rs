@@ -94,8 +94,8 @@ impl MoeFfn {
         check(e, m.top_k)?;
         let si = m.shared.gate.out_features();
         let stacked = si == i && m.shared.gate.weight.stored_alike(&m.experts[0].gate.weight);
-        let own = share(shard, e)?;
-        let mlps = m.experts[own.clone()]
+        let held = share(shard, e)?;
+        let mlps = m.experts[held.own.clone()]
             .iter()
             .chain(stacked.then_some(&m.shared));
         let gu: Vec<&LinearWeight> = mlps.clone().flat_map(gate_up).collect();
@@ -119,18 +119,14 @@ impl MoeFfn {
                 down,
                 formats: (gu_fmt, down_fmt),
             };
-            let held = Held {
-                own: own.clone(),
-                total: e,
-            };
-            placed_later(g, (layer, held, stacked), Box::new(src))?
+            placed_later(g, (layer, held.clone(), stacked), Box::new(src))?
         } else {
             let gu_mat = DevMat::stack(g, &gu, 2 * i, hidden, None)?;
             (gu_mat, DevMat::stack(g, &down, hidden, i, None)?, None)
         };
         let routing = (e, m.top_k, m.norm_topk_prob);
         let part = shard.map(|s| ExpertPart::new(g, s, e)).transpose()?;
-        Ok(made(router, experts, shared, routing, (own.len(), part)))
+        Ok(made(router, experts, shared, routing, (held.len(), part)))
     }
 
     /// Random weights of config `c`'s shape for MoE layer `layer` (the experts made where they
@@ -149,7 +145,7 @@ impl MoeFfn {
             c.shared_expert_intermediate_size,
         );
         check(e, c.experts_per_token)?;
-        let own = share(shard, e)?;
+        let held = share(shard, e)?;
         // As on upload: a shared expert of the experts' shape and format is stacked as expert E.
         let stacked = sn == n && f.shared_like_routed();
         let shared = match stacked {
@@ -158,15 +154,11 @@ impl MoeFfn {
         };
         let router = f.router(e + 1, h)?;
         let experts = if offload {
-            let src = SeededExperts::new(f, ((2 * n, h), (h, n)), own.clone(), e);
-            let held = Held {
-                own: own.clone(),
-                total: e,
-            };
-            placed_later(f.g, (layer, held, stacked), Box::new(src))?
+            let src = SeededExperts::new(f, ((2 * n, h), (h, n)), held.clone());
+            placed_later(f.g, (layer, held.clone(), stacked), Box::new(src))?
         } else {
             // This GPU's share and the shared expert, of the stack one GPU would hold.
-            let parts = [own.clone(), e..e + stacked as usize];
+            let parts = [held.own.clone(), e..e + stacked as usize];
             (
                 f.expert_mats_of(&parts, 2 * n, h)?,
                 f.expert_mats_of(&parts, h, n)?,
@@ -175,7 +167,7 @@ impl MoeFfn {
         };
         let routing = (e, c.experts_per_token, c.norm_topk_prob);
         let part = shard.map(|s| ExpertPart::new(f.g, s, e)).transpose()?;
-        Ok(made(router, experts, shared, routing, (own.len(), part)))
+        Ok(made(router, experts, shared, routing, (held.len(), part)))
     }
 
     /// `ffn` as a routed-experts block, when it is one (expert residency reaches into it).
@@ -399,11 +391,15 @@ fn made<'a>(
 }
 
 /// The routed experts of `experts` held here: all, or this GPU's share.
-fn share(shard: Option<&Shard>, experts: usize) -> Result<Range<usize>> {
-    match shard {
-        Some(s) => held_share(experts, s.rank(), s.world()).map_err(CudaError::Unsupported),
-        None => Ok(0..experts),
-    }
+fn share(shard: Option<&Shard>, experts: usize) -> Result<Held> {
+    let own = match shard {
+        Some(s) => held_share(experts, s.rank(), s.world()).map_err(CudaError::Unsupported)?,
+        None => 0..experts,
+    };
+    Ok(Held {
+        own,
+        total: experts,
+    })
 }
 
 /// The expert counts the CUDA router takes.
@@ -518,10 +514,7 @@ impl MoeFfn {
         }
         let (w, sg) = (fb.weights.ptr(), fb.sg.ptr());
         ops::router_topk(g, fb.router.ptr(), router.n, route, ids, w, sg, b)?;
-        if st.shard.is_some_and(|s| !s.lead()) {
-            // SAFETY: x holds the step's b rows of h floats.
-            unsafe { g.zero_raw(s.x.ptr(), b * h * 4)? };
-        }
+        st.residual_to_lead()?;
         if let Some(m) = mailbox {
             ops::host_experts_publish(g, m, s.normed.ptr(), ids, per_row, h, b)?;
         }
