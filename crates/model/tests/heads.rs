@@ -1,13 +1,14 @@
-//! Tensor parallel's slicing (`checkpoint::heads`) on the CPU: every mixer of fixtures with each
-//! head layout and weight format (Qwen3.5's split projections, Qwen3-Next's per-key-head
-//! packing, biases, affine with and without zero points, a GGUF file's repacked K-quants),
-//! divided between two GPUs' parts, gives outputs that add up to the whole mixer's, in f32.
+//! Tensor parallel's slicing (`checkpoint::heads`) on the CPU: every mixer and dense MLP of
+//! fixtures with each head layout and weight format (Qwen3.5's split projections, Qwen3-Next's
+//! per-key-head packing, biases, affine with and without zero points, FP8 re-blocked where a
+//! share cuts its blocks, a GGUF file's repacked K-quants), divided between two GPUs' parts,
+//! gives outputs that add up to the whole block's, in f32.
 
 use std::path::Path;
 
 use deltamoe_compute::cpu::rope::Rope;
 use deltamoe_model::checkpoint::heads::heads_share;
-use deltamoe_model::checkpoint::Mixer;
+use deltamoe_model::checkpoint::{Ffn, Mixer};
 use deltamoe_model::config::ModelConfig;
 use deltamoe_model::layers::attention::KvCache;
 use deltamoe_model::layers::linear::Products;
@@ -44,6 +45,11 @@ fn the_parts_of_each_mixer_add_up_to_the_whole() {
         "qwen3_5_next_norm_false",
         "mlx_qwen3_5_moe_q8",
         "gptq_qwen3_next",
+        "fp8_qwen3_5_moe",
+        "fp8_qwen3_next",
+        "fp8_qwen3_5_dense",
+        "awq_qwen3_5_dense",
+        "qwen3_5_dense",
         "gguf_quant/qwen3_5_moe_q.q4_k_m.gguf",
     ];
     for f in files {
@@ -54,17 +60,32 @@ fn the_parts_of_each_mixer_add_up_to_the_whole() {
         let x: Vec<f32> = (0..t * h).map(val).collect();
         for (i, l) in whole.layers.iter().enumerate() {
             let want = mixer_out(&l.mixer, &whole.config, &x, t);
-            let mut got = vec![0.0; want.len()];
-            for p in &parts {
-                let y = mixer_out(&p.layers[i].mixer, &p.config, &x, t);
-                got.iter_mut().zip(y).for_each(|(g, y)| *g += y);
-            }
-            let max = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let err = got
+            let got = parts
                 .iter()
-                .zip(&want)
-                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(err <= 1e-5 * max.max(1e-3), "{f} layer {i}: {err} of {max}");
+                .map(|p| mixer_out(&p.layers[i].mixer, &p.config, &x, t));
+            check(&format!("{f} layer {i} mixer"), &want, got);
+            if let Ffn::Dense(m) = &l.ffn {
+                let exact = Products::Exact;
+                let got = parts.iter().map(|p| match &p.layers[i].ffn {
+                    Ffn::Dense(m) => m.forward(&x, t, exact),
+                    Ffn::Moe(_) => panic!("{f} layer {i}: a dense MLP's share is dense"),
+                });
+                check(&format!("{f} layer {i} MLP"), &m.forward(&x, t, exact), got);
+            }
         }
     }
+}
+
+/// The parts' outputs add up to `want` in f32.
+fn check(name: &str, want: &[f32], parts: impl Iterator<Item = Vec<f32>>) {
+    let mut got = vec![0.0; want.len()];
+    for y in parts {
+        got.iter_mut().zip(y).for_each(|(g, y)| *g += y);
+    }
+    let max = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(err <= 1e-5 * max.max(1e-3), "{name}: {err} of {max}");
 }

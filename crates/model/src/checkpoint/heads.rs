@@ -3,9 +3,10 @@
 //! the value heads that read them), the input projections' rows and the output projections'
 //! columns of those heads, and the per-head conv channels, decays and biases. Its output
 //! projection then gives a partial sum of the layer's output, which the GPUs add (one all-reduce
-//! per mixer, `gpu::layers`). The config it returns counts this GPU's heads, so every layer
-//! and state buffer is sized for them. Everything else (norms, feed-forward blocks, the
-//! embedding and head) is kept whole.
+//! per mixer, `gpu::layers`). Dense MLP layers are divided the same way, by their intermediate
+//! rows. The config it returns counts this GPU's heads and rows, so every layer and state
+//! buffer is sized for them. Everything else (norms, MoE blocks, whose experts expert parallel
+//! divides, the embedding and head) is kept whole.
 //!
 //! Head layouts (HF's, which every checkpoint format is loaded into): attention `q_proj` rows are
 //! per head `[q_h | gate_h]`, `o_proj` columns per head; GDN `in_proj_qkv` rows (and conv
@@ -19,8 +20,8 @@ use deltamoe_compute::fp8::Bytes;
 use deltamoe_compute::{AffineWeight, Fp8Weight, PackedWords, Tensor};
 
 use super::gdn::InProj;
-use super::{Attention, Checkpoint, GatedDeltaNet, Layer, Linear, LinearWeight, Mixer};
-use crate::config::ModelConfig;
+use super::{Attention, Checkpoint, Ffn, GatedDeltaNet, Layer, Linear, LinearWeight, Mixer, Mlp};
+use crate::config::{FfnKind, ModelConfig};
 use crate::error::{ModelError, Result};
 
 /// GPU `rank`'s part of `ckpt` when `world` GPUs divide the mixers' heads (see the module doc).
@@ -37,14 +38,19 @@ pub fn heads_share(ckpt: &Checkpoint, rank: usize, world: usize) -> Result<Check
     Ok(out)
 }
 
-/// Config `c` with each mixer's head counts those one of `world` GPUs keeps; an error naming
-/// the count that does not divide among them.
+/// Config `c` with each mixer's head counts (and the dense MLP layers' intermediate size) those
+/// one of `world` GPUs keeps; an error naming the count that does not divide among them.
 pub fn heads_config(c: &ModelConfig, world: usize) -> Result<ModelConfig> {
+    let dense = c.ffn_kinds.contains(&FfnKind::Dense);
     let counts = [
         ("attention heads", c.num_heads),
         ("KV heads", c.num_kv_heads),
         ("GDN key heads", c.linear_k_heads),
         ("GDN value heads", c.linear_v_heads),
+        (
+            "dense MLP rows",
+            if dense { c.intermediate_size } else { 0 },
+        ),
     ];
     if let Some((what, n)) = counts.iter().find(|(_, n)| !n.is_multiple_of(world)) {
         return Err(ModelError::Input(format!(
@@ -57,6 +63,9 @@ pub fn heads_config(c: &ModelConfig, world: usize) -> Result<ModelConfig> {
     out.num_kv_heads /= world;
     out.linear_k_heads /= world;
     out.linear_v_heads /= world;
+    if dense {
+        out.intermediate_size /= world;
+    }
     Ok(out)
 }
 
@@ -77,9 +86,49 @@ impl Part {
 
 fn share_layer(l: &mut Layer, part: Part) -> Result<()> {
     match &mut l.mixer {
-        Mixer::Full(a) => share_attention(a, part),
-        Mixer::Linear(g) => share_gdn(g, part),
+        Mixer::Full(a) => share_attention(a, part)?,
+        Mixer::Linear(g) => share_gdn(g, part)?,
     }
+    match &mut l.ffn {
+        Ffn::Dense(m) => share_mlp(m, part),
+        Ffn::Moe(_) => Ok(()),
+    }
+}
+
+/// A dense MLP's share: its part of the intermediate rows of gate and up, and those columns of
+/// down (whose output is then a partial sum, as a mixer's), cut at down's groups or blocks
+/// ([`mlp_cuts`]).
+fn share_mlp(m: &mut Mlp, part: Part) -> Result<()> {
+    let i = m.gate.weight.shape()[0];
+    let unit = match &m.down.weight {
+        LinearWeight::Dense(_) => 1,
+        LinearWeight::Affine(a) => a.group_size(),
+        LinearWeight::Fp8(f) => f.block()[1],
+    };
+    let cuts = mlp_cuts(i, unit, part.world);
+    let mine = cuts[part.rank]..cuts[part.rank + 1];
+    if mine.is_empty() {
+        return Err(indivisible(
+            format!("dense MLP's {i} rows in blocks of {unit}"),
+            part.world,
+        ));
+    }
+    m.gate = rows(&m.gate, std::slice::from_ref(&mine))?;
+    m.up = rows(&m.up, std::slice::from_ref(&mine))?;
+    m.down = col_range(&m.down, mine, part.world)?;
+    Ok(())
+}
+
+/// Where `world` parts of `i` intermediate rows begin (and the last ends): the multiples of
+/// `unit` nearest to equal parts, so that no part cuts a group or block of down's inputs (the
+/// parts may then differ in size; each GPU sizes its MLP by its own rows).
+pub fn mlp_cuts(i: usize, unit: usize, world: usize) -> Vec<usize> {
+    let span = world * unit;
+    let mut cuts: Vec<usize> = (0..world)
+        .map(|r| ((r * i + span / 2) / span * unit).min(i))
+        .collect();
+    cuts.push(i);
+    cuts
 }
 
 fn share_attention(a: &mut Attention, part: Part) -> Result<()> {
@@ -144,31 +193,33 @@ fn rows(l: &Linear, ranges: &[Range<usize>]) -> Result<Linear> {
     Ok(Linear { weight, bias })
 }
 
-/// `part`'s share of the columns of `l`; the bias stays with part 0 (the parts' outputs are
-/// summed).
+/// Part `part`'s equal share of the columns of `l` (`k` inputs, which must divide among the
+/// parts); the bias stays with part 0 (the parts' outputs are summed).
 fn cols(l: &Linear, part: Part) -> Result<Linear> {
+    let k = l.weight.shape()[1];
+    if !k.is_multiple_of(part.world) {
+        return Err(indivisible(format!("{k} inputs"), part.world));
+    }
+    col_range(l, part.of(k, 1), part.world)
+}
+
+/// The columns `r` of `l` (one of `world` parts' inputs); the bias stays with the part that
+/// starts at 0.
+fn col_range(l: &Linear, r: Range<usize>, world: usize) -> Result<Linear> {
+    let bias = l.bias.clone().filter(|_| r.start == 0);
     let weight = match &l.weight {
         LinearWeight::Dense(t) => {
             let [n, k] = l.weight.shape();
-            LinearWeight::Dense(cols_of(t, (n, k), part)?)
+            let t = t.reshape(vec![n * k, 1]);
+            let idx: Vec<usize> = (0..n)
+                .flat_map(|i| r.clone().map(move |c| i * k + c))
+                .collect();
+            LinearWeight::Dense(t.gather_rows(&idx).reshape(vec![n, r.len()]))
         }
-        LinearWeight::Affine(a) => affine_cols(a, part)?.into(),
-        LinearWeight::Fp8(f) => fp8_cols(f, part)?.into(),
+        LinearWeight::Affine(a) => affine_cols(a, r, world)?.into(),
+        LinearWeight::Fp8(f) => fp8_cols(f, r, world)?.into(),
     };
-    let bias = l.bias.clone().filter(|_| part.rank == 0);
     Ok(Linear { weight, bias })
-}
-
-/// Columns `part` of the `[n, k]` matrix `t` (k divides among the parts).
-fn cols_of(t: &Tensor, (n, k): (usize, usize), part: Part) -> Result<Tensor> {
-    let w = part.world;
-    if !k.is_multiple_of(w) {
-        return Err(indivisible(format!("{k} inputs"), w));
-    }
-    let idx: Vec<usize> = (0..n).map(|i| i * w + part.rank).collect();
-    Ok(t.reshape(vec![n * w, k / w])
-        .gather_rows(&idx)
-        .reshape(vec![n, k / w]))
 }
 
 fn indivisible(what: String, world: usize) -> ModelError {
@@ -201,37 +252,29 @@ fn affine_rows(a: &AffineWeight, idx: &[usize]) -> Result<AffineWeight> {
     )
 }
 
-fn affine_cols(a: &AffineWeight, part: Part) -> Result<AffineWeight> {
-    let (n, wpr, gpr, wd) = (
-        a.out_features(),
-        a.words_per_row(),
-        a.groups_per_row(),
-        part.world,
-    );
-    if !wpr.is_multiple_of(wd) || !gpr.is_multiple_of(wd) {
-        return Err(indivisible(
-            format!("{} inputs in groups of {}", a.in_features(), a.group_size()),
-            wd,
-        ));
+/// Affine columns `r`: whole groups.
+fn affine_cols(a: &AffineWeight, r: Range<usize>, world: usize) -> Result<AffineWeight> {
+    let (n, g, bits) = (a.out_features(), a.group_size(), a.bits() as usize);
+    let (k, wpr, gpr) = (a.in_features(), a.words_per_row(), a.groups_per_row());
+    let whole = |c: usize| c.is_multiple_of(g) && (c * bits).is_multiple_of(32);
+    if !whole(r.start) || !(whole(r.end) || r.end == k) {
+        return Err(indivisible(format!("{k} inputs in groups of {g}"), world));
     }
+    let (w0, w1) = (r.start * bits / 32, (r.end * bits).div_ceil(32));
+    let (g0, g1) = (r.start / g, r.end.div_ceil(g));
     let words = a.words();
-    let each = wpr / wd;
     let w: Vec<u32> = (0..n)
-        .flat_map(|r| {
-            let at = r * wpr + part.rank * each;
-            words[at..at + each].iter().copied()
-        })
+        .flat_map(|i| words[i * wpr + w0..i * wpr + w1].iter().copied())
         .collect();
-    let s = cols_of(a.scales(), (n, gpr), part)?;
-    let b = cols_of(a.biases(), (n, gpr), part)?;
-    let bits = (a.bits(), a.group_size());
-    affine(
-        bits,
-        (n, a.in_features() / wd),
-        w,
-        (s, b),
-        a.has_zero_points(),
-    )
+    let params = |t: &Tensor| {
+        let v = t.to_f32_vec();
+        let kept = (0..n)
+            .flat_map(|i| v[i * gpr + g0..i * gpr + g1].to_vec())
+            .collect();
+        Tensor::from_f32(vec![n, g1 - g0], kept)
+    };
+    let (s, b) = (params(a.scales()), params(a.biases()));
+    affine((a.bits(), g), (n, r.len()), w, (s, b), a.has_zero_points())
 }
 
 fn affine(
@@ -249,59 +292,70 @@ fn affine(
     })
 }
 
-/// FP8 rows: whole blocks of rows (a range may end at the last row).
+/// FP8 rows: the same blocks when every range holds whole blocks of rows (a range may end at the
+/// last row); else blocks of one row, each row with its block row's scales (the same values).
 fn fp8_rows(f: &Fp8Weight, ranges: &[Range<usize>]) -> Result<Fp8Weight> {
-    let (out, inp, [br, _]) = (f.out_features(), f.in_features(), f.block());
+    let (out, inp, [br, bc]) = (f.out_features(), f.in_features(), f.block());
     let aligned = |r: &Range<usize>| {
         r.start.is_multiple_of(br) && (r.len().is_multiple_of(br) || r.end == out)
     };
-    if !ranges.iter().all(aligned) {
-        return Err(ModelError::Input(format!(
-            "tensor parallel: a share of heads does not fill whole FP8 blocks of {br} rows; \
-             drop --tensor-parallel"
-        )));
-    }
+    let step = match ranges.iter().all(aligned) {
+        true => br,
+        false => 1,
+    };
     let codes = f.codes();
     let mut c = Vec::new();
     let mut s = Vec::new();
     for r in ranges {
         c.extend_from_slice(&codes[r.start * inp..r.end * inp]);
-        for b in (r.start..r.end).step_by(br) {
+        for b in (r.start..r.end).step_by(step) {
             s.extend_from_slice(f.row_scales(b));
         }
     }
     let n = ranges.iter().map(Range::len).sum();
-    Fp8Weight::new(n, inp, f.block(), Bytes::from_vec(c), s, f.scale_dtype()).map_err(quant_err)
+    let block = [step, bc];
+    Fp8Weight::new(n, inp, block, Bytes::from_vec(c), s, f.scale_dtype()).map_err(quant_err)
 }
 
-/// FP8 columns: whole blocks of inputs for each part.
-fn fp8_cols(f: &Fp8Weight, part: Part) -> Result<Fp8Weight> {
-    let (out, inp, [br, bc], w) = (f.out_features(), f.in_features(), f.block(), part.world);
-    if !inp.is_multiple_of(w * bc) {
+/// FP8 columns `r`: in blocks of the widest width that divides both the blocks and the start
+/// (so each of its blocks lies in one of the whole's and keeps that block's scale), a multiple
+/// of 8 as the CUDA kernels read them, as is the number of columns.
+fn fp8_cols(f: &Fp8Weight, r: Range<usize>, world: usize) -> Result<Fp8Weight> {
+    let (out, inp, [br, bc]) = (f.out_features(), f.in_features(), f.block());
+    let (k0, k) = (r.start, r.len());
+    let width = gcd(bc, k0);
+    if !width.is_multiple_of(8) || !k.is_multiple_of(8) {
         return Err(indivisible(
             format!("{inp} inputs in FP8 blocks of {bc}"),
-            w,
+            world,
         ));
     }
-    let (k, gc) = (inp / w, f.grid_cols() / w);
+    let blocks = k.div_ceil(width);
     let codes = f.codes();
     let c: Vec<u8> = (0..out)
-        .flat_map(|r| {
-            codes[r * inp + part.rank * k..r * inp + (part.rank + 1) * k]
-                .iter()
-                .copied()
-        })
+        .flat_map(|i| codes[i * inp + k0..i * inp + k0 + k].iter().copied())
         .collect();
     let s: Vec<f32> = (0..out)
         .step_by(br)
-        .flat_map(|b| f.row_scales(b)[part.rank * gc..(part.rank + 1) * gc].to_vec())
+        .flat_map(|b| {
+            let row = f.row_scales(b);
+            (0..blocks).map(move |j| row[(k0 + j * width) / bc])
+        })
         .collect();
-    Fp8Weight::new(out, k, f.block(), Bytes::from_vec(c), s, f.scale_dtype()).map_err(quant_err)
+    let block = [br, width];
+    Fp8Weight::new(out, k, block, Bytes::from_vec(c), s, f.scale_dtype()).map_err(quant_err)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    match b {
+        0 => a,
+        _ => gcd(b, a % b),
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{cols, rows, Part};
+    use super::{cols, mlp_cuts, rows, Part};
     use crate::checkpoint::{Linear, LinearWeight};
     use deltamoe_compute::cpu::quant::quantize;
     use deltamoe_compute::fp8::Bytes;
@@ -379,18 +433,67 @@ mod tests {
         }
     }
 
+    /// FP8 blocks of `[4, bc]` over a `[16, k]` matrix, without a bias.
+    fn fp8(k: usize, bc: usize) -> Linear {
+        let n = 16;
+        let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 120) as u8).collect();
+        let grid = (n / 4) * k.div_ceil(bc);
+        let scales: Vec<f32> = (0..grid).map(|i| 0.5 + i as f32).collect();
+        let f = Fp8Weight::new(n, k, [4, bc], Bytes::from_vec(codes), scales, DType::F32).unwrap();
+        Linear {
+            weight: LinearWeight::Fp8(Box::new(f)),
+            bias: None,
+        }
+    }
+
     #[test]
-    fn shares_that_split_a_group_or_block_are_refused() {
+    fn fp8_shares_that_cut_blocks_are_reblocked_to_the_same_values() {
+        // Rows 2..6 cut blocks of 4 rows: blocks of one row.
+        let l = fp8(128, 8);
+        let (full, k) = (values(&l), 128);
+        let picked = rows(&l, &[2..6, 9..10]).unwrap();
+        let want: Vec<f32> = [2..6, 9..10]
+            .into_iter()
+            .flat_map(|r| full[r.start * k..r.end * k].to_vec())
+            .collect();
+        assert_eq!(values(&picked), want);
+        // 24 inputs a part: the first inside the first block of 32, the second across two, in
+        // blocks of 8.
+        let (l, k) = (fp8(48, 32), 48);
+        let full = values(&l);
+        for rank in 0..2 {
+            let c = cols(&l, Part { rank, world: 2 }).unwrap();
+            let LinearWeight::Fp8(f) = &c.weight else {
+                panic!("FP8 share");
+            };
+            assert_eq!(f.block(), [4, [32, 8][rank]]);
+            let want: Vec<f32> = (0..16)
+                .flat_map(|r| full[r * k + rank * 24..r * k + rank * 24 + 24].to_vec())
+                .collect();
+            assert_eq!(values(&c), want, "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn dense_mlp_cuts_fall_on_down_blocks() {
+        assert_eq!(mlp_cuts(200, 1, 2), [0, 100, 200]);
+        assert_eq!(mlp_cuts(200, 128, 2), [0, 128, 200]);
+        assert_eq!(mlp_cuts(17408, 128, 4), [0, 4352, 8704, 13056, 17408]);
+        assert_eq!(mlp_cuts(64, 64, 2), [0, 64, 64]);
+    }
+
+    #[test]
+    fn shares_that_split_a_group_or_a_kernel_width_are_refused() {
         let l = &formats(16, 96)[1];
         let e = cols(l, Part { rank: 0, world: 2 }).unwrap_err().to_string();
         assert!(
             e.contains("groups of 32") && e.contains("--tensor-parallel"),
             "{e}"
         );
-        let f = &formats(16, 128)[3];
-        let e = rows(f, std::slice::from_ref(&(2..6)))
+        // 12 inputs a part in blocks of 8: blocks of 4, narrower than the kernels read.
+        let e = cols(&fp8(24, 8), Part { rank: 1, world: 2 })
             .unwrap_err()
             .to_string();
-        assert!(e.contains("FP8 blocks of 4"), "{e}");
+        assert!(e.contains("FP8 blocks of 8"), "{e}");
     }
 }

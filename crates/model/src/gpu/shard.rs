@@ -78,7 +78,7 @@ impl Shard {
 
 impl GpuModel {
     /// Seconds a decode step of `rows` rows spends in its all-reduces alone (one per MoE
-    /// layer, and one per mixer with the heads divided), timed over `reps` replays of a graph
+    /// layer, and with the heads divided one per mixer and one per dense MLP), timed over `reps` replays of a graph
     /// of just those; None on one GPU. Every GPU calls it at the same time.
     pub fn comm_seconds(&self, rows: usize, reps: usize) -> Result<Option<f64>> {
         let Some(shard) = &self.shard else {
@@ -87,7 +87,11 @@ impl GpuModel {
         let g = &self.gpu;
         let layers = self.layers.iter();
         let moe = layers.filter(|l| MoeFfn::of(&*l.ffn).is_some()).count();
-        let reduces = moe + shard.heads() as usize * self.layers.len();
+        let dense = self.layers.len() - moe;
+        let reduces = match shard.heads() {
+            true => moe + self.layers.len() + dense,
+            false => moe,
+        };
         let (x, n) = (g.zeros::<f32>(rows * self.hidden)?, rows * self.hidden);
         let stream = g.stream();
         let capture = |e| CudaError::Unsupported(format!("graph capture: {e}"));

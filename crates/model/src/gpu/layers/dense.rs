@@ -1,5 +1,6 @@
 //! The dense SwiGLU MLP on the GPU: `[gate | up]` as one matrix (SwiGLU in its epilogue), then
-//! down.
+//! down. With the heads divided among GPUs (`checkpoint::heads`) each holds its share of the
+//! intermediate rows, and the GPUs' partial outputs are added up by one all-reduce.
 use deltamoe_compute::cuda::ops;
 use deltamoe_compute::cuda::{Gpu, Result};
 
@@ -66,6 +67,9 @@ impl Ffn for DenseFfn {
         ops::matvec_swiglu(g, self.gate_up.mv(), s.normed.ptr(), s.ffn.h.ptr(), x_rows)?;
         let dm = self.down.mv();
         ops::matvec(g, dm, s.ffn.h.ptr(), s.delta.ptr(), st.row_slots(dm.k))?;
+        if let Some(sh) = st.shard.filter(|sh| sh.heads()) {
+            sh.all_reduce(g, s.delta.ptr(), st.rows() * st.hidden)?;
+        }
         if st.fused {
             // The residual stays whole: the output joins it now (the norm written with it goes
             // unused; the next projection normalizes).
@@ -79,6 +83,10 @@ impl Ffn for DenseFfn {
         let gu = (ps.normed.ptr(), ps.ffn.h.ptr());
         pass_mv(p, self.gate_up.mv(), gu, p.hidden, true)?;
         let dm = self.down.mv();
-        pass_mv(p, dm, (ps.ffn.h.ptr(), ps.delta.ptr()), dm.k, false)
+        pass_mv(p, dm, (ps.ffn.h.ptr(), ps.delta.ptr()), dm.k, false)?;
+        match p.shard.filter(|sh| sh.heads()) {
+            Some(sh) => sh.all_reduce(p.g, ps.delta.ptr(), p.t * p.hidden),
+            None => Ok(()),
+        }
     }
 }
