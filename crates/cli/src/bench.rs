@@ -101,8 +101,8 @@ pub struct BenchArgs {
     /// --expert-cache-fraction or --gpu-memory (per GPU), each GPU offloads its share.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub(crate) gpus: Vec<usize>,
-    /// With several --gpus: divide the attention and GDN heads among them too (tensor
-    /// parallel), one all-reduce after each mixer.
+    /// With several --gpus: divide the attention and GDN heads and dense MLP rows among them
+    /// too (tensor parallel), one all-reduce after each mixer and dense MLP.
     #[arg(long, requires = "gpus")]
     pub(crate) tensor_parallel: bool,
     /// Also measure speculative decoding with the model's MTP layer drafting N tokens a step

@@ -22,8 +22,8 @@ pub struct InfoArgs {
     /// (`--gpus` of the other commands; e.g. 0,1).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     gpus: Vec<usize>,
-    /// With --gpus: the attention and GDN heads divided among them too (`--tensor-parallel` of
-    /// the other commands).
+    /// With --gpus: the attention and GDN heads and dense MLP rows divided among them too
+    /// (`--tensor-parallel` of the other commands).
     #[arg(long, requires = "gpus")]
     tensor_parallel: bool,
 }

@@ -93,9 +93,10 @@ pub struct ModelArgs {
     /// GPU caches its share of the GB). One number picks that GPU. Default: GPU 0.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     gpus: Vec<usize>,
-    /// With several --gpus: divide each attention and GDN layer's heads among them too (tensor
-    /// parallel: each GPU holds its heads' share of the mixer weights and state, one all-reduce
-    /// after each mixer). The head counts must divide by the number of GPUs.
+    /// With several --gpus: divide each attention and GDN layer's heads and each dense MLP's
+    /// rows among them too (tensor parallel: each GPU holds its share of those weights and of the
+    /// mixers' state, one all-reduce after each mixer and dense MLP). The head counts must
+    /// divide by the number of GPUs.
     #[arg(long)]
     tensor_parallel: bool,
 }
@@ -122,7 +123,7 @@ impl ModelArgs {
         })
     }
 
-    /// Whether the mixers' heads are divided among the GPUs (`--tensor-parallel`).
+    /// Whether the mixers' heads and dense MLPs are divided among the GPUs (`--tensor-parallel`).
     pub fn tensor_parallel(&self) -> bool {
         self.tensor_parallel
     }
