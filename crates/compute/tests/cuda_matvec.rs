@@ -126,6 +126,8 @@ fn affine_matvec_case(params: AffineParams) {
         (4, 32, 64, 2048, 1, 1),
         (2, 32, 11, 96, 1, 2),
         (8, 64, 4100, 128, 2, 4),
+        (4, 16, 21, 48, 2, 3),
+        (8, 16, 13, 80, 1, 2),
     ] {
         let w = rand_vec(&mut r, experts * n * k, -1.0, 1.0);
         let a = Affine::with_params(&g, &w, k, (group, bits), params);
@@ -188,7 +190,8 @@ fn affine_matvec_case(params: AffineParams) {
 
 /// The slot forms of the matvec kernels: a batch of rows through one matrix (no ids; 5 to 530
 /// rows: more than one 32-row group, split-K, wide — with and without K split over blocks —
-/// and GEMM tensor-core forms, and the CUDA-core rows kernels for 2-bit weights) and the experts
+/// and GEMM tensor-core forms, and the CUDA-core rows kernels for 2-bit weights and groups of
+/// 16) and the experts
 /// of several tokens (ids, groups of `x_div` slots per input row), for bf16 and 4/8-bit affine
 /// weights with MLX's parameters or f16 scales and zero points (and 2-bit ones with the latter),
 /// plus the SwiGLU form of the row batch. The tensor-core row kernels carry each input as bf16
@@ -245,6 +248,8 @@ fn slot_forms(rows: usize) {
         (4, 32, f16z),
         (8, 32, f16z),
         (2, 64, f16z),
+        (4, 16, mlx),
+        (8, 16, f16z),
     ] {
         let a = Affine::with_params(&g, &w, k, (group, bits), params);
         // Dequantized weights as the affine kernels see them.

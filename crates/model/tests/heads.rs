@@ -1,8 +1,8 @@
 //! Tensor parallel's slicing (`checkpoint::heads`) on the CPU: every mixer and dense MLP of
 //! fixtures with each head layout and weight format (Qwen3.5's split projections, Qwen3-Next's
-//! per-key-head packing, biases, affine with and without zero points, FP8 re-blocked where a
-//! share cuts its blocks, a GGUF file's repacked K-quants), divided between two GPUs' parts,
-//! gives outputs that add up to the whole block's, in f32.
+//! per-key-head packing, biases, affine with and without zero points, regrouped where a share
+//! cuts its groups, FP8 re-blocked where a share cuts its blocks, GGUF files' repacked blocks),
+//! divided between two GPUs' parts, gives outputs that add up to the whole block's, in f32.
 
 use std::path::Path;
 
@@ -44,6 +44,8 @@ fn the_parts_of_each_mixer_add_up_to_the_whole() {
         "qwen3_next",
         "qwen3_5_next_norm_false",
         "mlx_qwen3_5_moe_q8",
+        "mlx_qwen3_5_moe_q4",
+        "mlx_qwen3_next_q4",
         "gptq_qwen3_next",
         "fp8_qwen3_5_moe",
         "fp8_qwen3_next",
@@ -51,6 +53,7 @@ fn the_parts_of_each_mixer_add_up_to_the_whole() {
         "awq_qwen3_5_dense",
         "qwen3_5_dense",
         "gguf_quant/qwen3_5_moe_q.q4_k_m.gguf",
+        "gguf_quant/qwen3_next_q.q8_0.gguf",
     ];
     for f in files {
         let model = Qwen3Hybrid::load(&root.join(f)).unwrap();

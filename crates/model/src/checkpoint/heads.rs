@@ -252,29 +252,38 @@ fn affine_rows(a: &AffineWeight, idx: &[usize]) -> Result<AffineWeight> {
     )
 }
 
-/// Affine columns `r`: whole groups.
+/// Affine columns `r`: in groups of the widest size that divides the group, the start and the
+/// width (each inside one of the whole's groups, with its scale and bias), of whole words and
+/// at least the 16 inputs the CUDA kernels' smallest groups hold.
 fn affine_cols(a: &AffineWeight, r: Range<usize>, world: usize) -> Result<AffineWeight> {
     let (n, g, bits) = (a.out_features(), a.group_size(), a.bits() as usize);
     let (k, wpr, gpr) = (a.in_features(), a.words_per_row(), a.groups_per_row());
-    let whole = |c: usize| c.is_multiple_of(g) && (c * bits).is_multiple_of(32);
-    if !whole(r.start) || !(whole(r.end) || r.end == k) {
+    let size = gcd(g, gcd(r.start, r.len()));
+    if size < 16 || !(size * bits).is_multiple_of(32) {
         return Err(indivisible(format!("{k} inputs in groups of {g}"), world));
     }
-    let (w0, w1) = (r.start * bits / 32, (r.end * bits).div_ceil(32));
-    let (g0, g1) = (r.start / g, r.end.div_ceil(g));
+    let (w0, w1) = (r.start * bits / 32, r.end * bits / 32);
     let words = a.words();
     let w: Vec<u32> = (0..n)
         .flat_map(|i| words[i * wpr + w0..i * wpr + w1].iter().copied())
         .collect();
+    let groups = r.len() / size;
+    let idx: Vec<usize> = (0..n)
+        .flat_map(|i| (0..groups).map(move |j| i * gpr + (r.start + j * size) / g))
+        .collect();
     let params = |t: &Tensor| {
-        let v = t.to_f32_vec();
-        let kept = (0..n)
-            .flat_map(|i| v[i * gpr + g0..i * gpr + g1].to_vec())
-            .collect();
-        Tensor::from_f32(vec![n, g1 - g0], kept)
+        t.reshape(vec![n * gpr, 1])
+            .gather_rows(&idx)
+            .reshape(vec![n, groups])
     };
     let (s, b) = (params(a.scales()), params(a.biases()));
-    affine((a.bits(), g), (n, r.len()), w, (s, b), a.has_zero_points())
+    affine(
+        (a.bits(), size),
+        (n, r.len()),
+        w,
+        (s, b),
+        a.has_zero_points(),
+    )
 }
 
 fn affine(
@@ -483,9 +492,30 @@ mod tests {
     }
 
     #[test]
+    fn affine_shares_that_cut_groups_are_regrouped_to_the_same_values() {
+        // 48 inputs a part of groups of 32: the second part starts inside a group; groups of 16.
+        let (n, k) = (16, 96);
+        for l in &formats(n, k)[1..3] {
+            let full = values(l);
+            for rank in 0..2 {
+                let c = cols(l, Part { rank, world: 2 }).unwrap();
+                let LinearWeight::Affine(a) = &c.weight else {
+                    panic!("affine share");
+                };
+                assert_eq!(a.group_size(), 16);
+                let want: Vec<f32> = (0..n)
+                    .flat_map(|r| full[r * k + rank * 48..r * k + rank * 48 + 48].to_vec())
+                    .collect();
+                assert_eq!(values(&c), want, "rank {rank}");
+            }
+        }
+    }
+
+    #[test]
     fn shares_that_split_a_group_or_a_kernel_width_are_refused() {
+        // 24 inputs a part of groups of 32: groups of 8, under the kernels' 16.
         let l = &formats(16, 96)[1];
-        let e = cols(l, Part { rank: 0, world: 2 }).unwrap_err().to_string();
+        let e = cols(l, Part { rank: 1, world: 4 }).unwrap_err().to_string();
         assert!(
             e.contains("groups of 32") && e.contains("--tensor-parallel"),
             "{e}"

@@ -45,6 +45,15 @@ fn gpu_bits(bits: u32) -> Option<u32> {
 /// bf16).
 const GPU_GROUPS: [usize; 3] = [32, 64, 128];
 
+/// Whether the CUDA kernels read a checkpoint's `bits`-bit codes in groups of `group`:
+/// [`GPU_GROUPS`] on every form, and 4- or 8-bit codes in groups of 16 (a tensor-parallel share
+/// of a projection that cuts its groups of 32, `checkpoint::heads`) on the CUDA-core forms, which
+/// `cuda::dispatch` gives every matrix the tensor-core forms do not take. Codes widened to 8 bits
+/// (GGUF's Q6_K) in groups of 16 are held as bf16, which prefill's tensor-core forms take.
+fn gpu_group(bits: u32, group: usize) -> bool {
+    GPU_GROUPS.contains(&group) || (matches!(bits, 4 | 8) && group == 16)
+}
+
 impl DevFormat {
     /// The format of `parts` stacked by rows: affine when every part is affine with the same
     /// bits (3/5/6 widened to 8) and group (32/64/128), FP8 when every part is FP8 with the same
@@ -72,7 +81,7 @@ impl DevFormat {
             true => AffineParams::F16Zero,
             false => AffineParams::Bf16,
         };
-        match (same && GPU_GROUPS.contains(&group), gpu_bits(bits)) {
+        match (same && gpu_group(bits, group), gpu_bits(bits)) {
             (true, Some(bits)) => DevFormat::Affine {
                 bits,
                 group,
@@ -374,6 +383,15 @@ mod tests {
             params: AffineParams::F16Zero,
         };
         assert_eq!(a8.array_bytes(2, 64), vec![128, 8, 8]);
+    }
+
+    /// Groups of 16 go up as they are for 4- and 8-bit codes (the CUDA-core forms read them);
+    /// 2-bit ones and 6-bit ones (widened to 8) are held as bf16.
+    #[test]
+    fn groups_of_16_stay_affine_at_4_and_8_bits() {
+        use super::gpu_group;
+        assert!(gpu_group(4, 16) && gpu_group(8, 16) && gpu_group(8, 32) && gpu_group(4, 128));
+        assert!(!gpu_group(6, 16) && !gpu_group(2, 16) && !gpu_group(3, 16) && !gpu_group(4, 8));
     }
 
     #[test]
