@@ -5,6 +5,11 @@
 //!
 //! Every rank must issue the same collectives in the same order: a rank that stops short
 //! leaves the others' kernels waiting on the device.
+//!
+//! With NCCL 2.27 or later each member also holds a window: [`WINDOW_BYTES`] of NCCL's own
+//! device memory that all ranks registered together as symmetric (`ncclCommWindowRegister`),
+//! so that an all-reduce of rows kept there takes NCCL's symmetric kernels (each rank reads its
+//! peers' rows directly over NVLink) instead of its staged ring.
 
 use cudarc::nccl::{result as nccl, sys};
 
@@ -40,11 +45,20 @@ impl CommId {
 // SAFETY: the id is 128 plain bytes.
 unsafe impl Send for CommId {}
 
+/// Bytes of each member's symmetric window: a decode step's residual and delta rows (2 × rows ×
+/// hidden f32) up to 32 MiB; larger steps keep their rows in ordinary memory.
+pub const WINDOW_BYTES: usize = 32 << 20;
+
+/// The first NCCL release (2.27, as `ncclGetVersion` codes it) that registers symmetric windows.
+const SYMMETRIC_SINCE: i32 = 22700;
+
 /// This GPU's member of a group of `world` ranks.
 pub struct Comm {
     comm: sys::ncclComm_t,
     rank: usize,
     world: usize,
+    /// The symmetric window's device address (see the module doc), when NCCL registers one.
+    window: Option<u64>,
 }
 
 impl Comm {
@@ -65,7 +79,45 @@ impl Comm {
         // SAFETY: `comm` is written by NCCL; every rank passes the same id and world.
         unsafe { nccl::comm_init_rank(&mut comm, nranks, id.0, r) }
             .map_err(nccl_err("joining the GPUs' communicator"))?;
-        Ok(Comm { comm, rank, world })
+        let mut c = Comm {
+            comm,
+            rank,
+            world,
+            window: None,
+        };
+        if version() >= SYMMETRIC_SINCE {
+            c.window = Some(c.register_window(g)?);
+        }
+        Ok(c)
+    }
+
+    /// Allocates and registers this member's window, zeroed; every rank calls it (NCCL's
+    /// registration is collective), so a failure is the join's.
+    fn register_window(&self, g: &Gpu) -> Result<u64> {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: NCCL writes the address of WINDOW_BYTES of device memory to `p`.
+        let r = unsafe { sys::ncclMemAlloc(&mut p, WINDOW_BYTES) };
+        check(r, "allocating the symmetric window")?;
+        let mut win = std::ptr::null_mut();
+        // SAFETY: `p` holds WINDOW_BYTES from ncclMemAlloc; every rank registers the same size.
+        let r = unsafe {
+            sys::ncclCommWindowRegister(self.comm, p, WINDOW_BYTES, &mut win, WIN_COLL_SYMMETRIC)
+        };
+        if let Err(e) = check(r, "registering the symmetric window") {
+            // SAFETY: `p` came from ncclMemAlloc and is not registered.
+            unsafe { sys::ncclMemFree(p) };
+            return Err(e);
+        }
+        let at = p as u64;
+        // SAFETY: the window holds WINDOW_BYTES.
+        unsafe { g.zero_raw(at, WINDOW_BYTES) }?;
+        Ok(at)
+    }
+
+    /// The device address of this member's symmetric window ([`WINDOW_BYTES`]), if any: rows
+    /// an all-reduce sums there are at the same offset on every rank.
+    pub fn window(&self) -> Option<u64> {
+        self.window
     }
 
     pub fn rank(&self) -> usize {
@@ -101,8 +153,39 @@ impl Comm {
 impl Drop for Comm {
     fn drop(&mut self) {
         // SAFETY: the communicator was made by join and is not used after this. Abort rather
-        // than destroy: a peer that failed must not leave this rank waiting.
+        // than destroy: a peer that failed must not leave this rank waiting. Aborting releases
+        // the window's registration, after which its memory is freed.
         let _ = unsafe { nccl::comm_abort(self.comm) };
+        if let Some(at) = self.window {
+            // SAFETY: the window came from ncclMemAlloc; nothing uses it once the model that
+            // holds this member is gone.
+            let _ = unsafe { sys::ncclMemFree(at as *mut std::ffi::c_void) };
+        }
+    }
+}
+
+/// `ncclCommWindowRegister`'s flag for a window of symmetric collectives (nccl.h).
+const WIN_COLL_SYMMETRIC: i32 = 1;
+
+/// The loaded NCCL's version code (2.27.3: 22703), 0 if it cannot say.
+fn version() -> i32 {
+    let mut v = 0;
+    // SAFETY: NCCL writes one int.
+    let r = unsafe { sys::ncclGetVersion(&mut v) };
+    if r == sys::ncclResult_t::ncclSuccess {
+        v
+    } else {
+        0
+    }
+}
+
+fn check(r: sys::ncclResult_t, what: &'static str) -> Result<()> {
+    match r {
+        sys::ncclResult_t::ncclSuccess => Ok(()),
+        e => Err(CudaError::Driver {
+            what: what.to_string(),
+            msg: format!("NCCL {e:?}"),
+        }),
     }
 }
 

@@ -211,7 +211,7 @@ pub(crate) struct Parts {
 impl GpuModel {
     /// A model of config `c` from its device weights, with scratch buffers sized for it.
     pub(crate) fn assemble(c: &crate::ModelConfig, gpu: Arc<Gpu>, p: Parts) -> Result<GpuModel> {
-        let scratch = Scratch::new(&gpu, c, needs(&p.layers, 1), 1)?;
+        let scratch = Scratch::new(&gpu, c, (needs(&p.layers, 1), 1), None)?;
         Ok(GpuModel {
             hidden: c.hidden_size,
             vocab: c.vocab_size,
@@ -246,7 +246,8 @@ impl GpuModel {
         if let Some(m) = &self.mtp {
             n = n.max(m.needs(self.hidden));
         }
-        self.scratch = Scratch::new(&self.gpu, &self.cfg, n, rows)?;
+        let window = self.shard.as_ref().and_then(Shard::window);
+        self.scratch = Scratch::new(&self.gpu, &self.cfg, (n, rows), window)?;
         self.io = self.gpu.zeros(2 * rows)?;
         self.rows = rows;
         Ok(())
@@ -310,9 +311,16 @@ impl GpuModel {
         let (parts, pending) =
             upload::upload_model(&gpu, ckpt, offload, Some(&shard)).map_err(weights_err)?;
         let mut m = GpuModel::assemble(&ckpt.config, gpu, parts)?;
-        m.shard = Some(shard);
+        m.set_shard(shard)?;
         m.place_experts(cache, pending)?;
         Ok(m)
+    }
+
+    /// Takes its place among several GPUs: the scratch is made again, its all-reduced rows in
+    /// the communicator's symmetric window when there is one.
+    pub(crate) fn set_shard(&mut self, shard: Shard) -> Result<()> {
+        self.shard = Some(shard);
+        self.set_rows(self.rows)
     }
 
     /// This GPU's place when several run the model.

@@ -46,6 +46,11 @@ impl Shard {
         self.comm.world()
     }
 
+    /// The communicator's symmetric window, where a step keeps the rows it all-reduces.
+    pub fn window(&self) -> Option<u64> {
+        self.comm.window()
+    }
+
     /// Whether this GPU runs the parts that one GPU runs for all (the shared expert).
     pub fn lead(&self) -> bool {
         self.rank() == 0
@@ -78,8 +83,9 @@ impl Shard {
 
 impl GpuModel {
     /// Seconds a decode step of `rows` rows spends in its all-reduces alone (one per MoE
-    /// layer, and with the heads divided one per mixer and one per dense MLP), timed over `reps` replays of a graph
-    /// of just those; None on one GPU. Every GPU calls it at the same time.
+    /// layer, and with the heads divided one per mixer and one per dense MLP), on the rows a step
+    /// reduces (in the symmetric window when there is one), timed over `reps` replays of a graph
+    /// of just those; None on one GPU. Every GPU calls it at the same time, between steps.
     pub fn comm_seconds(&self, rows: usize, reps: usize) -> Result<Option<f64>> {
         let Some(shard) = &self.shard else {
             return Ok(None);
@@ -92,13 +98,18 @@ impl GpuModel {
             true => moe + self.layers.len() + dense,
             false => moe,
         };
-        let (x, n) = (g.zeros::<f32>(rows * self.hidden)?, rows * self.hidden);
+        let n = rows * self.hidden;
+        let own = match rows <= self.rows {
+            true => None,
+            false => Some(g.zeros::<f32>(n)?),
+        };
+        let x = own.as_ref().map_or(self.scratch.x.ptr(), |b| b.ptr());
         let stream = g.stream();
         let capture = |e| CudaError::Unsupported(format!("graph capture: {e}"));
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(capture)?;
-        let r = (0..reduces).try_for_each(|_| shard.all_reduce(g, x.ptr(), n));
+        let r = (0..reduces).try_for_each(|_| shard.all_reduce(g, x, n));
         let graph = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(capture)?;

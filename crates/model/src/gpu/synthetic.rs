@@ -64,7 +64,7 @@ impl GpuModel {
         let (parts, pending) = random_parts(c, &gpu, (seed, format), offload, Some(&shard))
             .map_err(super::weights_err)?;
         let mut m = GpuModel::assemble(c, gpu, parts)?;
-        m.shard = Some(shard);
+        m.set_shard(shard)?;
         m.place_experts(cache, pending)?;
         Ok(m)
     }

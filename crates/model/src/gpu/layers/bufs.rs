@@ -2,6 +2,7 @@
 //! prefill pass's ([`PrefillScratch`], up to `rows` tokens), sized by what the layers need
 //! ([`Needs`]).
 
+use deltamoe_compute::cuda::comm::WINDOW_BYTES;
 use deltamoe_compute::cuda::ops::{Matvec, WeightFormat};
 use deltamoe_compute::cuda::prefill as pf;
 use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
@@ -106,11 +107,44 @@ impl FfnBufs {
     }
 }
 
+/// Rows that GPUs sum with all-reduces: in memory of their own, or at an offset of the
+/// communicator's symmetric window (`comm::Comm::window`), where NCCL's symmetric kernels take
+/// them.
+pub(crate) enum Rows {
+    Own(DevBuf<f32>),
+    Window(u64),
+}
+
+impl Rows {
+    /// `n` zeroed floats: at `window + offset` when a window is given and holds them, else
+    /// in memory of their own.
+    fn new(g: &Gpu, n: usize, window: Option<u64>, offset: usize) -> Result<Rows> {
+        match window {
+            Some(w) if offset + 4 * n <= WINDOW_BYTES => {
+                let at = w + offset as u64;
+                // SAFETY: the window holds [offset, offset + 4n) (checked above).
+                unsafe { g.zero_raw(at, 4 * n) }?;
+                Ok(Rows::Window(at))
+            }
+            _ => Ok(Rows::Own(g.zeros(n)?)),
+        }
+    }
+
+    /// Device address of element 0.
+    pub(crate) fn ptr(&self) -> u64 {
+        match self {
+            Rows::Own(b) => b.ptr(),
+            Rows::Window(at) => *at,
+        }
+    }
+}
+
 /// Activations of a step, `rows` rows each (steps run one at a time on one stream).
 pub(crate) struct Scratch {
-    pub(crate) x: DevBuf<f32>,
+    /// The residual rows and a layer's output rows, which several GPUs all-reduce.
+    pub(crate) x: Rows,
     pub(crate) normed: DevBuf<f32>,
-    pub(crate) delta: DevBuf<f32>,
+    pub(crate) delta: Rows,
     pub(crate) proj: DevBuf<f32>,
     pub(crate) mixed: DevBuf<f32>,
     pub(crate) mix_out: DevBuf<f32>,
@@ -128,14 +162,21 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    pub(crate) fn new(g: &Gpu, c: &ModelConfig, needs: Needs, rows: usize) -> Result<Scratch> {
+    /// Buffers for `rows` rows; `x` and `delta` in `window` (several GPUs' symmetric window)
+    /// when it holds them.
+    pub(crate) fn new(
+        g: &Gpu,
+        c: &ModelConfig,
+        (needs, rows): (Needs, usize),
+        window: Option<u64>,
+    ) -> Result<Scratch> {
         let h = c.hidden_size;
         let qd = c.num_heads * c.head_dim;
         let r = rows;
         Ok(Scratch {
-            x: g.zeros(r * h)?,
+            x: Rows::new(g, r * h, window, 0)?,
             normed: g.zeros(r * h)?,
-            delta: g.zeros(r * h)?,
+            delta: Rows::new(g, r * h, window, 4 * r * h)?,
             proj: g.zeros(r * needs.proj)?,
             mixed: g.zeros(r * c.conv_dim())?,
             mix_out: g.zeros(r * qd.max(c.linear_value_size()))?,
