@@ -282,32 +282,55 @@ pub fn run(a: InfoArgs) -> Result<()> {
             c.num_experts,
             gib(per_expert as f64)
         );
-        let world = a.gpus.len();
-        // With the heads divided, each GPU holds its share of the mixers (GDN, attention).
-        let mixers = bytes[2] + bytes[3];
-        let other = match a.tensor_parallel {
-            true => {
-                deltamoe_model::checkpoint::heads::heads_config(&c, world)?;
-                total_bytes - bytes[5] - mixers + mixers / world
-            }
-            false => total_bytes - bytes[5],
-        };
-        let heads = match a.tensor_parallel {
-            true => ", of the mixers only its share of the heads,",
-            false => "",
-        };
-        for (rank, g) in a.gpus.iter().enumerate().filter(|_| world > 1) {
-            let own = deltamoe_model::gpu::expert_share(c.num_experts, rank, world);
-            println!(
-                "--gpus {}: GPU {g} holds routed experts {}..{} of each MoE layer ({}) and every \
-                 other weight ({}){heads} plus the state of each sequence",
-                crate::list(&a.gpus),
+    }
+    gpu_shares(&a, &c, &bytes, total_bytes, moe_layers)
+}
+
+/// With several `--gpus`, what each holds: its share of the routed experts and every other
+/// weight, of the mixers and dense MLPs only its share with `--tensor-parallel`.
+fn gpu_shares(
+    a: &InfoArgs,
+    c: &ModelConfig,
+    bytes: &[usize],
+    total_bytes: usize,
+    moe_layers: usize,
+) -> Result<()> {
+    let world = a.gpus.len();
+    if world < 2 {
+        return Ok(());
+    }
+    let divided = bytes[2] + bytes[3] + bytes[7];
+    let other = match a.tensor_parallel {
+        true => {
+            deltamoe_model::checkpoint::heads::heads_config(c, world)?;
+            total_bytes - bytes[5] - divided + divided / world
+        }
+        false => total_bytes - bytes[5],
+    };
+    let heads = match a.tensor_parallel {
+        true => ", of the mixers and dense MLPs only its share,",
+        false => "",
+    };
+    let per_expert = bytes[5]
+        .checked_div(moe_layers * c.num_experts)
+        .unwrap_or(0);
+    for (rank, g) in a.gpus.iter().enumerate() {
+        let own = deltamoe_model::gpu::expert_share(c.num_experts, rank, world);
+        let experts = match moe_layers {
+            0 => String::new(),
+            _ => format!(
+                "routed experts {}..{} of each MoE layer ({}) and ",
                 own.start,
                 own.end,
-                gib((own.len() * per_expert * moe_layers) as f64),
-                gib(other as f64)
-            );
-        }
+                gib((own.len() * per_expert * moe_layers) as f64)
+            ),
+        };
+        println!(
+            "--gpus {}: GPU {g} holds {experts}every other weight ({}){heads} plus the state of \
+             each sequence",
+            crate::list(&a.gpus),
+            gib(other as f64)
+        );
     }
     Ok(())
 }

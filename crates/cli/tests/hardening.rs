@@ -125,6 +125,15 @@ fn gpus_are_checked_up_front() {
             && out.contains("GPU 1 holds routed experts 4..8"),
         "{out}"
     );
+    // A dense model's GPUs each hold their share of the mixers and the MLPs.
+    let dense = fixture("qwen3_5_dense");
+    let d = dense.to_str().unwrap();
+    let (ok, out, err) = run(&["info", "--model", d, "--gpus", "0,1", "--tensor-parallel"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("GPU 1 holds every other weight") && out.contains("dense MLPs only its share"),
+        "{out}"
+    );
 }
 
 #[test]
