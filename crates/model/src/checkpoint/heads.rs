@@ -526,4 +526,82 @@ mod tests {
             .to_string();
         assert!(e.contains("FP8 blocks of 8"), "{e}");
     }
+
+    /// A `[n, k]` affine matrix of `bits` in groups of `group`, seeded values.
+    fn affine_of(n: usize, k: usize, group: usize, bits: u32) -> Linear {
+        let w = dense(n, k);
+        let q = quantize(&w, k, group, bits).unwrap();
+        let g = vec![n, k / group];
+        let (s, b) = (
+            Tensor::from_f32(g.clone(), q.scales),
+            Tensor::from_f32(g, q.biases),
+        );
+        let a = AffineWeight::new(bits, group, n, k, PackedWords::from_vec(q.words), s, b).unwrap();
+        Linear {
+            weight: LinearWeight::Affine(Box::new(a)),
+            bias: None,
+        }
+    }
+
+    /// Columns `[c0, c1)` of the `[n, k]` values `full`.
+    fn cols_of_values(full: &[f32], (n, k): (usize, usize), c0: usize, c1: usize) -> Vec<f32> {
+        (0..n)
+            .flat_map(|r| full[r * k + c0..r * k + c1].to_vec())
+            .collect()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Every column range an affine or FP8 matrix gives holds the whole's values there,
+        /// and the ranges refused are those whose groups or blocks would be too narrow.
+        #[test]
+        fn column_ranges_hold_the_same_values(
+            n in 1usize..6,
+            groups in 1usize..6,
+            g in proptest::sample::select(vec![16usize, 32, 64]),
+            bits in proptest::sample::select(vec![4u32, 8]),
+            bc in proptest::sample::select(vec![8usize, 16, 24, 128]),
+            cut in 0usize..64,
+        ) {
+            let k = groups * g;
+            let c = cut * 8 % k;
+            let l = affine_of(n, k, g, bits);
+            let full = values(&l);
+            for r in [0..c, c..k] {
+                if r.is_empty() {
+                    continue;
+                }
+                let size = super::gcd(g, super::gcd(r.start, r.len()));
+                match super::col_range(&l, r.clone(), 2) {
+                    Ok(p) => {
+                        proptest::prop_assert!(size >= 16);
+                        proptest::prop_assert_eq!(values(&p), cols_of_values(&full, (n, k), r.start, r.end));
+                    }
+                    Err(_) => proptest::prop_assert!(size < 16 || !(size * bits as usize).is_multiple_of(32)),
+                }
+            }
+            let f = fp8(k, bc);
+            let full = values(&f);
+            for r in [0..c, c..k] {
+                if r.is_empty() {
+                    continue;
+                }
+                match super::col_range(&f, r.clone(), 2) {
+                    Ok(p) => proptest::prop_assert_eq!(values(&p), cols_of_values(&full, (16, k), r.start, r.end)),
+                    Err(_) => proptest::prop_assert!(!super::gcd(bc, r.start).is_multiple_of(8) || !r.len().is_multiple_of(8)),
+                }
+            }
+        }
+
+        /// The dense MLP's cuts run from 0 to its rows, in order, on multiples of the unit.
+        #[test]
+        fn mlp_cuts_are_ordered_multiples(i in 1usize..5000, unit in 1usize..200, world in 1usize..9) {
+            let c = mlp_cuts(i, unit, world);
+            proptest::prop_assert_eq!(c.len(), world + 1);
+            proptest::prop_assert_eq!((c[0], c[world]), (0, i));
+            proptest::prop_assert!(c.windows(2).all(|w| w[0] <= w[1]));
+            proptest::prop_assert!(c[..world].iter().all(|&x| x % unit == 0 || x == i));
+        }
+    }
 }
