@@ -92,3 +92,36 @@ fn check(name: &str, want: &[f32], parts: impl Iterator<Item = Vec<f32>>) {
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(err <= 1e-5 * max.max(1e-3), "{name}: {err} of {max}");
 }
+
+/// Every fixture divided among 2 to 8 GPUs: each part is made or refused with a one-line error
+/// that says to drop --tensor-parallel, never a panic.
+#[test]
+fn any_number_of_gpus_divides_or_is_refused_in_one_line() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let mut files: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    files.extend(
+        std::fs::read_dir(root.join("gguf_quant"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "gguf")),
+    );
+    for f in files {
+        let model = Qwen3Hybrid::load(&f).unwrap();
+        for world in 2..=8 {
+            for rank in 0..world {
+                if let Err(e) = heads_share(model.checkpoint(), rank, world) {
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains("--tensor-parallel") && !msg.contains('\n'),
+                        "{} over {world}: {msg}",
+                        f.display()
+                    );
+                }
+            }
+        }
+    }
+}
