@@ -112,22 +112,10 @@ fn two_gpus_match_transformers() {
     }
 }
 
-/// An engine on `gpus` with the mixers' heads divided among them, or None when the model is
-/// refused with the one-line error that says to drop `--tensor-parallel`.
-fn heads_or_refused(path: &std::path::Path, gpus: &[Arc<Gpu>]) -> Option<Engine> {
-    match engine_split(path, gpus, true) {
-        Ok(e) => Some(e),
-        Err(err) => {
-            let msg = err.to_string();
-            assert!(
-                msg.contains("drop --tensor-parallel"),
-                "{}: {msg}",
-                path.display()
-            );
-            eprintln!("{}: refused: {msg}", path.display());
-            None
-        }
-    }
+/// An engine on `gpus` with the mixers' heads divided among them; every fixture divides, so a
+/// refusal fails the test with its message.
+fn engine_heads(path: &std::path::Path, gpus: &[Arc<Gpu>]) -> Engine {
+    engine_split(path, gpus, true).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The mixers' heads and the dense MLPs' rows divided between the two GPUs too (tensor
@@ -139,15 +127,10 @@ fn heads_or_refused(path: &std::path::Path, gpus: &[Arc<Gpu>]) -> Option<Engine>
 #[ignore = "needs two CUDA GPUs"]
 fn two_gpus_with_heads_divided_match_transformers() {
     let two = gpus(2);
-    let mut checked = 0;
     for dir in fixtures() {
-        let Some(mut e) = heads_or_refused(&dir, &two) else {
-            continue;
-        };
+        let mut e = engine_heads(&dir, &two);
         check_fixture(&mut e, &dir, &prompts(&dir), "2 gpus heads");
-        checked += 1;
     }
-    assert_eq!(checked, fixtures().len(), "fixtures refused");
 }
 
 /// The GGUF files with the mixers' heads divided between two GPUs against one GPU (the
@@ -157,16 +140,11 @@ fn two_gpus_with_heads_divided_match_transformers() {
 fn two_gpus_with_heads_divided_match_one_on_gguf_files() {
     let two = gpus(2);
     let one = vec![two[0].clone()];
-    let mut checked = 0;
     for (file, ps) in gguf_prompts() {
-        let Some(mut e2) = heads_or_refused(&file, &two) else {
-            continue;
-        };
-        checked += 1;
+        let mut e2 = engine_heads(&file, &two);
         let mut e1 = engine(&file, &one);
         check_gguf(&mut e1, &mut e2, &file, &ps, "2 gpus heads");
     }
-    assert_eq!(checked, gguf_prompts().len(), "GGUF files refused");
 }
 
 #[test]

@@ -383,24 +383,14 @@ mod tests {
     /// The same `[n, k]` matrix as f32, 4-bit affine (g32, with and without zero points) and
     /// FP8 (blocks of 4 × 8), each with a bias.
     fn formats(n: usize, k: usize) -> Vec<Linear> {
-        let w = dense(n, k);
-        let t = Tensor::from_f32(vec![n, k], w.clone());
-        let q = quantize(&w, k, 32, 4).unwrap();
-        let g = vec![n, k / 32];
-        let (s, b) = (
-            Tensor::from_f32(g.clone(), q.scales),
-            Tensor::from_f32(g, q.biases),
-        );
-        let a = AffineWeight::new(4, 32, n, k, PackedWords::from_vec(q.words), s, b).unwrap();
-        let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 120) as u8).collect();
-        let scales: Vec<f32> = (0..(n / 4) * (k / 8)).map(|i| 0.5 + i as f32).collect();
-        let f = Fp8Weight::new(n, k, [4, 8], Bytes::from_vec(codes), scales, DType::F32).unwrap();
+        let t = Tensor::from_f32(vec![n, k], dense(n, k));
+        let a = affine_weight(n, k, 32, 4);
         let bias: Vec<f32> = (0..n).map(|i| i as f32).collect();
         [
             LinearWeight::Dense(t),
             LinearWeight::Affine(Box::new(a.clone())),
             LinearWeight::Affine(Box::new(a.with_zero_points())),
-            LinearWeight::Fp8(Box::new(f)),
+            fp8(n, k, 8).weight,
         ]
         .into_iter()
         .map(|weight| Linear {
@@ -408,6 +398,44 @@ mod tests {
             bias: Some(bias.clone()),
         })
         .collect()
+    }
+
+    /// The `[n, k]` matrix of [`dense`] quantized to `bits` in groups of `group`.
+    fn affine_weight(n: usize, k: usize, group: usize, bits: u32) -> AffineWeight {
+        let q = quantize(&dense(n, k), k, group, bits).unwrap();
+        let g = vec![n, k / group];
+        let (s, b) = (
+            Tensor::from_f32(g.clone(), q.scales),
+            Tensor::from_f32(g, q.biases),
+        );
+        AffineWeight::new(bits, group, n, k, PackedWords::from_vec(q.words), s, b).unwrap()
+    }
+
+    /// FP8 blocks of `[4, bc]` over an `[n, k]` matrix, without a bias.
+    fn fp8(n: usize, k: usize, bc: usize) -> Linear {
+        let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 120) as u8).collect();
+        let grid = n.div_ceil(4) * k.div_ceil(bc);
+        let scales: Vec<f32> = (0..grid).map(|i| 0.5 + i as f32).collect();
+        let f = Fp8Weight::new(n, k, [4, bc], Bytes::from_vec(codes), scales, DType::F32).unwrap();
+        Linear {
+            weight: LinearWeight::Fp8(Box::new(f)),
+            bias: None,
+        }
+    }
+
+    /// Rows `ranges` of the values `full` of a matrix of `k` inputs.
+    fn rows_of_values(full: &[f32], k: usize, ranges: &[std::ops::Range<usize>]) -> Vec<f32> {
+        ranges
+            .iter()
+            .flat_map(|r| full[r.start * k..r.end * k].to_vec())
+            .collect()
+    }
+
+    /// Columns `[c0, c1)` of the `[n, k]` values `full`.
+    fn cols_of_values(full: &[f32], (n, k): (usize, usize), c0: usize, c1: usize) -> Vec<f32> {
+        (0..n)
+            .flat_map(|r| full[r * k + c0..r * k + c1].to_vec())
+            .collect()
     }
 
     fn values(l: &Linear) -> Vec<f32> {
@@ -422,53 +450,30 @@ mod tests {
         for l in formats(n, k) {
             let full = values(&l);
             let picked = rows(&l, &[4..8, 12..16]).unwrap();
-            let want: Vec<f32> = [4..8, 12..16]
-                .into_iter()
-                .flat_map(|r| full[r.start * k..r.end * k].to_vec())
-                .collect();
-            assert_eq!(values(&picked), want);
+            assert_eq!(values(&picked), rows_of_values(&full, k, &[4..8, 12..16]));
             assert_eq!(
                 picked.bias.as_deref(),
                 Some(&[4.0, 5.0, 6.0, 7.0, 12.0, 13.0, 14.0, 15.0][..])
             );
             for rank in 0..2 {
                 let c = cols(&l, Part { rank, world: 2 }).unwrap();
-                let want: Vec<f32> = (0..n)
-                    .flat_map(|r| full[r * k + rank * 64..r * k + rank * 64 + 64].to_vec())
-                    .collect();
+                let want = cols_of_values(&full, (n, k), rank * 64, rank * 64 + 64);
                 assert_eq!(values(&c), want, "rank {rank}");
                 assert_eq!(c.bias.is_some(), rank == 0);
             }
         }
     }
 
-    /// FP8 blocks of `[4, bc]` over a `[16, k]` matrix, without a bias.
-    fn fp8(k: usize, bc: usize) -> Linear {
-        let n = 16;
-        let codes: Vec<u8> = (0..n * k).map(|i| (i * 37 % 120) as u8).collect();
-        let grid = (n / 4) * k.div_ceil(bc);
-        let scales: Vec<f32> = (0..grid).map(|i| 0.5 + i as f32).collect();
-        let f = Fp8Weight::new(n, k, [4, bc], Bytes::from_vec(codes), scales, DType::F32).unwrap();
-        Linear {
-            weight: LinearWeight::Fp8(Box::new(f)),
-            bias: None,
-        }
-    }
-
     #[test]
     fn fp8_shares_that_cut_blocks_are_reblocked_to_the_same_values() {
         // Rows 2..6 cut blocks of 4 rows: blocks of one row.
-        let l = fp8(128, 8);
-        let (full, k) = (values(&l), 128);
+        let l = fp8(16, 128, 8);
+        let full = values(&l);
         let picked = rows(&l, &[2..6, 9..10]).unwrap();
-        let want: Vec<f32> = [2..6, 9..10]
-            .into_iter()
-            .flat_map(|r| full[r.start * k..r.end * k].to_vec())
-            .collect();
-        assert_eq!(values(&picked), want);
+        assert_eq!(values(&picked), rows_of_values(&full, 128, &[2..6, 9..10]));
         // 24 inputs a part: the first inside the first block of 32, the second across two, in
         // blocks of 8.
-        let (l, k) = (fp8(48, 32), 48);
+        let (l, k) = (fp8(16, 48, 32), 48);
         let full = values(&l);
         for rank in 0..2 {
             let c = cols(&l, Part { rank, world: 2 }).unwrap();
@@ -476,9 +481,7 @@ mod tests {
                 panic!("FP8 share");
             };
             assert_eq!(f.block(), [4, [32, 8][rank]]);
-            let want: Vec<f32> = (0..16)
-                .flat_map(|r| full[r * k + rank * 24..r * k + rank * 24 + 24].to_vec())
-                .collect();
+            let want = cols_of_values(&full, (16, k), rank * 24, rank * 24 + 24);
             assert_eq!(values(&c), want, "rank {rank}");
         }
     }
@@ -503,9 +506,7 @@ mod tests {
                     panic!("affine share");
                 };
                 assert_eq!(a.group_size(), 16);
-                let want: Vec<f32> = (0..n)
-                    .flat_map(|r| full[r * k + rank * 48..r * k + rank * 48 + 48].to_vec())
-                    .collect();
+                let want = cols_of_values(&full, (n, k), rank * 48, rank * 48 + 48);
                 assert_eq!(values(&c), want, "rank {rank}");
             }
         }
@@ -521,33 +522,10 @@ mod tests {
             "{e}"
         );
         // 12 inputs a part in blocks of 8: blocks of 4, narrower than the kernels read.
-        let e = cols(&fp8(24, 8), Part { rank: 1, world: 2 })
+        let e = cols(&fp8(16, 24, 8), Part { rank: 1, world: 2 })
             .unwrap_err()
             .to_string();
         assert!(e.contains("FP8 blocks of 8"), "{e}");
-    }
-
-    /// A `[n, k]` affine matrix of `bits` in groups of `group`, seeded values.
-    fn affine_of(n: usize, k: usize, group: usize, bits: u32) -> Linear {
-        let w = dense(n, k);
-        let q = quantize(&w, k, group, bits).unwrap();
-        let g = vec![n, k / group];
-        let (s, b) = (
-            Tensor::from_f32(g.clone(), q.scales),
-            Tensor::from_f32(g, q.biases),
-        );
-        let a = AffineWeight::new(bits, group, n, k, PackedWords::from_vec(q.words), s, b).unwrap();
-        Linear {
-            weight: LinearWeight::Affine(Box::new(a)),
-            bias: None,
-        }
-    }
-
-    /// Columns `[c0, c1)` of the `[n, k]` values `full`.
-    fn cols_of_values(full: &[f32], (n, k): (usize, usize), c0: usize, c1: usize) -> Vec<f32> {
-        (0..n)
-            .flat_map(|r| full[r * k + c0..r * k + c1].to_vec())
-            .collect()
     }
 
     proptest::proptest! {
@@ -566,7 +544,10 @@ mod tests {
         ) {
             let k = groups * g;
             let c = cut * 8 % k;
-            let l = affine_of(n, k, g, bits);
+            let l = Linear {
+                weight: LinearWeight::Affine(Box::new(affine_weight(n, k, g, bits))),
+                bias: None,
+            };
             let full = values(&l);
             for r in [0..c, c..k] {
                 if r.is_empty() {
@@ -581,7 +562,7 @@ mod tests {
                     Err(_) => proptest::prop_assert!(size < 16 || !(size * bits as usize).is_multiple_of(32)),
                 }
             }
-            let f = fp8(k, bc);
+            let f = fp8(16, k, bc);
             let full = values(&f);
             for r in [0..c, c..k] {
                 if r.is_empty() {
