@@ -85,7 +85,7 @@ impl Comm {
             world,
             window: None,
         };
-        if version() >= SYMMETRIC_SINCE {
+        if nccl::get_nccl_version().unwrap_or(0) >= SYMMETRIC_SINCE {
             c.window = Some(c.register_window(g)?);
         }
         Ok(c)
@@ -96,14 +96,18 @@ impl Comm {
     fn register_window(&self, g: &Gpu) -> Result<u64> {
         let mut p = std::ptr::null_mut();
         // SAFETY: NCCL writes the address of WINDOW_BYTES of device memory to `p`.
-        let r = unsafe { sys::ncclMemAlloc(&mut p, WINDOW_BYTES) };
-        check(r, "allocating the symmetric window")?;
+        unsafe { sys::ncclMemAlloc(&mut p, WINDOW_BYTES) }
+            .result()
+            .map_err(nccl_err("allocating the symmetric window"))?;
         let mut win = std::ptr::null_mut();
         // SAFETY: `p` holds WINDOW_BYTES from ncclMemAlloc; every rank registers the same size.
         let r = unsafe {
             sys::ncclCommWindowRegister(self.comm, p, WINDOW_BYTES, &mut win, WIN_COLL_SYMMETRIC)
         };
-        if let Err(e) = check(r, "registering the symmetric window") {
+        if let Err(e) = r
+            .result()
+            .map_err(nccl_err("registering the symmetric window"))
+        {
             // SAFETY: `p` came from ncclMemAlloc and is not registered.
             unsafe { sys::ncclMemFree(p) };
             return Err(e);
@@ -166,31 +170,6 @@ impl Drop for Comm {
 
 /// `ncclCommWindowRegister`'s flag for a window of symmetric collectives (nccl.h).
 const WIN_COLL_SYMMETRIC: i32 = 1;
-
-/// The loaded NCCL's version code (2.27.3: 22703), 0 if it cannot say.
-fn version() -> i32 {
-    let mut v = 0;
-    // SAFETY: NCCL writes one int.
-    let r = unsafe { sys::ncclGetVersion(&mut v) };
-    if r == sys::ncclResult_t::ncclSuccess {
-        v
-    } else {
-        0
-    }
-}
-
-fn check(r: sys::ncclResult_t, what: &'static str) -> Result<()> {
-    match r {
-        sys::ncclResult_t::ncclSuccess => Ok(()),
-        e => Err(CudaError::Driver {
-            what: what.to_string(),
-            msg: format!("NCCL {e:?}"),
-        }),
-    }
-}
-
-// SAFETY: an NCCL communicator may be used from any one thread at a time.
-unsafe impl Send for Comm {}
 
 fn nccl_err(what: &'static str) -> impl Fn(nccl::NcclError) -> CudaError {
     move |e| CudaError::Driver {

@@ -112,10 +112,7 @@ impl GpuModel {
             let delta = if i == 0 { 0 } else { ps.delta.ptr() };
             self.rows_norm(ps, delta, l.input_norm.ptr(), t)?;
             l.mixer.prefill(&p, pool.state(i))?;
-            // With the heads divided, each GPU's `delta` is a partial sum.
-            if let Some(sh) = p.shard.filter(|sh| sh.heads()) {
-                sh.all_reduce(&g, ps.delta.ptr(), t * self.hidden)?;
-            }
+            p.sum_parts()?;
             self.rows_norm(ps, ps.delta.ptr(), l.post_norm.ptr(), t)?;
             let stage: &Stager = &|ids: &DevBuf<i32>, pairs| self.stage_experts(i, ids, pairs);
             l.ffn.prefill(&p, stage)?;

@@ -67,9 +67,7 @@ impl Ffn for DenseFfn {
         ops::matvec_swiglu(g, self.gate_up.mv(), s.normed.ptr(), s.ffn.h.ptr(), x_rows)?;
         let dm = self.down.mv();
         ops::matvec(g, dm, s.ffn.h.ptr(), s.delta.ptr(), st.row_slots(dm.k))?;
-        if let Some(sh) = st.shard.filter(|sh| sh.heads()) {
-            sh.all_reduce(g, s.delta.ptr(), st.rows() * st.hidden)?;
-        }
+        st.sum_parts(s.delta.ptr())?;
         if st.fused {
             // The residual stays whole: the output joins it now (the norm written with it goes
             // unused; the next projection normalizes).
@@ -84,9 +82,6 @@ impl Ffn for DenseFfn {
         pass_mv(p, self.gate_up.mv(), gu, p.hidden, true)?;
         let dm = self.down.mv();
         pass_mv(p, dm, (ps.ffn.h.ptr(), ps.delta.ptr()), dm.k, false)?;
-        match p.shard.filter(|sh| sh.heads()) {
-            Some(sh) => sh.all_reduce(p.g, ps.delta.ptr(), p.t * p.hidden),
-            None => Ok(()),
-        }
+        p.sum_parts()
     }
 }

@@ -158,8 +158,14 @@ impl Step<'_> {
             ops::matvec(self.g, m, s.mix_out.ptr(), s.delta.ptr(), rows)?;
             s.delta.ptr()
         };
+        self.sum_parts(out)
+    }
+
+    /// With the heads divided, the step's rows at `at` are this GPU's partial sums of a mixer's
+    /// or dense MLP's output: the all-reduce adds them up on every GPU.
+    pub fn sum_parts(&self, at: u64) -> Result<()> {
         match self.shard.filter(|sh| sh.heads()) {
-            Some(sh) => sh.all_reduce(self.g, out, self.rows() * self.hidden),
+            Some(sh) => sh.all_reduce(self.g, at, self.rows() * self.hidden),
             None => Ok(()),
         }
     }
@@ -222,6 +228,17 @@ pub(crate) struct Pass<'a> {
     pub gdn: GdnPrefill,
     pub gemm: PrefillGemm,
     pub shard: Option<&'a Shard>,
+}
+
+impl Pass<'_> {
+    /// With the heads divided, the pass's `delta` rows are this GPU's partial sums of a mixer's
+    /// or dense MLP's output: the all-reduce adds them up on every GPU.
+    pub fn sum_parts(&self) -> Result<()> {
+        match self.shard.filter(|sh| sh.heads()) {
+            Some(sh) => sh.all_reduce(self.g, self.ps.delta.ptr(), self.t * self.hidden),
+            None => Ok(()),
+        }
+    }
 }
 
 /// `ops::matvec` (or SwiGLU when `swiglu`) over `t` input rows of `xs` floats.
