@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// as Qwen's GPTQ-Int4 checkpoints (CUDA only).
     #[arg(long, conflicts_with_all = ["bits", "fp8"])]
     pub(crate) gptq: bool,
+    /// With --bits: f32 scales and biases instead of bf16, as the CUDA backend holds GGUF's
+    /// K-quants (group 32 by default).
+    #[arg(long, requires = "bits")]
+    pub(crate) f32_params: bool,
     /// Prompt lengths for the prefill measurements (the CPU measures the first).
     #[arg(long, value_delimiter = ',', default_values_t = [512usize])]
     pub(crate) prompt_len: Vec<usize>,
@@ -148,7 +152,7 @@ pub(crate) fn cache_specs(a: &BenchArgs) -> Result<Vec<ExpertCache>> {
 }
 
 fn precision(a: &BenchArgs) -> String {
-    synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)
+    synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq, a.f32_params)
         .map(synthetic::precision)
         .unwrap_or_default()
 }
@@ -186,7 +190,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.model.is_none() && a.config.is_none() && a.synthetic.is_none() {
         bail!("bench needs one of --model DIR, --config FILE or --synthetic NAME");
     }
-    synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
+    synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq, a.f32_params)?;
     let cuda_ok = cuda::unavailable_reason();
     let on_cuda = match (a.device, &cuda_ok) {
         (Device::Cpu, _) => false,
@@ -342,7 +346,7 @@ fn run_cuda(a: &BenchArgs) -> Result<Value> {
         0.0
     };
     let t0 = Instant::now();
-    let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
+    let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq, a.f32_params)?;
     // The host model of --model stays for its MTP layer when speculative decoding is measured.
     let mut host = None;
     let (mut model, name, cfg) = match synthetic_config(a)? {

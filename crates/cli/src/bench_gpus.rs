@@ -85,7 +85,7 @@ fn engine(
     (max_ctx, max_batch): (usize, usize),
     cache: ExpertCache,
 ) -> Result<(Engine, String)> {
-    let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq)?;
+    let quant = synthetic::quant(a.bits, a.group_size, a.fp8, a.gptq, a.f32_params)?;
     let several = gpus.len() > 1;
     if let Some((cfg, name)) = synthetic_config(a)? {
         let e = match several {

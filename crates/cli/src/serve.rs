@@ -262,7 +262,7 @@ fn synthetic_factory(
 /// GPU is a one-line error before anything is made), then serves the shape on CUDA.
 fn run_synthetic(a: &ServeArgs, shape: &str) -> Result<()> {
     let cfg = synthetic::shape(shape)?;
-    let quant = synthetic::quant(a.bits, a.group_size, a.fp8, false)?;
+    let quant = synthetic::quant(a.bits, a.group_size, a.fp8, false, false)?;
     match (a.model.device, cuda::unavailable_reason()) {
         (Device::Cpu, _) => bail!(
             "--synthetic {shape}: synthetic weights are made on the GPU only; use --device cuda"

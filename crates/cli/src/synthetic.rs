@@ -50,14 +50,16 @@ pub fn shape(name: &str) -> Result<ModelConfig> {
 }
 
 /// The synthetic weights' format: `--bits B [--group-size G]` (MLX affine, checked against what
-/// the CUDA kernels take; group 64 by default), `--fp8` (blocks of 128), `--gptq [--group-size
-/// G]` (int4 with f16 scales and zero points on the routed experts, the rest bf16, as Qwen's
-/// GPTQ-Int4 checkpoints; group 128 by default), or bf16.
+/// the CUDA kernels take; group 64 by default; with `--f32-params`, f32 scales and biases as
+/// GGUF's K-quants are held, group 32 by default), `--fp8` (blocks of 128), `--gptq
+/// [--group-size G]` (int4 with f16 scales and zero points on the routed experts, the rest bf16,
+/// as Qwen's GPTQ-Int4 checkpoints; group 128 by default), or bf16.
 pub fn quant(
     bits: Option<u32>,
     group_size: Option<usize>,
     fp8: bool,
     gptq: bool,
+    f32_params: bool,
 ) -> Result<DevFormat> {
     let (b, params) = match (bits, fp8, gptq) {
         (Some(_), true, _) | (Some(_), _, true) | (_, true, true) => {
@@ -66,15 +68,18 @@ pub fn quant(
         (None, true, _) => return Ok(DevFormat::Fp8 { group: 128 }),
         (None, false, false) => return Ok(DevFormat::Bf16),
         (None, false, true) => (4, AffineParams::F16Zero),
+        (Some(b), false, false) if f32_params => (b, AffineParams::F32),
         (Some(b), false, false) => (b, AffineParams::Bf16),
     };
     let default = match params {
         AffineParams::F16Zero => 128,
         AffineParams::Bf16 => DEFAULT_GROUP,
+        AffineParams::F32 => 32,
     };
     let group = group_size.unwrap_or(default);
-    if ![2, 4, 8].contains(&b) || ![32, 64, 128].contains(&group) {
-        bail!("--bits {b} --group-size {group}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128");
+    let g16 = group == 16 && b != 2;
+    if ![2, 4, 8].contains(&b) || !([32, 64, 128].contains(&group) || g16) {
+        bail!("--bits {b} --group-size {group}: the CUDA kernels take bits 2, 4 or 8 and groups of 32, 64 or 128 (16 at 4 or 8 bits)");
     }
     Ok(DevFormat::Affine {
         bits: b,
@@ -97,6 +102,11 @@ pub fn precision(format: DevFormat) -> String {
             group,
             params: AffineParams::F16Zero,
         } => format!("GPTQ {bits}-bit experts, group {group}"),
+        DevFormat::Affine {
+            bits,
+            group,
+            params: AffineParams::F32,
+        } => format!("{bits}-bit affine, group {group}, f32 scales and biases"),
         DevFormat::Fp8 { group } => format!("FP8 e4m3, blocks of {group}"),
         DevFormat::Bf16 => "bf16".into(),
     }
@@ -142,23 +152,32 @@ mod tests {
             e.contains("--synthetic x") && e.contains("qwen3.6-35b-a3b"),
             "{e}"
         );
-        assert_eq!(quant(None, Some(7), false, false).unwrap(), DevFormat::Bf16);
+        assert_eq!(
+            quant(None, Some(7), false, false, false).unwrap(),
+            DevFormat::Bf16
+        );
         let four = DevFormat::Affine {
             bits: 4,
             group: 64,
             params: AffineParams::Bf16,
         };
-        assert_eq!(quant(Some(4), None, false, false).unwrap(), four);
-        assert!(quant(Some(3), None, false, false).is_err());
-        assert!(quant(Some(4), Some(48), false, false).is_err());
-        assert!(quant(Some(4), None, false, true).is_err());
+        assert_eq!(quant(Some(4), None, false, false, false).unwrap(), four);
+        assert!(quant(Some(3), None, false, false, false).is_err());
+        assert!(quant(Some(4), Some(48), false, false, false).is_err());
+        assert!(quant(Some(2), Some(16), false, false, false).is_err());
+        let kq = quant(Some(8), Some(16), false, false, true).unwrap();
+        assert_eq!(
+            precision(kq),
+            "8-bit affine, group 16, f32 scales and biases"
+        );
+        assert!(quant(Some(4), None, false, true, false).is_err());
         assert_eq!(precision(four), "4-bit affine, group 64");
-        let gptq = quant(None, None, false, true).unwrap();
+        let gptq = quant(None, None, false, true, false).unwrap();
         assert_eq!(precision(gptq), "GPTQ 4-bit experts, group 128");
         assert_eq!(
-            quant(None, None, true, false).unwrap(),
+            quant(None, None, true, false, false).unwrap(),
             DevFormat::Fp8 { group: 128 }
         );
-        assert!(quant(Some(4), None, true, false).is_err());
+        assert!(quant(Some(4), None, true, false, false).is_err());
     }
 }

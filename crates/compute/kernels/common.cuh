@@ -7,24 +7,32 @@ __device__ __forceinline__ float bf16f(bf16_t v) { return __uint_as_float(((unsi
 __device__ __forceinline__ float bf16lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
-// An affine group's scale and bias as f32, from the 16-bit values its scale and bias arrays
-// hold: every read of affine weights' parameters goes through these two. The kernel registry
-// builds the files that read them twice (cuda/kernels.rs): as they are, for MLX's bf16 scales and
-// biases (w = q·scale + bias), and with AFFINE_F16_ZERO, for GPTQ/AWQ's f16 scales s and f16
-// integer zero points z in the biases' place (w = (q − z)·s), taken as scale s and bias −z·s:
-// exact in f32 (z ≤ 255, s has 11 significant bits), so the kernels' dequant forms give what they
-// give for f32 parameters s and −z·s.
-#ifdef AFFINE_F16_ZERO
+// An affine group's scale and bias as f32, from the values its scale and bias arrays hold
+// (`aff_t` each): every read of affine weights' parameters goes through these two. The kernel
+// registry builds the files that read them three times (cuda/kernels.rs): as they are, for MLX's
+// bf16 scales and biases (w = q·scale + bias); with AFFINE_F16_ZERO, for GPTQ/AWQ's f16 scales s
+// and f16 integer zero points z in the biases' place (w = (q − z)·s), taken as scale s and bias
+// −z·s: exact in f32 (z ≤ 255, s has 11 significant bits), so the kernels' dequant forms give what
+// they give for f32 parameters s and −z·s; and with AFFINE_F32, for f32 scales and biases (GGUF's
+// K-quants, whose d·sc and dmin·m have up to 17 significant bits), 4 bytes each. Code that moves
+// parameters by bytes takes sizeof(aff_t).
+#if defined(AFFINE_F32)
+typedef unsigned aff_t;
+__device__ __forceinline__ float aff_scale(aff_t s) { return __uint_as_float(s); }
+__device__ __forceinline__ float aff_bias(aff_t b, float) { return __uint_as_float(b); }
+#elif defined(AFFINE_F16_ZERO)
+typedef unsigned short aff_t;
 __device__ __forceinline__ float f16f(unsigned short v) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
     return f;
 }
-__device__ __forceinline__ float aff_scale(unsigned short s) { return f16f(s); }
-__device__ __forceinline__ float aff_bias(unsigned short z, float scale) { return -f16f(z) * scale; }
+__device__ __forceinline__ float aff_scale(aff_t s) { return f16f(s); }
+__device__ __forceinline__ float aff_bias(aff_t z, float scale) { return -f16f(z) * scale; }
 #else
-__device__ __forceinline__ float aff_scale(unsigned short s) { return bf16f(s); }
-__device__ __forceinline__ float aff_bias(unsigned short b, float) { return bf16f(b); }
+typedef unsigned short aff_t;
+__device__ __forceinline__ float aff_scale(aff_t s) { return bf16f(s); }
+__device__ __forceinline__ float aff_bias(aff_t b, float) { return bf16f(b); }
 #endif
 
 // The e4m3 (FP8) byte b as f32, exact: its magnitude bits placed at the top of an f32 (exponent

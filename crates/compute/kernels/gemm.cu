@@ -4,7 +4,8 @@
 // dequantized once to bf16: w = bf16(scale·q + bias) with one rounding of the exact value
 // (fma.rn.bf16x2 on the exact codes), which the CPU twin (cpu::gemm_twin) reproduces bit for bit.
 // Built with AFFINE_F16_ZERO (f16 scales s and zero points z, common.cuh's aff_scale and
-// aff_bias), w = bf16((q − z)·s), likewise one rounding of the exact value (group_sb below).
+// aff_bias), w = bf16((q − z)·s), likewise one rounding of the exact value; with AFFINE_F32 (f32
+// scales and biases), w = bf16(fma(q, s, b)) (GroupSB below).
 //
 // rows_to_bf16: x f32 rows (row t at x + t·xs floats) → y bf16 [T, K] (round to nearest even).
 //   grid (ceil(K / 256), T), block 256. rows_to_bf16_v4: the same four values a thread (float4
@@ -22,7 +23,8 @@
 // blockIdx.x (int3: expert e, first index f into `order`, count; blocks past n_tiles exit), whose
 // input rows are pairs p = order[f + i] read as bf16 at X + (p / x_div)·xs (xs % 8 == 0). The
 // weights are expert e's of a stack [E, N, K] (bf16, or affine words and scales as above; K % 8
-// == 0 for bf16, K % 32 == 0 for affine, G ∈ {32, 64, 128}; FP8 codes and f32 row scales as
+// == 0 for bf16, K % 32 == 0 for affine, G ∈ {16, 32, 64, 128}: with 16, each half of a
+// thread's 32 k takes its own group's; FP8 codes and f32 row scales as
 // dequant_fp8_bf16, K % 32 == 0, G % 32 == 0).
 //   Plain form: block y takes weight rows blockIdx.y·GB_N + 0..GB_N; Y f32 [pairs, N], row p.
 //   SwiGLU form (N = 2I): block y takes outputs j = blockIdx.y·64 + 0..64, i.e. gate rows j and
@@ -62,24 +64,26 @@ __device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned 
     return r;
 }
 
-// A group's scale and bias in the form dequant_word applies them, from the stored 16-bit values
-// s and b: GroupSB{sb_scale(s), sb_bias(b, s)}. MLX (bf16 parameters): both splat as bf16x2, one
+// A group's scale and bias in the form dequant_word applies them, from the stored values s and
+// b: GroupSB{sb_scale(s), sb_bias(b, s)}. MLX (bf16 parameters): both splat as bf16x2, one
 // fma.rn.bf16x2 a pair of codes. F16 zero points (AFFINE_F16_ZERO, common.cuh): s and −z·s in
 // f32, one f32 fma a code, exact ((q − z)·s has at most 20 significant bits), so the one rounding
-// is the conversion to bf16.
-#ifdef AFFINE_F16_ZERO
+// is the conversion to bf16. f32 parameters (AFFINE_F32) take the same f32 fma, rounded to f32
+// and then to bf16.
+#if defined(AFFINE_F16_ZERO) || defined(AFFINE_F32)
+#define GROUP_SB_F32
 struct GroupSB {
     float s, b;
 };
-__device__ __forceinline__ float sb_scale(bf16_t s) { return aff_scale(s); }
-__device__ __forceinline__ float sb_bias(bf16_t z, bf16_t s) { return aff_bias(z, aff_scale(s)); }
+__device__ __forceinline__ float sb_scale(aff_t s) { return aff_scale(s); }
+__device__ __forceinline__ float sb_bias(aff_t z, aff_t s) { return aff_bias(z, aff_scale(s)); }
 #else
 struct GroupSB {
     unsigned s, b;
 };
-__device__ __forceinline__ unsigned splat_bf16(bf16_t v) { return (unsigned)v | ((unsigned)v << 16); }
-__device__ __forceinline__ unsigned sb_scale(bf16_t s) { return splat_bf16(s); }
-__device__ __forceinline__ unsigned sb_bias(bf16_t b, bf16_t) { return splat_bf16(b); }
+__device__ __forceinline__ unsigned splat_bf16(aff_t v) { return (unsigned)v | ((unsigned)v << 16); }
+__device__ __forceinline__ unsigned sb_scale(aff_t s) { return splat_bf16(s); }
+__device__ __forceinline__ unsigned sb_bias(aff_t b, aff_t) { return splat_bf16(b); }
 #endif
 
 // The 32/BITS codes of word `w` (LSB first) dequantized as bf16x2 pairs: bf16(s·q + b), one
@@ -96,7 +100,7 @@ __device__ __forceinline__ void dequant_word(unsigned w, GroupSB sb, unsigned* o
             q0 = (w >> (16 * i)) & 255u;
             q1 = (w >> (16 * i + 8)) & 255u;
         }
-#ifdef AFFINE_F16_ZERO
+#ifdef GROUP_SB_F32
         out[i] = pack_bf16(fmaf((float)q0, sb.s, sb.b), fmaf((float)q1, sb.s, sb.b));
 #else
         const unsigned p = BITS == 4 ? codes4_bf16(q0, q1) : pack_bf16((float)q0, (float)q1);
@@ -126,8 +130,8 @@ extern "C" __global__ void dequant_fp8_bf16(const unsigned* __restrict__ W, cons
     *reinterpret_cast<uint2*>(out + n * K + k0) = make_uint2(v[0], v[1]);
 }
 
-extern "C" __global__ void dequant_affine_bf16(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                               const bf16_t* __restrict__ Bs, bf16_t* __restrict__ out,
+extern "C" __global__ void dequant_affine_bf16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                               const aff_t* __restrict__ Bs, bf16_t* __restrict__ out,
                                                int N, int K, int G, int bits) {
     pdl_entry();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -175,8 +179,8 @@ __device__ __forceinline__ int tile_row(int wn, int j) {
 
 // BITS 16: bf16; 4 or 8: affine; 9: FP8 (codes as 8-bit words, S the f32 row scales).
 template <int BITS, bool SW>
-__device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                                         const bf16_t* __restrict__ Bs, const bf16_t* X, long long xs,
+__device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const aff_t* __restrict__ S,
+                                         const aff_t* __restrict__ Bs, const bf16_t* X, long long xs,
                                          int x_div, float* Y, bf16_t* H, int N, int K, int G,
                                          const int* tiles, const int* n_tiles, const int* order) {
     extern __shared__ __align__(16) unsigned char gemm_smem[];
@@ -205,7 +209,8 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
     const int wpr = K * CB / 32;  // words per row (affine, FP8)
     constexpr int NW = BITS == 16 ? 1 : CB;  // words of 32 codes: 4 at 4 bits, 8 at 8
     unsigned wreg[NW];
-    bf16_t sreg = 0, breg = 0;
+    // The parameters of the half's group, and with groups of 16 of its second group.
+    aff_t sreg = 0, breg = 0, sreg2 = 0, breg2 = 0;
     float freg = 0.f;
 
     auto load_x = [&](int kt, int st) {
@@ -242,6 +247,10 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
                     const long long g = arow * (K / G) + kh / G;
                     sreg = S[g];
                     breg = Bs[g];
+                    if (G == 16) {
+                        sreg2 = S[g + 1];
+                        breg2 = Bs[g + 1];
+                    }
                 }
             }
         }
@@ -261,8 +270,10 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
             for (int w = 0; w < NW; ++w) dequant_fp8_word(wreg[w], freg, v + 2 * w);
         } else {
             const GroupSB sb = {sb_scale(sreg), sb_bias(breg, sreg)};
+            const GroupSB sb2 = G == 16 ? GroupSB{sb_scale(sreg2), sb_bias(breg2, sreg2)} : sb;
 #pragma unroll
-            for (int w = 0; w < NW; ++w) dequant_word<(BITS == 16 || BITS == 9 ? 4 : BITS)>(wreg[w], sb, v + w * (16 / NW));
+            for (int w = 0; w < NW; ++w)
+                dequant_word<(BITS == 16 || BITS == 9 ? 4 : BITS)>(wreg[w], w < NW / 2 ? sb : sb2, v + w * (16 / NW));
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) dst[u] = make_uint4(v[4 * u], v[4 * u + 1], v[4 * u + 2], v[4 * u + 3]);
@@ -349,7 +360,7 @@ __device__ __forceinline__ void moe_gemm(const void* __restrict__ W, const bf16_
 
 #define MOE_GEMM(name, BITS, SW)                                                                        \
     extern "C" __global__ void __launch_bounds__(256) name(                                            \
-        const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,        \
+        const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,        \
         const bf16_t* X, long long xs, int x_div, float* Y, bf16_t* H, int N, int K, int G,             \
         const int* tiles, const int* n_tiles, const int* order) {                                       \
         moe_gemm<BITS, SW>(W, S, Bs, X, xs, x_div, Y, H, N, K, G, tiles, n_tiles, order);               \

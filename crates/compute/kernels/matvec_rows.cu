@@ -10,7 +10,8 @@
 // matvec_rows_affine: the same on an MLX affine matrix (words u32 [N, K·bits/32], LSB first;
 //   scales, biases bf16 [N, K/G]; bits 2, 4 or 8), FMA dequant form per word, row and input b:
 //   acc += scale·Σ q·x_b + bias·Σ x_b. Lane l reads words l, l + 32, … (128-byte warp loads).
-//   Built with AFFINE_F16_ZERO: f16 scales and zero points (common.cuh, aff_scale and aff_bias).
+//   Built with AFFINE_F16_ZERO: f16 scales and zero points; with AFFINE_F32: f32 scales and
+//   biases (common.cuh, aff_t, aff_scale and aff_bias).
 // swiglu_rows_bf16 / swiglu_rows_affine: h[b, n] = silu(G[n]·x_b) · U[n]·x_b for W = [gate (I rows)
 //   | up (I rows)]; h: [B, I]. A warp computes MV_ROWS/2 outputs (their gate and up rows);
 //   grid (ceil(B / MV_VECS), ceil(I / (8·MV_ROWS/2))).
@@ -62,8 +63,8 @@ __device__ __forceinline__ void dot_rows_vecs(const bf16_t* __restrict__ W, cons
 
 // The same for affine rows (row indices into the words, scales and biases of the matrix).
 template <int BITS>
-__device__ void dot_rows_vecs_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                     const bf16_t* __restrict__ B, const long long rows[MV_ROWS],
+__device__ void dot_rows_vecs_affine(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                     const aff_t* __restrict__ B, const long long rows[MV_ROWS],
                                      const float* x, long long xs, int nv, int K, int gshift,
                                      int lane, float acc[MV_ROWS][MV_VECS]) {
     const int V = 32 / BITS;
@@ -149,8 +150,8 @@ extern "C" __global__ void matvec_rows_bf16(const bf16_t* __restrict__ W, const 
                 y[(long long)(b0 + v) * N + n0 + r] = acc[r][v] + (bias ? bias[n0 + r] : 0.f);
 }
 
-extern "C" __global__ void matvec_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                              const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void matvec_rows_affine(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                              const aff_t* __restrict__ B, const float* x,
                                               float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                               long long xs, const float* __restrict__ bias) {
     pdl_entry();
@@ -198,8 +199,8 @@ extern "C" __global__ void swiglu_rows_bf16(const bf16_t* __restrict__ W, const 
                 h[(long long)(b0 + v) * I + n0 + r] = silu_f(acc[r][v]) * acc[NPW + r][v];
 }
 
-extern "C" __global__ void swiglu_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                              const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void swiglu_rows_affine(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                              const aff_t* __restrict__ B, const float* x,
                                               float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                               long long xs) {
     pdl_entry();
@@ -251,8 +252,8 @@ __device__ __forceinline__ void dot_row_gather(const bf16_t* __restrict__ w, con
 
 // As dot_row_vecs_affine with each input row at its own address xr[v].
 template <int BITS>
-__device__ void dot_row_gather_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                      const bf16_t* __restrict__ B, long long row, const float* const* xr,
+__device__ void dot_row_gather_affine(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                      const aff_t* __restrict__ B, long long row, const float* const* xr,
                                       int nv, int K, int gshift, int lane, float acc[MV_VECS]) {
     const int V = 32 / BITS;
     const unsigned int mask = (1u << BITS) - 1u;
@@ -344,8 +345,8 @@ extern "C" __global__ void grouped_swiglu_bf16(const bf16_t* __restrict__ W, con
         if (lane == v && v < nv) h[(long long)pair[v] * I + n] = silu_f(g[v]) * u[v];
 }
 
-extern "C" __global__ void grouped_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                               const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void grouped_rows_affine(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                               const aff_t* __restrict__ B, const float* x,
                                                float* __restrict__ y, int N, int K, int G, int bits,
                                                const int* tiles, const int* n_tiles,
                                                const int* order, long long xs, int x_div) {
@@ -362,8 +363,8 @@ extern "C" __global__ void grouped_rows_affine(const unsigned int* __restrict__ 
         if (lane == v && v < nv) y[(long long)pair[v] * N + n] = acc[v];
 }
 
-extern "C" __global__ void grouped_swiglu_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                                 const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void grouped_swiglu_affine(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                                 const aff_t* __restrict__ B, const float* x,
                                                  float* __restrict__ h, int I, int K, int G, int bits,
                                                  const int* tiles, const int* n_tiles,
                                                  const int* order, long long xs, int x_div) {

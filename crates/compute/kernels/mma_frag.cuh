@@ -8,7 +8,8 @@
 // x_lo = bf16(x − x_hi), two products per tile, so the inputs keep ~16 significant bits.
 //
 // Layouts: W bf16 [N, K], or affine words u32 [N, K·bits/32] (LSB first) with scales and biases
-// bf16 [N, K/G] (built with AFFINE_F16_ZERO: f16 scales and zero points, common.cuh's aff_scale),
+// bf16 [N, K/G] (built with AFFINE_F16_ZERO: f16 scales and zero points; with AFFINE_F32: f32
+// scales and biases; common.cuh's aff_t, aff_scale),
 // G ∈ {32, 64, 128}; x: row b at x + b·x_stride (16-byte aligned); y: [B, N];
 // K % 32 == 0. SwiGLU form: W = [gate (I rows) | up (I rows)], h[b, n] = silu(G_n·x_b)·U_n·x_b,
 // h: [B, I].

@@ -33,17 +33,22 @@ __device__ __forceinline__ unsigned codes_bf16(unsigned q0, unsigned q1, int bit
 }
 
 // The raw data of 8 values of one weight row: bf16 values (four words), or affine words (one at
-// 4 bits, two at 8) with the bf16 scale and bias of their group.
+// 4 bits, two at 8) with the scale and bias of their group (16-bit ones in one word, f32 ones in
+// two).
 template <int BITS>
 struct WRaw {
     unsigned v[BITS == 16 ? 4 : BITS / 4];
+#if defined(AFFINE_F32)
+    aff_t s, b;
+#else
     unsigned sb;
+#endif
 };
 
 // Loads weight row `row` at k = k0..k0+8 (see WRaw).
 template <int BITS>
-__device__ __forceinline__ void fetch_w(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                                        const bf16_t* __restrict__ Bs, long long row, int K, int k0,
+__device__ __forceinline__ void fetch_w(const void* __restrict__ W, const aff_t* __restrict__ S,
+                                        const aff_t* __restrict__ Bs, long long row, int K, int k0,
                                         int gshift, WRaw<BITS>& r) {
     if constexpr (BITS == 16) {
         uint4 v = __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const bf16_t*>(W) + row * K + k0));
@@ -53,7 +58,12 @@ __device__ __forceinline__ void fetch_w(const void* __restrict__ W, const bf16_t
         r.v[0] = __ldcs(w);
         if constexpr (BITS == 8) r.v[1] = __ldcs(w + 1);
         long long g = row * (K >> gshift) + (k0 >> gshift);
+#if defined(AFFINE_F32)
+        r.s = S[g];
+        r.b = Bs[g];
+#else
         r.sb = (unsigned)S[g] | ((unsigned)Bs[g] << 16);
+#endif
     }
 }
 
@@ -75,16 +85,21 @@ __device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], flo
             p[2 * i] = codes_bf16(part & mask, (part >> sh) & mask, BITS);
             p[2 * i + 1] = codes_bf16((part >> (2 * sh)) & mask, (part >> (3 * sh)) & mask, BITS);
         }
-        *sc = aff_scale((bf16_t)(r.sb & 0xffffu));
-        *bi = aff_bias((bf16_t)(r.sb >> 16), *sc);
+#if defined(AFFINE_F32)
+        *sc = aff_scale(r.s);
+        *bi = aff_bias(r.b, *sc);
+#else
+        *sc = aff_scale((aff_t)(r.sb & 0xffffu));
+        *bi = aff_bias((aff_t)(r.sb >> 16), *sc);
+#endif
     }
 }
 
 // The A fragments of rows r0 and r1 of every set (set s at s·set_off) at k0, with the
 // (scale, bias) of their group for affine weights: every row's words are loaded, then decoded.
 template <int BITS, int SETS>
-__device__ __forceinline__ void load_sets(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                                          const bf16_t* __restrict__ Bs, long long r0, long long r1,
+__device__ __forceinline__ void load_sets(const void* __restrict__ W, const aff_t* __restrict__ S,
+                                          const aff_t* __restrict__ Bs, long long r0, long long r1,
                                           long long set_off, int K, int k0, int gshift, unsigned a[SETS][2][4],
                                           float sc[SETS][2], float bi[SETS][2]) {
     WRaw<BITS> r[SETS][2];
@@ -171,8 +186,8 @@ __device__ __forceinline__ void mma_staged(const unsigned a[SETS][2][4], const f
 // x + rows[b]·xs. The warp takes the 32-wide K chunks c ≡ kw (mod ks); the next chunk's weights
 // load while the current chunk's products run.
 template <int BITS, int SETS, int MT>
-__device__ void mma_rows_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                              const bf16_t* __restrict__ Bs, const float* x, long long xs, const int* rows,
+__device__ void mma_rows_core(const void* __restrict__ W, const aff_t* __restrict__ S,
+                              const aff_t* __restrict__ Bs, const float* x, long long xs, const int* rows,
                               int nb, int N, int K, int G, long long base, int n0, int kw, int ks,
                               float acc[SETS][MT][4]) {
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
@@ -278,7 +293,7 @@ __device__ void reduce_warps(float acc[SETS][MT][4], int ks) {
 
 // The split-K form: the block's 8 warps split K for one 16-row tile, then warp 0 stores.
 template <int BITS, int SETS>
-__device__ void mma_split_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+__device__ void mma_split_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                             int N, int K, int G, int Bn, long long xs, const float* bias) {
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
@@ -297,8 +312,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __
     mma_split_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                  const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                  const aff_t* __restrict__ B, const float* x,
                                                                   float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                                                   long long xs, const float* __restrict__ bias) {
     pdl_entry();
@@ -312,8 +327,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_swiglu_bf16(const bf16_t* 
     mma_split_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                    const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                    const aff_t* __restrict__ B, const float* x,
                                                                     float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                                                     long long xs) {
     pdl_entry();
@@ -328,8 +343,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsign
 // N − 1) of each set s against the block's nb ≤ 32 inputs (row b at x + b·xs, or x +
 // rows[b]·xs), staged per chunk in shared memory by all 256 threads. acc as mma_rows_core.
 template <int BITS, int SETS>
-__device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restrict__ S,
-                              const bf16_t* __restrict__ Bs, const float* x, long long xs,
+__device__ void mma_gemm_core(const void* __restrict__ W, const aff_t* __restrict__ S,
+                              const aff_t* __restrict__ Bs, const float* x, long long xs,
                               const int* rows, int nb, int N, int K, int G, long long set_off,
                               long long base, int r, float acc[SETS][MMA_TILES][4]) {
     __shared__ __align__(16) bf16_t xh[32 * XS_PAD], xl[32 * XS_PAD];
@@ -356,7 +371,7 @@ __device__ void mma_gemm_core(const void* __restrict__ W, const bf16_t* __restri
 }
 
 template <int BITS, int SETS>
-__device__ void mma_gemm_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+__device__ void mma_gemm_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                            int N, int K, int G, int Bn, long long xs, const float* bias) {
     int r = blockIdx.y * 128 + (threadIdx.x >> 5) * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
@@ -372,8 +387,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_bf16(const bf16_
     mma_gemm_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                       const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                       const aff_t* __restrict__ B, const float* x,
                                                                        float* __restrict__ y, int N, int K, int G, int bits, int Bn,
                                                                        long long xs, const float* __restrict__ bias) {
     pdl_entry();
@@ -387,8 +402,8 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_bf16(const bf1
     mma_gemm_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                         const bf16_t* __restrict__ B, const float* x,
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                         const aff_t* __restrict__ B, const float* x,
                                                                          float* __restrict__ h, int I, int K, int G, int bits, int Bn,
                                                                          long long xs) {
     pdl_entry();
@@ -414,7 +429,7 @@ __device__ __forceinline__ bool mma_tile(const int* tiles, const int* n_tiles,
 }
 
 template <int BITS, int SETS>
-__device__ void mma_grouped_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+__device__ void mma_grouped_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                               int N, int K, int G, const int* tiles, const int* n_tiles, const int* order,
                               long long xs, int x_div) {
     __shared__ int pair[MMA_TILES * 8], row[MMA_TILES * 8];
@@ -456,7 +471,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_bf16(
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine(
-    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,
+    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
     const float* x, float* __restrict__ y, int N, int K, int G, int bits,
     const int* tiles, const int* n_tiles, const int* order,
     long long xs, int x_div) {
@@ -466,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine(
 }
 
 extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
-    const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,
+    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
     const float* x, float* __restrict__ h, int I, int K, int G, int bits,
     const int* tiles, const int* n_tiles, const int* order,
     long long xs, int x_div) {
@@ -483,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
 // 8}), the ks warps of a row tile summed in shared memory. grid (≤ max_tiles,
 // ceil(N / (16·8/ks))), block 256.
 template <int BITS, int SETS, int MT>
-__device__ void mma_gsplit_t(const void* W, const bf16_t* S, const bf16_t* Bs, const float* x, float* y,
+__device__ void mma_gsplit_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                              int N, int K, int G, const int* tiles, const int* n_tiles, const int* order,
                              long long xs, int x_div, int ks) {
     __shared__ int pair[MT * 8], row[MT * 8];
@@ -521,7 +536,7 @@ __device__ void mma_gsplit_t(const void* W, const bf16_t* S, const bf16_t* Bs, c
         mma_gsplit_t<16, 2, MT>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div, ks); \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) mma_gsplit_rows_affine_##MT(                     \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,    \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,    \
         const float* x, float* __restrict__ y, int N, int K, int G, int bits,                          \
         const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
         pdl_entry();                                                                                   \
@@ -529,7 +544,7 @@ __device__ void mma_gsplit_t(const void* W, const bf16_t* S, const bf16_t* Bs, c
         else mma_gsplit_t<4, 1, MT>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, ks);      \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) mma_gsplit_swiglu_affine_##MT(                   \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,    \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,    \
         const float* x, float* __restrict__ h, int I, int K, int G, int bits,                          \
         const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
         pdl_entry();                                                                                   \

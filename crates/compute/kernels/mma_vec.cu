@@ -15,9 +15,10 @@
 // Σ_k w x = scale·(Σ_k (128 + q) x' − 128·Σ_k x') + bias·Σ_k x, x' = x_hi + x_lo (the group's
 // sum of x' in f32, as the products see it).
 //
-// Layouts: words u32 [N, K/8] (LSB first), scales and biases bf16 [N, K/G] (built with
-// AFFINE_F16_ZERO: f16 scales and zero points, common.cuh's aff_scale), G ∈ {32, 64, 128},
-// K % G == 0; x f32 [K] (16-byte aligned); y f32 [N]; bias f32 [N] or null.
+// Layouts: words u32 [N, K/8] (LSB first), scales and biases aff_t [N, K/G] (bf16; built with
+// AFFINE_F16_ZERO: f16 scales and zero points; with AFFINE_F32: f32 scales and biases, see
+// common.cuh's aff_scale), G ∈ {32, 64, 128}, K % G == 0; x f32 [K] (16-byte aligned); y f32 [N];
+// bias f32 [N] or null.
 //
 // The first blocks ask L2 for their rows of W, S and B before waiting on the kernel before it
 // (common.cuh, PREFETCH_BLOCKS), every warp loads the words of its first groups before that wait
@@ -68,7 +69,9 @@
 // mma_vec_affine{4,8}_staged, for a launch of one wave: each block instead copies its rows of W, S
 // and B into shared memory (after the staged x, rounded to 16 bytes: the tile in 8 runs of rows,
 // vec_run_words, then an 8-byte barrier) with bulk copies issued before its wait, and the same
-// loop reads the words from there.
+// loop reads the words from there. Bulk copies move whole 16-byte units: a row's scales (K/G of
+// sizeof(aff_t) bytes each) must be a multiple of 16 bytes (K/G % 8 == 0 for 2-byte parameters,
+// K/G % 4 == 0 for f32 ones; the host checks).
 //
 // mma_vec_affine{4,8}_ring, for a launch of more tiles than resident blocks (the lm_head): a grid of
 // at most the resident blocks, each staging x once and working through the tiles blockIdx.x,
@@ -171,12 +174,14 @@ __device__ __forceinline__ void load_words(const unsigned* __restrict__ row, lon
 // - runs (one-wave launches): 8 runs of 2·T consecutive rows, lane gid of the mma holding rows
 //   2T·gid + s (s = 0 .. 2T−1 over its row sets), one row of each run. A run's words (2·T rows
 //   of nw = K/8) are followed by 4·P words of padding (G/8, P = G/32 words a lane loads at once),
-//   its scales and its biases (2·T rows of ng) by 8 bf16 each. A load's lanes (gid, t) then read
-//   words gid·(2T·nw + G/8) + s·nw + t·P .. + P − 1: the lanes served together (8 of 16-byte
-//   loads, 16 of 8-byte, 32 of 4-byte: gid < 8/P) cover the 32 banks once when nw % 32 == 0, and
-//   lanes t = 0 read their scales from 8 distinct banks. Lane gid's run is copied by lane gid of
-//   warp 0: 24 bulk copies a tile where one a padded row took 16·T + 2. The scales are padded
-//   too: unpadded, their reads conflict 8 ways, which costs more than the padding.
+//   its scales and its biases (2·T rows of ng) by 16 bytes each (VEC_SCALE_PAD values of aff_t).
+//   A load's lanes (gid, t) then read words gid·(2T·nw + G/8) + s·nw + t·P .. + P − 1: the lanes
+//   served together (8 of 16-byte loads, 16 of 8-byte, 32 of 4-byte: gid < 8/P) cover the 32
+//   banks once when nw % 32 == 0, and lanes t = 0 read their scales from 8 distinct banks (runs
+//   of scales a multiple of 32 bytes plus the 16 of padding apart, whatever sizeof(aff_t)). Lane
+//   gid's run is copied by lane gid of warp 0: 24 bulk copies a tile where one a padded row took
+//   16·T + 2. The scales are padded too: unpadded, their reads conflict 8 ways, which costs more
+//   than the padding.
 // - whole (the ring): the tile's rows nw words apart, lane gid holding rows 16i + gid and
 //   16i + gid + 8, the words one bulk copy, the scales and biases one each. The rows of one load
 //   share banks, which costs the ring less than more copies (a copy a padded row, or the runs).
@@ -184,8 +189,11 @@ __device__ __forceinline__ int vec_run_words(int K, int G, int T) {
     return 2 * T * (K / 8) + G / 8;
 }
 
+// Values of aff_t padding a run's scales (and its biases): 16 bytes.
+#define VEC_SCALE_PAD (16 / (int)sizeof(aff_t))
+
 __device__ __forceinline__ int vec_run_scales(int K, int G, int T) {
-    return 2 * T * (K / G) + 8;
+    return 2 * T * (K / G) + VEC_SCALE_PAD;
 }
 
 // Where row r of a staged tile starts: its words from the tile's start, its scales (and biases)
@@ -198,8 +206,8 @@ __device__ __forceinline__ int vec_scale_at(int r, int K, int G, int T, bool run
     return runs ? r / (2 * T) * vec_run_scales(K, G, T) + r % (2 * T) * (K / G) : r * (K / G);
 }
 
-// Words of one staged tile of 16·T rows, then the bf16 of its scales (and of its biases, which
-// follow them).
+// Words of one staged tile of 16·T rows, then the aff_t values of its scales (and of its biases,
+// which follow them).
 __device__ __forceinline__ int vec_tile_words(int K, int G, int T, bool runs) {
     return runs ? 8 * vec_run_words(K, G, T) : 16 * T * (K / 8);
 }
@@ -208,34 +216,35 @@ __device__ __forceinline__ int vec_tile_scales(int K, int G, int T, bool runs) {
     return runs ? 8 * vec_run_scales(K, G, T) : 16 * T * (K / G);
 }
 
-// Bytes of one staged tile: the words, the scales, the biases (a multiple of 16 bytes when
-// ng % 8 == 0).
+// Bytes of one staged tile: the words, the scales, the biases (sizeof(aff_t) bytes each; a
+// multiple of 16 bytes when ng · sizeof(aff_t) is).
 __device__ __forceinline__ int vec_tile_bytes(int K, int G, int T, bool runs) {
-    return vec_tile_words(K, G, T, runs) * 4 + vec_tile_scales(K, G, T, runs) * 4;
+    return vec_tile_words(K, G, T, runs) * 4 + vec_tile_scales(K, G, T, runs) * (2 * (int)sizeof(aff_t));
 }
 
 // Rows n0 .. n0 + rows of W, S and B into the staged tile at `tw` in the `runs` or whole layout,
-// completing on `bar`. Warp 0.
-__device__ __forceinline__ void vec_fill(const unsigned* W, const bf16_t* S, const bf16_t* Bs, int K, int G,
+// completing on `bar`. Warp 0. A row brings K/2 bytes of words and ng · sizeof(aff_t) each of
+// scales and biases.
+__device__ __forceinline__ void vec_fill(const unsigned* W, const aff_t* S, const aff_t* Bs, int K, int G,
                                          int T, int n0, int rows, unsigned* tw, unsigned long long* bar, int lane,
                                          bool runs) {
     const int nw = K / 8, ng = K / G;
-    bf16_t* ts = reinterpret_cast<bf16_t*>(tw + vec_tile_words(K, G, T, runs));
-    bf16_t* tb = ts + vec_tile_scales(K, G, T, runs);
-    if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * 4));
+    aff_t* ts = reinterpret_cast<aff_t*>(tw + vec_tile_words(K, G, T, runs));
+    aff_t* tb = ts + vec_tile_scales(K, G, T, runs);
+    if (lane == 0) mbar_expect_tx(bar, (unsigned)rows * (K / 2 + ng * (2 * (int)sizeof(aff_t))));
     __syncwarp();
     const int r0 = runs ? lane * 2 * T : 0, n = runs ? min(2 * T, rows - r0) : rows;
     if ((runs ? lane < 8 : lane == 0) && n > 0) {
         const long long m = n0 + r0;
         bulk_to_smem(tw + lane * vec_run_words(K, G, T), W + m * nw, n * K / 2, bar);
-        bulk_to_smem(ts + lane * vec_run_scales(K, G, T), S + m * ng, n * ng * 2, bar);
-        bulk_to_smem(tb + lane * vec_run_scales(K, G, T), Bs + m * ng, n * ng * 2, bar);
+        bulk_to_smem(ts + lane * vec_run_scales(K, G, T), S + m * ng, n * ng * (int)sizeof(aff_t), bar);
+        bulk_to_smem(tb + lane * vec_run_scales(K, G, T), Bs + m * ng, n * ng * (int)sizeof(aff_t), bar);
     }
 }
 
 template <int P, int T, int MODE, bool C8, int NW, int RM>
-__device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                          const bf16_t* __restrict__ Bs, const float* x, float* __restrict__ y,
+__device__ void mma_vec_t(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                          const aff_t* __restrict__ Bs, const float* x, float* __restrict__ y,
                           int N, int K, const float* __restrict__ bias, const VecIo& io, int nbuf,
                           float (*red)[64 * RM]) {
     constexpr bool SM = MODE != VEC_GLOBAL;
@@ -278,8 +287,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         row1[i] = RUNS ? 2 * T * gid + 2 * i + 1 : 16 * i + gid + 8;
     }
     const unsigned* wt = W;
-    const bf16_t* sc = S;
-    const bf16_t* bi = Bs;
+    const aff_t* sc = S;
+    const aff_t* bi = Bs;
     auto locate = [&](int buf) {
 #pragma unroll
         for (int i = 0; i < T; ++i) {
@@ -288,7 +297,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         }
         if (SM) {
             wt = reinterpret_cast<const unsigned*>(tiles0 + (size_t)buf * tile_bytes);
-            sc = reinterpret_cast<const bf16_t*>(wt + vec_tile_words(K, G, T, RUNS));
+            sc = reinterpret_cast<const aff_t*>(wt + vec_tile_words(K, G, T, RUNS));
             bi = sc + vec_tile_scales(K, G, T, RUNS);
         } else {
             wt = W + (long long)n0 * nw;
@@ -329,8 +338,8 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
         // scales and biases (used once per group by lanes t = 0) are asked of L1.
         load_groups(v);
         const int rows = min(16 * T, N - n0);
-        l1_prefetch_range(S + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
-        l1_prefetch_range(Bs + (long long)n0 * ng, (long long)rows * ng * 2, tid, blockDim.x);
+        l1_prefetch_range(S + (long long)n0 * ng, (long long)rows * ng * (long long)sizeof(aff_t), tid, blockDim.x);
+        l1_prefetch_range(Bs + (long long)n0 * ng, (long long)rows * ng * (long long)sizeof(aff_t), tid, blockDim.x);
     }
     // The conv epilogue's weights and state are not written by the kernel before (the state
     // by this layer's step of the token before): asked of L1 now. (No conv with a ring: the host
@@ -584,7 +593,7 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const bf16_t* __restri
 // The group's digit count picks P (G = 32·P digits); 8-bit codes take groups of 32 or 64 inputs
 // (G = 64 or 128 digits).
 template <int T, int MODE, bool C8, int NW, int RM>
-__device__ __forceinline__ void vec_dispatch(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
+__device__ __forceinline__ void vec_dispatch(const unsigned* W, const aff_t* S, const aff_t* B, const float* x,
                                              float* y, int N, int K, int G, const float* bias, const VecIo& io,
                                              int nbuf, float (*red)[64 * RM]) {
     if (G == 128) mma_vec_t<4, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
@@ -593,7 +602,7 @@ __device__ __forceinline__ void vec_dispatch(const unsigned* W, const bf16_t* S,
 }
 
 template <int MODE, bool C8, int NW, int RM>
-__device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, const bf16_t* B, const float* x,
+__device__ __forceinline__ void vec_tiles(const unsigned* W, const aff_t* S, const aff_t* B, const float* x,
                                           float* y, int N, int K, int G, int tiles, const float* bias,
                                           const VecIo& io, float (*red)[64 * RM]) {
     if (tiles == 4) vec_dispatch<4, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
@@ -609,16 +618,17 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 #define VEC_MAX_ROWS 4
 
 // A streamed entry of NW warps a block (MINB blocks an SM), for RM input rows at most: its first
-// blocks ask L2 for their rows (K/2 bytes a row of words: K digits of 4 bits) before mma_vec_t
-// waits for the kernel before (pdl_entry) after its first weight loads.
+// blocks ask L2 for their rows (K/2 bytes a row of words: K digits of 4 bits; K/G · sizeof(aff_t)
+// of scales and of biases) before mma_vec_t waits for the kernel before (pdl_entry) after its
+// first weight loads.
 #define VEC_GLOBAL_ENTRY(NAME, C8, NW, MINB, RM)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * NW, MINB) NAME(                                               \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B, const float* x,   \
         float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
         long long n0 = (long long)blockIdx.x * 16 * tiles;                                                          \
         l2_prefetch_rows(W, n0, 16 * tiles, N, K / 2, blockIdx.x);                                                  \
-        l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
-        l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * 2, blockIdx.x);                                              \
+        l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * (int)sizeof(aff_t), blockIdx.x);                             \
+        l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * (int)sizeof(aff_t), blockIdx.x);                             \
         __shared__ float red[NW + 1][64 * RM];                                                                      \
         vec_tiles<VEC_GLOBAL, C8, NW, RM>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                            \
     }
@@ -626,7 +636,7 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 // A staged entry (_staged, _staged16) of NW warps a block.
 #define VEC_STAGED_ENTRY(NAME, C8, NW, RM)                                                                           \
     extern "C" __global__ void __maxnreg__(96) NAME(                                                                \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B, const float* x,   \
         float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
         __shared__ float red[NW + 1][64 * RM];                                                                      \
         vec_tiles<VEC_STAGED, C8, NW, RM>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                            \
@@ -635,7 +645,7 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 // The ring entry (the ring alternates two sets of sums of 8 warps).
 #define VEC_RING_ENTRY(NAME, C8, RM)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                      \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B, const float* x, \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B, const float* x,   \
         float* __restrict__ y, int N, int K, int G, const float* __restrict__ bias, const VecIo io, int nbuf) {     \
         __shared__ float red[16][64 * RM];                                                                          \
         vec_dispatch<VEC_RING_TILES, VEC_RING, C8, 8, RM>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);            \
@@ -647,11 +657,11 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const bf16_t* S, co
 //
 // mma_vec_affine{BITS}_staged: the block's rows of W, S and B staged in shared memory by bulk
 // copies issued before the wait (one launch wave: every block resident while the kernel before
-// runs). Needs K/G % 8 == 0 (the scale rows copied whole 16-byte units) and 16-byte aligned
-// matrices. 96 registers: two blocks an SM then leave 16K registers, room for a 256-thread block
-// of the next kernel at 64 (the GDN step after the input projection) to become resident and load
-// its state before its wait. At the 128 that two blocks allow nothing else fits; fewer than 96
-// spill.
+// runs). Needs K/G · sizeof(aff_t) % 16 == 0 (the scale rows copied whole 16-byte units: K/G % 8
+// == 0 for 2-byte parameters, % 4 for f32) and 16-byte aligned matrices. 96 registers: two
+// blocks an SM then leave 16K registers, room for a 256-thread block of the next kernel at 64
+// (the GDN step after the input projection) to become resident and load its state before its
+// wait. At the 128 that two blocks allow nothing else fits; fewer than 96 spill.
 //
 // mma_vec_affine{BITS}_staged16: as _staged in blocks of 16 warps (512 threads, one block an SM
 // at 96 registers with room for 16K more), for a launch of at most one block per SM: each warp

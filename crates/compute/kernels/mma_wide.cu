@@ -10,6 +10,9 @@
 // mma_gwide_t. Dynamic shared memory as `Wide<BITS, MT>` lays it out, for the largest tile count
 // of the launch (the host computes the same size).
 //
+// Affine weights' scales and biases ([E, N, K/G] each, G = 32, 64 or 128) are `aff_t`
+// (common.cuh): 16-bit (bf16, or f16 scales and zero points), or f32 in the AFFINE_F32 build.
+//
 // A block holds 128 weight rows in shared memory, warp w rows 16w + 0..16: 128 outputs, or for
 // SwiGLU 64 outputs' gate rows (warps 0..3) and up rows (4..7), whose sums meet in shared memory
 // at the end. A stage is WIDE_ROWB bytes of each row: KST = 8·WIDE_ROWB / BITS inputs (128 at 4
@@ -19,7 +22,7 @@
 // the kernel before, the rest after it). Products run per k16 step over every 8-row tile, so
 // that back-to-back mmas go to independent accumulators. One barrier a stage. The dequant form
 // is applied once a group; a block's stages hold whole groups. Needs K % 256 == 0 (whole stages,
-// and rows of scales starting at even offsets).
+// and each row's scales, when 16-bit, starting at an even index).
 //
 // Dense with ks = 1 writes y (SwiGLU: h); else the partial sums (gate and up rows apart) go to
 // part [ks, B, sets·N], which `wide_sum` adds in order of z.
@@ -29,9 +32,13 @@
 // Row stride of a staged weight row: 80 bytes (20 words), so the 8 rows of a warp's 32-bit
 // fragment reads fall in distinct banks.
 #define WIDE_WLD 80
-// Bytes staged per row for each of scales and biases: up to 3 words (4 groups, from an offset
-// of one bf16 when the slice does not start on a word).
+// Bytes staged per row for each of scales and biases: a stage's slice (at most 4 groups) as
+// whole words, up to 3 of 16-bit parameters (from an offset of one when the slice does not start
+// on a word) or 4 of f32 ones (which always start on a word).
 #define WIDE_SBB 16
+// Affine parameters a 32-bit word holds (2, or 1 for f32), and the most words a slice takes.
+#define WIDE_PPW (4 / (int)sizeof(aff_t))
+#define WIDE_SBW (WIDE_PPW == 2 ? 3 : 4)
 
 // One stage's shared buffers for `BITS`-bit weights and MT tiles of 8 input rows: weights,
 // scales and biases (affine), inputs (row stride XW words: SUB chunks of 32 words, plus 4 so
@@ -129,7 +136,7 @@ __device__ __forceinline__ constexpr float wide_code_offset() {
 // into `sb`.
 template <int BITS>
 __device__ __forceinline__ void wide_issue(const unsigned char* w0, const unsigned char* w1, bool v0, bool v1,
-                                           const bf16_t* sg, bool vs, int s, int g_lo, int words,
+                                           const aff_t* sg, bool vs, int s, int g_lo, int words,
                                            unsigned char* wb, unsigned char* sb) {
     const int tid = threadIdx.x, col = (tid & 3) * 16;
     cp_async16(wb + (tid >> 2) * WIDE_WLD + col, w0 + (long long)s * WIDE_ROWB, v0);
@@ -139,7 +146,7 @@ __device__ __forceinline__ void wide_issue(const unsigned char* w0, const unsign
             const unsigned* src = reinterpret_cast<const unsigned*>(reinterpret_cast<size_t>(sg + g_lo) & ~size_t(3));
             unsigned char* dst = sb + tid * WIDE_SBB;
 #pragma unroll
-            for (int w = 0; w < 3; ++w)
+            for (int w = 0; w < WIDE_SBW; ++w)
                 if (w < words) cp_async4(dst + 4 * w, src + w);
         }
     }
@@ -158,7 +165,7 @@ struct WideRows {
 // layout: warp w has shared rows 16w + gid, 16w + gid + 8). With `wait`, the PDL wait comes
 // after the first stages' weight copies.
 template <int BITS, int MT>
-__device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+__device__ void wide_core(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                           const unsigned* stg, const float* sums, const int* src, WideRows rw, int K, int G,
                           int s0, int s1, bool wait, float acc[1][MT][4]) {
     using WS = Wide<BITS, MT>;
@@ -176,11 +183,13 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
     const int ra = tid >> 2, rs = tid & 127, rh = rs >> 6, ri = rs & 63;
     const unsigned char* w0 = reinterpret_cast<const unsigned char*>(W) + (rw.base0 + ra) * row_bytes + (tid & 3) * 16;
     const unsigned char* w1 = reinterpret_cast<const unsigned char*>(W) + (rw.base1 + ra) * row_bytes + (tid & 3) * 16;
-    const bf16_t* ssrc = (tid < 128 ? S : Bs) + ((rh ? rw.base1 : rw.base0) + ri) * KG;
+    const aff_t* ssrc = (tid < 128 ? S : Bs) + ((rh ? rw.base1 : rw.base0) + ri) * KG;
     const bool wv0 = ra < rw.lim0, wv1 = ra < rw.lim1, sv = ri < (rh ? rw.lim1 : rw.lim0);
-    // A slice starts on a word but for one bf16 when its first index is odd: row·KG is even
-    // (K % 256 == 0), so that is the array's own offset plus g_lo.
-    const int ps = reinterpret_cast<size_t>(S) >> 1 & 1, pb = reinterpret_cast<size_t>(Bs) >> 1 & 1;
+    // A slice starts on a word but, for 16-bit parameters, for one when its first index is odd:
+    // row·KG is even (K % 256 == 0), so that is the array's own offset (ps, pb: in parameters,
+    // within its word) plus g_lo. f32 ones start on words (ps = pb = 0, and so the offsets below).
+    const int ps = reinterpret_cast<size_t>(S) / sizeof(aff_t) & (WIDE_PPW - 1);
+    const int pb = reinterpret_cast<size_t>(Bs) / sizeof(aff_t) & (WIDE_PPW - 1);
     const int pw = tid < 128 ? ps : pb;
     // This thread's input copies: 16-byte pieces idx = tid + 256m of the stage's 8·MT rows ×
     // SUB chunks (row idx / 8·SUB, chunk idx / 8 % SUB, quarter-chunk idx % 8), as word offsets
@@ -204,7 +213,7 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
     auto issue_w = [&](int s, int b) {
         if (s < s1) {
             const int g_lo = (s * KST) >> gshift;
-            const int words = (((pw + g_lo) & 1) + per + 1) >> 1;
+            const int words = (((pw + g_lo) & (WIDE_PPW - 1)) + per + WIDE_PPW - 1) / WIDE_PPW;
             wide_issue<BITS>(w0, w1, wv0, wv1, ssrc, sv, s, g_lo, words, buffer(b), buffer(b) + WS::W_BYTES);
         }
     };
@@ -272,16 +281,17 @@ __device__ void wide_core(const void* __restrict__ W, const bf16_t* __restrict__
             if constexpr (BITS != 16) {
                 if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0) {
                     // The group ends with this chunk: its scales sit at (slice offset + its index
-                    // in the stage's slice) bf16s into each row's staged slice, its inputs' sums
-                    // at that index of their 4.
+                    // in the stage's slice) parameters into each row's staged slice (the biases
+                    // 128·WIDE_SBB bytes on), its inputs' sums at that index of their 4.
                     const int gi = KST >= G ? u >> cshift : 0;
-                    const int os = (ps + g_lo) & 1, ob = (pb + g_lo) & 1;
+                    const int os = (ps + g_lo) & (WIDE_PPW - 1), ob = (pb + g_lo) & (WIDE_PPW - 1);
+                    constexpr int BIAS = 128 * WIDE_SBB / sizeof(aff_t);
                     float sc[1][2], bi[1][2];
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const bf16_t* row = reinterpret_cast<const bf16_t*>(srow + 8 * h * WIDE_SBB);
+                        const aff_t* row = reinterpret_cast<const aff_t*>(srow + 8 * h * WIDE_SBB);
                         sc[0][h] = aff_scale(row[os + gi]);
-                        bi[0][h] = aff_bias(row[128 * WIDE_SBB / 2 + ob + gi], sc[0][h]) - wide_code_offset<BITS>() * sc[0][h];
+                        bi[0][h] = aff_bias(row[BIAS + ob + gi], sc[0][h]) - wide_code_offset<BITS>() * sc[0][h];
                     }
 #pragma unroll
                     for (int j = 0; j < MT; ++j) {
@@ -340,7 +350,7 @@ __device__ __forceinline__ void wide_store(float acc[1][MT][4], bool swiglu, flo
 // Dense form: block (x, y, z) takes inputs 32x + 0..32 and stages [z·spb, (z + 1)·spb); with
 // ks > 1 the partial sums go to part [ks, B, sets·N] (gate at n, up at N + n).
 template <int BITS, int MT>
-__device__ void wide_dense(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+__device__ void wide_dense(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                            const unsigned* stg, const float* sums, const int* src, float* y, float* part_out, int N,
                            int K, int G, int Bn, const float* __restrict__ bias, int spb, bool swiglu) {
     const int b0 = blockIdx.x * 32, nb = min(32, Bn - b0);
@@ -368,7 +378,7 @@ __device__ void wide_dense(const void* __restrict__ W, const bf16_t* __restrict_
 // The dense form compiled for each count of 8-row tiles, so that small batches issue no
 // instructions for absent rows.
 template <int BITS>
-__device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+__device__ void mma_wide_t(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                            const unsigned* stg, const float* sums, float* y, float* part_out, int N, int K, int G,
                            int Bn, const float* __restrict__ bias, int spb, bool swiglu) {
     __shared__ int src[32];
@@ -385,7 +395,7 @@ __device__ void mma_wide_t(const void* __restrict__ W, const bf16_t* __restrict_
 
 // One tile of the grouped form, compiled for each count of 8-row tiles.
 template <int BITS, int MT>
-__device__ void gwide_tile(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+__device__ void gwide_tile(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                            const unsigned* stg, const float* sums, const int* src, WideRows rw, int K, int G,
                            float* y, int N, int nb, const int* pair, bool swiglu) {
     float acc[1][MT][4];
@@ -400,7 +410,7 @@ __device__ void gwide_tile(const void* __restrict__ W, const bf16_t* __restrict_
 // of y. Tiles of at most 8·MTMAX pairs (the host's tile size): blocks compiled for one tile
 // (MTMAX 1) need 59 registers, so three fit a multiprocessor where the full form's 128 fit two.
 template <int BITS, int MTMAX>
-__device__ void mma_gwide_t(const void* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ Bs,
+__device__ void mma_gwide_t(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                             const unsigned* stg, const float* sums, float* y, int N, int K, int G, const int* tiles,
                             const int* n_tiles, const int* order, int x_div, bool swiglu) {
     __shared__ int pair[32], src[32];
@@ -436,8 +446,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf
     mma_wide_t<16>(W, nullptr, nullptr, stg, sums, y, part, N, K, 32, Bn, bias, spb, false);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                       const bf16_t* __restrict__ B, const unsigned* stg,
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                       const aff_t* __restrict__ B, const unsigned* stg,
                                                                        const float* sums, float* y, float* part, int N, int K,
                                                                        int G, int bits, int Bn, const float* __restrict__ bias,
                                                                        int spb) {
@@ -450,8 +460,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_bf16(const 
     mma_wide_t<16>(W, nullptr, nullptr, stg, sums, h, part, I, K, 32, Bn, nullptr, spb, true);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-                                                                         const bf16_t* __restrict__ B, const unsigned* stg,
+extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                         const aff_t* __restrict__ B, const unsigned* stg,
                                                                          const float* sums, float* h, float* part, int I, int K,
                                                                          int G, int bits, int Bn, int spb) {
     if (bits == 8) mma_wide_t<8>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);
@@ -474,14 +484,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(cons
                                true);                                                                         \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_rows_affine##SUFFIX(                  \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,           \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
         const unsigned* stg, const float* sums, float* y, int N, int K, int G, int bits, const int* tiles,    \
         const int* n_tiles, const int* order, int x_div) {                                                    \
         if (bits == 8) mma_gwide_t<8, MTMAX>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false); \
         else mma_gwide_t<4, MTMAX>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);     \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_swiglu_affine##SUFFIX(                \
-        const unsigned* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,           \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
         const unsigned* stg, const float* sums, float* h, int I, int K, int G, int bits, const int* tiles,    \
         const int* n_tiles, const int* order, int x_div) {                                                    \
         if (bits == 8) mma_gwide_t<8, MTMAX>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true); \

@@ -3,7 +3,8 @@
 // Layout per matrix [N, K]: words u32 [N, K·bits/32], values LSB-first (value i of a word is
 // (w >> (i·bits)) & (2^bits − 1)); scales, biases bf16 [N, K/G] for groups of G consecutive
 // weights (G a power of two, 32 to 128); w = q·scale + bias. Stacked experts: [E, N, …].
-// Built with AFFINE_F16_ZERO: f16 scales and zero points in their place (common.cuh, aff_scale).
+// Built with AFFINE_F16_ZERO: f16 scales and zero points in their place; with AFFINE_F32: f32
+// scales and biases (common.cuh, aff_t, aff_scale).
 // FMA dequant form per word: acc += scale·Σ q·x + bias·Σ x (one word never spans two groups).
 // x must be 16-byte aligned (device buffers are).
 //
@@ -82,8 +83,8 @@ __device__ __forceinline__ float code4_scaled(unsigned p, unsigned hi, int i) {
 // a load; without it each word's scale and bias addresses come from the row's 64-bit offset,
 // about five integer instructions a load.
 template <int BITS, int R, bool SB_L1, int UNROLL = QMV_UNROLL, int GT = 0, bool REDUCE = true>
-__device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                const bf16_t* __restrict__ B, const long long* rows, int nrows,
+__device__ void dot_rows_affine(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                const aff_t* __restrict__ B, const long long* rows, int nrows,
                                 const float* x, int K, int gshift, int lane,
                                 float out[R]) {
     const int V = 32 / BITS;
@@ -91,8 +92,8 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
     if (GT) gshift = GT == 32 ? 5 : GT == 64 ? 6 : 7;
     const long long gpr = K >> gshift;
     const int gstep = (32 * V) >> gshift;
-    const bf16_t* ps[R];
-    const bf16_t* pb[R];
+    const aff_t* ps[R];
+    const aff_t* pb[R];
     if (GT) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -107,11 +108,11 @@ __device__ void dot_rows_affine(const unsigned int* __restrict__ W, const bf16_t
     // 128-byte parts 0..3 of the scale and bias rows. It pays at one row only: with batches (4
     // rows a warp, many blocks) the extra requests cost more than they hide, and the one-row
     // SwiGLU that steps its scale pointers (GT) does without it.
-    if (SB_L1 && lane < 8 && (lane >> 1) * 128 < gpr * 2) {
+    if (SB_L1 && lane < 8 && (lane >> 1) * 128 < gpr * (long long)sizeof(aff_t)) {
         const char* base = (lane & 1 ? (const char*)B : (const char*)S) + (lane >> 1) * 128;
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            if (r < nrows) l1_prefetch(base + rows[r] * gpr * 2);
+            if (r < nrows) l1_prefetch(base + rows[r] * gpr * (long long)sizeof(aff_t));
     }
     float acc[R];
 #pragma unroll
@@ -205,10 +206,10 @@ __device__ __forceinline__ float warp_sum4_scatter(const float a[4], int lane) {
 // grid (S, ceil(N / (8·R))), block 256: warp w of block (s, b) computes rows (b·8 + w)·R + 0..R
 // of slot s.
 template <int BITS, int R>
-__device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
+__device__ void matvec_affine_t(const unsigned int* W, const aff_t* S, const aff_t* B, const float* x,
                                 float* y, int N, int K, int G, const int* ids, long long x_stride,
-                                int x_div, const float* bias, const unsigned int* Wf, const bf16_t* Sf,
-                                const bf16_t* Bf, int split) {
+                                int x_div, const float* bias, const unsigned int* Wf, const aff_t* Sf,
+                                const aff_t* Bf, int split) {
     int row0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * R;
     int lane = threadIdx.x & 31;
     int s = blockIdx.x;
@@ -235,9 +236,9 @@ __device__ void matvec_affine_t(const unsigned int* W, const bf16_t* S, const bf
 // grid (ceil(I / (W·R/2)), S), block 32·W: warp w computes outputs n0..n0+R/2 from their gate and
 // up rows together.
 template <int BITS, int R>
-__device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf16_t* B, const float* x,
+__device__ void swiglu_affine_t(const unsigned int* W, const aff_t* S, const aff_t* B, const float* x,
                                 float* h, int I, int K, int G, const int* ids, long long x_stride,
-                                int x_div, const unsigned int* Wf, const bf16_t* Sf, const bf16_t* Bf,
+                                int x_div, const unsigned int* Wf, const aff_t* Sf, const aff_t* Bf,
                                 int split) {
     const int NPW = R / 2;
     int n0 = (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)) * NPW;
@@ -282,12 +283,12 @@ __device__ void swiglu_affine_t(const unsigned int* W, const bf16_t* S, const bf
 }
 
 template <int BITS, int ROWS>
-__device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                               const bf16_t* __restrict__ B, const float* h,
+__device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                               const aff_t* __restrict__ B, const float* h,
                                                float* __restrict__ x, const float* w,
                                                const int* ids, int N, int K, int G, int KS,
-                                               const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,
-                                               const bf16_t* __restrict__ Bf, int split) {
+                                               const unsigned int* __restrict__ Wf, const aff_t* __restrict__ Sf,
+                                               const aff_t* __restrict__ Bf, int split) {
     __shared__ float part[32][ROWS];
     const int k = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.y;
     const int n0 = blockIdx.x * ROWS, nrows = min(ROWS, N - n0);
@@ -343,10 +344,10 @@ __device__ __forceinline__ void down_combine_t(const unsigned int* __restrict__ 
 // BOUNDS: the entry's launch bounds or register cap (ptxas takes one of the two).
 #define QMV_DOWN_COMBINE(BITS, ROWS, SFX, BOUNDS)                                                                       \
     extern "C" __global__ void BOUNDS moe_down_combine_affine##BITS##SFX(                                               \
-        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,                 \
+        const unsigned int* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,                 \
         const float* h, float* __restrict__ x, const float* w, const int* ids,                                           \
-        int N, int K, int G, int KS, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,                \
-        const bf16_t* __restrict__ Bf, int split) {                                                                     \
+        int N, int K, int G, int KS, const unsigned int* __restrict__ Wf, const aff_t* __restrict__ Sf,                \
+        const aff_t* __restrict__ Bf, int split) {                                                                     \
         pdl_entry();                                                                                                    \
         down_combine_t<BITS, ROWS>(W, S, B, h, x, w, ids, N, K, G, KS, Wf, Sf, Bf, split);                             \
     }
@@ -381,15 +382,15 @@ QMV_DOWN_COMBINE(8, DOWN_ROWS_WIDE, _r8, __maxnreg__(72))
 #define QMV_MIN_BLOCKS_SWIGLU_R2 9
 
 template <int BITS, int R>
-__device__ __forceinline__ void matvec_affine_entry(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                                    const bf16_t* __restrict__ B, const float* x,
+__device__ __forceinline__ void matvec_affine_entry(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                                    const aff_t* __restrict__ B, const float* x,
                                                     float* __restrict__ y, int N, int K, int G,
                                                     const int* ids, long long x_stride, int x_div,
                                                     const float* __restrict__ bias, const unsigned int* __restrict__ Wf,
-                                                    const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
+                                                    const aff_t* __restrict__ Sf, const aff_t* __restrict__ Bf,
                                                     int split) {
     if (!ids && blockIdx.x == 0) {
-        long long r0 = (long long)blockIdx.y * 8 * R, rb = (long long)K * BITS / 8, sb = K / G * 2;
+        long long r0 = (long long)blockIdx.y * 8 * R, rb = (long long)K * BITS / 8, sb = K / G * (long long)sizeof(aff_t);
         l2_prefetch_rows(W, r0, 8 * R, N, rb, blockIdx.y);
         l2_prefetch_rows(S, r0, 8 * R, N, sb, blockIdx.y);
         l2_prefetch_rows(B, r0, 8 * R, N, sb, blockIdx.y);
@@ -399,15 +400,15 @@ __device__ __forceinline__ void matvec_affine_entry(const unsigned int* __restri
 }
 
 template <int BITS, int R>
-__device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restrict__ W, const bf16_t* __restrict__ S,
-                                                    const bf16_t* __restrict__ B, const float* x,
+__device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restrict__ W, const aff_t* __restrict__ S,
+                                                    const aff_t* __restrict__ B, const float* x,
                                                     float* __restrict__ h, int I, int K, int G,
                                                     const int* ids, long long x_stride, int x_div,
                                                     const unsigned int* __restrict__ Wf,
-                                                    const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf,
+                                                    const aff_t* __restrict__ Sf, const aff_t* __restrict__ Bf,
                                                     int split) {
     if (!ids && blockIdx.x == 0) {
-        long long n0 = (long long)blockIdx.y * 4 * R, rb = (long long)K * BITS / 8, sb = K / G * 2;
+        long long n0 = (long long)blockIdx.y * 4 * R, rb = (long long)K * BITS / 8, sb = K / G * (long long)sizeof(aff_t);
         for (int half = 0; half < 2; ++half) {
             long long r0 = half * (long long)I;
             l2_prefetch_rows(W, r0 + n0, 4 * R, r0 + I, rb, blockIdx.y);
@@ -423,17 +424,17 @@ __device__ __forceinline__ void swiglu_affine_entry(const unsigned int* __restri
 // SWT, SWMINB: the SwiGLU entry's block size and resident blocks (launch bounds).
 #define QMV_ENTRIES_SW(BITS, R, MINB, SFX, SWT, SWMINB)                                                       \
     extern "C" __global__ void __launch_bounds__(256, MINB) matvec_affine##BITS##_r##R##SFX(                  \
-        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,       \
+        const unsigned int* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,       \
         const float* x, float* __restrict__ y, int N, int K, int G, const int* ids,                           \
         long long x_stride, int x_div, const float* __restrict__ bias, const unsigned int* __restrict__ Wf,   \
-        const bf16_t* __restrict__ Sf, const bf16_t* __restrict__ Bf, int split) {                            \
+        const aff_t* __restrict__ Sf, const aff_t* __restrict__ Bf, int split) {                            \
         matvec_affine_entry<BITS, R>(W, S, B, x, y, N, K, G, ids, x_stride, x_div, bias, Wf, Sf, Bf, split);  \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(SWT, SWMINB) matvec_swiglu_affine##BITS##_r##R##SFX(         \
-        const unsigned int* __restrict__ W, const bf16_t* __restrict__ S, const bf16_t* __restrict__ B,       \
+        const unsigned int* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,       \
         const float* x, float* __restrict__ h, int I, int K, int G, const int* ids,                           \
-        long long x_stride, int x_div, const unsigned int* __restrict__ Wf, const bf16_t* __restrict__ Sf,    \
-        const bf16_t* __restrict__ Bf, int split) {                                                           \
+        long long x_stride, int x_div, const unsigned int* __restrict__ Wf, const aff_t* __restrict__ Sf,    \
+        const aff_t* __restrict__ Bf, int split) {                                                           \
         swiglu_affine_entry<BITS, R>(W, S, B, x, h, I, K, G, ids, x_stride, x_div, Wf, Sf, Bf, split);        \
     }
 

@@ -1,11 +1,6 @@
-// Token embedding and sampling for decode, for a batch of B rows; the token ids, positions and
-// sampling parameters live in device memory so a captured graph replays them.
+// Sampling for decode, for a batch of B rows; the token ids, positions and sampling parameters
+// live in device memory so a captured graph replays them.
 //
-// embed_bf16: x[b, i] = table[tok[b], i]. table: [V, H] bf16. grid (ceil(H/256), B), block 256.
-// embed_affine: x[b, i] = q[tok[b], i]·scale + bias for an MLX affine table (words u32
-//   [V, H·bits/32], scales and biases bf16 [V, H/G]; bits 2, 4 or 8). grid (ceil(H/256), B), block 256.
-//   MLX parameters only: this file has no AFFINE_F16_ZERO build (ops::embed refuses tables with f16
-//   zero points; such a table is uploaded as bf16).
 // sample_advance: row b (grid B, one block each) belongs to the sequence in slot s = slots[b]; with
 //   its parameters params + SAMPLE_WORDS·s and logits + b·V it writes tok[b] and advances pos[s]. With
 //   npairs > 0 (one row), the logits' max and its lowest index come from pairs [npairs, 2]: the
@@ -21,30 +16,6 @@
 
 // u32 words of one slot's sampling parameters (ops::SampleParams::WORDS).
 #define SAMPLE_WORDS 7
-
-extern "C" __global__ void embed_bf16(const bf16_t* __restrict__ table, const int* __restrict__ tok,
-                                      float* __restrict__ x, int H) {
-    pdl_entry();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    int b = blockIdx.y;
-    if (i < H) x[(long long)b * H + i] = bf16f(table[(long long)tok[b] * H + i]);
-}
-
-extern "C" __global__ void embed_affine(const unsigned int* __restrict__ words, const bf16_t* __restrict__ sc,
-                                        const bf16_t* __restrict__ bi, const int* __restrict__ tok,
-                                        float* __restrict__ x, int H, int G, int bits) {
-    pdl_entry();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= H) return;
-    int b = blockIdx.y;
-    long long row = tok[b];
-    x += (long long)b * H;
-    int per = 32 / bits;
-    unsigned int w = words[row * (H / per) + i / per];
-    float q = (float)((w >> ((i % per) * bits)) & ((1u << bits) - 1u));
-    long long g = row * (H / G) + i / G;
-    x[i] = fmaf(q, bf16f(sc[g]), bf16f(bi[g]));
-}
 
 #define SAMPLE_BISECT 32
 

@@ -34,6 +34,7 @@ enum Q {
 
 const MLX: AffineParams = AffineParams::Bf16;
 const F16Z: AffineParams = AffineParams::F16Zero;
+const F32P: AffineParams = AffineParams::F32;
 
 /// A stack of `e` matrices `[n, k]` on the device in `quant`'s format and the bf16 operand the
 /// products use, as f32 `[e, n, k]` (FP8: random codes and block scales, `w` unused).
@@ -112,8 +113,11 @@ fn stack(g: &Gpu, w: &[f32], (e, n, k): (usize, usize, usize), quant: Q) -> Stac
                 AffineParams::Bf16 => {
                     dequant_affine_bf16(&a.q.words, &a.scales, &a.biases, (e * n, k), group, bits)
                 }
-                // (q − z)·s is exact in f32 (`Affine::dequant`): one rounding to bf16.
-                AffineParams::F16Zero => a.dequant().into_iter().map(round_bf16).collect(),
+                // (q − z)·s is exact in f32 (`Affine::dequant`): one rounding to bf16; f32
+                // parameters: the kernel's f32 fma, then bf16.
+                AffineParams::F16Zero | AffineParams::F32 => {
+                    a.dequant().into_iter().map(round_bf16).collect()
+                }
             };
             Stack {
                 m: a.matvec(n, k),
@@ -139,6 +143,9 @@ fn operands_and_library_gemm_match_cpu() {
         (301, 256, 17, Q::Affine(4, 64, F16Z)),
         (65, 96, 33, Q::Affine(8, 32, F16Z)),
         (129, 384, 7, Q::Affine(4, 128, F16Z)),
+        (301, 256, 17, Q::Affine(4, 32, F32P)),
+        (65, 96, 33, Q::Affine(8, 32, F32P)),
+        (129, 160, 9, Q::Affine(8, 16, F32P)),
         (131, 160, 9, Q::Fp8),
     ] {
         // Strided f32 input rows: odd strides take the scalar conversion, multiples of 4 the
@@ -209,6 +216,10 @@ fn grouped_gemm_matches_cpu() {
         (150, 7, 17, 302, 128, Q::Affine(4, 64, F16Z)),
         (70, 2, 4, 260, 96, Q::Affine(8, 32, F16Z)),
         (31, 3, 5, 66, 256, Q::Affine(8, 128, F16Z)),
+        (150, 7, 17, 302, 128, Q::Affine(4, 32, F32P)),
+        (70, 2, 4, 260, 96, Q::Affine(8, 32, F32P)),
+        (70, 2, 4, 260, 96, Q::Affine(8, 16, F32P)),
+        (31, 3, 5, 66, 256, Q::Affine(4, 16, MLX)),
         (100, 8, 9, 202, 160, Q::Fp8),
     ] {
         let pairs = tokens * ks;

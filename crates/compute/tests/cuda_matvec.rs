@@ -108,7 +108,7 @@ fn matvec_and_swiglu_match_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn affine_matvec_matches_cpu() {
-    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero, AffineParams::F32] {
         affine_matvec_case(params);
     }
 }
@@ -236,7 +236,7 @@ fn slot_forms(rows: usize) {
     let mut keep = Vec::new();
     // Groups within a stage of the wide form (4-bit: 128 inputs) and across stages (8-bit: 64);
     // 2 bits: the CUDA-core rows kernels (matvec_rows.cu).
-    let (mlx, f16z) = (AffineParams::Bf16, AffineParams::F16Zero);
+    let (mlx, f16z, f32p) = (AffineParams::Bf16, AffineParams::F16Zero, AffineParams::F32);
     for (bits, group, params) in [
         (4u32, 64usize, mlx),
         (8, 128, mlx),
@@ -250,6 +250,11 @@ fn slot_forms(rows: usize) {
         (2, 64, f16z),
         (4, 16, mlx),
         (8, 16, f16z),
+        (4, 64, f32p),
+        (8, 128, f32p),
+        (4, 32, f32p),
+        (8, 32, f32p),
+        (8, 16, f32p),
     ] {
         let a = Affine::with_params(&g, &w, k, (group, bits), params);
         // Dequantized weights as the affine kernels see them.
@@ -324,7 +329,7 @@ fn slot_forms(rows: usize) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn single_row_on_tensor_cores_matches_cpu() {
-    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero, AffineParams::F32] {
         single_row_case(params);
     }
 }
@@ -505,7 +510,7 @@ fn single_row_fused_norm_residual_and_conv_match_separate_launches() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn moe_down_combine_equals_down_then_combine() {
-    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero, AffineParams::F32] {
         down_combine_case(params);
     }
 }

@@ -11,9 +11,7 @@ use deltamoe_compute::cpu::conv::causal_conv1d_silu;
 use deltamoe_compute::cpu::gdn::{gdn_recurrent, GdnInputs, GdnShape};
 use deltamoe_compute::cpu::norm::{gated_rms_norm, l2_normalize, rms_norm};
 use deltamoe_compute::cpu::rope::Rope;
-use deltamoe_compute::cuda::ops::{
-    self, AffineParams, AttnDims, Batch, GdnDims, Matvec, SampleParams, WeightFormat,
-};
+use deltamoe_compute::cuda::ops::{self, AffineParams, AttnDims, Batch, GdnDims, SampleParams};
 use deltamoe_compute::dtype::{bf16_to_f32, f32_to_bf16};
 
 #[test]
@@ -577,21 +575,28 @@ fn router_combine_embed_argmax_match_cpu() {
         .map(|&b| bf16_to_f32(b))
         .collect();
     assert_close("embed", &g.read(&x, h).unwrap(), &want, 0.0);
-    // Embedding tables take MLX's parameters only: one with f16 zero points is refused.
-    let gptq = Matvec {
-        w: dt.ptr(),
-        n: v,
-        k: 64,
-        bias: 0,
-        format: WeightFormat::Affine {
-            bits: 4,
-            group: 64,
-            scales: dt.ptr(),
-            biases: dt.ptr(),
-            params: AffineParams::F16Zero,
-        },
-    };
-    assert!(ops::embed(&g, gptq, tok.ptr(), x.ptr(), 64, 1).is_err());
+    // Affine tables in each parameter form, groups of 16 included: rows 417 and 2 of two
+    // lookups, q·scale + bias with the parameters the kernels apply (one fma).
+    let hq = 64;
+    let w = rand_vec(&mut r, v * hq, -1.0, 1.0);
+    let toks = g.upload(&[417i32, 2]).unwrap();
+    let xq = g.zeros::<f32>(2 * hq).unwrap();
+    for (bits, group, params) in [
+        (4u32, 32usize, AffineParams::Bf16),
+        (8, 64, AffineParams::F16Zero),
+        (4, 16, AffineParams::F32),
+        (8, 16, AffineParams::F32),
+    ] {
+        let a = common::Affine::with_params(&g, &w, hq, (group, bits), params);
+        ops::embed(&g, a.matvec(v, hq), toks.ptr(), xq.ptr(), hq, 2).unwrap();
+        let d = a.dequant();
+        let want: Vec<f32> = [417, 2]
+            .iter()
+            .flat_map(|&t| d[t * hq..(t + 1) * hq].to_vec())
+            .collect();
+        let name = format!("embed {bits}-bit group {group} {params:?}");
+        assert_close(&name, &g.read(&xq, 2 * hq).unwrap(), &want, 0.0);
+    }
     let mut logits = rand_vec(&mut r, 248_320, -1.0, 1.0);
     logits[200_001] = 5.0;
     logits[7] = 5.0;

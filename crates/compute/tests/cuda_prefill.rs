@@ -409,7 +409,7 @@ fn attention_prefill_rows_match_cpu() {
 fn moe_grouping_and_grouped_products_match_cpu() {
     let g = gpu();
     let mut r = rng();
-    let (mlx, f16z) = (AffineParams::Bf16, AffineParams::F16Zero);
+    let (mlx, f16z, f32p) = (AffineParams::Bf16, AffineParams::F16Zero, AffineParams::F32);
     // n even: the SwiGLU form reads each expert as a [2I, K] block with I = n / 2.
     for &(tokens, ks, experts, n, k, quant) in &[
         (37usize, 3usize, 5usize, 24usize, 64usize, None),
@@ -426,6 +426,11 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         (29, 8, 6, 300, 512, Some((4, 64, f16z))),
         (11, 4, 3, 130, 256, Some((8, 128, f16z))),
         (21, 3, 5, 34, 128, Some((2, 64, f16z))),
+        // f32 scales and biases: every form.
+        (13, 2, 4, 10, 96, Some((8, 32, f32p))),
+        (29, 8, 6, 300, 512, Some((4, 64, f32p))),
+        (11, 4, 3, 130, 256, Some((8, 128, f32p))),
+        (9, 8, 5, 200, 256, Some((4, 32, f32p))),
     ] {
         let pairs = tokens * ks;
         let ids: Vec<i32> = (0..pairs)

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{f16_zero_params, gpu, rand_vec, rng};
+use common::{f16_zero_params, f32_halves, gpu, rand_vec, rng};
 use deltamoe_compute::cpu::gpu_twin::{matvec_rows, swiglu_rows, TwinInput, TwinMat};
 use deltamoe_compute::cpu::quant::quantize;
 use deltamoe_compute::cuda::ops::{
@@ -60,6 +60,7 @@ impl Stack {
                 (s.scales, s.biases) = match params {
                     AffineParams::Bf16 => (bf(&q.scales), bf(&q.biases)),
                     AffineParams::F16Zero => f16_zero_params(r, q.scales.len(), bits),
+                    AffineParams::F32 => (f32_halves(&q.scales), f32_halves(&q.biases)),
                 };
                 s.words = q.words;
             }
@@ -77,7 +78,7 @@ impl Stack {
             Some((bits, group, params)) => {
                 let (wpm, gpm) = (
                     self.n * self.k * bits as usize / 32,
-                    self.n * self.k / group,
+                    self.n * self.k / group * params.bytes() / 2,
                 );
                 TwinMat::Affine {
                     words: pick(&self.words, e, wpm),
@@ -177,7 +178,7 @@ fn host_twins_match_the_decode_expert_kernels_bitwise() {
     let mut r = rng();
     let experts = 3;
     let mut formats: Vec<(Option<AffineFmt>, usize)> = vec![(None, 264), (None, 77)];
-    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero, AffineParams::F32] {
         for bits in [2u32, 4, 8] {
             for group in [32usize, 64, 128] {
                 formats.push((Some((bits, group, params)), 384));

@@ -85,22 +85,32 @@ pub enum TwinMat<'a> {
     },
 }
 
-/// A group's scale and bias in f32 from its stored values, as the kernels take them: bf16 scale
-/// and bias, or f16 scale `s` and zero point `z` as `s` and `−z·s` (exact).
+/// Group `g`'s scale and bias in f32 from the stored arrays, as the kernels take them: bf16
+/// scale and bias, f16 scale `s` and zero point `z` as `s` and `−z·s` (exact), or f32 scale and
+/// bias (two 16-bit halves each, low first).
 #[inline]
-pub(super) fn group_params(params: AffineParams, scale: u16, bias: u16) -> (f32, f32) {
+pub(super) fn group_params(
+    params: AffineParams,
+    scales: &[u16],
+    biases: &[u16],
+    g: usize,
+) -> (f32, f32) {
     match params {
-        AffineParams::Bf16 => (bf16_to_f32(scale), bf16_to_f32(bias)),
+        AffineParams::Bf16 => (bf16_to_f32(scales[g]), bf16_to_f32(biases[g])),
         AffineParams::F16Zero => {
-            let s = half::f16::from_bits(scale).to_f32();
-            (s, -half::f16::from_bits(bias).to_f32() * s)
+            let s = half::f16::from_bits(scales[g]).to_f32();
+            (s, -half::f16::from_bits(biases[g]).to_f32() * s)
+        }
+        AffineParams::F32 => {
+            let f = |a: &[u16]| f32::from_bits(a[2 * g] as u32 | (a[2 * g + 1] as u32) << 16);
+            (f(scales), f(biases))
         }
     }
 }
 
-/// Words and groups of one affine row of width `k`.
-fn affine_row(k: usize, bits: u32, group: usize) -> (usize, usize) {
-    (k * bits as usize / 32, k / group)
+/// Words and 16-bit parameter values (of each array) of one affine row of width `k`.
+fn affine_row(k: usize, bits: u32, group: usize, params: AffineParams) -> (usize, usize) {
+    (k * bits as usize / 32, k / group * params.bytes() / 2)
 }
 
 /// Which preparation of x a matrix needs.
@@ -131,7 +141,7 @@ impl<'a> TwinMat<'a> {
                 group,
                 params,
             } => {
-                let (wpr, gpr) = affine_row(k, bits, group);
+                let (wpr, gpr) = affine_row(k, bits, group, params);
                 TwinMat::Affine {
                     words: &words[rows.start * wpr..rows.end * wpr],
                     scales: &scales[rows.start * gpr..rows.end * gpr],
@@ -159,7 +169,7 @@ impl<'a> TwinMat<'a> {
                 biases,
                 bits,
                 group,
-                ..
+                params,
             } => {
                 if !matches!(bits, 2 | 4 | 8) || !matches!(group, 32 | 64 | 128) {
                     return Err(TwinError::Format { bits, group });
@@ -167,7 +177,7 @@ impl<'a> TwinMat<'a> {
                 if !k.is_multiple_of(group) {
                     return shape_err(format!("K = {k} is not a multiple of the group {group}"));
                 }
-                let (wpr, gpr) = affine_row(k, bits, group);
+                let (wpr, gpr) = affine_row(k, bits, group, params);
                 let n = words.len() / wpr;
                 if words.len() != n * wpr || scales.len() != n * gpr || biases.len() != n * gpr {
                     return shape_err(format!(
@@ -617,7 +627,7 @@ fn affine_portable(g: &Group, x: &[f32], xs: &[f32], from: usize, acc: &mut [f32
                 qx = q.mul_add(xv, qx);
             }
             let gi = k >> g.gshift;
-            let (s, b) = group_params(g.params, g.scales[gi], g.biases[gi]);
+            let (s, b) = group_params(g.params, g.scales, g.biases, gi);
             *a = s.mul_add(qx, b.mul_add(xs[w], *a));
         }
     }

@@ -102,8 +102,8 @@ fn silu_portable_constants_are_what_they_claim() {
     }
 }
 
-/// A random affine matrix `[n, k]` with `params`: words, bf16 scales and biases, or f16 scales
-/// and f16 integer zero points.
+/// A random affine matrix `[n, k]` with `params`: words, bf16 scales and biases, f16 scales
+/// and f16 integer zero points, or f32 scales and biases (as 16-bit halves).
 fn affine(
     r: &mut impl Rng,
     (n, k): (usize, usize),
@@ -132,6 +132,17 @@ fn affine(
                 .map(|_| f16(r.random_range(0..1u32 << bits) as f32))
                 .collect();
             (scales, zeros)
+        }
+        AffineParams::F32 => {
+            let mut halves = || -> Vec<u16> {
+                (0..groups)
+                    .flat_map(|_| {
+                        let v = r.random_range(-0.05f32..0.05).to_bits();
+                        [v as u16, (v >> 16) as u16]
+                    })
+                    .collect()
+            };
+            (halves(), halves())
         }
     };
     Matrix::Affine(words, scales, biases, (bits, group), params)
@@ -178,6 +189,13 @@ impl Matrix {
                             AffineParams::F16Zero => {
                                 let h = |v: u16| half::f16::from_bits(v).to_f64();
                                 (q - h(b[g])) * h(s[g])
+                            }
+                            AffineParams::F32 => {
+                                let f = |a: &[u16]| {
+                                    f32::from_bits(a[2 * g] as u32 | (a[2 * g + 1] as u32) << 16)
+                                        as f64
+                                };
+                                q * f(s) + f(b)
                             }
                         }
                     })
@@ -261,7 +279,7 @@ fn simd_and_portable_paths_agree_bitwise() {
     }
     // Affine: words per row below 32, a multiple of 32, and with a partial step; both kinds of
     // parameters.
-    for params in [AffineParams::Bf16, AffineParams::F16Zero] {
+    for params in [AffineParams::Bf16, AffineParams::F16Zero, AffineParams::F32] {
         for bits in [2u32, 4, 8] {
             for group in [32usize, 64, 128] {
                 for k in [128usize, 384, 1024, 1152] {

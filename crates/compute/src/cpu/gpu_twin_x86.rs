@@ -69,15 +69,17 @@ impl Affine<'_> {
     }
 
     /// The row's scales and biases in f32 (`sc`, `bi`), which must hold `pad` more values: bf16
-    /// ones eight at a time, f16 scales and zero points one at a time ([`group_params`]).
+    /// ones eight at a time, the others one at a time ([`group_params`]).
     #[target_feature(enable = "avx2,fma")]
     unsafe fn scales_to_f32(&mut self, pad: usize) {
-        let gpr = self.scales.len();
+        let gpr = self.scales.len() * 2 / self.params.bytes();
         debug_assert!(
             self.words.len() >= LANES * self.steps && self.xs.len() >= LANES * self.steps
         );
         debug_assert!(
-            self.biases.len() == gpr && self.sc.len() >= gpr + pad && self.bi.len() >= gpr + pad
+            self.biases.len() == self.scales.len()
+                && self.sc.len() >= gpr + pad
+                && self.bi.len() >= gpr + pad
         );
         debug_assert!(self.steps == 0 || gpr > (LANES * self.steps - 8) >> self.wpg_log);
         let mut g = 0;
@@ -93,7 +95,7 @@ impl Affine<'_> {
             g += 8;
         }
         for g in g..gpr {
-            (self.sc[g], self.bi[g]) = group_params(self.params, self.scales[g], self.biases[g]);
+            (self.sc[g], self.bi[g]) = group_params(self.params, self.scales, self.biases, g);
         }
     }
 

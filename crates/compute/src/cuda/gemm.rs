@@ -226,13 +226,15 @@ pub fn rows_to_bf16(g: &Gpu, x: u64, xs: usize, y: u64, k: usize, t: usize) -> R
 }
 
 /// Whether [`weights_bf16`] and the grouped kernel take matrix `m` (bf16 with K % 8 == 0,
-/// 4/8-bit affine with groups of 32, 64 or 128, FP8 with K and its blocks multiples of 32).
+/// 4/8-bit affine with groups of 16, 32, 64 or 128, FP8 with K and its blocks multiples of 32).
 pub fn supported(m: &Matvec) -> bool {
     match m.format {
         WeightFormat::Fp8 { group, .. } => m.k.is_multiple_of(32) && group.is_multiple_of(32),
         WeightFormat::Bf16 => m.k.is_multiple_of(8),
         WeightFormat::Affine { bits, group, .. } => {
-            matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128) && m.k.is_multiple_of(group)
+            matches!(bits, 4 | 8)
+                && matches!(group, 16 | 32 | 64 | 128)
+                && m.k.is_multiple_of(group.max(32))
         }
     }
 }

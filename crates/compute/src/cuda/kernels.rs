@@ -3,11 +3,11 @@
 //! cached on disk under `$XDG_CACHE_HOME/deltamoe/kernels` (or `~/.cache/...`), keyed by a hash
 //! of the source, the architecture, the options and the NVRTC version.
 //!
-//! The files whose kernels read affine scales and biases (`F16_ZERO_FILES`) have a second
-//! build for [`AffineParams::F16Zero`] (f16 scales and zero points: common.cuh's `aff_scale`,
-//! `aff_bias` under `AFFINE_F16_ZERO`), compiled and loaded on first use, so that a model without
-//! such weights pays no NVRTC time for it; launchers of affine kernels take their function from
-//! [`Kernels::affine`] or [`Kernels::for_format`].
+//! The files whose kernels read affine scales and biases (`AFFINE_FILES`) have a build for each
+//! other [`AffineParams`] (f16 scales and zero points, f32 scales and biases: common.cuh's
+//! `aff_t`, `aff_scale`, `aff_bias` under `AFFINE_F16_ZERO` or `AFFINE_F32`), compiled and loaded
+//! on first use, so that a model without such weights pays no NVRTC time for them; launchers of
+//! affine kernels take their function from [`Kernels::affine`] or [`Kernels::for_format`].
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -137,7 +137,12 @@ const FILES: &[(&str, &str, &[&str])] = &[
     (
         "sample.cu",
         include_str!("../../kernels/sample.cu"),
-        &["embed_bf16", "embed_affine", "sample_advance"],
+        &["sample_advance"],
+    ),
+    (
+        "embed.cu",
+        include_str!("../../kernels/embed.cu"),
+        &["embed_bf16", "embed_affine"],
     ),
     (
         "fill.cu",
@@ -241,28 +246,32 @@ const FILES: &[(&str, &str, &[&str])] = &[
     ),
 ];
 
-/// The files with a build for [`AffineParams::F16Zero`]: every file whose kernels read affine
-/// scales and biases, except sample.cu (embedding tables stay MLX: `ops::embed`). Their entry
-/// points with `affine` in the name are that build's.
-const F16_ZERO_FILES: [&str; 6] = [
+/// The files with a build for each [`AffineParams`]: every file whose kernels read affine scales
+/// and biases. Their entry points with `affine` in the name are those builds'.
+const AFFINE_FILES: [&str; 7] = [
     "qmatvec.cu",
     "matvec_rows.cu",
     "mma_rows.cu",
     "mma_wide.cu",
     "mma_vec.cu",
     "gemm.cu",
+    "embed.cu",
 ];
 
-/// The NVRTC option that makes a file's build for [`AffineParams::F16Zero`] (common.cuh).
-const F16_ZERO_DEFINE: &str = "-DAFFINE_F16_ZERO";
-
-/// Which build of the kernel files: the default one, or the affine kernels' build for
-/// [`AffineParams::F16Zero`].
+/// Which build of the kernel files: the default one (MLX's bf16 parameters), or the affine
+/// kernels' build for other [`AffineParams`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Build {
     Default,
-    F16Zero,
+    Affine(AffineParams),
 }
+
+/// The builds [`compile_all`] checks.
+const BUILDS: [Build; 3] = [
+    Build::Default,
+    Build::Affine(AffineParams::F16Zero),
+    Build::Affine(AffineParams::F32),
+];
 
 impl Build {
     /// The files of this build, with the names of theirs it loads.
@@ -271,19 +280,20 @@ impl Build {
             .iter()
             .filter_map(move |&(file, src, names)| match self {
                 Build::Default => Some((file, src, names.to_vec())),
-                Build::F16Zero if F16_ZERO_FILES.contains(&file) => {
+                Build::Affine(_) if AFFINE_FILES.contains(&file) => {
                     let affine = names.iter().copied().filter(|n| n.contains("affine"));
                     Some((file, src, affine.collect()))
                 }
-                Build::F16Zero => None,
+                Build::Affine(_) => None,
             })
     }
 
-    /// NVRTC options beyond the common ones.
+    /// NVRTC options beyond the common ones (common.cuh's `aff_t`).
     fn defines(self) -> &'static [&'static str] {
         match self {
-            Build::Default => &[],
-            Build::F16Zero => &[F16_ZERO_DEFINE],
+            Build::Default | Build::Affine(AffineParams::Bf16) => &[],
+            Build::Affine(AffineParams::F16Zero) => &["-DAFFINE_F16_ZERO"],
+            Build::Affine(AffineParams::F32) => &["-DAFFINE_F32"],
         }
     }
 }
@@ -291,8 +301,10 @@ impl Build {
 /// Compiled kernels by name.
 pub struct Kernels {
     funcs: HashMap<&'static str, CudaFunction>,
-    /// The [`AffineParams::F16Zero`] build's affine kernels, once compiled and loaded.
+    /// The affine kernels' builds for [`AffineParams::F16Zero`] and [`AffineParams::F32`], each
+    /// once compiled and loaded.
     f16_zero: OnceLock<HashMap<&'static str, CudaFunction>>,
+    f32: OnceLock<HashMap<&'static str, CudaFunction>>,
     ctx: Arc<CudaContext>,
     arch: &'static str,
 }
@@ -383,10 +395,10 @@ fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
     })
 }
 
-/// Compile every kernel file for `arch` (e.g. `compute_90`) without a device, both builds: a
+/// Compile every kernel file for `arch` (e.g. `compute_90`) without a device, every build: a
 /// check that needs only NVRTC.
 pub fn compile_all(arch: &'static str) -> Result<()> {
-    let jobs: Vec<_> = [Build::Default, Build::F16Zero]
+    let jobs: Vec<_> = BUILDS
         .into_iter()
         .flat_map(|b| b.files().map(move |f| (b, f)))
         .collect();
@@ -425,6 +437,7 @@ impl Kernels {
         Ok(Kernels {
             funcs: load_build(ctx, arch, Build::Default)?,
             f16_zero: OnceLock::new(),
+            f32: OnceLock::new(),
             ctx: ctx.clone(),
             arch,
         })
@@ -437,14 +450,14 @@ impl Kernels {
     }
 
     /// The affine kernel `name` built for `params`: [`Kernels::get`]'s for
-    /// [`AffineParams::Bf16`]; for [`AffineParams::F16Zero`] that build's, compiled and loaded
-    /// the first time any of it is asked for (an NVRTC or driver failure is returned, and tried
-    /// again on the next call). `name` is an entry point of `F16_ZERO_FILES` with `affine` in
-    /// its name; anything else is a bug in this crate.
+    /// [`AffineParams::Bf16`]; for the others that build's, compiled and loaded the first time any
+    /// of it is asked for (an NVRTC or driver failure is returned, and tried again on the next
+    /// call). `name` is an entry point of `AFFINE_FILES` with `affine` in its name; anything else
+    /// is a bug in this crate.
     pub fn affine(&self, name: &str, params: AffineParams) -> Result<&CudaFunction> {
         match params {
             AffineParams::Bf16 => Ok(self.get(name)),
-            AffineParams::F16Zero => Ok(&self.f16_zero()?[name]),
+            _ => Ok(&self.build(params)?[name]),
         }
     }
 
@@ -463,17 +476,22 @@ impl Kernels {
     pub fn prepare(&self, params: AffineParams) -> Result<()> {
         match params {
             AffineParams::Bf16 => Ok(()),
-            AffineParams::F16Zero => self.f16_zero().map(|_| ()),
+            _ => self.build(params).map(|_| ()),
         }
     }
 
-    /// The [`AffineParams::F16Zero`] build, loaded on first use.
-    fn f16_zero(&self) -> Result<&HashMap<&'static str, CudaFunction>> {
-        if let Some(funcs) = self.f16_zero.get() {
+    /// The affine kernels' build for `params` (not [`AffineParams::Bf16`], the default build's),
+    /// loaded on first use.
+    fn build(&self, params: AffineParams) -> Result<&HashMap<&'static str, CudaFunction>> {
+        let cell = match params {
+            AffineParams::F32 => &self.f32,
+            _ => &self.f16_zero,
+        };
+        if let Some(funcs) = cell.get() {
             return Ok(funcs);
         }
-        let funcs = load_build(&self.ctx, self.arch, Build::F16Zero)?;
-        Ok(self.f16_zero.get_or_init(|| funcs))
+        let funcs = load_build(&self.ctx, self.arch, Build::Affine(params))?;
+        Ok(cell.get_or_init(|| funcs))
     }
 }
 
@@ -571,7 +589,7 @@ mod tests {
     #[test]
     fn every_affine_entry_point_is_registered() {
         let registered = names_of(super::Build::Default);
-        let f16_zero = names_of(super::Build::F16Zero);
+        let f16_zero = names_of(super::Build::Affine(super::AffineParams::F16Zero));
         for swiglu in [false, true] {
             for bits in [2, 4, 8] {
                 for rows in [2, 4] {
@@ -585,20 +603,22 @@ mod tests {
         }
     }
 
-    /// The f16-zero-point build holds every affine kernel but the embedding's (MLX only), and
-    /// every file whose kernels read affine parameters through common.cuh's aff_scale has that
-    /// build, and no other does; those files read no scale or bias as bf16 themselves.
+    /// The other parameters' builds hold every affine kernel, and every file whose kernels read
+    /// affine parameters through common.cuh's aff_scale has those builds, and no other does;
+    /// those files read no scale or bias as bf16 themselves.
     #[test]
-    fn every_affine_kernel_but_the_embedding_has_the_f16_zero_point_build() {
+    fn every_affine_kernel_has_the_other_parameters_builds() {
         let mut want: Vec<&str> = names_of(super::Build::Default)
             .into_iter()
-            .filter(|n| n.contains("affine") && *n != "embed_affine")
+            .filter(|n| n.contains("affine"))
             .collect();
-        let mut got = names_of(super::Build::F16Zero);
         want.sort_unstable();
-        got.sort_unstable();
-        assert_eq!(got, want);
-        const BF16_READS: [&str; 9] = [
+        for build in &super::BUILDS[1..] {
+            let mut got = names_of(*build);
+            got.sort_unstable();
+            assert_eq!(got, want, "{build:?}");
+        }
+        const BF16_READS: [&str; 10] = [
             "bf16f(S[",
             "bf16f(B[",
             "bf16f(Bs[",
@@ -608,12 +628,13 @@ mod tests {
             "bf16f(pb[",
             "bf16f(row[",
             "splat_bf16(S",
+            "bf16_t* __restrict__ S",
         ];
         for (file, src, _) in super::FILES {
             let reads = src.contains("aff_scale(");
             assert_eq!(
                 reads,
-                super::F16_ZERO_FILES.contains(file),
+                super::AFFINE_FILES.contains(file),
                 "{file}: reads affine parameters through aff_scale: {reads}"
             );
             if reads {
@@ -669,7 +690,7 @@ mod tests {
             include_str!("wide.rs"),
         ];
         let registered = names_of(super::Build::Default);
-        let f16_zero = names_of(super::Build::F16Zero);
+        let f16_zero = names_of(super::Build::Affine(super::AffineParams::F16Zero));
         let literals = |call: &'static str| {
             launchers.into_iter().flat_map(move |src| {
                 src.split(call)

@@ -46,7 +46,7 @@ pub(crate) fn blocks(n: usize, per: usize) -> u32 {
 }
 
 /// What the two parameter arrays of an affine matrix hold, per group of `group` weights with
-/// code q (both arrays `[E, N, K/group]` of 16-bit values).
+/// code q (both arrays `[E, N, K/group]` of [`AffineParams::bytes`] each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AffineParams {
     /// MLX: bf16 scales and bf16 biases, w = q·scale + bias.
@@ -55,6 +55,19 @@ pub enum AffineParams {
     /// 2^bits), w = (q − z)·s. The kernels take it as scale s and bias −z·s, exact in f32;
     /// their builds for it are compiled on first use ([`super::Kernels::affine`]).
     F16Zero,
+    /// f32 scales and biases, w = q·scale + bias: parameters neither form above holds exactly
+    /// (GGUF's K-quants, whose d·sc has up to 17 significant bits). Built on first use too.
+    F32,
+}
+
+impl AffineParams {
+    /// Bytes of one scale (and of one bias).
+    pub fn bytes(self) -> usize {
+        match self {
+            AffineParams::Bf16 | AffineParams::F16Zero => 2,
+            AffineParams::F32 => 4,
+        }
+    }
 }
 
 /// How a device matrix is stored.
@@ -441,23 +454,17 @@ pub fn embed_bf16(g: &Gpu, table: u64, tok: u64, x: u64, h: usize, rows: usize) 
     Ok(())
 }
 
-/// `x[b] = table[tok[b]]` as f32 (bf16 rows converted, MLX affine rows dequantized), width `h`,
-/// `rows` rows. Affine tables take MLX's bf16 parameters only (embed_affine has no build for f16
-/// zero points): a GPTQ/AWQ table goes up as bf16.
+/// `x[b] = table[tok[b]]` as f32 (bf16 rows converted, affine rows dequantized), width `h`,
+/// `rows` rows.
 pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Result<()> {
-    let (bits, group, scales, biases) = match m.format {
+    let (bits, group, scales, biases, params) = match m.format {
         WeightFormat::Affine {
             bits,
             group,
             scales,
             biases,
-            params: AffineParams::Bf16,
-        } => (bits, group, scales, biases),
-        WeightFormat::Affine { .. } => {
-            return Err(super::CudaError::Unsupported(
-                "an embedding with f16 scales and zero points (upload it as bf16)".into(),
-            ))
-        }
+            params,
+        } => (bits, group, scales, biases, params),
         WeightFormat::Bf16 => return embed_bf16(g, m.w, tok, x, h, rows),
         WeightFormat::Fp8 { .. } => {
             return Err(super::CudaError::Unsupported(
@@ -466,7 +473,7 @@ pub fn embed(g: &Gpu, m: Matvec, tok: u64, x: u64, h: usize, rows: usize) -> Res
         }
     };
     let (h32, g32, b32) = (h as i32, group as i32, bits as i32);
-    let mut b = g.launch_builder(g.kernels().get("embed_affine"));
+    let mut b = g.launch_builder(g.kernels().affine("embed_affine", params)?);
     b.arg(&m.w)
         .arg(&scales)
         .arg(&biases)

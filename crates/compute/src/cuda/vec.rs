@@ -231,8 +231,8 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool, rows: usize) -> Result<Plan> {
     let bulk = g.compute_capability().0 >= 9 && [m.w, scales, biases].iter().all(|p| p % 16 == 0);
     let n_blocks = blocks(m.n, 16 * tiles);
     let one_wave = n_blocks as usize <= resident;
-    let staged = staged_smem(k, group, tiles, 1).filter(|_| bulk && one_wave);
-    let ring = ring_plan(k, group, RING_TILES, 1).filter(|_| bulk && !one_wave && !conv);
+    let staged = staged_smem(k, group, params, tiles, 1).filter(|_| bulk && one_wave);
+    let ring = ring_plan(k, group, params, RING_TILES, 1).filter(|_| bulk && !one_wave && !conv);
     let one = Form::choose(
         n_blocks as usize,
         g.multiprocessors(),
@@ -240,8 +240,8 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool, rows: usize) -> Result<Plan> {
         ring.is_some(),
     );
     // The rows' launch keeps the one-row form where its staging still fits (one row: the same).
-    let staged = staged.and_then(|_| staged_smem(k, group, tiles, rows));
-    let ring = ring.and_then(|_| ring_plan(k, group, RING_TILES, rows));
+    let staged = staged.and_then(|_| staged_smem(k, group, params, tiles, rows));
+    let ring = ring.and_then(|_| ring_plan(k, group, params, RING_TILES, rows));
     let form = Form::for_rows(one, staged.is_some(), ring.is_some());
     let (smem, grid, nbuf) = match (form, staged, ring) {
         (Form::Staged | Form::Staged16, Some(bytes), _) => (bytes, n_blocks, None),
@@ -362,8 +362,9 @@ fn launch(g: &Gpu, m: Matvec, x: u64, y: u64, rows: usize, io: VecIo) -> Result<
     if let Some(n) = &nbuf {
         b.arg(n);
     }
-    // SAFETY: W holds N·K/8 words and scales, biases N·K/G bf16 with K and G in digits (G | K,
-    // G ∈ {32, 64, 128}, checked by `digits` and `takes`); x holds `rows` rows of the matrix's
+    // SAFETY: W holds N·K/8 words and scales, biases N·K/G values of `params.bytes()` each (as
+    // the build of `params` reads them) with K and G in digits (G | K, G ∈ {32, 64, 128},
+    // checked by `digits` and `takes`); x holds `rows` rows of the matrix's
     // m.k floats (K for 4-bit codes, K/2 for 8-bit ones; 16-byte aligned device buffer), rows
     // io.x_stride floats apart (a multiple of 4, at least m.k: checked by `matvec_rows`), y
     // rows·N floats; the dynamic shared memory holds the rows' staged x and group sums (at most
@@ -397,33 +398,48 @@ const STAGED_MAX_SMEM: usize = 110 * 1024;
 const ROWS_STAGED_MAX_SMEM: usize = 102 * 1024;
 const ROWS_RING_MAX_SMEM: usize = 96 * 1024;
 
+/// Whether a row's scales (K/G of [`AffineParams::bytes`] each) are whole 16-byte units, as the
+/// bulk copies of the staged and ring kernels move them (K/G % 8 == 0 for 2-byte parameters,
+/// K/G % 4 == 0 for f32 ones).
+fn whole_units(k: usize, group: usize, params: AffineParams) -> bool {
+    (k / group * params.bytes()).is_multiple_of(16)
+}
+
 /// Dynamic shared memory of the staged single-row kernel (`mma_vec_affine{4,8}_staged`) with
-/// `tiles` row tiles of 16 per block (K and the group in digits) for `rows` input rows: the
-/// input staging, then 16·T rows of words, scales and biases in 8 runs ([`tile_smem`]) and an
-/// 8-byte barrier; `None` when the scale rows are not whole 16-byte units (K/G % 8 ≠ 0: the bulk
-/// copies move 16-byte units) or the tile does not fit two blocks per SM.
-pub fn staged_smem(k: usize, group: usize, tiles: usize, rows: usize) -> Option<usize> {
-    let bytes = stage_smem(k, group, rows) + tile_smem(k, group, tiles) + 16;
+/// `tiles` row tiles of 16 per block (K and the group in digits, scales and biases as `params`
+/// says) for `rows` input rows: the input staging, then 16·T rows of words, scales and biases in
+/// 8 runs ([`tile_smem`]) and an 8-byte barrier; `None` when the scale rows are not whole 16-byte
+/// units ([`whole_units`]: the bulk copies move 16-byte units) or the tile does not fit two
+/// blocks per SM.
+pub fn staged_smem(
+    k: usize,
+    group: usize,
+    params: AffineParams,
+    tiles: usize,
+    rows: usize,
+) -> Option<usize> {
+    let bytes = stage_smem(k, group, rows) + tile_smem(k, group, params, tiles) + 16;
     let max = if rows == 1 {
         STAGED_MAX_SMEM
     } else {
         ROWS_STAGED_MAX_SMEM
     };
-    ((k / group).is_multiple_of(8) && bytes <= max).then_some(bytes)
+    (whole_units(k, group, params) && bytes <= max).then_some(bytes)
 }
 
 /// Bytes of one staged tile of `tiles` row tiles of 16 (`vec_tile_bytes` in mma_vec.cu with
 /// `runs`): the rows of words in 8 runs each padded by `group` / 2 bytes, then the rows' scales
-/// and their biases in 8 runs each padded by 16 bytes (the padding puts a load's rows on
-/// distinct banks, `vec_run_words`).
-fn tile_smem(k: usize, group: usize, tiles: usize) -> usize {
-    ring_tile_smem(k, group, tiles) + 8 * (group / 2) + 2 * 8 * 16
+/// and their biases in 8 runs each padded by 16 bytes (VEC_SCALE_PAD values of whatever size
+/// `params` gives them; the padding puts a load's rows on distinct banks, `vec_run_words`).
+fn tile_smem(k: usize, group: usize, params: AffineParams, tiles: usize) -> usize {
+    ring_tile_smem(k, group, params, tiles) + 8 * (group / 2) + 2 * 8 * 16
 }
 
-/// Bytes of one tile of the ring kernel: its rows of words, scales and biases whole.
-fn ring_tile_smem(k: usize, group: usize, tiles: usize) -> usize {
+/// Bytes of one tile of the ring kernel: its rows of words, scales and biases
+/// ([`AffineParams::bytes`] each) whole.
+fn ring_tile_smem(k: usize, group: usize, params: AffineParams, tiles: usize) -> usize {
     let rows = 16 * tiles;
-    rows * k / 2 + rows * (k / group) * 4
+    rows * k / 2 + rows * (k / group) * 2 * params.bytes()
 }
 
 /// Row tiles of 16 per block of the ring kernel (`mma_vec_affine4_ring`, VEC_RING_TILES there).
@@ -433,24 +449,36 @@ const RING_TILES: usize = 2;
 const RING_MAX_BUFFERS: usize = 4;
 
 /// Staged tiles per block of the ring kernel with `tiles` row tiles of 16 each, and its dynamic
-/// shared memory, for `rows` input rows: the input staging, then as many tiles
-/// ([`ring_tile_smem`]) and 8-byte barriers as fit two blocks per SM, at most RING_MAX_BUFFERS;
-/// `None` under two (one tile computing while the next fills) or when the scale rows are not
-/// whole 16-byte units.
-pub fn ring_plan(k: usize, group: usize, tiles: usize, rows: usize) -> Option<(usize, usize)> {
-    let (tile, fixed) = (ring_tile_smem(k, group, tiles), stage_smem(k, group, rows));
+/// shared memory, for `rows` input rows (scales and biases as `params` says): the input staging,
+/// then as many tiles ([`ring_tile_smem`]) and 8-byte barriers as fit two blocks per SM, at most
+/// RING_MAX_BUFFERS; `None` under two (one tile computing while the next fills) or when the scale
+/// rows are not whole 16-byte units ([`whole_units`]).
+pub fn ring_plan(
+    k: usize,
+    group: usize,
+    params: AffineParams,
+    tiles: usize,
+    rows: usize,
+) -> Option<(usize, usize)> {
+    let (tile, fixed) = (
+        ring_tile_smem(k, group, params, tiles),
+        stage_smem(k, group, rows),
+    );
     let max = if rows == 1 {
         STAGED_MAX_SMEM
     } else {
         ROWS_RING_MAX_SMEM
     };
     let nbuf = (max.saturating_sub(fixed) / (tile + 8)).min(RING_MAX_BUFFERS);
-    ((k / group).is_multiple_of(8) && nbuf >= 2)
+    (whole_units(k, group, params) && nbuf >= 2)
         .then(|| (nbuf, (fixed + nbuf * (tile + 8)).next_multiple_of(16)))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::AffineParams::{Bf16, F16Zero, F32};
+    use super::{ring_plan, staged_smem};
+
     #[test]
     fn single_row_tiles_minimize_waves_times_tiles() {
         assert_eq!(super::tiles(2048, 264), 1);
@@ -503,13 +531,13 @@ mod tests {
         // A GDN input projection of the 35B shape stages four rows (4 · 8448 bytes of input);
         // an attention output projection (8192 inputs) not even two.
         assert_eq!(
-            super::staged_smem(2048, 64, 3, 4),
+            staged_smem(2048, 64, Bf16, 3, 4),
             Some(4 * 8448 + 48 * 1024 + 8 * 32 + 48 * 32 * 4 + 256 + 16)
         );
-        assert_eq!(super::staged_smem(8192, 64, 1, 2), None);
+        assert_eq!(staged_smem(8192, 64, Bf16, 1, 2), None);
         // The lm_head's ring keeps two tiles with two rows; four are streamed.
-        assert_eq!(super::ring_plan(2048, 64, 2, 2).map(|p| p.0), Some(2));
-        assert_eq!(super::ring_plan(2048, 64, 2, 4), None);
+        assert_eq!(ring_plan(2048, 64, Bf16, 2, 2).map(|p| p.0), Some(2));
+        assert_eq!(ring_plan(2048, 64, Bf16, 2, 4), None);
     }
 
     #[test]
@@ -523,7 +551,7 @@ mod tests {
         // x' of 4096 digits, then 16 rows of 2048 bytes in 8 runs with 64 of padding each and
         // their scales and biases in runs with 16 each.
         assert_eq!(
-            super::staged_smem(4096, 128, 1, 1),
+            staged_smem(4096, 128, Bf16, 1, 1),
             Some(16_640 + 16 * 2048 + 8 * 64 + 16 * 32 * 4 + 256 + 16)
         );
     }
@@ -531,31 +559,61 @@ mod tests {
     #[test]
     fn staged_tiles_fit_two_blocks_per_sm_in_whole_copy_units() {
         // GDN input projection of the 35B shape: 48 rows of 2048 inputs, groups of 64.
-        let b = super::staged_smem(2048, 64, 3, 1).unwrap();
+        let b = staged_smem(2048, 64, Bf16, 3, 1).unwrap();
         assert_eq!(b, 8448 + 48 * 1024 + 8 * 32 + 48 * 32 * 4 + 256 + 16);
-        assert!(super::staged_smem(4096, 64, 1, 1).is_some());
+        assert!(staged_smem(4096, 64, Bf16, 1, 1).is_some());
         // An attention output projection of the 35B shape (8192 inputs): 106 KB with one tile.
-        assert_eq!(super::staged_smem(8192, 64, 1, 1), Some(108_048));
+        assert_eq!(staged_smem(8192, 64, Bf16, 1, 1), Some(108_048));
         // Groups of 32: 8 runs of 16 bytes of padding, scales of 128 groups a row.
         assert_eq!(
-            super::staged_smem(2048, 32, 1, 1),
+            staged_smem(2048, 32, Bf16, 1, 1),
             Some(8704 + 16 * 1024 + 8 * 16 + 16 * 64 * 4 + 256 + 16)
         );
         // 8192 inputs with 4 tiles: 324 KB, over the limit; 4 groups a row: not 16-byte units.
-        assert_eq!(super::staged_smem(8192, 64, 4, 1), None);
-        assert_eq!(super::staged_smem(128, 32, 1, 1), None);
+        assert_eq!(staged_smem(8192, 64, Bf16, 4, 1), None);
+        assert_eq!(staged_smem(128, 32, Bf16, 1, 1), None);
     }
 
     #[test]
     fn ring_keeps_two_to_four_tiles_within_two_blocks_per_sm() {
         // lm_head of the 35B shape: 2048 inputs, groups of 64, tiles of 32 rows (36,864 bytes).
         assert_eq!(
-            super::ring_plan(2048, 64, 2, 1),
+            ring_plan(2048, 64, Bf16, 2, 1),
             Some((2, 8448 + 2 * (36_864 + 8)))
         );
-        assert_eq!(super::ring_plan(2048, 64, 1, 1).map(|p| p.0), Some(4));
+        assert_eq!(ring_plan(2048, 64, Bf16, 1, 1).map(|p| p.0), Some(4));
         // 8192 inputs: one tile of 32 rows is 139 KB.
-        assert_eq!(super::ring_plan(8192, 64, 2, 1), None);
-        assert_eq!(super::ring_plan(256, 64, 2, 1), None);
+        assert_eq!(ring_plan(8192, 64, Bf16, 2, 1), None);
+        assert_eq!(ring_plan(256, 64, Bf16, 2, 1), None);
+    }
+
+    #[test]
+    fn f32_parameters_take_four_bytes_in_staged_and_ring_tiles() {
+        // f16 scales and zero points take the room of bf16 ones.
+        assert_eq!(
+            staged_smem(2048, 64, F16Zero, 3, 1),
+            staged_smem(2048, 64, Bf16, 3, 1)
+        );
+        // The GDN input projection's tile with f32 scales and biases: 48 rows of 32 groups, 8
+        // bytes a group; the runs' padding stays 16 bytes (4 values).
+        assert_eq!(
+            staged_smem(2048, 64, F32, 3, 1),
+            Some(8448 + 48 * 1024 + 8 * 32 + 48 * 32 * 8 + 256 + 16)
+        );
+        // The attention output projection (8192 inputs) no longer fits two blocks an SM.
+        assert_eq!(staged_smem(8192, 64, F32, 1, 1), None);
+        // Whole 16-byte units: 4 groups a row are 16 bytes of f32, 2 are not.
+        assert_eq!(
+            staged_smem(128, 32, F32, 1, 1),
+            Some(544 + 16 * 64 + 8 * 16 + 16 * 4 * 8 + 256 + 16)
+        );
+        assert_eq!(staged_smem(128, 64, F32, 1, 1), None);
+        // The lm_head's ring: tiles of 32 rows of 1024 bytes of words and 256 of parameters.
+        assert_eq!(
+            ring_plan(2048, 64, F32, 2, 1),
+            Some((2, 8448 + 2 * (40_960 + 8)))
+        );
+        assert_eq!(ring_plan(2048, 64, F32, 1, 1).map(|p| p.0), Some(4));
+        assert_eq!(ring_plan(256, 128, F32, 2, 1), None);
     }
 }

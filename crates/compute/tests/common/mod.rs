@@ -52,22 +52,34 @@ pub fn f16_zero_params(r: &mut impl Rng, groups: usize, bits: u32) -> (Vec<u16>,
     (scales, zeros)
 }
 
-/// A group's scale and bias as the kernels apply them (common.cuh's aff_scale, aff_bias), from
-/// the stored values: bf16 scale and bias, or f16 scale s and zero point z as s and −z·s (exact).
-pub fn group_params(params: AffineParams, scale: u16, bias: u16) -> (f32, f32) {
+/// Group `g`'s scale and bias as the kernels apply them (common.cuh's aff_scale, aff_bias), from
+/// the stored 16-bit values: bf16 scale and bias, f16 scale s and zero point z as s and −z·s
+/// (exact), or f32 scale and bias (two values each, low half first).
+pub fn group_params(params: AffineParams, scales: &[u16], biases: &[u16], g: usize) -> (f32, f32) {
     match params {
-        AffineParams::Bf16 => (bf16_to_f32(scale), bf16_to_f32(bias)),
+        AffineParams::Bf16 => (bf16_to_f32(scales[g]), bf16_to_f32(biases[g])),
         AffineParams::F16Zero => {
-            let s = half::f16::from_bits(scale).to_f32();
-            (s, -half::f16::from_bits(bias).to_f32() * s)
+            let s = half::f16::from_bits(scales[g]).to_f32();
+            (s, -half::f16::from_bits(biases[g]).to_f32() * s)
+        }
+        AffineParams::F32 => {
+            let f = |a: &[u16]| f32::from_bits(a[2 * g] as u32 | (a[2 * g + 1] as u32) << 16);
+            (f(scales), f(biases))
         }
     }
 }
 
+/// f32 values as the 16-bit halves the device holds (low first).
+pub fn f32_halves(v: &[f32]) -> Vec<u16> {
+    v.iter()
+        .flat_map(|x| [x.to_bits() as u16, (x.to_bits() >> 16) as u16])
+        .collect()
+}
+
 /// `w` (rows of `k`) quantized to `bits` in groups of `group`, its parameters as `params` says,
 /// and all three arrays uploaded: MLX's scales and biases rounded to bf16 as the device holds
-/// them, or (F16Zero) the same codes with random f16 scales and zero points
-/// ([`f16_zero_params`]). `sf`, `bf`: each group's scale and bias as the kernels apply them,
+/// them, (F16Zero) the same codes with random f16 scales and zero points
+/// ([`f16_zero_params`]), or (F32) the quantizer's f32 scales and biases as they are. `sf`, `bf`: each group's scale and bias as the kernels apply them,
 /// exactly, so a CPU product on f32 parameters `sf`, `bf` ([`Affine::weight`]) is the reference.
 pub struct Affine {
     pub q: Quantized,
@@ -107,11 +119,10 @@ impl Affine {
                 let mut r = rand::rngs::StdRng::seed_from_u64(w.len() as u64);
                 f16_zero_params(&mut r, q.scales.len(), bits)
             }
+            AffineParams::F32 => (f32_halves(&q.scales), f32_halves(&q.biases)),
         };
-        let (sf, bf) = scales
-            .iter()
-            .zip(&biases)
-            .map(|(&s, &b)| group_params(params, s, b))
+        let (sf, bf) = (0..q.scales.len())
+            .map(|g| group_params(params, &scales, &biases, g))
             .unzip();
         let (dw, ds, db) = (
             g.upload(&q.words).unwrap(),
@@ -163,7 +174,7 @@ impl Affine {
                 let word = self.q.words[row * k / per + col / per];
                 let v = ((word >> ((col % per) as u32 * bits)) & ((1 << bits) - 1)) as f32;
                 let gi = row * (k / self.group) + col / self.group;
-                v * self.sf[gi] + self.bf[gi]
+                v.mul_add(self.sf[gi], self.bf[gi])
             })
             .collect()
     }

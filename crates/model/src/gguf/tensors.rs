@@ -237,8 +237,7 @@ fn split_ba(name: &str, ba: Tensor, c: &ModelConfig) -> [(String, Prepared); 2] 
 }
 
 /// Matrix `name` of an affine block type as an affine weight (stacked experts as one of
-/// `E·out` rows), or `None` for other types, vectors, an embedding in zero-point form (the GPU
-/// reads embedding rows in MLX's parameters only) and a reorder that would cut a group.
+/// `E·out` rows), or `None` for other types, vectors and a reorder that would cut a group.
 fn affine(f: &GgufFile, name: &str, leaf: &str, c: &ModelConfig) -> Result<Option<Prepared>> {
     let Some((_, group)) = affine_spec(f, name, leaf, c)? else {
         return Ok(None);
@@ -267,11 +266,10 @@ fn affine_spec(
     c: &ModelConfig,
 ) -> Result<Option<(u32, usize)>> {
     let info = f.info(name)?;
-    let Some((bits, group, zero)) = repack::affine_form(info.kind) else {
+    let Some((bits, group, _)) = repack::affine_form(info.kind) else {
         return Ok(None);
     };
-    let zero_embedding = name == "token_embd.weight" && zero.is_some();
-    let taken = info.shape().len() >= 2 && !zero_embedding && reorders_whole(leaf, c, group);
+    let taken = info.shape().len() >= 2 && reorders_whole(leaf, c, group);
     Ok(taken.then_some((bits, group)))
 }
 

@@ -41,15 +41,16 @@ fn gpu_bits(bits: u32) -> Option<u32> {
     }
 }
 
-/// Affine group sizes the quantized CUDA kernels read (GGUF's Q6_K groups of 16: dequantized to
-/// bf16).
+/// Affine group sizes every quantized CUDA kernel reads.
 const GPU_GROUPS: [usize; 3] = [32, 64, 128];
 
 /// Whether the CUDA kernels read a checkpoint's `bits`-bit codes in groups of `group`:
 /// [`GPU_GROUPS`] on every form, and 4- or 8-bit codes in groups of 16 (a tensor-parallel share
 /// of a projection that cuts its groups of 32, `checkpoint::heads`) on the CUDA-core forms, which
 /// `cuda::dispatch` gives every matrix the tensor-core forms do not take. Codes widened to 8 bits
-/// (GGUF's Q6_K) in groups of 16 are held as bf16, which prefill's tensor-core forms take.
+/// in groups of 16 (GGUF's Q6_K) are held as bf16 values, which the tensor-core forms take: on
+/// the CUDA-core forms such stacks decode at 0.4 to 0.6 of bf16's speed (docs/cuda.md). An
+/// embedding, read a row at a time, takes them as they are ([`DevFormat::lookup`]).
 fn gpu_group(bits: u32, group: usize) -> bool {
     GPU_GROUPS.contains(&group) || (matches!(bits, 4 | 8) && group == 16)
 }
@@ -72,22 +73,44 @@ impl DevFormat {
         let Some(a) = affine.filter(|a| !a.is_empty()) else {
             return DevFormat::Bf16;
         };
-        let (bits, group) = (a[0].bits(), a[0].group_size());
-        let zero = a[0].has_zero_points();
-        let same = a
-            .iter()
-            .all(|w| w.bits() == bits && w.group_size() == group && w.has_zero_points() == zero);
-        let params = match zero {
-            true => AffineParams::F16Zero,
-            false => AffineParams::Bf16,
+        // Parts of other widths, groups or parameter forms share the widest codes, the smallest
+        // group (a wider one's parameters repeated) and, when their forms differ, f32 parameters,
+        // which hold every form's values exactly.
+        let bits = a.iter().map(|w| gpu_bits(w.bits())).max().flatten();
+        let group = a.iter().map(|w| w.group_size()).min().unwrap_or(0);
+        let params = match a.iter().map(|w| params_of(w)).collect::<Vec<_>>() {
+            p if p.iter().all(|&x| x == p[0]) => p[0],
+            _ => AffineParams::F32,
         };
-        match (same && gpu_group(bits, group), gpu_bits(bits)) {
+        let fits = a.iter().all(|w| {
+            gpu_bits(w.bits()).is_some()
+                && gpu_group(w.bits(), group)
+                && w.group_size().is_multiple_of(group)
+        });
+        match (fits, bits) {
             (true, Some(bits)) => DevFormat::Affine {
                 bits,
                 group,
                 params,
             },
             _ => DevFormat::Bf16,
+        }
+    }
+
+    /// The format of an embedding table `w`, whose rows are looked up one at a time (ops::embed):
+    /// affine codes held at 2, 4 or 8 bits in any group that divides the row, with their exact
+    /// parameters; else as [`Self::of`].
+    pub fn lookup(w: &LinearWeight) -> DevFormat {
+        match (
+            w.as_affine(),
+            w.as_affine().and_then(|a| gpu_bits(a.bits())),
+        ) {
+            (Some(a), Some(bits)) => DevFormat::Affine {
+                bits,
+                group: a.group_size(),
+                params: params_of(a),
+            },
+            _ => DevFormat::of(&[w]),
         }
     }
 
@@ -106,8 +129,13 @@ impl DevFormat {
         let nk = n * k;
         match *self {
             DevFormat::Bf16 => vec![2 * nk],
-            DevFormat::Affine { bits, group, .. } => {
-                vec![nk * bits as usize / 8, 2 * nk / group, 2 * nk / group]
+            DevFormat::Affine {
+                bits,
+                group,
+                params,
+            } => {
+                let p = params.bytes() * nk / group;
+                vec![nk * bits as usize / 8, p, p]
             }
             DevFormat::Fp8 { group } => vec![nk, 4 * n * k.div_ceil(group)],
         }
@@ -125,21 +153,24 @@ impl DevFormat {
             }
         }
         let affine: Option<Vec<_>> = parts.iter().map(|p| p.as_affine()).collect();
-        let (DevFormat::Affine { params, bits, .. }, Some(a)) = (self, affine) else {
+        let (
+            &DevFormat::Affine {
+                params,
+                bits,
+                group,
+            },
+            Some(a),
+        ) = (self, affine)
+        else {
             return vec![concat(parts.iter().map(|p| bf16_bits(*p)))];
         };
-        let (scales, biases): (Vec<_>, Vec<_>) = match params {
-            AffineParams::Bf16 => a
-                .iter()
-                .map(|w| (bf16_bits(w.scales()), bf16_bits(w.biases())))
-                .unzip(),
-            AffineParams::F16Zero => a.iter().map(|w| f16_scales_zeros(w)).unzip(),
-        };
-        vec![
-            concat(a.iter().map(|w| words_at(w, *bits))),
-            concat(scales.into_iter()),
-            concat(biases.into_iter()),
-        ]
+        let (mut scales, mut biases) = (Vec::new(), Vec::new());
+        for w in &a {
+            let (s, b) = param_bytes(w, params, w.group_size() / group);
+            scales.extend(s);
+            biases.extend(b);
+        }
+        vec![concat(a.iter().map(|w| words_at(w, bits))), scales, biases]
     }
 
     /// The kernels' operands for a stack whose arrays start at `ptrs`.
@@ -252,7 +283,21 @@ impl DevMat {
         bias: Option<Vec<f32>>,
     ) -> Result<DevMat> {
         let bias = bias.map(|b| g.upload(&b)).transpose()?;
-        let format = DevFormat::of(parts);
+        DevMat::upload(g, DevFormat::of(parts), parts, (n, k), bias)
+    }
+
+    /// An embedding table `[n, k]` in [`DevFormat::lookup`]'s format.
+    pub(crate) fn table(g: &Gpu, w: &LinearWeight, n: usize, k: usize) -> Result<DevMat> {
+        DevMat::upload(g, DevFormat::lookup(w), &[w], (n, k), None)
+    }
+
+    fn upload(
+        g: &Gpu,
+        format: DevFormat,
+        parts: &[&LinearWeight],
+        (n, k): (usize, usize),
+        bias: Option<DevBuf<f32>>,
+    ) -> Result<DevMat> {
         format.prepare(g)?;
         let arrays = format.arrays(parts);
         let arrays = arrays.iter().map(|a| g.upload(a)).collect::<Result<_>>()?;
@@ -301,6 +346,52 @@ impl DevMat {
     pub(crate) fn pieces(&self) -> Vec<(u64, usize)> {
         let ptrs = self.w.arrays.iter().map(|a| a.ptr());
         ptrs.zip(self.fmt().array_bytes()).collect()
+    }
+}
+
+/// The parameter form that holds an affine weight's scales and biases exactly: f16 scales and
+/// zero points (GPTQ/AWQ), bf16 (MLX's bf16 parameters), else f32 (GGUF's, or f16/f32 ones).
+fn params_of(w: &deltamoe_compute::AffineWeight) -> AffineParams {
+    use deltamoe_compute::DType;
+    match w.has_zero_points() {
+        true => AffineParams::F16Zero,
+        false if w.scales().dtype() == DType::BF16 && w.biases().dtype() == DType::BF16 => {
+            AffineParams::Bf16
+        }
+        false => AffineParams::F32,
+    }
+}
+
+/// The bytes of `w`'s scales and biases in `params` form (one its values fit exactly), each
+/// value `repeat` times (a stack of a smaller group).
+fn param_bytes(
+    w: &deltamoe_compute::AffineWeight,
+    params: AffineParams,
+    repeat: usize,
+) -> (Vec<u8>, Vec<u8>) {
+    let (s, b): (Vec<u16>, Vec<u16>) = match params {
+        AffineParams::Bf16 => (bf16_bits(w.scales()), bf16_bits(w.biases())),
+        AffineParams::F16Zero => f16_scales_zeros(w),
+        AffineParams::F32 => {
+            let f = |t: &deltamoe_compute::Tensor| concat(std::iter::once(t.to_f32_vec()));
+            return (
+                repeated(&f(w.scales()), 4, repeat),
+                repeated(&f(w.biases()), 4, repeat),
+            );
+        }
+    };
+    let (s, b) = (concat(std::iter::once(s)), concat(std::iter::once(b)));
+    (repeated(&s, 2, repeat), repeated(&b, 2, repeat))
+}
+
+/// Each `size`-byte value of `bytes` `repeat` times.
+fn repeated(bytes: &[u8], size: usize, repeat: usize) -> Vec<u8> {
+    match repeat {
+        1 => bytes.to_vec(),
+        _ => bytes
+            .chunks_exact(size)
+            .flat_map(|v| std::iter::repeat_n(v, repeat).flatten().copied())
+            .collect(),
     }
 }
 
@@ -408,7 +499,8 @@ mod tests {
         assert_eq!((far.w, far.scales, far.biases, far.split), (1, 2, 3, 9));
     }
 
-    /// 3-, 5- and 6-bit codes go up as 8-bit codes of the same values (groups of 16 as bf16).
+    /// 3-, 5- and 6-bit codes go up as 8-bit codes of the same values (groups of 16 as bf16, but
+    /// in an embedding); f32 parameters as f32.
     #[test]
     fn odd_bits_widen_to_eight() {
         use crate::checkpoint::LinearWeight;
@@ -426,6 +518,12 @@ mod tests {
             let w = AffineWeight::new(bits, group, n, k, PackedWords::from_vec(words), p(), p());
             let lw = LinearWeight::from(w.unwrap());
             let f = DevFormat::of(&[&lw]);
+            let table = DevFormat::Affine {
+                bits: 8,
+                group,
+                params: AffineParams::F32,
+            };
+            assert_eq!(DevFormat::lookup(&lw), table);
             if group == 16 {
                 assert_eq!(f, DevFormat::Bf16);
                 continue;
@@ -435,7 +533,7 @@ mod tests {
                 DevFormat::Affine {
                     bits: 8,
                     group,
-                    params: AffineParams::Bf16
+                    params: AffineParams::F32
                 }
             );
             let bytes = &f.arrays(&[&lw])[0];
@@ -452,5 +550,94 @@ mod tests {
                 "{bits} bits"
             );
         }
+    }
+
+    /// Parts of other widths, groups and parameter forms stack as the widest codes in the
+    /// smallest group with f32 parameters, every value kept: a 4-bit part in groups of 64 with
+    /// bf16 parameters beside an 8-bit part in groups of 32 with f16 zero points.
+    #[test]
+    fn mixed_parts_share_one_exact_form() {
+        use crate::checkpoint::LinearWeight;
+        use deltamoe_compute::quant::{pack_row, unpack_row};
+        use deltamoe_compute::{AffineWeight, DType, PackedWords, Tensor};
+        let k = 128;
+        let part = |bits: u32, group: usize, n: usize| {
+            let q: Vec<u8> = (0..n * k).map(|i| (i * 5 % (1 << bits)) as u8).collect();
+            let wpr = k * bits as usize / 32;
+            let mut words = vec![0u32; n * wpr];
+            for (row, qs) in words.chunks_exact_mut(wpr).zip(q.chunks_exact(k)) {
+                pack_row(qs, bits, row);
+            }
+            let g = n * k / group;
+            let s: Vec<f32> = (0..g).map(|i| 0.25 + i as f32 / 64.0).collect();
+            (q, words, s, g)
+        };
+        let (qa, wa, sa, ga) = part(4, 64, 2);
+        let t = |v: Vec<f32>, n: usize, g: usize| {
+            Tensor::from_half_bits(
+                DType::BF16,
+                vec![n, g / n],
+                v.into_iter()
+                    .map(deltamoe_compute::dtype::f32_to_bf16)
+                    .collect(),
+            )
+        };
+        let a = AffineWeight::new(
+            4,
+            64,
+            2,
+            k,
+            PackedWords::from_vec(wa),
+            t(sa.clone(), 2, ga),
+            t(vec![-0.5; ga], 2, ga),
+        );
+        let (qb, wb, sb, gb) = part(8, 32, 3);
+        let zb: Vec<f32> = sb.iter().map(|s| -128.0 * s).collect();
+        let b = AffineWeight::new(
+            8,
+            32,
+            3,
+            k,
+            PackedWords::from_vec(wb),
+            Tensor::from_f32(vec![3, gb / 3], sb.clone()),
+            Tensor::from_f32(vec![3, gb / 3], zb.clone()),
+        );
+        let (a, b) = (
+            LinearWeight::from(a.unwrap()),
+            LinearWeight::from(b.unwrap().with_zero_points()),
+        );
+        let f = DevFormat::of(&[&a, &b]);
+        let want = DevFormat::Affine {
+            bits: 8,
+            group: 32,
+            params: AffineParams::F32,
+        };
+        assert_eq!(f, want);
+        assert_eq!(
+            f.array_bytes(5, k),
+            vec![5 * k, 4 * 5 * k / 32, 4 * 5 * k / 32]
+        );
+        let arrays = f.arrays(&[&a, &b]);
+        let f32s = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let (s, bias) = (f32s(&arrays[1]), f32s(&arrays[2]));
+        // Part a's groups of 64 each become two groups of 32 with its parameters.
+        let want_s: Vec<f32> = sa.iter().flat_map(|&v| [v, v]).chain(sb).collect();
+        let want_b: Vec<f32> = std::iter::repeat_n(-0.5, 2 * ga).chain(zb).collect();
+        assert_eq!(s, want_s);
+        assert_eq!(bias, want_b);
+        let words: Vec<u32> = arrays[0]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let mut got = vec![0.0f32; 5 * k];
+        for (o, r) in got.chunks_exact_mut(k).zip(words.chunks_exact(k / 4)) {
+            unpack_row(r, 8, o);
+        }
+        let want_q: Vec<f32> = qa.iter().chain(&qb).map(|&q| q as f32).collect();
+        assert_eq!(got, want_q);
     }
 }

@@ -16,7 +16,7 @@ use crate::error::{ModelError, Result};
 /// `ckpt` with the weights its upload puts on the GPU (see the module doc).
 pub fn held_checkpoint(ckpt: &Checkpoint) -> Result<Checkpoint> {
     let mut c = ckpt.clone();
-    hold(vec![&mut c.embed])?;
+    c.embed = held(DevFormat::lookup(&c.embed), &c.embed)?;
     hold(vec![&mut c.lm_head])?;
     for l in &mut c.layers {
         hold_layer(l)?;
@@ -126,6 +126,9 @@ fn held(format: DevFormat, w: &LinearWeight) -> Result<LinearWeight> {
                     let s: Vec<f32> = s.into_iter().map(f).collect();
                     let b = z.into_iter().zip(&s).map(|(z, s)| -f(z) * s).collect();
                     (s, b)
+                }
+                deltamoe_compute::cuda::ops::AffineParams::F32 => {
+                    (a.scales().to_f32_vec(), a.biases().to_f32_vec())
                 }
             };
             let (n, k) = (a.out_features(), a.in_features());

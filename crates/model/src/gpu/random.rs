@@ -201,10 +201,11 @@ impl Seeded {
             seed_at(self.seeds[2], first * groups),
         );
         // MLX: bf16 scales and biases in about [−1.5a, −0.5a]; GPTQ: f16 scales and zero points
-        // about the middle code.
+        // about the middle code; f32 (GGUF's K-quants) as MLX's.
         let (dtype, zero) = match params {
             AffineParams::Bf16 => (DType::BF16, (-1.5 * a, -0.5 * a)),
             AffineParams::F16Zero => (DType::F16, (7.0, 8.0)),
+            AffineParams::F32 => (DType::F32, (-1.5 * a, -0.5 * a)),
         };
         let scale = (0.5 * step, 1.5 * step);
         ops::fill_uniform(g, at_of(1), count * groups, dtype, s1, scale.0, scale.1)?;

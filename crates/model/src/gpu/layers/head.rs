@@ -32,7 +32,7 @@ impl Head {
     pub fn upload(g: &Gpu, m: &Checkpoint) -> Result<Head> {
         let (v, h) = (m.config.vocab_size, m.config.hidden_size);
         Ok(Head {
-            embed: DevMat::stack(g, &[&m.embed], v, h, None)?,
+            embed: DevMat::table(g, &m.embed, v, h)?,
             lm_head: DevMat::stack(g, &[&m.lm_head], v, h, None)?,
             final_norm: g.upload(&m.final_norm)?,
         })
