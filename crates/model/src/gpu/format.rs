@@ -101,16 +101,16 @@ impl DevFormat {
     /// affine codes held at 2, 4 or 8 bits in any group that divides the row, with their exact
     /// parameters; else as [`Self::of`].
     pub fn lookup(w: &LinearWeight) -> DevFormat {
-        match (
-            w.as_affine(),
-            w.as_affine().and_then(|a| gpu_bits(a.bits())),
-        ) {
-            (Some(a), Some(bits)) => DevFormat::Affine {
+        let Some(a) = w.as_affine() else {
+            return DevFormat::of(&[w]);
+        };
+        match gpu_bits(a.bits()) {
+            Some(bits) => DevFormat::Affine {
                 bits,
                 group: a.group_size(),
                 params: params_of(a),
             },
-            _ => DevFormat::of(&[w]),
+            None => DevFormat::of(&[w]),
         }
     }
 

@@ -1,9 +1,9 @@
 //! The CPU twin of an upload: a checkpoint whose every matrix holds the values the GPU holds for
 //! it (`DevFormat::arrays` of the stack it is part of): bf16 stacks as their bf16 values, affine
-//! stacks with bf16 scales and biases (or f16 scales and zero points), FP8 as it is. The CPU
-//! engine on this checkpoint is the reference with the GPU's roundings that a CUDA run of a
-//! checkpoint the GPU does not hold exactly (a GGUF's f32 router, its K-quant scales) is checked
-//! against. The stacks are the layers' uploads' (`layers/*.rs`), listed again here.
+//! stacks with their codes and parameters in the stack's form (bf16, f16 scales and zero points,
+//! or f32), the embedding in its lookup format, FP8 as it is. The CPU engine on this checkpoint
+//! is the reference with the GPU's roundings that a CUDA run of a checkpoint the GPU does not
+//! hold exactly (a GGUF's f32 router, its Q6_K matrices) is checked against. The stacks are the layers' uploads' (`layers/*.rs`), listed again here.
 
 use deltamoe_compute::dtype::round_bf16;
 use deltamoe_compute::{AffineWeight, DType, Tensor};
