@@ -10,14 +10,36 @@
 // Layouts: W bf16 [N, K], or affine words u32 [N, K·bits/32] (LSB first) with scales and biases
 // bf16 [N, K/G] (built with AFFINE_F16_ZERO: f16 scales and zero points; with AFFINE_F32: f32
 // scales and biases; common.cuh's aff_t, aff_scale),
-// G ∈ {32, 64, 128}; x: row b at x + b·x_stride (16-byte aligned); y: [B, N];
+// G ∈ {32, 64, 128} (and 16, below); x: row b at x + b·x_stride (16-byte aligned); y: [B, N];
 // K % 32 == 0. SwiGLU form: W = [gate (I rows) | up (I rows)], h[b, n] = silu(G_n·x_b)·U_n·x_b,
 // h: [B, I].
 //
 // Accumulator fragments (mma C layout): lane l holds rows l/4 and l/4 + 8 of its warp's 16
-// weight rows, inputs 2(l%4) and 2(l%4) + 1 of each 8-row tile. Groups hold whole chunks of 32.
+// weight rows, inputs 2(l%4) and 2(l%4) + 1 of each 8-row tile. Groups hold whole chunks of 32,
+// or, for 8-bit codes in the AFFINE_F32 build (GGUF's Q6_K), G = 16: then each k16 step holds
+// one group (the kernels' headers say how a lane's values map to k) and the dequant form is
+// applied after each step.
 
 #define MMA_TILES 4
+
+// Groups of 16 exist in the f32-parameter build only (their one source, GGUF's K-quants, has
+// f32 parameters), in entry points of their own (suffix _g16) so that the others' code and
+// registers stay as they are; the other builds compile no code for them.
+#if defined(AFFINE_F32)
+#define AFFINE_G16 1
+#else
+#define AFFINE_G16 0
+#endif
+
+// The sums of a quad's values (lanes 4i .. 4i + 3 each hold a part of row i's) for the inputs
+// 2t and 2t + 1 of an mma C fragment (t = lane % 4): x0, x1.
+__device__ __forceinline__ void quad_sums(float v, float& x0, float& x1) {
+    const int t = threadIdx.x & 3;
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    x0 = __shfl_sync(0xffffffffu, v, (2 * t) * 4);
+    x1 = __shfl_sync(0xffffffffu, v, (2 * t + 1) * 4);
+}
 
 // Zeroes a warp's fragments and group partials.
 template <int SETS, int MT>

@@ -5,7 +5,10 @@
 // Per 32-wide K chunk c, k = 32c + 8t + 0..7 (t = lane % 4): lane l holds the 8 values of weight
 // rows l/4 and l/4 + 8 and of input row l/4 of each 8-row tile; the mma's k slots 2t, 2t+1,
 // 2t+8, 2t+9 of its two k16 steps are mapped to these k (any consistent mapping gives the same
-// sum).
+// sum). With groups of 16 (8-bit codes, AFFINE_G16 builds) a lane's 8 values are instead k =
+// 32c + 4t + 0..3 (step 0: the chunk's first group; at 8 bits word t of the chunk) and 32c + 16
+// + 4t + 0..3 (step 1, the second group: word 4 + t), and each step's partials take their group's
+// scale and bias.
 //
 // Forms, each described at its kernels: split-K (below; small decode batches), GEMM (prefill's
 // exact mode), grouped (prefill's experts by expert) and grouped split-K (decode batches'
@@ -34,25 +37,45 @@ __device__ __forceinline__ unsigned codes_bf16(unsigned q0, unsigned q1, int bit
 
 // The raw data of 8 values of one weight row: bf16 values (four words), or affine words (one at
 // 4 bits, two at 8) with the scale and bias of their group (16-bit ones in one word, f32 ones in
-// two).
+// two; with groups of 16 also s2, b2: the chunk's second group).
 template <int BITS>
 struct WRaw {
     unsigned v[BITS == 16 ? 4 : BITS / 4];
 #if defined(AFFINE_F32)
-    aff_t s, b;
+    aff_t s, b, s2, b2;
 #else
     unsigned sb;
 #endif
 };
 
-// Loads weight row `row` at k = k0..k0+8 (see WRaw).
-template <int BITS>
+// The (scale, bias) of a fragment's two rows in each set: [0] for the chunk's group, or with
+// groups of 16 [st] for k16 step st's.
+template <int SETS>
+struct RowParams {
+    float sc[2][SETS][2], bi[2][SETS][2];
+};
+
+// Loads weight row `row` at k = k0..k0+8, k0 = 32c + 8t (see WRaw; groups of 16: the values of
+// the header's mapping).
+template <int BITS, bool G16>
 __device__ __forceinline__ void fetch_w(const void* __restrict__ W, const aff_t* __restrict__ S,
                                         const aff_t* __restrict__ Bs, long long row, int K, int k0,
                                         int gshift, WRaw<BITS>& r) {
     if constexpr (BITS == 16) {
         uint4 v = __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const bf16_t*>(W) + row * K + k0));
         r.v[0] = v.x; r.v[1] = v.y; r.v[2] = v.z; r.v[3] = v.w;
+    } else if constexpr (G16) {
+#if AFFINE_G16
+        const int c = k0 & ~31, t = (k0 >> 3) & 3;
+        const unsigned* w = reinterpret_cast<const unsigned*>(W) + row * (K / 4) + c / 4;
+        r.v[0] = __ldcs(w + t);
+        r.v[1] = __ldcs(w + 4 + t);
+        long long g = row * (K >> 4) + (c >> 4);
+        r.s = S[g];
+        r.b = Bs[g];
+        r.s2 = S[g + 1];
+        r.b2 = Bs[g + 1];
+#endif
     } else {
         const unsigned* w = reinterpret_cast<const unsigned*>(W) + row * (K * BITS / 32) + k0 * BITS / 32;
         r.v[0] = __ldcs(w);
@@ -68,9 +91,9 @@ __device__ __forceinline__ void fetch_w(const void* __restrict__ W, const aff_t*
 }
 
 // The 8 values of `r` as 4 bf16x2 pairs (affine: the integer codes), and for affine rows the
-// (scale, bias) of their group.
-template <int BITS>
-__device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], float* sc, float* bi) {
+// (scale, bias) of their group (sc[0], bi[0]; groups of 16: also the second group's).
+template <int BITS, bool G16>
+__device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], float sc[2], float bi[2]) {
     if constexpr (BITS == 16) {
         p[0] = r.v[0]; p[1] = r.v[1]; p[2] = r.v[2]; p[3] = r.v[3];
     } else {
@@ -86,58 +109,86 @@ __device__ __forceinline__ void decode_w(const WRaw<BITS>& r, unsigned p[4], flo
             p[2 * i + 1] = codes_bf16((part >> (2 * sh)) & mask, (part >> (3 * sh)) & mask, BITS);
         }
 #if defined(AFFINE_F32)
-        *sc = aff_scale(r.s);
-        *bi = aff_bias(r.b, *sc);
+        sc[0] = aff_scale(r.s);
+        bi[0] = aff_bias(r.b, sc[0]);
+        if constexpr (G16) {
+            sc[1] = aff_scale(r.s2);
+            bi[1] = aff_bias(r.b2, sc[1]);
+        }
 #else
-        *sc = aff_scale((aff_t)(r.sb & 0xffffu));
-        *bi = aff_bias((aff_t)(r.sb >> 16), *sc);
+        sc[0] = aff_scale((aff_t)(r.sb & 0xffffu));
+        bi[0] = aff_bias((aff_t)(r.sb >> 16), sc[0]);
 #endif
     }
 }
 
 // The A fragments of rows r0 and r1 of every set (set s at s·set_off) at k0, with the
-// (scale, bias) of their group for affine weights: every row's words are loaded, then decoded.
-template <int BITS, int SETS>
+// (scale, bias) of their group(s) for affine weights: every row's words are loaded, then decoded.
+template <int BITS, int SETS, bool G16>
 __device__ __forceinline__ void load_sets(const void* __restrict__ W, const aff_t* __restrict__ S,
                                           const aff_t* __restrict__ Bs, long long r0, long long r1,
                                           long long set_off, int K, int k0, int gshift, unsigned a[SETS][2][4],
-                                          float sc[SETS][2], float bi[SETS][2]) {
+                                          RowParams<SETS>& pr) {
     WRaw<BITS> r[SETS][2];
 #pragma unroll
     for (int s = 0; s < SETS; ++s) {
-        fetch_w<BITS>(W, S, Bs, s * set_off + r0, K, k0, gshift, r[s][0]);
-        fetch_w<BITS>(W, S, Bs, s * set_off + r1, K, k0, gshift, r[s][1]);
+        fetch_w<BITS, G16>(W, S, Bs, s * set_off + r0, K, k0, gshift, r[s][0]);
+        fetch_w<BITS, G16>(W, S, Bs, s * set_off + r1, K, k0, gshift, r[s][1]);
     }
 #pragma unroll
-    for (int s = 0; s < SETS; ++s) {
-        decode_w<BITS>(r[s][0], a[s][0], &sc[s][0], &bi[s][0]);
-        decode_w<BITS>(r[s][1], a[s][1], &sc[s][1], &bi[s][1]);
-    }
+    for (int s = 0; s < SETS; ++s)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float sc[2], bi[2];
+            decode_w<BITS, G16>(r[s][h], a[s][h], sc, bi);
+#pragma unroll
+            for (int st = 0; st < (G16 ? 2 : 1); ++st) {
+                pr.sc[st][s][h] = sc[st];
+                pr.bi[st][s][h] = bi[st];
+            }
+        }
 }
 
-// Input tile j (its bf16 hi and lo pairs) through both k16 steps of every set: into acc for bf16
-// weights, into the group partials for affine codes. Step 0 takes values 0..3, step 1 values
-// 4..7 (pairs a[..][2·st], a[..][2·st + 1]).
+// Input tile j (its bf16 hi and lo pairs) through k16 step st of set s: into acc for bf16
+// weights, into the group partials for affine codes. Step st takes values 4·st .. 4·st + 3
+// (pairs a[s][..][2·st], a[s][..][2·st + 1], hi[2·st], hi[2·st + 1]).
+template <int BITS, int SETS, int MT>
+__device__ __forceinline__ void mma_one(const unsigned a[SETS][2][4], const unsigned hi[4], const unsigned lo[4],
+                                        int j, int s, int st, float acc[SETS][MT][4], float part[SETS][MT][4]) {
+    float* d = BITS == 16 ? acc[s][j] : part[s][j];
+    unsigned a0 = a[s][0][2 * st], a1 = a[s][1][2 * st];
+    unsigned a2 = a[s][0][2 * st + 1], a3 = a[s][1][2 * st + 1];
+    mma_bf16(d, a0, a1, a2, a3, hi[2 * st], hi[2 * st + 1]);
+    mma_bf16(d, a0, a1, a2, a3, lo[2 * st], lo[2 * st + 1]);
+}
+
+// Input tile j through both k16 steps of every set (mma_one).
 template <int BITS, int SETS, int MT>
 __device__ __forceinline__ void mma_sets(const unsigned a[SETS][2][4], const unsigned hi[4], const unsigned lo[4],
                                          int j, float acc[SETS][MT][4], float part[SETS][MT][4]) {
 #pragma unroll
-    for (int s = 0; s < SETS; ++s) {
-        float* d = BITS == 16 ? acc[s][j] : part[s][j];
+    for (int s = 0; s < SETS; ++s)
 #pragma unroll
-        for (int st = 0; st < 2; ++st) {
-            unsigned a0 = a[s][0][2 * st], a1 = a[s][1][2 * st];
-            unsigned a2 = a[s][0][2 * st + 1], a3 = a[s][1][2 * st + 1];
-            mma_bf16(d, a0, a1, a2, a3, hi[2 * st], hi[2 * st + 1]);
-            mma_bf16(d, a0, a1, a2, a3, lo[2 * st], lo[2 * st + 1]);
-        }
-    }
+        for (int st = 0; st < 2; ++st) mma_one<BITS, SETS, MT>(a, hi, lo, j, s, st, acc, part);
+}
+
+// Groups of 16: input tile j through step st of every set, then the step's group folded in
+// (its partials with pr's scales and biases of step st and the group sums x0, x1 of the
+// fragment's inputs 2t, 2t + 1).
+template <int SETS, int MT>
+__device__ __forceinline__ void mma_group16(const unsigned a[SETS][2][4], const unsigned hi[4], const unsigned lo[4],
+                                            int j, int st, const RowParams<SETS>& pr, float x0, float x1,
+                                            float acc[SETS][MT][4], float part[SETS][MT][4]) {
+#pragma unroll
+    for (int s = 0; s < SETS; ++s) mma_one<8, SETS, MT>(a, hi, lo, j, s, st, acc, part);
+    flush_tile<SETS>(pr.sc[st], pr.bi[st], x0, x1, j, acc, part);
 }
 
 // Stages four inputs `f` of a chunk for every warp of the block: as bf16 hi and lo pairs at
 // hi[4·sq], lo[4·sq] of their input row, and, for affine weights, the row's chunk sum (the 8
-// threads sq = 0..7 of a row are adjacent lanes) into *sum by thread sq = 0.
-template <int BITS>
+// threads sq = 0..7 of a row are adjacent lanes) into sum[0] by thread sq = 0; with groups of 16
+// the sums of its two groups into sum[0] and sum[1] by threads sq = 0 and 4.
+template <int BITS, bool G16>
 __device__ __forceinline__ void stage_inputs(float4 f, bf16_t* hi, bf16_t* lo, float* sum, int sq) {
     unsigned h0 = pack_bf16(f.x, f.y), h1 = pack_bf16(f.z, f.w);
     unsigned l0 = pack_bf16(f.x - bf16lo(h0), f.y - bf16hi(h0));
@@ -148,20 +199,40 @@ __device__ __forceinline__ void stage_inputs(float4 f, bf16_t* hi, bf16_t* lo, f
         float su = (f.x + f.y) + (f.z + f.w);
         su += __shfl_xor_sync(0xffffffffu, su, 1);
         su += __shfl_xor_sync(0xffffffffu, su, 2);
+        if (G16) {
+            if ((sq & 3) == 0) sum[sq >> 2] = su;
+            return;
+        }
         su += __shfl_xor_sync(0xffffffffu, su, 4);
         if (sq == 0) *sum = su;
     }
 }
 
 // One chunk's products for a warp against the staged inputs (input b's hi and lo at xh, xl +
-// b·ld, its chunk sum at xsum[b]; nb inputs): every tile's mma pairs into acc (bf16 weights) or
-// the partials, then, for affine weights, the dequant form with the chunk's (scale, bias).
-template <int BITS, int SETS>
-__device__ __forceinline__ void mma_staged(const unsigned a[SETS][2][4], const float sc[SETS][2],
-                                           const float bi[SETS][2], const bf16_t* xh, const bf16_t* xl,
-                                           int ld, const float* xsum, int nb,
-                                           float acc[SETS][MMA_TILES][4], float part[SETS][MMA_TILES][4]) {
+// b·ld, its chunk sum at xsum[b], with groups of 16 its groups' at xsum[2b], xsum[2b + 1]; nb
+// inputs): every tile's mma pairs into acc (bf16 weights) or the partials, then, for affine
+// weights, the dequant form with the chunk's (scale, bias); with groups of 16 so for each step.
+template <int BITS, int SETS, bool G16>
+__device__ __forceinline__ void mma_staged(const unsigned a[SETS][2][4], const RowParams<SETS>& pr,
+                                           const bf16_t* xh, const bf16_t* xl, int ld, const float* xsum,
+                                           int nb, float acc[SETS][MMA_TILES][4],
+                                           float part[SETS][MMA_TILES][4]) {
     const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    if constexpr (G16) {
+#pragma unroll
+        for (int st = 0; st < 2; ++st)
+#pragma unroll
+            for (int j = 0; j < MMA_TILES; ++j) {
+                if (j * 8 >= nb) break;
+                const int b = j * 8 + gid, at = b * ld + 16 * st + 4 * t;
+                uint2 hv = *reinterpret_cast<const uint2*>(&xh[at]);
+                uint2 lv = *reinterpret_cast<const uint2*>(&xl[at]);
+                unsigned hi[4] = {hv.x, hv.y, hv.x, hv.y}, lo[4] = {lv.x, lv.y, lv.x, lv.y};
+                const float* su = &xsum[2 * (j * 8 + 2 * t) + st];
+                mma_group16<SETS, MMA_TILES>(a, hi, lo, j, st, pr, su[0], su[2], acc, part);
+            }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < MMA_TILES; ++j) {
         if (j * 8 >= nb) break;
@@ -175,7 +246,7 @@ __device__ __forceinline__ void mma_staged(const unsigned a[SETS][2][4], const f
 #pragma unroll
         for (int j = 0; j < MMA_TILES; ++j) {
             if (j * 8 >= nb) break;
-            flush_tile<SETS>(sc, bi, xsum[j * 8 + 2 * t], xsum[j * 8 + 2 * t + 1], j, acc, part);
+            flush_tile<SETS>(pr.sc[0], pr.bi[0], xsum[j * 8 + 2 * t], xsum[j * 8 + 2 * t + 1], j, acc, part);
         }
     }
 }
@@ -185,7 +256,7 @@ __device__ __forceinline__ void mma_staged(const unsigned a[SETS][2][4], const f
 // l/4, l/4 + 8, inputs 2(l%4), 2(l%4)+1 of the tile). Input b is at x + b·xs, or at
 // x + rows[b]·xs. The warp takes the 32-wide K chunks c ≡ kw (mod ks); the next chunk's weights
 // load while the current chunk's products run.
-template <int BITS, int SETS, int MT>
+template <int BITS, int SETS, int MT, bool G16>
 __device__ void mma_rows_core(const void* __restrict__ W, const aff_t* __restrict__ S,
                               const aff_t* __restrict__ Bs, const float* x, long long xs, const int* rows,
                               int nb, int N, int K, int G, long long base, int n0, int kw, int ks,
@@ -204,24 +275,27 @@ __device__ void mma_rows_core(const void* __restrict__ W, const aff_t* __restric
         int b = j * 8 + gid;
         xr[j] = b < nb ? x + (rows ? rows[b] : b) * xs : nullptr;
     }
+    // Where the lane's second run of 4 inputs starts after its first (header).
+    const int x1 = G16 ? 16 : 4;
     const int step = 32 * ks;
     int c = 32 * kw;
     unsigned a[SETS][2][4];
-    float sc[SETS][2], bi[SETS][2];
-    if (c < K) load_sets<BITS, SETS>(W, S, Bs, r0, r1, N, K, c + 8 * t, gshift, a, sc, bi);
+    RowParams<SETS> pr;
+    if (c < K) load_sets<BITS, SETS, G16>(W, S, Bs, r0, r1, N, K, c + 8 * t, gshift, a, pr);
     for (; c < K; c += step) {
         int k0 = c + 8 * t;
         unsigned an[SETS][2][4];
-        float scn[SETS][2], bin[SETS][2];
+        RowParams<SETS> prn;
         const bool more = c + step < K;
-        if (more) load_sets<BITS, SETS>(W, S, Bs, r0, r1, N, K, k0 + step, gshift, an, scn, bin);
+        if (more) load_sets<BITS, SETS, G16>(W, S, Bs, r0, r1, N, K, k0 + step, gshift, an, prn);
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
             if (j * 8 >= nb) break;
             float xv[8];
             if (xr[j]) {
-                float4 f0 = *reinterpret_cast<const float4*>(xr[j] + k0);
-                float4 f1 = *reinterpret_cast<const float4*>(xr[j] + k0 + 4);
+                const float* xk = xr[j] + (G16 ? c + 4 * t : k0);
+                float4 f0 = *reinterpret_cast<const float4*>(xk);
+                float4 f1 = *reinterpret_cast<const float4*>(xk + x1);
                 xv[0] = f0.x; xv[1] = f0.y; xv[2] = f0.z; xv[3] = f0.w;
                 xv[4] = f1.x; xv[5] = f1.y; xv[6] = f1.z; xv[7] = f1.w;
             } else {
@@ -234,22 +308,29 @@ __device__ void mma_rows_core(const void* __restrict__ W, const aff_t* __restric
                 hi[i] = pack_bf16(xv[2 * i], xv[2 * i + 1]);
                 lo[i] = pack_bf16(xv[2 * i] - bf16lo(hi[i]), xv[2 * i + 1] - bf16hi(hi[i]));
             }
+            if constexpr (G16) {
+                // A group a step: each step's partials are folded in with its group's sums.
+#pragma unroll
+                for (int st = 0; st < 2; ++st) {
+                    float gx0, gx1;
+                    quad_sums((xv[4 * st] + xv[4 * st + 1]) + (xv[4 * st + 2] + xv[4 * st + 3]), gx0, gx1);
+                    mma_group16<SETS, MT>(a, hi, lo, j, st, pr, gx0, gx1, acc, part);
+                }
+                continue;
+            }
             if (BITS != 16)
 #pragma unroll
                 for (int i = 0; i < 8; ++i) xsum[j] += xv[i];
             mma_sets<BITS, SETS>(a, hi, lo, j, acc, part);
         }
-        if (BITS != 16) {
+        if (BITS != 16 && !G16) {
             // Each lane summed its 8 inputs of row gid; the quad holds the row's chunk sum.
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
                 if (j * 8 >= nb) break;
-                float xt = xsum[j];
-                xt += __shfl_xor_sync(0xffffffffu, xt, 1);
-                xt += __shfl_xor_sync(0xffffffffu, xt, 2);
-                float x0 = __shfl_sync(0xffffffffu, xt, (2 * t) * 4);
-                float x1 = __shfl_sync(0xffffffffu, xt, (2 * t + 1) * 4);
-                flush_tile<SETS>(sc, bi, x0, x1, j, acc, part);
+                float gx0, gx1;
+                quad_sums(xsum[j], gx0, gx1);
+                flush_tile<SETS>(pr.sc[0], pr.bi[0], gx0, gx1, j, acc, part);
                 xsum[j] = 0.f;
             }
         }
@@ -258,8 +339,11 @@ __device__ void mma_rows_core(const void* __restrict__ W, const aff_t* __restric
             for (int s2 = 0; s2 < SETS; ++s2)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    sc[s2][h] = scn[s2][h];
-                    bi[s2][h] = bin[s2][h];
+#pragma unroll
+                    for (int st = 0; st < (G16 ? 2 : 1); ++st) {
+                        pr.sc[st][s2][h] = prn.sc[st][s2][h];
+                        pr.bi[st][s2][h] = prn.bi[st][s2][h];
+                    }
 #pragma unroll
                     for (int i = 0; i < 4; ++i) a[s2][h][i] = an[s2][h][i];
                 }
@@ -292,14 +376,14 @@ __device__ void reduce_warps(float acc[SETS][MT][4], int ks) {
 }
 
 // The split-K form: the block's 8 warps split K for one 16-row tile, then warp 0 stores.
-template <int BITS, int SETS>
+template <int BITS, int SETS, bool G16 = false>
 __device__ void mma_split_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                             int N, int K, int G, int Bn, long long xs, const float* bias) {
     int n0 = blockIdx.y * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
     float acc[SETS][MMA_TILES][4];
-    mma_rows_core<BITS, SETS, MMA_TILES>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, 0, n0,
-                                         threadIdx.x >> 5, 8, acc);
+    mma_rows_core<BITS, SETS, MMA_TILES, G16>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, 0, n0,
+                                              threadIdx.x >> 5, 8, acc);
     reduce_warps<SETS>(acc, 8);
     if (threadIdx.x >= 32) return;
     store_frags<SETS>(acc, y, N, n0, Bn - b0, nullptr, b0, bias);
@@ -342,13 +426,13 @@ extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsign
 // The GEMM form's accumulation for one warp: weight rows base + s·set_off + min(r + 0..16,
 // N − 1) of each set s against the block's nb ≤ 32 inputs (row b at x + b·xs, or x +
 // rows[b]·xs), staged per chunk in shared memory by all 256 threads. acc as mma_rows_core.
-template <int BITS, int SETS>
+template <int BITS, int SETS, bool G16>
 __device__ void mma_gemm_core(const void* __restrict__ W, const aff_t* __restrict__ S,
                               const aff_t* __restrict__ Bs, const float* x, long long xs,
                               const int* rows, int nb, int N, int K, int G, long long set_off,
                               long long base, int r, float acc[SETS][MMA_TILES][4]) {
     __shared__ __align__(16) bf16_t xh[32 * XS_PAD], xl[32 * XS_PAD];
-    __shared__ float xsum[32];
+    __shared__ float xsum[G16 ? 64 : 32];
     int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
     int gshift = __ffs(G) - 1;
     long long r0 = base + min(r + gid, N - 1), r1 = base + min(r + gid + 8, N - 1);
@@ -360,23 +444,23 @@ __device__ void mma_gemm_core(const void* __restrict__ W, const aff_t* __restric
     for (int c = 0; c < K; c += 32) {
         __syncthreads();
         float4 f = sx ? *reinterpret_cast<const float4*>(sx + c + 4 * sq) : make_float4(0.f, 0.f, 0.f, 0.f);
-        stage_inputs<BITS>(f, &xh[sb * XS_PAD], &xl[sb * XS_PAD], &xsum[sb], sq);
+        stage_inputs<BITS, G16>(f, &xh[sb * XS_PAD], &xl[sb * XS_PAD], &xsum[G16 ? 2 * sb : sb], sq);
         __syncthreads();
         int k0 = c + 8 * t;
         unsigned a[SETS][2][4];
-        float sc[SETS][2], bi[SETS][2];
-        load_sets<BITS, SETS>(W, S, Bs, r0, r1, set_off, K, k0, gshift, a, sc, bi);
-        mma_staged<BITS, SETS>(a, sc, bi, xh, xl, XS_PAD, xsum, nb, acc, part);
+        RowParams<SETS> pr;
+        load_sets<BITS, SETS, G16>(W, S, Bs, r0, r1, set_off, K, k0, gshift, a, pr);
+        mma_staged<BITS, SETS, G16>(a, pr, xh, xl, XS_PAD, xsum, nb, acc, part);
     }
 }
 
-template <int BITS, int SETS>
+template <int BITS, int SETS, bool G16 = false>
 __device__ void mma_gemm_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                            int N, int K, int G, int Bn, long long xs, const float* bias) {
     int r = blockIdx.y * 128 + (threadIdx.x >> 5) * 16;
     int b0 = blockIdx.x * 8 * MMA_TILES;
     float acc[SETS][MMA_TILES][4];
-    mma_gemm_core<BITS, SETS>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, N, 0, r, acc);
+    mma_gemm_core<BITS, SETS, G16>(W, S, Bs, x + b0 * xs, xs, nullptr, Bn - b0, N, K, G, N, 0, r, acc);
     store_frags<SETS>(acc, y, N, r, Bn - b0, nullptr, b0, bias);
 }
 
@@ -428,7 +512,7 @@ __device__ __forceinline__ bool mma_tile(const int* tiles, const int* n_tiles,
     return true;
 }
 
-template <int BITS, int SETS>
+template <int BITS, int SETS, bool G16 = false>
 __device__ void mma_grouped_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                               int N, int K, int G, const int* tiles, const int* n_tiles, const int* order,
                               long long xs, int x_div) {
@@ -450,7 +534,7 @@ __device__ void mma_grouped_t(const void* W, const aff_t* S, const aff_t* Bs, co
     long long base = (long long)tile_e * SETS * N;
     int r = blockIdx.y * 128 + (threadIdx.x >> 5) * 16;
     float acc[SETS][MMA_TILES][4];
-    mma_gemm_core<BITS, SETS>(W, S, Bs, x, xs, row, nb, N, K, G, N, base, r, acc);
+    mma_gemm_core<BITS, SETS, G16>(W, S, Bs, x, xs, row, nb, N, K, G, N, base, r, acc);
     store_frags<SETS>(acc, y, N, r, nb, pair, 0, nullptr);
 }
 
@@ -497,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
 // expert: warp w takes rows 16·(w / ks) + 0..16 and the K chunks c ≡ w mod ks (ks ∈ {1, 2, 4,
 // 8}), the ks warps of a row tile summed in shared memory. grid (≤ max_tiles,
 // ceil(N / (16·8/ks))), block 256.
-template <int BITS, int SETS, int MT>
+template <int BITS, int SETS, int MT, bool G16 = false>
 __device__ void mma_gsplit_t(const void* W, const aff_t* S, const aff_t* Bs, const float* x, float* y,
                              int N, int K, int G, const int* tiles, const int* n_tiles, const int* order,
                              long long xs, int x_div, int ks) {
@@ -515,8 +599,8 @@ __device__ void mma_gsplit_t(const void* W, const aff_t* S, const aff_t* Bs, con
         }
         __syncthreads();
         float acc[SETS][MT][4];
-        mma_rows_core<BITS, SETS, MT>(W, S, Bs, x, xs, row, nb, N, K, G, (long long)e * SETS * N, n0, w % ks, ks,
-                                      acc);
+        mma_rows_core<BITS, SETS, MT, G16>(W, S, Bs, x, xs, row, nb, N, K, G, (long long)e * SETS * N, n0, w % ks,
+                                           ks, acc);
         reduce_warps<SETS>(acc, ks);
         if (w % ks == 0) store_frags<SETS>(acc, y, N, n0, nb, pair, 0, nullptr);
     }
@@ -535,21 +619,88 @@ __device__ void mma_gsplit_t(const void* W, const aff_t* S, const aff_t* Bs, con
         pdl_entry();                                                                                   \
         mma_gsplit_t<16, 2, MT>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div, ks); \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_rows_affine_##MT(                     \
+    MMA_GSPLIT_AFFINE(MT, , bits == 8, false)                                                          \
+    MMA_GSPLIT_G16(MT)
+
+// The affine grouped split-K entries (suffix TAIL): 8-bit codes where EIGHT holds, else 4-bit,
+// with groups of 16 when G16.
+#define MMA_GSPLIT_AFFINE(MT, TAIL, EIGHT, G16)                                                         \
+    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_rows_affine_##MT##TAIL(               \
         const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,    \
         const float* x, float* __restrict__ y, int N, int K, int G, int bits,                          \
         const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
         pdl_entry();                                                                                   \
-        if (bits == 8) mma_gsplit_t<8, 1, MT>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, ks); \
+        if (EIGHT) mma_gsplit_t<8, 1, MT, G16>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, ks); \
         else mma_gsplit_t<4, 1, MT>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div, ks);      \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_swiglu_affine_##MT(                   \
+    extern "C" __global__ void __launch_bounds__(256) mma_gsplit_swiglu_affine_##MT##TAIL(             \
         const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,    \
         const float* x, float* __restrict__ h, int I, int K, int G, int bits,                          \
         const int* tiles, const int* n_tiles, const int* order, long long xs, int x_div, int ks) {     \
         pdl_entry();                                                                                   \
-        if (bits == 8) mma_gsplit_t<8, 2, MT>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, ks); \
+        if (EIGHT) mma_gsplit_t<8, 2, MT, G16>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, ks); \
         else mma_gsplit_t<4, 2, MT>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div, ks);      \
     }
+
+#if AFFINE_G16
+#define MMA_GSPLIT_G16(MT) MMA_GSPLIT_AFFINE(MT, _g16, true, true)
+#else
+#define MMA_GSPLIT_G16(MT)
+#endif
+
 MMA_GSPLIT(1)
 MMA_GSPLIT(2)
+
+#if AFFINE_G16
+// The other forms' entries for 8-bit codes in groups of 16 (mma_frag.cuh): the same arguments
+// as the affine entries above (bits 8, G 16).
+extern "C" __global__ void __launch_bounds__(256) mma_rows_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                      const aff_t* __restrict__ B, const float* x,
+                                                                      float* __restrict__ y, int N, int K, int G, int bits, int Bn,
+                                                                      long long xs, const float* __restrict__ bias) {
+    pdl_entry();
+    mma_split_t<8, 1, true>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                        const aff_t* __restrict__ B, const float* x,
+                                                                        float* __restrict__ h, int I, int K, int G, int bits, int Bn,
+                                                                        long long xs) {
+    pdl_entry();
+    mma_split_t<8, 2, true>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                           const aff_t* __restrict__ B, const float* x,
+                                                                           float* __restrict__ y, int N, int K, int G, int bits, int Bn,
+                                                                           long long xs, const float* __restrict__ bias) {
+    pdl_entry();
+    mma_gemm_t<8, 1, true>(W, S, B, x, y, N, K, G, Bn, xs, bias);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
+                                                                             const aff_t* __restrict__ B, const float* x,
+                                                                             float* __restrict__ h, int I, int K, int G, int bits, int Bn,
+                                                                             long long xs) {
+    pdl_entry();
+    mma_gemm_t<8, 2, true>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine_g16(
+    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
+    const float* x, float* __restrict__ y, int N, int K, int G, int bits,
+    const int* tiles, const int* n_tiles, const int* order,
+    long long xs, int x_div) {
+    pdl_entry();
+    mma_grouped_t<8, 1, true>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine_g16(
+    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
+    const float* x, float* __restrict__ h, int I, int K, int G, int bits,
+    const int* tiles, const int* n_tiles, const int* order,
+    long long xs, int x_div) {
+    pdl_entry();
+    mma_grouped_t<8, 2, true>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
+}
+#endif

@@ -17,7 +17,7 @@
 //
 // Layouts: words u32 [N, K/8] (LSB first), scales and biases aff_t [N, K/G] (bf16; built with
 // AFFINE_F16_ZERO: f16 scales and zero points; with AFFINE_F32: f32 scales and biases, see
-// common.cuh's aff_scale), G ∈ {32, 64, 128}, K % G == 0; x f32 [K] (16-byte aligned); y f32 [N];
+// common.cuh's aff_scale), G ∈ {32, 64, 128} (and 16 for 8-bit codes with f32 parameters), K % G == 0; x f32 [K] (16-byte aligned); y f32 [N];
 // bias f32 [N] or null.
 //
 // The first blocks ask L2 for their rows of W, S and B before waiting on the kernel before it
@@ -591,24 +591,27 @@ __device__ void mma_vec_t(const unsigned* __restrict__ W, const aff_t* __restric
 }
 
 // The group's digit count picks P (G = 32·P digits); 8-bit codes take groups of 32 or 64 inputs
-// (G = 64 or 128 digits).
-template <int T, int MODE, bool C8, int NW, int RM>
+// (G = 64 or 128 digits). G16: the entries for 8-bit codes in groups of 16 (G = 32 digits;
+// GGUF's Q6_K), which exist in the AFFINE_F32 build only and whose own entries keep the other
+// entries' code as it is.
+template <int T, int MODE, bool C8, int NW, int RM, bool G16>
 __device__ __forceinline__ void vec_dispatch(const unsigned* W, const aff_t* S, const aff_t* B, const float* x,
                                              float* y, int N, int K, int G, const float* bias, const VecIo& io,
                                              int nbuf, float (*red)[64 * RM]) {
-    if (G == 128) mma_vec_t<4, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    if constexpr (G16) mma_vec_t<1, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
+    else if (G == 128) mma_vec_t<4, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
     else if (G == 64) mma_vec_t<2, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
     else if constexpr (!C8) mma_vec_t<1, T, MODE, C8, NW, RM>(W, S, B, x, y, N, K, bias, io, nbuf, red);
 }
 
-template <int MODE, bool C8, int NW, int RM>
+template <int MODE, bool C8, int NW, int RM, bool G16>
 __device__ __forceinline__ void vec_tiles(const unsigned* W, const aff_t* S, const aff_t* B, const float* x,
                                           float* y, int N, int K, int G, int tiles, const float* bias,
                                           const VecIo& io, float (*red)[64 * RM]) {
-    if (tiles == 4) vec_dispatch<4, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else if (tiles == 3) vec_dispatch<3, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else if (tiles == 2) vec_dispatch<2, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
-    else vec_dispatch<1, MODE, C8, NW, RM>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    if (tiles == 4) vec_dispatch<4, MODE, C8, NW, RM, G16>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 3) vec_dispatch<3, MODE, C8, NW, RM, G16>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else if (tiles == 2) vec_dispatch<2, MODE, C8, NW, RM, G16>(W, S, B, x, y, N, K, G, bias, io, 1, red);
+    else vec_dispatch<1, MODE, C8, NW, RM, G16>(W, S, B, x, y, N, K, G, bias, io, 1, red);
 }
 
 // Row tiles of 16 per tile of the ring kernel.
@@ -621,7 +624,7 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const aff_t* S, con
 // blocks ask L2 for their rows (K/2 bytes a row of words: K digits of 4 bits; K/G · sizeof(aff_t)
 // of scales and of biases) before mma_vec_t waits for the kernel before (pdl_entry) after its
 // first weight loads.
-#define VEC_GLOBAL_ENTRY(NAME, C8, NW, MINB, RM)                                                                     \
+#define VEC_GLOBAL_ENTRY(NAME, C8, NW, MINB, RM, G16)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * NW, MINB) NAME(                                               \
         const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B, const float* x,   \
         float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
@@ -630,25 +633,25 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const aff_t* S, con
         l2_prefetch_rows(S, n0, 16 * tiles, N, K / G * (int)sizeof(aff_t), blockIdx.x);                             \
         l2_prefetch_rows(B, n0, 16 * tiles, N, K / G * (int)sizeof(aff_t), blockIdx.x);                             \
         __shared__ float red[NW + 1][64 * RM];                                                                      \
-        vec_tiles<VEC_GLOBAL, C8, NW, RM>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                            \
+        vec_tiles<VEC_GLOBAL, C8, NW, RM, G16>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                       \
     }
 
 // A staged entry (_staged, _staged16) of NW warps a block.
-#define VEC_STAGED_ENTRY(NAME, C8, NW, RM)                                                                           \
+#define VEC_STAGED_ENTRY(NAME, C8, NW, RM, G16)                                                                           \
     extern "C" __global__ void __maxnreg__(96) NAME(                                                                \
         const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B, const float* x,   \
         float* __restrict__ y, int N, int K, int G, int tiles, const float* __restrict__ bias, const VecIo io) {    \
         __shared__ float red[NW + 1][64 * RM];                                                                      \
-        vec_tiles<VEC_STAGED, C8, NW, RM>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                            \
+        vec_tiles<VEC_STAGED, C8, NW, RM, G16>(W, S, B, x, y, N, K, G, tiles, bias, io, red);                       \
     }
 
 // The ring entry (the ring alternates two sets of sums of 8 warps).
-#define VEC_RING_ENTRY(NAME, C8, RM)                                                                                 \
+#define VEC_RING_ENTRY(NAME, C8, RM, G16)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                      \
         const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B, const float* x,   \
         float* __restrict__ y, int N, int K, int G, const float* __restrict__ bias, const VecIo io, int nbuf) {     \
         __shared__ float red[16][64 * RM];                                                                          \
-        vec_dispatch<VEC_RING_TILES, VEC_RING, C8, 8, RM>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);            \
+        vec_dispatch<VEC_RING_TILES, VEC_RING, C8, 8, RM, G16>(W, S, B, x, y, N, K, G, bias, io, nbuf, red);       \
     }
 
 // The entries for 4-bit (C8 false) and 8-bit codes (K and G in digits, twice the inputs).
@@ -681,16 +684,20 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const aff_t* S, con
 // bitwise what its one-row launch gives.
 //
 // red: the NW warps' sums of the block's rows, then the residual rows of `accumulate`.
-#define VEC_ENTRIES(BITS, C8)                                                                                        \
-    VEC_GLOBAL_ENTRY(mma_vec_affine##BITS, C8, 8, 2, 1)                                                             \
-    VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged, C8, 8, 1)                                                       \
-    VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged16, C8, 16, 1)                                                    \
-    VEC_RING_ENTRY(mma_vec_affine##BITS##_ring, C8, 1)                                                              \
-    VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS, C8, 8, 2, VEC_MAX_ROWS)                                             \
-    VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged, C8, 8, VEC_MAX_ROWS)                                       \
-    VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged16, C8, 16, VEC_MAX_ROWS)                                    \
-    VEC_RING_ENTRY(mma_vec_rows_affine##BITS##_ring, C8, VEC_MAX_ROWS)                                              \
-    VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS##_streamed16, C8, 16, 1, VEC_MAX_ROWS)
+#define VEC_ENTRIES(BITS, C8, TAIL, G16)                                                                             \
+    VEC_GLOBAL_ENTRY(mma_vec_affine##BITS##TAIL, C8, 8, 2, 1, G16)                                                  \
+    VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged##TAIL, C8, 8, 1, G16)                                            \
+    VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged16##TAIL, C8, 16, 1, G16)                                         \
+    VEC_RING_ENTRY(mma_vec_affine##BITS##_ring##TAIL, C8, 1, G16)                                                   \
+    VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS##TAIL, C8, 8, 2, VEC_MAX_ROWS, G16)                                  \
+    VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged##TAIL, C8, 8, VEC_MAX_ROWS, G16)                            \
+    VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged16##TAIL, C8, 16, VEC_MAX_ROWS, G16)                         \
+    VEC_RING_ENTRY(mma_vec_rows_affine##BITS##_ring##TAIL, C8, VEC_MAX_ROWS, G16)                                   \
+    VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS##_streamed16##TAIL, C8, 16, 1, VEC_MAX_ROWS, G16)
 
-VEC_ENTRIES(4, false)
-VEC_ENTRIES(8, true)
+VEC_ENTRIES(4, false, , false)
+VEC_ENTRIES(8, true, , false)
+#if defined(AFFINE_F32)
+// 8-bit codes in groups of 16, with f32 parameters (each name with the suffix _g16).
+VEC_ENTRIES(8, true, _g16, true)
+#endif

@@ -12,6 +12,9 @@
 //
 // Affine weights' scales and biases ([E, N, K/G] each, G = 32, 64 or 128) are `aff_t`
 // (common.cuh): 16-bit (bf16, or f16 scales and zero points), or f32 in the AFFINE_F32 build.
+// That build also takes 8-bit codes in groups of 16 (AFFINE_G16): each k16 step then holds one
+// group, lane t's values of a chunk being k = 4t..4t+3 (step 0, the chunk's first group) and
+// 16 + 4t..16 + 4t + 3 (step 1), and the dequant form is applied after each step.
 //
 // A block holds 128 weight rows in shared memory, warp w rows 16w + 0..16: 128 outputs, or for
 // SwiGLU 64 outputs' gate rows (warps 0..3) and up rows (4..7), whose sums meet in shared memory
@@ -61,7 +64,8 @@ struct Wide {
 // out + (r·K/32 + c)·32: per lane group t = 0..3 and k16 step st = 0..1, at word 8t + 4st, the
 // bf16 hi pair then the lo pair (x_hi = bf16(x), x_lo = bf16(x − x_hi)) of values
 // 32c + 8t + 2st + {0, 1} and (affine: the pairs (k_i, k_{i+4}) wide_frag makes) 32c + 8t + 4 +
-// 2st + {0, 1}, or (bf16 weights) 32c + 4q + 0..3 for word 4q. Affine: the sum over each group
+// 2st + {0, 1}, or (bf16 weights) 32c + 4q + 0..3 for word 4q; with groups of 16 (G = 16) the
+// pairs of values 32c + 16st + 4t + {0, 1} and + {2, 3}. Affine: the sum over each group
 // of G inputs of x_hi + x_lo goes to sums[(r·K/kst + s)·4 + i], s the stage of kst inputs where
 // the group ends, i its index among the stage's groups (0 when a group spans stages).
 // grid (ceil(K / 1024), rows), block 256; K % 256 == 0, so that whole warps fall past K.
@@ -72,7 +76,11 @@ extern "C" __global__ void wide_stage_rows(const float* x, long long xs, unsigne
     if (4 * i >= K) return;
     const float* p = x + (long long)r * xs + 32 * c;
     float v[4];
-    if (affine) {
+    const bool g16 = affine && G == 16;
+    if (g16) {
+        const float4 a = *reinterpret_cast<const float4*>(p + 16 * (q & 1) + 4 * (q >> 1));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else if (affine) {
         const int o = 8 * (q >> 1) + 2 * (q & 1);
         const float2 a = *reinterpret_cast<const float2*>(p + o), b = *reinterpret_cast<const float2*>(p + o + 4);
         v[0] = a.x; v[1] = b.x; v[2] = a.y; v[3] = b.y;
@@ -87,6 +95,16 @@ extern "C" __global__ void wide_stage_rows(const float* x, long long xs, unsigne
     if (!affine) return;
     float su = ((bf16lo(h0) + bf16lo(l0)) + (bf16hi(h0) + bf16hi(l0))) +
                ((bf16lo(h1) + bf16lo(l1)) + (bf16hi(h1) + bf16hi(l1)));
+    if (g16) {
+        // Group 2c + st is threads q = st, st + 2, st + 4, st + 6 of the chunk.
+        su += __shfl_xor_sync(0xffffffffu, su, 2);
+        su += __shfl_xor_sync(0xffffffffu, su, 4);
+        if (q < 2) {
+            const int g = 2 * c + q;
+            sums[((long long)r * (K / kst) + 16 * g / kst) * 4 + (16 * g % kst) / 16] = su;
+        }
+        return;
+    }
     for (int o = 1; o < G / 4; o <<= 1) su += __shfl_xor_sync(0xffffffffu, su, o);
     if ((i & (G / 4 - 1)) == 0) {
         const int g = 4 * i / G, s = ((g + 1) * G - 1) / kst, slot = G <= kst ? (g * G % kst) / G : 0;
@@ -96,10 +114,21 @@ extern "C" __global__ void wide_stage_rows(const float* x, long long xs, unsigne
 
 // Affine codes enter in pairs (k_i, k_{i+4}) of each lane's 8 values, i = 0..3. 4 bits: one
 // shift and one lop3 make (128 + k_i, 128 + k_{i+4}) as bf16x2, exact; the 128s come off with
-// the group's bias (wide_core). 8 bits: the codes themselves, exact.
-template <int BITS>
+// the group's bias (wide_core). 8 bits: the codes themselves, exact. Groups of 16 (8 bits): the
+// words at `at` and at + 16 bytes, as pairs of bytes (0, 1), (2, 3) of each.
+template <int BITS, bool G16>
 __device__ __forceinline__ void wide_frag(const unsigned char* at, unsigned p[4]) {
-    if constexpr (BITS == 4) {
+    if constexpr (G16) {
+        const unsigned v[2] = {*reinterpret_cast<const unsigned*>(at), *reinterpret_cast<const unsigned*>(at + 16)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // 2^23 + k as f32 bits, minus 2^23: exact.
+            const unsigned w = v[i >> 1], b = 2 * (i & 1);
+            float lo = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | b)) - 8388608.f;
+            float hi = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | (b + 1))) - 8388608.f;
+            p[i] = pack_bf16(lo, hi);
+        }
+    } else if constexpr (BITS == 4) {
         const unsigned v = *reinterpret_cast<const unsigned*>(at);
         // The magic in a register, so that mask and magic make one lop3 ((a & b) | c).
         unsigned magic;
@@ -159,12 +188,36 @@ struct WideRows {
     int lim0, lim1;
 };
 
+// Folds the group at index gi of a stage's slice (from group g_lo on) into acc for every tile:
+// the scales and biases of the lane's rows from their staged slices (srow: row gid's; row gid +
+// 8's 8 rows on; the slices start on the words holding parameters ps + g_lo and pb + g_lo of the
+// arrays), its inputs' sums from urows (4 a row).
+template <int BITS, int MT>
+__device__ __forceinline__ void wide_flush(const unsigned char* srow, const float* urows, int ps, int pb, int g_lo,
+                                           int gi, float acc[1][MT][4], float part[1][MT][4]) {
+    const int t = threadIdx.x & 3;
+    const int os = (ps + g_lo) & (WIDE_PPW - 1), ob = (pb + g_lo) & (WIDE_PPW - 1);
+    constexpr int BIAS = 128 * WIDE_SBB / sizeof(aff_t);
+    float sc[1][2], bi[1][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const aff_t* row = reinterpret_cast<const aff_t*>(srow + 8 * h * WIDE_SBB);
+        sc[0][h] = aff_scale(row[os + gi]);
+        bi[0][h] = aff_bias(row[BIAS + ob + gi], sc[0][h]) - wide_code_offset<BITS>() * sc[0][h];
+    }
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+        const float* su = &urows[(j * 8 + 2 * t) * 4 + gi];
+        flush_tile<1>(sc, bi, su[0], su[4], j, acc, part);
+    }
+}
+
 // One block's products: its 128 weight rows (`rw`; W, S, Bs at the matrix) over stages
 // [s0, s1) against the staged inputs (`stg`, `sums`: wide_stage_rows's) of rows src[i] for its
 // input i < 8·MT (−1: absent, zeros), MT tiles of 8 (no work for tiles past MT), into acc (mma C
 // layout: warp w has shared rows 16w + gid, 16w + gid + 8). With `wait`, the PDL wait comes
 // after the first stages' weight copies.
-template <int BITS, int MT>
+template <int BITS, int MT, bool G16>
 __device__ void wide_core(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                           const unsigned* stg, const float* sums, const int* src, WideRows rw, int K, int G,
                           int s0, int s1, bool wait, float acc[1][MT][4]) {
@@ -253,7 +306,7 @@ __device__ void wide_core(const void* __restrict__ W, const aff_t* __restrict__ 
         }
         const int g_lo = (s * KST) >> gshift;
         unsigned char* base = buffer(buf);
-        const unsigned char* wrow = base + (warp * 16 + gid) * WIDE_WLD + t * BITS;
+        const unsigned char* wrow = base + (warp * 16 + gid) * WIDE_WLD + t * (G16 ? 4 : BITS);
         const unsigned char* srow = base + WS::W_BYTES + (warp * 16 + gid) * WIDE_SBB;
         const unsigned* xrow = reinterpret_cast<const unsigned*>(base + WS::W_BYTES + WS::S_BYTES) + gid * XW + 8 * t;
         const float* urows = reinterpret_cast<const float*>(base + WS::W_BYTES + WS::S_BYTES + WS::X_BYTES);
@@ -261,7 +314,7 @@ __device__ void wide_core(const void* __restrict__ W, const aff_t* __restrict__ 
         for (int u = 0; u < SUB; ++u) {
             unsigned a[2][4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) wide_frag<BITS>(wrow + 8 * h * WIDE_WLD + u * 4 * BITS, a[h]);
+            for (int h = 0; h < 2; ++h) wide_frag<BITS, G16>(wrow + 8 * h * WIDE_WLD + u * 4 * BITS, a[h]);
             // Per k16 step, every tile's hi products, then its lo products: independent
             // accumulators back to back.
 #pragma unroll
@@ -277,28 +330,15 @@ __device__ void wide_core(const void* __restrict__ W, const aff_t* __restrict__ 
                         mma_bf16(BITS == 16 ? acc[0][j] : part[0][j], a[0][2 * st], a[1][2 * st],
                                  a[0][2 * st + 1], a[1][2 * st + 1], lo ? v[j].z : v[j].x,
                                  lo ? v[j].w : v[j].y);
+                // Groups of 16: the step's group is the stage's 2u + st.
+                if constexpr (G16) wide_flush<BITS, MT>(srow, urows, ps, pb, g_lo, 2 * u + st, acc, part);
             }
-            if constexpr (BITS != 16) {
-                if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0) {
-                    // The group ends with this chunk: its scales sit at (slice offset + its index
-                    // in the stage's slice) parameters into each row's staged slice (the biases
-                    // 128·WIDE_SBB bytes on), its inputs' sums at that index of their 4.
-                    const int gi = KST >= G ? u >> cshift : 0;
-                    const int os = (ps + g_lo) & (WIDE_PPW - 1), ob = (pb + g_lo) & (WIDE_PPW - 1);
-                    constexpr int BIAS = 128 * WIDE_SBB / sizeof(aff_t);
-                    float sc[1][2], bi[1][2];
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const aff_t* row = reinterpret_cast<const aff_t*>(srow + 8 * h * WIDE_SBB);
-                        sc[0][h] = aff_scale(row[os + gi]);
-                        bi[0][h] = aff_bias(row[BIAS + ob + gi], sc[0][h]) - wide_code_offset<BITS>() * sc[0][h];
-                    }
-#pragma unroll
-                    for (int j = 0; j < MT; ++j) {
-                        const float* su = &urows[(j * 8 + 2 * t) * 4 + gi];
-                        flush_tile<1>(sc, bi, su[0], su[4], j, acc, part);
-                    }
-                }
+            if constexpr (BITS != 16 && !G16) {
+                // The group ends with this chunk: its scales sit at (slice offset + its index in
+                // the stage's slice) parameters into each row's staged slice, its inputs' sums at
+                // that index of their 4.
+                if (((s * SUB + u + 1) & ((1 << cshift) - 1)) == 0)
+                    wide_flush<BITS, MT>(srow, urows, ps, pb, g_lo, KST >= G ? u >> cshift : 0, acc, part);
             }
         }
     }
@@ -349,7 +389,7 @@ __device__ __forceinline__ void wide_store(float acc[1][MT][4], bool swiglu, flo
 
 // Dense form: block (x, y, z) takes inputs 32x + 0..32 and stages [z·spb, (z + 1)·spb); with
 // ks > 1 the partial sums go to part [ks, B, sets·N] (gate at n, up at N + n).
-template <int BITS, int MT>
+template <int BITS, int MT, bool G16>
 __device__ void wide_dense(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                            const unsigned* stg, const float* sums, const int* src, float* y, float* part_out, int N,
                            int K, int G, int Bn, const float* __restrict__ bias, int spb, bool swiglu) {
@@ -357,7 +397,7 @@ __device__ void wide_dense(const void* __restrict__ W, const aff_t* __restrict__
     const int s0 = blockIdx.z * spb, s1 = min(s0 + spb, K / Wide<BITS, MT>::KST);
     const WideRows rw = wide_rows(swiglu, 0, N);
     float acc[1][MT][4];
-    wide_core<BITS, MT>(W, S, Bs, stg, sums, src, rw, K, G, s0, s1, true, acc);
+    wide_core<BITS, MT, G16>(W, S, Bs, stg, sums, src, rw, K, G, s0, s1, true, acc);
     if (gridDim.z == 1) {
         wide_store<MT>(acc, swiglu, y, N, nb, nullptr, b0, bias);
         return;
@@ -377,7 +417,7 @@ __device__ void wide_dense(const void* __restrict__ W, const aff_t* __restrict__
 
 // The dense form compiled for each count of 8-row tiles, so that small batches issue no
 // instructions for absent rows.
-template <int BITS>
+template <int BITS, bool G16 = false>
 __device__ void mma_wide_t(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                            const unsigned* stg, const float* sums, float* y, float* part_out, int N, int K, int G,
                            int Bn, const float* __restrict__ bias, int spb, bool swiglu) {
@@ -386,20 +426,20 @@ __device__ void mma_wide_t(const void* __restrict__ W, const aff_t* __restrict__
     if (threadIdx.x < 32) src[threadIdx.x] = (int)threadIdx.x < nb ? b0 + threadIdx.x : -1;
     __syncthreads();
     switch ((nb + 7) >> 3) {
-    case 1: wide_dense<BITS, 1>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
-    case 2: wide_dense<BITS, 2>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
-    case 3: wide_dense<BITS, 3>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
-    default: wide_dense<BITS, 4>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
+    case 1: wide_dense<BITS, 1, G16>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
+    case 2: wide_dense<BITS, 2, G16>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
+    case 3: wide_dense<BITS, 3, G16>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
+    default: wide_dense<BITS, 4, G16>(W, S, Bs, stg, sums, src, y, part_out, N, K, G, Bn, bias, spb, swiglu); break;
     }
 }
 
 // One tile of the grouped form, compiled for each count of 8-row tiles.
-template <int BITS, int MT>
+template <int BITS, int MT, bool G16>
 __device__ void gwide_tile(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                            const unsigned* stg, const float* sums, const int* src, WideRows rw, int K, int G,
                            float* y, int N, int nb, const int* pair, bool swiglu) {
     float acc[1][MT][4];
-    wide_core<BITS, MT>(W, S, Bs, stg, sums, src, rw, K, G, 0, K / Wide<BITS, MT>::KST, false, acc);
+    wide_core<BITS, MT, G16>(W, S, Bs, stg, sums, src, rw, K, G, 0, K / Wide<BITS, MT>::KST, false, acc);
     wide_store<MT>(acc, swiglu, y, N, nb, pair, 0, nullptr);
 }
 
@@ -409,7 +449,7 @@ __device__ void gwide_tile(const void* __restrict__ W, const aff_t* __restrict__
 // p / x_div, the weights expert e's of a stack [E, N, K] ([E, 2I, K] for SwiGLU), output row p
 // of y. Tiles of at most 8·MTMAX pairs (the host's tile size): blocks compiled for one tile
 // (MTMAX 1) need 59 registers, so three fit a multiprocessor where the full form's 128 fit two.
-template <int BITS, int MTMAX>
+template <int BITS, int MTMAX, bool G16 = false>
 __device__ void mma_gwide_t(const void* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ Bs,
                             const unsigned* stg, const float* sums, float* y, int N, int K, int G, const int* tiles,
                             const int* n_tiles, const int* order, int x_div, bool swiglu) {
@@ -428,17 +468,35 @@ __device__ void mma_gwide_t(const void* __restrict__ W, const aff_t* __restrict_
         __syncthreads();
         const WideRows rw = wide_rows(swiglu, (long long)e * (swiglu ? 2 : 1) * N, N);
         if constexpr (MTMAX == 1) {
-            gwide_tile<BITS, 1>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu);
+            gwide_tile<BITS, 1, G16>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu);
         } else {
             switch ((nb + 7) >> 3) {
-            case 1: gwide_tile<BITS, 1>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
-            case 2: gwide_tile<BITS, 2>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
-            case 3: gwide_tile<BITS, 3>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
-            default: gwide_tile<BITS, 4>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            case 1: gwide_tile<BITS, 1, G16>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            case 2: gwide_tile<BITS, 2, G16>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            case 3: gwide_tile<BITS, 3, G16>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
+            default: gwide_tile<BITS, 4, G16>(W, S, Bs, stg, sums, src, rw, K, G, y, N, nb, pair, swiglu); break;
             }
         }
     }
 }
+
+// The affine dense entries (suffix TAIL): 8-bit codes where EIGHT holds, else 4-bit, with
+// groups of 16 when G16.
+#define WIDE_AFFINE(TAIL, EIGHT, G16)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine##TAIL(                          \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
+        const unsigned* stg, const float* sums, float* y, float* part, int N, int K, int G, int bits, int Bn,  \
+        const float* __restrict__ bias, int spb) {                                                            \
+        if (EIGHT) mma_wide_t<8, G16>(W, S, B, stg, sums, y, part, N, K, G, Bn, bias, spb, false);            \
+        else mma_wide_t<4>(W, S, B, stg, sums, y, part, N, K, G, Bn, bias, spb, false);                       \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine##TAIL(                        \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
+        const unsigned* stg, const float* sums, float* h, float* part, int I, int K, int G, int bits, int Bn,  \
+        int spb) {                                                                                            \
+        if (EIGHT) mma_wide_t<8, G16>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);          \
+        else mma_wide_t<4>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);                     \
+    }
 
 extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf16_t* __restrict__ W, const unsigned* stg,
                                                                      const float* sums, float* y, float* part, int N, int K, int Bn,
@@ -446,27 +504,30 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_bf16(const bf
     mma_wide_t<16>(W, nullptr, nullptr, stg, sums, y, part, N, K, 32, Bn, bias, spb, false);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_rows_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                       const aff_t* __restrict__ B, const unsigned* stg,
-                                                                       const float* sums, float* y, float* part, int N, int K,
-                                                                       int G, int bits, int Bn, const float* __restrict__ bias,
-                                                                       int spb) {
-    if (bits == 8) mma_wide_t<8>(W, S, B, stg, sums, y, part, N, K, G, Bn, bias, spb, false);
-    else mma_wide_t<4>(W, S, B, stg, sums, y, part, N, K, G, Bn, bias, spb, false);
-}
-
 extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_bf16(const bf16_t* __restrict__ W, const unsigned* stg,
                                                                        const float* sums, float* h, float* part, int I, int K, int Bn, int spb) {
     mma_wide_t<16>(W, nullptr, nullptr, stg, sums, h, part, I, K, 32, Bn, nullptr, spb, true);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                         const aff_t* __restrict__ B, const unsigned* stg,
-                                                                         const float* sums, float* h, float* part, int I, int K,
-                                                                         int G, int bits, int Bn, int spb) {
-    if (bits == 8) mma_wide_t<8>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);
-    else mma_wide_t<4>(W, S, B, stg, sums, h, part, I, K, G, Bn, nullptr, spb, true);
-}
+WIDE_AFFINE(, bits == 8, false)
+
+// The grouped affine entries (TAIL, EIGHT, G16 as WIDE_AFFINE's), tiles of up to 8·MTMAX pairs
+// and BLOCKS blocks a multiprocessor.
+#define GWIDE_AFFINE(SUFFIX, TAIL, MTMAX, BLOCKS, EIGHT, G16)                                                  \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_rows_affine##SUFFIX##TAIL(            \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
+        const unsigned* stg, const float* sums, float* y, int N, int K, int G, int bits, const int* tiles,    \
+        const int* n_tiles, const int* order, int x_div) {                                                    \
+        if (EIGHT) mma_gwide_t<8, MTMAX, G16>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false); \
+        else mma_gwide_t<4, MTMAX>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);     \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_swiglu_affine##SUFFIX##TAIL(          \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
+        const unsigned* stg, const float* sums, float* h, int I, int K, int G, int bits, const int* tiles,    \
+        const int* n_tiles, const int* order, int x_div) {                                                    \
+        if (EIGHT) mma_gwide_t<8, MTMAX, G16>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true); \
+        else mma_gwide_t<4, MTMAX>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true);      \
+    }
 
 // The grouped entry points: tiles of up to 32 pairs (two blocks a multiprocessor), and `_t1`
 // for tiles of up to 8 (three).
@@ -483,23 +544,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) mma_wide_swiglu_affine(cons
         mma_gwide_t<16, MTMAX>(W, nullptr, nullptr, stg, sums, h, I, K, 32, tiles, n_tiles, order, x_div,     \
                                true);                                                                         \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_rows_affine##SUFFIX(                  \
-        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
-        const unsigned* stg, const float* sums, float* y, int N, int K, int G, int bits, const int* tiles,    \
-        const int* n_tiles, const int* order, int x_div) {                                                    \
-        if (bits == 8) mma_gwide_t<8, MTMAX>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false); \
-        else mma_gwide_t<4, MTMAX>(W, S, B, stg, sums, y, N, K, G, tiles, n_tiles, order, x_div, false);     \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, BLOCKS) mma_gwide_swiglu_affine##SUFFIX(                \
-        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,             \
-        const unsigned* stg, const float* sums, float* h, int I, int K, int G, int bits, const int* tiles,    \
-        const int* n_tiles, const int* order, int x_div) {                                                    \
-        if (bits == 8) mma_gwide_t<8, MTMAX>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true); \
-        else mma_gwide_t<4, MTMAX>(W, S, B, stg, sums, h, I, K, G, tiles, n_tiles, order, x_div, true);      \
-    }
+    GWIDE_AFFINE(SUFFIX, , MTMAX, BLOCKS, bits == 8, false)
 
 GWIDE_ENTRIES(, 4, 2)
 GWIDE_ENTRIES(_t1, 1, 3)
+
+#if AFFINE_G16
+// The affine entries for 8-bit codes in groups of 16 (mma_frag.cuh): the same arguments (bits 8,
+// G 16).
+WIDE_AFFINE(_g16, true, true)
+GWIDE_AFFINE(, _g16, 4, 2, true, true)
+GWIDE_AFFINE(_t1, _g16, 1, 3, true, true)
+#endif
 
 // wide_sum: y[b, n] = Σ_z part[z, b, n] (+ bias[n]) over the ks partial sums of the wide form,
 // in order of z; SwiGLU (sets 2): h[b, n] = silu(Σ gate)·Σ up, gate at n, up at N + n of each

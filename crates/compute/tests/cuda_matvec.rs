@@ -354,6 +354,10 @@ fn single_row_case(params: AffineParams) {
         (128, 30001, 2048),
         // 8-bit: an MoE router with its shared-expert gate row (mlx-lm's 8 bits, group 64).
         (64, 257, 2048),
+        // Groups of 16 (8-bit codes with f32 parameters only): streamed, staged, ring.
+        (16, 37, 256),
+        (16, 1001, 2048),
+        (16, 20011, 1024),
     ];
     for (bits, &(group, n, k)) in [4, 8]
         .into_iter()
@@ -368,13 +372,15 @@ fn single_row_case(params: AffineParams) {
             bias: dbias.ptr(),
             ..a.matvec(n, k)
         };
-        // Every 4-bit case is taken; 8-bit ones with groups of 32 or 64 and up to 4096 inputs.
+        // 4-bit cases are taken in groups of 32 to 128; 8-bit ones with groups of 32 or 64 (16
+        // with f32 parameters) and up to 4096 inputs.
         let taken = vec::takes(&m, &Slots::one());
-        assert_eq!(
-            taken,
-            bits == 4 || (group <= 64 && k <= 4096),
-            "{bits}-bit g{group} {n}x{k}"
-        );
+        let g16 = group == 16;
+        let want = match bits {
+            4 => !g16,
+            _ => group <= 64 && k <= 4096 && (!g16 || params == AffineParams::F32),
+        };
+        assert_eq!(taken, want, "{bits}-bit g{group} {n}x{k}");
         if !taken {
             continue;
         }
@@ -680,19 +686,22 @@ fn several_rows_equal_their_one_row_launches_bitwise() {
     let g = gpu();
     let mut r = rng();
     let mut failed = Vec::new();
-    for &(bits, group, n, k) in &[
-        (4u32, 64usize, 257usize, 2048usize),
-        (4, 64, 12352, 2048),
-        (4, 64, 2048, 8192),
-        (4, 64, 20011, 1024),
-        (4, 64, 30001, 2048),
-        (4, 32, 37, 256),
-        (4, 128, 1001, 4096),
-        (8, 64, 257, 2048),
-        (8, 32, 20011, 512),
+    let (mlx, f32p) = (AffineParams::Bf16, AffineParams::F32);
+    for &(bits, group, n, k, params) in &[
+        (4u32, 64usize, 257usize, 2048usize, mlx),
+        (4, 64, 12352, 2048, mlx),
+        (4, 64, 2048, 8192, mlx),
+        (4, 64, 20011, 1024, mlx),
+        (4, 64, 30001, 2048, mlx),
+        (4, 32, 37, 256, mlx),
+        (4, 128, 1001, 4096, mlx),
+        (8, 64, 257, 2048, mlx),
+        (8, 32, 20011, 512, mlx),
+        (8, 16, 1001, 2048, f32p),
+        (8, 16, 20011, 512, f32p),
     ] {
         let w = rand_vec(&mut r, n * k, -1.0, 1.0);
-        let a = Affine::new(&g, &w, k, group, bits);
+        let a = Affine::with_params(&g, &w, k, (group, bits), params);
         let bias = g.upload(&rand_vec(&mut r, n, -1.0, 1.0)).unwrap();
         let m = Matvec {
             bias: bias.ptr(),

@@ -403,7 +403,8 @@ fn attention_prefill_rows_match_cpu() {
 
 /// Grouping by expert and the grouped products against a CPU sort and CPU (bf16) or per-pair
 /// GPU (affine: `ops::matvec` with expert slots, itself checked against the CPU in
-/// cuda_matvec.rs) products; affine weights with MLX's parameters or f16 scales and zero points.
+/// cuda_matvec.rs) products; affine weights with MLX's parameters, f16 scales and zero points or
+/// f32 scales and biases (8-bit codes in groups of 16 too).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn moe_grouping_and_grouped_products_match_cpu() {
@@ -431,6 +432,10 @@ fn moe_grouping_and_grouped_products_match_cpu() {
         (29, 8, 6, 300, 512, Some((4, 64, f32p))),
         (11, 4, 3, 130, 256, Some((8, 128, f32p))),
         (9, 8, 5, 200, 256, Some((4, 32, f32p))),
+        // 8-bit codes in groups of 16 (f32 parameters): a k16 step a group, every form.
+        (13, 2, 4, 10, 96, Some((8, 16, f32p))),
+        (11, 4, 3, 130, 256, Some((8, 16, f32p))),
+        (29, 8, 6, 300, 512, Some((8, 16, f32p))),
     ] {
         let pairs = tokens * ks;
         let ids: Vec<i32> = (0..pairs)

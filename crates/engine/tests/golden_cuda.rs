@@ -48,10 +48,10 @@ fn cuda_logits_and_greedy_match_transformers() {
 
 /// The GGUF files of `fixtures/gguf_quant` on CUDA in one pass, passes of one token and of 37,
 /// against the CPU engine on the weights the GPU holds for them (`gpu::held_checkpoint`: every
-/// affine block type's values exactly, K-quants' and mixed stacks' parameters as f32, the
-/// embedding as its blocks; the f32 router and Q6_K matrices as bf16 values), and against
-/// transformers on the exact (gguf-py-dequantized) weights for the files whose held weights are
-/// within that bound on the CPU (`gguf.rs`, held models): all but the file of Q6_K matrices.
+/// affine block type's values exactly, K-quants' and mixed stacks' parameters as f32, Q6_K's codes
+/// as 8-bit ones in groups of 16, the embedding as its blocks; the f32 router as bf16 values), and
+/// against transformers on the exact (gguf-py-dequantized) weights: the held weights are within
+/// that bound on the CPU (`gguf.rs`, held models).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_gguf_files_match_the_held_weights_and_transformers() {
@@ -62,7 +62,6 @@ fn cuda_gguf_files_match_the_held_weights_and_transformers() {
         let vocab = e.config().vocab_size;
         let held = held_checkpoint(Qwen3Hybrid::load(&file).unwrap().checkpoint()).unwrap();
         let mut cpu = Engine::new(Qwen3Hybrid::new(held));
-        let exact = !file.to_string_lossy().contains("q6_k_mix");
         for (i, p) in ps.iter().enumerate() {
             let id = cpu.add_sequence().unwrap();
             let want = cpu.prefill(id, &p.tokens, None, Logits::All).unwrap();
@@ -73,9 +72,7 @@ fn cuda_gguf_files_match_the_held_weights_and_transformers() {
                 e.remove_sequence(id);
                 let name = format!("cuda {} prompt{i} chunk {chunk:?}", file.display());
                 check_logits(&format!("{name} (held)"), &got, &want, vocab);
-                if exact {
-                    check_logits(&format!("{name} (transformers)"), &got, &p.logits, vocab);
-                }
+                check_logits(&format!("{name} (transformers)"), &got, &p.logits, vocab);
             }
         }
     }

@@ -18,7 +18,7 @@
 //!
 //! Prefill's expert products grouped by expert take their tile from [`grouped_tile`].
 
-use super::ops::{Matvec, Slots, WeightFormat};
+use super::ops::{AffineParams, Matvec, Slots, WeightFormat};
 
 /// How a product runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -252,15 +252,23 @@ fn batched_rows(m: &Matvec, sl: &Slots) -> bool {
         && vector_x(m)
 }
 
-/// Whether the tensor-core kernels of mma_rows.cu and mma_wide.cu take this matrix: K a multiple of 32 and
-/// bf16 or 4/8-bit affine weights with groups of 32, 64 or 128.
+/// Whether the tensor-core kernels of mma_rows.cu and mma_wide.cu take this matrix: K a multiple
+/// of 32 and bf16 or 4/8-bit affine weights with groups of 32, 64 or 128, or 8-bit ones in groups
+/// of 16 with f32 parameters (GGUF's Q6_K; a k16 step a group).
 pub fn tensor_core_rows(m: &Matvec) -> bool {
     m.k.is_multiple_of(32)
         && match m.format {
             WeightFormat::Bf16 => true,
-            WeightFormat::Affine { bits, group, .. } => {
-                matches!(bits, 4 | 8) && matches!(group, 32 | 64 | 128)
-            }
+            WeightFormat::Affine {
+                bits,
+                group,
+                params,
+                ..
+            } => match (bits, group) {
+                (4 | 8, 32 | 64 | 128) => true,
+                (8, 16) => params == AffineParams::F32,
+                _ => false,
+            },
             WeightFormat::Fp8 { .. } => false,
         }
 }
@@ -458,6 +466,39 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn eight_bit_groups_of_16_take_tensor_cores_with_f32_parameters_only() {
+        let g16 = |params| Matvec {
+            format: WeightFormat::Affine {
+                bits: 8,
+                group: 16,
+                scales: 0,
+                biases: 0,
+                params,
+            },
+            ..mat(4096, 2048, 8)
+        };
+        let (m, mlx) = (g16(AffineParams::F32), g16(AffineParams::Bf16));
+        assert_eq!(plan(&m, &Slots::one(), false), Plan::OneRow);
+        assert_eq!(plan(&m, &Slots::rows(3, 2048), false), Plan::VecRows);
+        let split = rows(plan(&m, &Slots::rows(5, 2048), false));
+        assert_eq!(split, Some(("mma_rows_affine", RowsForm::SplitK)));
+        let ws = Slots::rows(32, 2048).with_ws(256, 1 << 24);
+        assert_eq!(
+            rows(plan(&m, &ws, true)),
+            Some(("mma_wide_swiglu_affine", RowsForm::Wide))
+        );
+        let gemm = rows(plan(&m, &Slots::rows(600, 2048), false));
+        assert_eq!(gemm, Some(("mma_gemm_rows_affine", RowsForm::Gemm)));
+        // Other parameter forms (and 4-bit codes) in groups of 16 stay on CUDA cores.
+        assert!(matches!(
+            plan(&mlx, &Slots::one(), false),
+            Plan::Slots { .. }
+        ));
+        let cores = rows(plan(&mlx, &Slots::rows(5, 2048), false));
+        assert_eq!(cores, Some(("matvec_rows_affine", RowsForm::Cores)));
     }
 
     #[test]

@@ -70,6 +70,16 @@ const FILES: &[(&str, &str, &[&str])] = &[
             "mma_gsplit_swiglu_bf16_2",
             "mma_gsplit_rows_affine_2",
             "mma_gsplit_swiglu_affine_2",
+            "mma_rows_affine_g16",
+            "mma_swiglu_affine_g16",
+            "mma_gemm_rows_affine_g16",
+            "mma_gemm_swiglu_affine_g16",
+            "mma_grouped_rows_affine_g16",
+            "mma_grouped_swiglu_affine_g16",
+            "mma_gsplit_rows_affine_1_g16",
+            "mma_gsplit_swiglu_affine_1_g16",
+            "mma_gsplit_rows_affine_2_g16",
+            "mma_gsplit_swiglu_affine_2_g16",
         ],
     ),
     (
@@ -78,22 +88,7 @@ const FILES: &[(&str, &str, &[&str])] = &[
             include_str!("../../kernels/mma_frag.cuh"),
             include_str!("../../kernels/mma_wide.cu")
         ),
-        &[
-            "mma_wide_rows_bf16",
-            "mma_wide_rows_affine",
-            "mma_wide_swiglu_bf16",
-            "mma_wide_swiglu_affine",
-            "mma_gwide_rows_bf16",
-            "mma_gwide_swiglu_bf16",
-            "mma_gwide_rows_affine",
-            "mma_gwide_swiglu_affine",
-            "mma_gwide_rows_bf16_t1",
-            "mma_gwide_swiglu_bf16_t1",
-            "mma_gwide_rows_affine_t1",
-            "mma_gwide_swiglu_affine_t1",
-            "wide_stage_rows",
-            "wide_sum",
-        ],
+        &super::wide::ENTRIES,
     ),
     (
         "mma_vec.cu",
@@ -258,6 +253,10 @@ const AFFINE_FILES: [&str; 7] = [
     "embed.cu",
 ];
 
+/// The suffix of the entry points for 8-bit codes in groups of 16, which only the f32-parameter
+/// build has (mma_frag.cuh): [`Kernels::for_format`] takes them for such weights.
+const G16: &str = "_g16";
+
 /// Which build of the kernel files: the default one (MLX's bf16 parameters), or the affine
 /// kernels' build for other [`AffineParams`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -276,16 +275,20 @@ const BUILDS: [Build; 3] = [
 impl Build {
     /// The files of this build, with the names of theirs it loads.
     fn files(self) -> impl Iterator<Item = (&'static str, &'static str, Vec<&'static str>)> {
-        FILES
-            .iter()
-            .filter_map(move |&(file, src, names)| match self {
-                Build::Default => Some((file, src, names.to_vec())),
+        FILES.iter().filter_map(move |&(file, src, names)| {
+            let g16 = self == Build::Affine(AffineParams::F32);
+            let names = names
+                .iter()
+                .copied()
+                .filter(move |n| g16 || !n.ends_with(G16));
+            match self {
+                Build::Default => Some((file, src, names.collect())),
                 Build::Affine(_) if AFFINE_FILES.contains(&file) => {
-                    let affine = names.iter().copied().filter(|n| n.contains("affine"));
-                    Some((file, src, affine.collect()))
+                    Some((file, src, names.filter(|n| n.contains("affine")).collect()))
                 }
                 Build::Affine(_) => None,
-            })
+            }
+        })
     }
 
     /// NVRTC options beyond the common ones (common.cuh's `aff_t`).
@@ -462,9 +465,21 @@ impl Kernels {
     }
 
     /// The kernel `name` for weights stored as `format`: [`Kernels::affine`] with the format's
-    /// parameters for affine weights, else [`Kernels::get`].
+    /// parameters for affine weights (for 8-bit codes in groups of 16 with f32 parameters, the
+    /// entry `name` + `_g16` where there is one), else [`Kernels::get`].
     pub fn for_format(&self, name: &str, format: &WeightFormat) -> Result<&CudaFunction> {
         match *format {
+            WeightFormat::Affine {
+                bits: 8,
+                group: 16,
+                params: AffineParams::F32,
+                ..
+            } => {
+                let funcs = self.build(AffineParams::F32)?;
+                Ok(funcs
+                    .get(format!("{name}{G16}").as_str())
+                    .unwrap_or(&funcs[name]))
+            }
             WeightFormat::Affine { params, .. } => self.affine(name, params),
             WeightFormat::Bf16 | WeightFormat::Fp8 { .. } => Ok(self.get(name)),
         }
@@ -616,6 +631,13 @@ mod tests {
         for build in &super::BUILDS[1..] {
             let mut got = names_of(*build);
             got.sort_unstable();
+            // The f32 build's entries for groups of 16 each stand beside an entry of every build.
+            let f32 = *build == super::Build::Affine(super::AffineParams::F32);
+            for n in got.iter().filter(|n| n.ends_with(super::G16)) {
+                assert!(f32, "{n} outside the f32 build");
+                assert!(want.contains(&&n[..n.len() - super::G16.len()]), "{n}");
+            }
+            got.retain(|n| !n.ends_with(super::G16));
             assert_eq!(got, want, "{build:?}");
         }
         const BF16_READS: [&str; 10] = [

@@ -52,13 +52,15 @@ unsafe impl DeviceRepr for VecIo {}
 /// Largest K the single-row tensor-core kernel stages in shared memory (5 bytes per input).
 const VEC_MAX_K: usize = 8192;
 
-/// The inputs and the group size the kernel works in for `bits`-bit codes: 4-bit digits, so an
-/// 8-bit code counts twice (mma_vec.cu's header); `None` for widths and groups it does not take
-/// (4 bits with groups of 32, 64 or 128; 8 bits with groups of 32 or 64).
-pub fn digits(bits: u32, k: usize, group: usize) -> Option<(usize, usize)> {
-    match (bits, group) {
-        (4, 32 | 64 | 128) => Some((k, group)),
-        (8, 32 | 64) => Some((2 * k, 2 * group)),
+/// The inputs and the group size the kernel works in for `bits`-bit codes with parameters
+/// `params`: 4-bit digits, so an 8-bit code counts twice (mma_vec.cu's header); `None` for widths
+/// and groups it does not take (4 bits with groups of 32, 64 or 128; 8 bits with groups of 32 or
+/// 64, and of 16 with f32 parameters: GGUF's Q6_K).
+pub fn digits(bits: u32, k: usize, group: usize, params: AffineParams) -> Option<(usize, usize)> {
+    match (bits, group, params) {
+        (4, 32 | 64 | 128, _) | (8, 32 | 64, _) | (8, 16, AffineParams::F32) => {
+            Some((k * bits as usize / 4, group * bits as usize / 4))
+        }
         _ => None,
     }
 }
@@ -85,10 +87,16 @@ pub fn takes_rows(m: &Matvec, sl: &Slots) -> bool {
 }
 
 fn takes_matrix(m: &Matvec) -> bool {
-    let WeightFormat::Affine { bits, group, .. } = m.format else {
+    let WeightFormat::Affine {
+        bits,
+        group,
+        params,
+        ..
+    } = m.format
+    else {
         return false;
     };
-    let Some((k, _)) = digits(bits, m.k, group) else {
+    let Some((k, _)) = digits(bits, m.k, group, params) else {
         return false;
     };
     m.k.is_multiple_of(group) && k <= VEC_MAX_K
@@ -116,8 +124,9 @@ pub fn tiles(n: usize, resident: usize) -> usize {
 
 /// The entries of mma_vec.cu for 4-bit codes, then for 8-bit codes: one row streamed, staged,
 /// ring and staged in 16-warp blocks ([`Form`]), then the several-row entries of those forms and
-/// streamed in 16-warp blocks.
-pub(super) const ENTRIES: [&str; 18] = [
+/// streamed in 16-warp blocks; then the 8-bit ones for groups of 16 (`_g16`, the f32-parameter
+/// build's, which `Kernels::for_format` takes for such weights).
+pub(super) const ENTRIES: [&str; 27] = [
     "mma_vec_affine4",
     "mma_vec_affine4_staged",
     "mma_vec_affine4_ring",
@@ -136,6 +145,15 @@ pub(super) const ENTRIES: [&str; 18] = [
     "mma_vec_rows_affine8_ring",
     "mma_vec_rows_affine8_staged16",
     "mma_vec_rows_affine8_streamed16",
+    "mma_vec_affine8_g16",
+    "mma_vec_affine8_staged_g16",
+    "mma_vec_affine8_ring_g16",
+    "mma_vec_affine8_staged16_g16",
+    "mma_vec_rows_affine8_g16",
+    "mma_vec_rows_affine8_staged_g16",
+    "mma_vec_rows_affine8_ring_g16",
+    "mma_vec_rows_affine8_staged16_g16",
+    "mma_vec_rows_affine8_streamed16_g16",
 ];
 
 /// The entry of `form` for 8-bit codes or 4-bit ones, one row or several.
@@ -191,8 +209,7 @@ impl Form {
 }
 
 /// How a single-row product launches: the form, its dynamic shared memory, grid and ring buffers,
-/// with the matrix's inputs and group in digits ([`digits`]) and its scales and biases (of
-/// `params`).
+/// with the matrix's inputs and group in digits ([`digits`]) and its scales and biases.
 struct Plan {
     name: &'static str,
     form: Form,
@@ -204,13 +221,12 @@ struct Plan {
     group: usize,
     scales: u64,
     biases: u64,
-    params: AffineParams,
 }
 
 fn plan(g: &Gpu, m: &Matvec, conv: bool, rows: usize) -> Result<Plan> {
     let unsupported = || {
         CudaError::Unsupported(
-            "the single-row kernel takes 4-bit (groups 32-128) or 8-bit (groups 32, 64) affine weights"
+            "the single-row kernel takes 4-bit (groups 32-128) or 8-bit (groups 32, 64; 16 with f32 parameters) affine weights"
                 .into(),
         )
     };
@@ -224,7 +240,7 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool, rows: usize) -> Result<Plan> {
     else {
         return Err(unsupported());
     };
-    let (k, group) = digits(bits, m.k, group).ok_or_else(unsupported)?;
+    let (k, group) = digits(bits, m.k, group, params).ok_or_else(unsupported)?;
     let resident = BLOCKS_PER_SM * g.multiprocessors();
     let tiles = tiles(m.n, resident);
     // Bulk copies need sm_90 and 16-byte aligned matrices.
@@ -262,7 +278,6 @@ fn plan(g: &Gpu, m: &Matvec, conv: bool, rows: usize) -> Result<Plan> {
         group,
         scales,
         biases,
-        params,
     })
 }
 
@@ -327,7 +342,6 @@ fn launch(g: &Gpu, m: Matvec, x: u64, y: u64, rows: usize, io: VecIo) -> Result<
         group,
         scales,
         biases,
-        params,
     } = plan(g, &m, io.conv_c > 0, rows)?;
     if io.conv_c as usize > m.n {
         return Err(CudaError::Unsupported(format!(
@@ -342,7 +356,7 @@ fn launch(g: &Gpu, m: Matvec, x: u64, y: u64, rows: usize, io: VecIo) -> Result<
         )));
     }
     let (n32, k32, g32, t32) = (m.n as i32, k as i32, group as i32, tiles as i32);
-    let f = g.kernels().affine(name, params)?;
+    let f = g.kernels().for_format(name, &m.format)?;
     if form != Form::Streamed || smem > SMEM_DEFAULT {
         raise_smem_of(f, name, smem)?;
     }
@@ -542,11 +556,16 @@ mod tests {
 
     #[test]
     fn eight_bit_codes_count_as_two_digits() {
-        assert_eq!(super::digits(4, 2048, 64), Some((2048, 64)));
-        assert_eq!(super::digits(8, 2048, 64), Some((4096, 128)));
-        assert_eq!(super::digits(8, 2048, 32), Some((4096, 64)));
-        assert_eq!(super::digits(8, 2048, 128), None);
-        assert_eq!(super::digits(2, 2048, 64), None);
+        use super::digits;
+        let (mlx, f32p) = (Bf16, F32);
+        assert_eq!(digits(4, 2048, 64, mlx), Some((2048, 64)));
+        assert_eq!(digits(8, 2048, 64, mlx), Some((4096, 128)));
+        assert_eq!(digits(8, 2048, 32, mlx), Some((4096, 64)));
+        assert_eq!(digits(8, 2048, 16, f32p), Some((4096, 32)));
+        assert_eq!(digits(8, 2048, 16, mlx), None);
+        assert_eq!(digits(4, 2048, 16, f32p), None);
+        assert_eq!(digits(8, 2048, 128, mlx), None);
+        assert_eq!(digits(2, 2048, 64, mlx), None);
         // An 8-bit router of the 35B shape (257 rows of 2048 inputs, groups of 64) is staged:
         // x' of 4096 digits, then 16 rows of 2048 bytes in 8 runs with 64 of padding each and
         // their scales and biases in runs with 16 each.

@@ -66,6 +66,33 @@ fn allow_smem(
     Ok(smem(bits, mt) as u32)
 }
 
+/// The entry points of mma_wide.cu: the dense and grouped products (bf16 and affine; `_t1`, tiles
+/// of up to 8 pairs), the staging and the partial sums' add; then the affine ones for 8-bit codes
+/// in groups of 16 (`_g16`, the f32-parameter build's, which `Kernels::for_format` takes for such
+/// weights).
+pub(super) const ENTRIES: [&str; 20] = [
+    "mma_wide_rows_bf16",
+    "mma_wide_rows_affine",
+    "mma_wide_swiglu_bf16",
+    "mma_wide_swiglu_affine",
+    "mma_gwide_rows_bf16",
+    "mma_gwide_swiglu_bf16",
+    "mma_gwide_rows_affine",
+    "mma_gwide_swiglu_affine",
+    "mma_gwide_rows_bf16_t1",
+    "mma_gwide_swiglu_bf16_t1",
+    "mma_gwide_rows_affine_t1",
+    "mma_gwide_swiglu_affine_t1",
+    "wide_stage_rows",
+    "wide_sum",
+    "mma_wide_rows_affine_g16",
+    "mma_wide_swiglu_affine_g16",
+    "mma_gwide_rows_affine_g16",
+    "mma_gwide_swiglu_affine_g16",
+    "mma_gwide_rows_affine_t1_g16",
+    "mma_gwide_swiglu_affine_t1_g16",
+];
+
 /// The grouped wide kernel for tiles of `tile` pairs: the one-tile build (three blocks a
 /// multiprocessor) for tiles of at most 8, else the full one; its tile count.
 fn grouped_kernel(affine: bool, swiglu: bool, tile: usize) -> (&'static str, usize) {

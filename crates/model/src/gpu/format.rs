@@ -45,14 +45,13 @@ fn gpu_bits(bits: u32) -> Option<u32> {
 const GPU_GROUPS: [usize; 3] = [32, 64, 128];
 
 /// Whether the CUDA kernels read a checkpoint's `bits`-bit codes in groups of `group`:
-/// [`GPU_GROUPS`] on every form, and 4- or 8-bit codes in groups of 16 (a tensor-parallel share
-/// of a projection that cuts its groups of 32, `checkpoint::heads`) on the CUDA-core forms, which
-/// `cuda::dispatch` gives every matrix the tensor-core forms do not take. Codes widened to 8 bits
-/// in groups of 16 (GGUF's Q6_K) are held as bf16 values, which the tensor-core forms take: on
-/// the CUDA-core forms such stacks decode at 0.4 to 0.6 of bf16's speed (docs/cuda.md). An
-/// embedding, read a row at a time, takes them as they are ([`DevFormat::lookup`]).
+/// [`GPU_GROUPS`] on every form, and codes held at 4 or 8 bits in groups of 16: 8-bit ones with
+/// f32 parameters (GGUF's Q6_K, 3/5-bit K-quants and stacks with them) on every form, the others
+/// (a tensor-parallel share of a projection that cuts its groups of 32, `checkpoint::heads`) on
+/// the CUDA-core forms, which `cuda::dispatch` gives every matrix the tensor-core forms do not
+/// take.
 fn gpu_group(bits: u32, group: usize) -> bool {
-    GPU_GROUPS.contains(&group) || (matches!(bits, 4 | 8) && group == 16)
+    GPU_GROUPS.contains(&group) || (group == 16 && matches!(gpu_bits(bits), Some(4 | 8)))
 }
 
 impl DevFormat {
@@ -476,13 +475,14 @@ mod tests {
         assert_eq!(a8.array_bytes(2, 64), vec![128, 8, 8]);
     }
 
-    /// Groups of 16 go up as they are for 4- and 8-bit codes (the CUDA-core forms read them);
-    /// 2-bit ones and 6-bit ones (widened to 8) are held as bf16.
+    /// Groups of 16 go up as they are for codes held at 4 and 8 bits (3-, 5- and 6-bit ones
+    /// widened to 8); 2-bit ones are held as bf16.
     #[test]
     fn groups_of_16_stay_affine_at_4_and_8_bits() {
         use super::gpu_group;
         assert!(gpu_group(4, 16) && gpu_group(8, 16) && gpu_group(8, 32) && gpu_group(4, 128));
-        assert!(!gpu_group(6, 16) && !gpu_group(2, 16) && !gpu_group(3, 16) && !gpu_group(4, 8));
+        assert!(gpu_group(6, 16) && gpu_group(3, 16) && gpu_group(5, 16));
+        assert!(!gpu_group(2, 16) && !gpu_group(4, 8) && !gpu_group(6, 8));
     }
 
     #[test]
@@ -499,8 +499,8 @@ mod tests {
         assert_eq!((far.w, far.scales, far.biases, far.split), (1, 2, 3, 9));
     }
 
-    /// 3-, 5- and 6-bit codes go up as 8-bit codes of the same values (groups of 16 as bf16, but
-    /// in an embedding); f32 parameters as f32.
+    /// 3-, 5- and 6-bit codes go up as 8-bit codes of the same values, in their groups; f32
+    /// parameters as f32.
     #[test]
     fn odd_bits_widen_to_eight() {
         use crate::checkpoint::LinearWeight;
@@ -524,18 +524,7 @@ mod tests {
                 params: AffineParams::F32,
             };
             assert_eq!(DevFormat::lookup(&lw), table);
-            if group == 16 {
-                assert_eq!(f, DevFormat::Bf16);
-                continue;
-            }
-            assert_eq!(
-                f,
-                DevFormat::Affine {
-                    bits: 8,
-                    group,
-                    params: AffineParams::F32
-                }
-            );
+            assert_eq!(f, table);
             let bytes = &f.arrays(&[&lw])[0];
             let wide: Vec<u32> = bytes
                 .chunks_exact(4)

@@ -3,7 +3,7 @@
 //! stacks with their codes and parameters in the stack's form (bf16, f16 scales and zero points,
 //! or f32), the embedding in its lookup format, FP8 as it is. The CPU engine on this checkpoint
 //! is the reference with the GPU's roundings that a CUDA run of a checkpoint the GPU does not
-//! hold exactly (a GGUF's f32 router, its Q6_K matrices) is checked against. The stacks are the layers' uploads' (`layers/*.rs`), listed again here.
+//! hold exactly (a GGUF's f32 router) is checked against. The stacks are the layers' uploads' (`layers/*.rs`), listed again here.
 
 use deltamoe_compute::dtype::round_bf16;
 use deltamoe_compute::{AffineWeight, DType, Tensor};
