@@ -396,28 +396,10 @@ extern "C" __global__ void __launch_bounds__(256) mma_rows_bf16(const bf16_t* __
     mma_split_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_rows_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                  const aff_t* __restrict__ B, const float* x,
-                                                                  float* __restrict__ y, int N, int K, int G, int bits, int Bn,
-                                                                  long long xs, const float* __restrict__ bias) {
-    pdl_entry();
-    if (bits == 8) mma_split_t<8, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
-    else mma_split_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
-}
-
 extern "C" __global__ void __launch_bounds__(256) mma_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                   float* __restrict__ h, int I, int K, int Bn, long long xs) {
     pdl_entry();
     mma_split_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                    const aff_t* __restrict__ B, const float* x,
-                                                                    float* __restrict__ h, int I, int K, int G, int bits, int Bn,
-                                                                    long long xs) {
-    pdl_entry();
-    if (bits == 8) mma_split_t<8, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
-    else mma_split_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
 }
 
 // Row stride (bf16) of the staged input tile: 32 values + 8 of padding against bank conflicts.
@@ -471,28 +453,10 @@ extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_bf16(const bf16_
     mma_gemm_t<16, 1>(W, nullptr, nullptr, x, y, N, K, 32, Bn, xs, bias);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                       const aff_t* __restrict__ B, const float* x,
-                                                                       float* __restrict__ y, int N, int K, int G, int bits, int Bn,
-                                                                       long long xs, const float* __restrict__ bias) {
-    pdl_entry();
-    if (bits == 8) mma_gemm_t<8, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
-    else mma_gemm_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);
-}
-
 extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_bf16(const bf16_t* __restrict__ W, const float* x,
                                                                        float* __restrict__ h, int I, int K, int Bn, long long xs) {
     pdl_entry();
     mma_gemm_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, Bn, xs, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                         const aff_t* __restrict__ B, const float* x,
-                                                                         float* __restrict__ h, int I, int K, int G, int bits, int Bn,
-                                                                         long long xs) {
-    pdl_entry();
-    if (bits == 8) mma_gemm_t<8, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
-    else mma_gemm_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
 }
 
 // The grouped form's tile: its expert, pairs and input rows (pair / x_div); false past n_tiles.
@@ -552,26 +516,6 @@ extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_bf16(
     long long xs, int x_div) {
     pdl_entry();
     mma_grouped_t<16, 2>(W, nullptr, nullptr, x, h, I, K, 32, tiles, n_tiles, order, xs, x_div);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine(
-    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
-    const float* x, float* __restrict__ y, int N, int K, int G, int bits,
-    const int* tiles, const int* n_tiles, const int* order,
-    long long xs, int x_div) {
-    pdl_entry();
-    if (bits == 8) mma_grouped_t<8, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
-    else mma_grouped_t<4, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine(
-    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
-    const float* x, float* __restrict__ h, int I, int K, int G, int bits,
-    const int* tiles, const int* n_tiles, const int* order,
-    long long xs, int x_div) {
-    pdl_entry();
-    if (bits == 8) mma_grouped_t<8, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
-    else mma_grouped_t<4, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
 }
 
 // Grouped split-K form (MoE decode batches: few pairs per expert): tiles of `tiles` as in the
@@ -651,56 +595,60 @@ __device__ void mma_gsplit_t(const void* W, const aff_t* S, const aff_t* Bs, con
 MMA_GSPLIT(1)
 MMA_GSPLIT(2)
 
+// The affine entries of the split-K, GEMM and grouped forms (suffix TAIL): 8-bit codes where EIGHT
+// holds, else 4-bit, with groups of 16 when G16.
+#define MMA_AFFINE(TAIL, EIGHT, G16)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256) mma_rows_affine##TAIL(                            \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,     \
+        const float* x, float* __restrict__ y, int N, int K, int G, int bits, int Bn, long long xs,     \
+        const float* __restrict__ bias) {                                                               \
+        pdl_entry();                                                                                    \
+        if (EIGHT) mma_split_t<8, 1, G16>(W, S, B, x, y, N, K, G, Bn, xs, bias);                        \
+        else mma_split_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);                                   \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine##TAIL(                          \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,     \
+        const float* x, float* __restrict__ h, int I, int K, int G, int bits, int Bn, long long xs) {   \
+        pdl_entry();                                                                                    \
+        if (EIGHT) mma_split_t<8, 2, G16>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);                     \
+        else mma_split_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);                                \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine##TAIL(                       \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,     \
+        const float* x, float* __restrict__ y, int N, int K, int G, int bits, int Bn, long long xs,     \
+        const float* __restrict__ bias) {                                                               \
+        pdl_entry();                                                                                    \
+        if (EIGHT) mma_gemm_t<8, 1, G16>(W, S, B, x, y, N, K, G, Bn, xs, bias);                         \
+        else mma_gemm_t<4, 1>(W, S, B, x, y, N, K, G, Bn, xs, bias);                                    \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine##TAIL(                     \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,     \
+        const float* x, float* __restrict__ h, int I, int K, int G, int bits, int Bn, long long xs) {   \
+        pdl_entry();                                                                                    \
+        if (EIGHT) mma_gemm_t<8, 2, G16>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);                      \
+        else mma_gemm_t<4, 2>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);                                 \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine##TAIL(                    \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,     \
+        const float* x, float* __restrict__ y, int N, int K, int G, int bits, const int* tiles,         \
+        const int* n_tiles, const int* order, long long xs, int x_div) {                                \
+        pdl_entry();                                                                                    \
+        if (EIGHT) mma_grouped_t<8, 1, G16>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);  \
+        else mma_grouped_t<4, 1>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);             \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine##TAIL(                  \
+        const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,     \
+        const float* x, float* __restrict__ h, int I, int K, int G, int bits, const int* tiles,         \
+        const int* n_tiles, const int* order, long long xs, int x_div) {                                \
+        pdl_entry();                                                                                    \
+        if (EIGHT) mma_grouped_t<8, 2, G16>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);  \
+        else mma_grouped_t<4, 2>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);             \
+    }
+
+MMA_AFFINE(, bits == 8, false)
+
 #if AFFINE_G16
-// The other forms' entries for 8-bit codes in groups of 16 (mma_frag.cuh): the same arguments
-// as the affine entries above (bits 8, G 16).
-extern "C" __global__ void __launch_bounds__(256) mma_rows_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                      const aff_t* __restrict__ B, const float* x,
-                                                                      float* __restrict__ y, int N, int K, int G, int bits, int Bn,
-                                                                      long long xs, const float* __restrict__ bias) {
-    pdl_entry();
-    mma_split_t<8, 1, true>(W, S, B, x, y, N, K, G, Bn, xs, bias);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_swiglu_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                        const aff_t* __restrict__ B, const float* x,
-                                                                        float* __restrict__ h, int I, int K, int G, int bits, int Bn,
-                                                                        long long xs) {
-    pdl_entry();
-    mma_split_t<8, 2, true>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_rows_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                           const aff_t* __restrict__ B, const float* x,
-                                                                           float* __restrict__ y, int N, int K, int G, int bits, int Bn,
-                                                                           long long xs, const float* __restrict__ bias) {
-    pdl_entry();
-    mma_gemm_t<8, 1, true>(W, S, B, x, y, N, K, G, Bn, xs, bias);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_gemm_swiglu_affine_g16(const unsigned* __restrict__ W, const aff_t* __restrict__ S,
-                                                                             const aff_t* __restrict__ B, const float* x,
-                                                                             float* __restrict__ h, int I, int K, int G, int bits, int Bn,
-                                                                             long long xs) {
-    pdl_entry();
-    mma_gemm_t<8, 2, true>(W, S, B, x, h, I, K, G, Bn, xs, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_grouped_rows_affine_g16(
-    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
-    const float* x, float* __restrict__ y, int N, int K, int G, int bits,
-    const int* tiles, const int* n_tiles, const int* order,
-    long long xs, int x_div) {
-    pdl_entry();
-    mma_grouped_t<8, 1, true>(W, S, B, x, y, N, K, G, tiles, n_tiles, order, xs, x_div);
-}
-
-extern "C" __global__ void __launch_bounds__(256) mma_grouped_swiglu_affine_g16(
-    const unsigned* __restrict__ W, const aff_t* __restrict__ S, const aff_t* __restrict__ B,
-    const float* x, float* __restrict__ h, int I, int K, int G, int bits,
-    const int* tiles, const int* n_tiles, const int* order,
-    long long xs, int x_div) {
-    pdl_entry();
-    mma_grouped_t<8, 2, true>(W, S, B, x, h, I, K, G, tiles, n_tiles, order, xs, x_div);
-}
+// The entries for 8-bit codes in groups of 16 (mma_frag.cuh), with the same arguments (bits 8,
+// G 16).
+MMA_AFFINE(_g16, true, true)
 #endif
