@@ -601,6 +601,29 @@ mod tests {
         build.files().flat_map(|f| f.2).collect()
     }
 
+    /// Every affine entry of the tensor-core files that can take 8-bit codes (mma_rows.cu,
+    /// mma_wide.cu, mma_vec.cu's 8-bit ones) has a `_g16` twin: `Kernels::for_format` falls back
+    /// to the plain entry, which reads groups of whole 32-wide chunks, when there is none.
+    #[test]
+    fn tensor_core_affine_entries_have_group_16_twins() {
+        let f32 = names_of(super::Build::Affine(super::AffineParams::F32));
+        for (file, _, names) in super::FILES {
+            if !["mma_rows.cu", "mma_wide.cu", "mma_vec.cu"].contains(file) {
+                continue;
+            }
+            let affine = if *file == "mma_vec.cu" {
+                "affine8"
+            } else {
+                "affine"
+            };
+            let plain = names.iter().filter(|n| !n.ends_with(super::G16));
+            for n in plain.filter(|n| n.contains(affine)) {
+                let twin = format!("{n}{}", super::G16);
+                assert!(f32.contains(&twin.as_str()), "{file}: {n} has no {twin}");
+            }
+        }
+    }
+
     #[test]
     fn every_affine_entry_point_is_registered() {
         let registered = names_of(super::Build::Default);
