@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Build, here, everything the GPU machine runs (it has no cargo): the release binary and the
 # release test executables that hold GPU tests, copied into .gpu/ (git-ignored) to be carried.
+# --bin-only: the binary alone (3.4 MB packed instead of 6.7), for a benchmark call that carries
+# something else beside it (scripts/llama-cpp-pack.sh's llama.cpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu
 cargo build --release --bin deltamoe
 cp target/release/deltamoe .gpu/
+if [ "${1:-}" != --bin-only ]; then
 # The HTTP load test client, for scripts/loadtest.sh --bin .gpu/deltamoe --client .gpu/loadtest.
 cargo build --release -p deltamoe-server --example loadtest
 cp target/release/examples/loadtest .gpu/
@@ -17,6 +20,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda_parity", "cuda_matvec", "cuda_fp8", "cuda_gdn_chunk", "cuda_prefill", "cuda_gemm", "cuda_far", "cuda_twin", "cuda_verify", "golden_cuda", "speculative_cuda", "chunked_cuda", "offload_cuda", "gpus_cuda", "http"):
         shutil.copy(m["executable"], ".gpu/" + m["target"]["name"])
 '
+fi
 strip .gpu/*
 ls -la .gpu
 # One compressed file to copy instead of .gpu/ (the checkout already holds models/tiny, which the
