@@ -35,6 +35,16 @@ __device__ __forceinline__ float aff_scale(aff_t s) { return bf16f(s); }
 __device__ __forceinline__ float aff_bias(aff_t b, float) { return bf16f(b); }
 #endif
 
+// The tensor-core forms' entries for 8-bit codes in groups of 16 (suffix _g16; mma_rows.cu,
+// mma_wide.cu, mma_vec.cu) exist in the f32-parameter build only (their one source, GGUF's
+// K-quants, has f32 parameters), beside the others so that those keep their code and registers;
+// the other builds compile no code for them.
+#if defined(AFFINE_F32)
+#define AFFINE_G16 1
+#else
+#define AFFINE_G16 0
+#endif
+
 // The e4m3 (FP8) byte b as f32, exact: its magnitude bits placed at the top of an f32 (exponent
 // field = e4m3 exponent, subnormals included) times 2^(127 − 7); 0x7f / 0xff are NaN.
 __device__ __forceinline__ float e4m3f(unsigned b) {

@@ -22,15 +22,6 @@
 
 #define MMA_TILES 4
 
-// Groups of 16 exist in the f32-parameter build only (their one source, GGUF's K-quants, has
-// f32 parameters), in entry points of their own (suffix _g16) so that the others' code and
-// registers stay as they are; the other builds compile no code for them.
-#if defined(AFFINE_F32)
-#define AFFINE_G16 1
-#else
-#define AFFINE_G16 0
-#endif
-
 // The sums of a quad's values (lanes 4i .. 4i + 3 each hold a part of row i's) for the inputs
 // 2t and 2t + 1 of an mma C fragment (t = lane % 4): x0, x1.
 __device__ __forceinline__ void quad_sums(float v, float& x0, float& x1) {

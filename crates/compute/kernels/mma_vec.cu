@@ -697,7 +697,7 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const aff_t* S, con
 
 VEC_ENTRIES(4, false, , false)
 VEC_ENTRIES(8, true, , false)
-#if defined(AFFINE_F32)
+#if AFFINE_G16
 // 8-bit codes in groups of 16, with f32 parameters (each name with the suffix _g16).
 VEC_ENTRIES(8, true, _g16, true)
 #endif

@@ -18,7 +18,7 @@
 //!
 //! Prefill's expert products grouped by expert take their tile from [`grouped_tile`].
 
-use super::ops::{AffineParams, Matvec, Slots, WeightFormat};
+use super::ops::{Matvec, Slots, WeightFormat};
 
 /// How a product runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,16 +259,9 @@ pub fn tensor_core_rows(m: &Matvec) -> bool {
     m.k.is_multiple_of(32)
         && match m.format {
             WeightFormat::Bf16 => true,
-            WeightFormat::Affine {
-                bits,
-                group,
-                params,
-                ..
-            } => match (bits, group) {
-                (4 | 8, 32 | 64 | 128) => true,
-                (8, 16) => params == AffineParams::F32,
-                _ => false,
-            },
+            WeightFormat::Affine { bits, group, .. } => {
+                matches!((bits, group), (4 | 8, 32 | 64 | 128)) || m.format.group16()
+            }
             WeightFormat::Fp8 { .. } => false,
         }
 }

@@ -469,12 +469,7 @@ impl Kernels {
     /// entry `name` + `_g16` where there is one), else [`Kernels::get`].
     pub fn for_format(&self, name: &str, format: &WeightFormat) -> Result<&CudaFunction> {
         match *format {
-            WeightFormat::Affine {
-                bits: 8,
-                group: 16,
-                params: AffineParams::F32,
-                ..
-            } => {
+            _ if format.group16() => {
                 let funcs = self.build(AffineParams::F32)?;
                 Ok(funcs
                     .get(format!("{name}{G16}").as_str())

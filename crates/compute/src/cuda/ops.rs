@@ -90,6 +90,20 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
+    /// Whether these are 8-bit affine codes in groups of 16 with f32 parameters (GGUF's Q6_K):
+    /// the weights the tensor-core forms take through their `_g16` entries.
+    pub fn group16(&self) -> bool {
+        matches!(
+            self,
+            WeightFormat::Affine {
+                bits: 8,
+                group: 16,
+                params: AffineParams::F32,
+                ..
+            }
+        )
+    }
+
     /// A quantized format's kernel arguments as the affine and FP8 kernels take them: scales and
     /// biases (device addresses), group and bits (FP8: no biases, 0, and bits 8); None for bf16.
     pub(crate) fn quant_args(&self) -> Option<(u64, u64, i32, i32)> {
