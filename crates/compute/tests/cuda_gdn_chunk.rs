@@ -177,7 +177,7 @@ fn dims(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> GdnChunkDims {
 #[test]
 #[ignore = "needs NVRTC (libnvrtc.so)"]
 fn gdn_chunk_kernels_compile_for_hopper_and_ampere() {
-    for arch in ["compute_90", "compute_80"] {
+    for arch in ["sm_90", "sm_80"] {
         deltamoe_compute::cuda::kernels::compile_all(arch).unwrap();
     }
 }

@@ -1,7 +1,6 @@
 //! Kernel registry: the `.cu` files of `crates/compute/kernels/` (built into the binary), each
-//! prefixed with `common.cuh`, compiled by NVRTC to PTX for the device's compute capability and
-//! cached on disk under `$XDG_CACHE_HOME/deltamoe/kernels` (or `~/.cache/...`), keyed by a hash
-//! of the source, the architecture, the options and the NVRTC version.
+//! prefixed with `common.cuh`, compiled by NVRTC to a cubin for the device's compute capability
+//! and cached on disk (`nvrtc.rs`).
 //!
 //! The files whose kernels read affine scales and biases (`AFFINE_FILES`) have a build for each
 //! other [`AffineParams`] (f16 scales and zero points, f32 scales and biases: common.cuh's
@@ -10,11 +9,10 @@
 //! affine kernels take their function from [`Kernels::affine`] or [`Kernels::for_format`].
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use rayon::prelude::*;
 
 use super::ops::{AffineParams, WeightFormat};
@@ -312,84 +310,20 @@ pub struct Kernels {
     arch: &'static str,
 }
 
-/// FNV-1a, 64 bit: a stable hash for cache keys.
-fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for &b in *p {
-            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
-        h = (h ^ 0xff).wrapping_mul(0x100_0000_01b3);
-    }
-    h
+/// The cubin of one file of `build` for `arch` (see `nvrtc.rs`).
+fn cubin_for(file: &str, src: &str, arch: &str, build: Build) -> Result<Vec<u8>> {
+    super::nvrtc::cubin(file, &format!("{COMMON}\n{src}"), arch, build.defines())
 }
 
-fn cache_dir() -> PathBuf {
-    crate::cache::dir().join("kernels")
-}
-
-fn nvrtc_version() -> String {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: nvrtcVersion writes two ints; the library was found by `unavailable_reason`.
-    unsafe {
-        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
-    }
-    format!("{major}.{minor}")
-}
-
-/// PTX for one file of `build`, from the cache or freshly compiled (and then cached; a cache that
-/// cannot be written is skipped).
-fn ptx_for(file: &str, src: &str, arch: &'static str, build: Build) -> Result<String> {
-    let opts: Vec<&str> = ["--std=c++17"]
-        .into_iter()
-        .chain(build.defines().iter().copied())
-        .collect();
-    let full = format!("{COMMON}\n{src}");
-    let key = fnv1a(&[
-        full.as_bytes(),
-        arch.as_bytes(),
-        opts.join(" ").as_bytes(),
-        nvrtc_version().as_bytes(),
-    ]);
-    let cached = cache_dir().join(format!("{}-{key:016x}.ptx", file.trim_end_matches(".cu")));
-    if let Ok(ptx) = std::fs::read_to_string(&cached) {
-        return Ok(ptx);
-    }
-    let options = CompileOptions {
-        arch: Some(arch),
-        options: opts.iter().map(|s| s.to_string()).collect(),
-        name: Some(file.to_string()),
-        ..Default::default()
-    };
-    let ptx = compile_ptx_with_opts(&full, options)
-        .map_err(|e| CudaError::Compile {
-            file: file.to_string(),
-            log: e.to_string().replace('\n', " | "),
-        })?
-        .to_src();
-    // Written aside and renamed into place: another process or GPU thread may read it meanwhile.
-    if let Some(dir) = cached.parent() {
-        let tmp = cached.with_extension(format!(
-            "{}.{:?}.tmp",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let _ = std::fs::create_dir_all(dir)
-            .and_then(|_| std::fs::write(&tmp, &ptx))
-            .and_then(|_| std::fs::rename(&tmp, &cached));
-    }
-    Ok(ptx)
-}
-
-/// NVRTC's virtual architecture name for a compute capability.
+/// NVRTC's real architecture name for a compute capability.
 fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
     Ok(match cc {
-        (9, 0) => "compute_90",
-        (8, 9) => "compute_89",
-        (8, 6) => "compute_86",
-        (8, 0) => "compute_80",
-        (10, 0) => "compute_100",
-        (12, 0) => "compute_120",
+        (9, 0) => "sm_90",
+        (8, 9) => "sm_89",
+        (8, 6) => "sm_86",
+        (8, 0) => "sm_80",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
         (major, minor) => {
             return Err(CudaError::Unsupported(format!(
                 "compute capability {major}.{minor} is not supported (supported: 8.0, 8.6, 8.9, 9.0, 10.0, 12.0)"
@@ -398,15 +332,15 @@ fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
     })
 }
 
-/// Compile every kernel file for `arch` (e.g. `compute_90`) without a device, every build: a
-/// check that needs only NVRTC.
+/// Compile every kernel file for `arch` (e.g. `sm_90`) without a device, every build: a check
+/// that needs only NVRTC.
 pub fn compile_all(arch: &'static str) -> Result<()> {
     let jobs: Vec<_> = BUILDS
         .into_iter()
         .flat_map(|b| b.files().map(move |f| (b, f)))
         .collect();
     jobs.par_iter()
-        .try_for_each(|(build, (file, src, _))| ptx_for(file, src, arch, *build).map(|_| ()))
+        .try_for_each(|(build, (file, src, _))| cubin_for(file, src, arch, *build).map(|_| ()))
 }
 
 /// The kernels of `build` for `arch`, loaded into `ctx`.
@@ -415,16 +349,17 @@ fn load_build(
     arch: &'static str,
     build: Build,
 ) -> Result<HashMap<&'static str, CudaFunction>> {
-    // NVRTC compiles the files in parallel (the first start on a machine); loading is serial.
+    // NVRTC compiles the files in parallel (the first start on a machine); loading a cubin
+    // takes no assembly.
     let files: Vec<_> = build.files().collect();
-    let ptxs = files
+    let images = files
         .par_iter()
-        .map(|(file, src, _)| ptx_for(file, src, arch, build))
+        .map(|(file, src, _)| cubin_for(file, src, arch, build))
         .collect::<Result<Vec<_>>>()?;
     let mut funcs = HashMap::new();
-    for ((file, _, names), ptx) in files.into_iter().zip(ptxs) {
+    for ((file, _, names), image) in files.into_iter().zip(images) {
         let module = ctx
-            .load_module(Ptx::from_src(ptx))
+            .load_module(Ptx::from_binary(image))
             .map_err(driver_err(file))?;
         for name in names {
             let f = module.load_function(name).map_err(driver_err(name))?;
@@ -795,13 +730,5 @@ mod tests {
             found.is_empty(),
             "read-only parameters that may be activations: {found:?}"
         );
-    }
-
-    #[test]
-    fn cache_key_changes_with_any_part() {
-        let a = super::fnv1a(&[b"src", b"compute_90"]);
-        assert_ne!(a, super::fnv1a(&[b"src", b"compute_80"]));
-        assert_ne!(a, super::fnv1a(&[b"srcc", b"ompute_90"]));
-        assert_eq!(a, super::fnv1a(&[b"src", b"compute_90"]));
     }
 }

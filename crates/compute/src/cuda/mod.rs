@@ -16,6 +16,7 @@ pub mod host;
 pub mod kernels;
 pub mod launch;
 pub mod moe;
+mod nvrtc;
 pub mod ops;
 pub mod prefill;
 pub mod vec;

@@ -10,6 +10,7 @@ use deltamoe_compute::cuda::{DevBuf, Gpu, Result};
 use deltamoe_compute::dtype::f32_to_bf16;
 use deltamoe_compute::quant::{pack_row, unpack_row};
 use deltamoe_compute::TensorData;
+use rayon::prelude::*;
 
 use crate::checkpoint::{DenseSource, Linear, LinearWeight};
 
@@ -411,13 +412,17 @@ fn words_at(w: &deltamoe_compute::AffineWeight, bits: u32) -> std::borrow::Cow<'
     }
     let (k, wpr) = (w.in_features(), w.in_features() * bits as usize / 32);
     let mut out = vec![0u32; w.out_features() * wpr];
-    let (mut codes, mut scratch) = (vec![0.0f32; k], Vec::new());
-    let mut q = vec![0u8; k];
-    for (r, row) in out.chunks_exact_mut(wpr).enumerate() {
-        unpack_row(w.row_words(r, &mut scratch), w.bits(), &mut codes);
-        q.iter_mut().zip(&codes).for_each(|(q, &c)| *q = c as u8);
-        pack_row(&q, bits, row);
-    }
+    let rows = out.par_chunks_exact_mut(wpr.max(1)).enumerate();
+    rows.for_each_init(
+        || (vec![0.0f32; k], vec![0u8; k], Vec::new()),
+        |(codes, q, scratch), (r, row)| {
+            unpack_row(w.row_words(r, scratch), w.bits(), codes);
+            q.iter_mut()
+                .zip(codes.iter())
+                .for_each(|(q, &c)| *q = c as u8);
+            pack_row(q, bits, row);
+        },
+    );
     std::borrow::Cow::Owned(out)
 }
 
@@ -426,7 +431,7 @@ fn words_at(w: &deltamoe_compute::AffineWeight, bits: u32) -> std::borrow::Cow<'
 pub(crate) fn f16_scales_zeros(w: &deltamoe_compute::AffineWeight) -> (Vec<u16>, Vec<u16>) {
     let (s, b) = (w.scales().to_f32_vec(), w.biases().to_f32_vec());
     let f16 = |v: f32| half::f16::from_f32(v).to_bits();
-    s.iter()
+    s.par_iter()
         .zip(&b)
         .map(|(&s, &b)| {
             (
