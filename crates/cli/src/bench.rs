@@ -243,12 +243,15 @@ fn layer_times(
     Ok(sums)
 }
 
-/// First tokens for `b` sequences that differ from each other (within a vocabulary of `vocab`):
-/// sequences fed the same token from the same state route every row to the same experts, which
-/// no server's batch does.
-pub(crate) fn distinct_tokens(b: usize, vocab: usize) -> Vec<u32> {
+/// The tokens `b` sequences are fed at decode step `step` (within a vocabulary of `vocab`):
+/// distinct across the rows and new every step, as the different conversations of a server's
+/// batch are (llama.cpp's llama-batched-bench feeds random tokens). Sequences fed the same token
+/// from the same state route every row to the same experts, and rows fed their own argmax can
+/// converge on one token, as random weights did (docs/benchmarks.md, the same GGUF file in
+/// deltamoe and llama.cpp): no server's batch does either.
+pub(crate) fn step_tokens(b: usize, step: usize, vocab: usize) -> Vec<u32> {
     (0..b)
-        .map(|i| ((1 + i * 7919) % vocab.max(1)) as u32)
+        .map(|i| ((1 + (step * b + i) * 7919) % vocab.max(1)) as u32)
         .collect()
 }
 
@@ -267,19 +270,18 @@ fn decode_at(
     for s in &mut seqs {
         model.set_position(s, ctx.saturating_sub(1))?;
     }
-    let mut toks = distinct_tokens(b, model.vocab_size());
-    let step =
-        |model: &mut GpuModel, seqs: &mut [deltamoe_model::gpu::GpuSeq], toks: &mut Vec<u32>| {
-            let mut rows: Vec<_> = seqs.iter_mut().zip(toks.iter().copied()).collect();
-            *toks = model.step_batch(&mut rows)?;
-            anyhow::Ok(())
-        };
-    for _ in 0..warmup {
-        step(model, &mut seqs, &mut toks)?;
+    let vocab = model.vocab_size();
+    let step = |model: &mut GpuModel, seqs: &mut [deltamoe_model::gpu::GpuSeq], n: usize| {
+        let toks = step_tokens(seqs.len(), n, vocab);
+        let mut rows: Vec<_> = seqs.iter_mut().zip(toks).collect();
+        model.step_batch(&mut rows).map(|_| ())
+    };
+    for n in 0..warmup {
+        step(model, &mut seqs, n)?;
     }
     let t = Instant::now();
-    for _ in 0..gen_len {
-        step(model, &mut seqs, &mut toks)?;
+    for n in warmup..warmup + gen_len {
+        step(model, &mut seqs, n)?;
     }
     let secs = t.elapsed().as_secs_f64() / gen_len as f64;
     let bytes = model.bytes_per_token(ctx);
@@ -307,6 +309,7 @@ fn decode_at(
                          "bytes_per_step": step_bytes,
                          "step_fraction_of_bandwidth": step_bytes as f64 / secs / bw});
     {
+        let toks = step_tokens(b, warmup + gen_len, vocab);
         let per_kind = layer_times(model, &mut seqs, &toks)?;
         let shown: Vec<String> = per_kind
             .iter()
@@ -719,16 +722,19 @@ fn run_matvec() -> Result<Value> {
 
 #[cfg(test)]
 mod tests {
-    use super::distinct_tokens;
+    use super::step_tokens;
 
     #[test]
-    fn batched_decode_starts_every_sequence_on_its_own_token() {
+    fn batched_decode_feeds_every_sequence_its_own_token_each_step() {
         for vocab in [256, 151_936, 248_320] {
-            let mut t = distinct_tokens(256, vocab);
-            assert!(t.iter().all(|&x| (x as usize) < vocab));
-            t.sort_unstable();
-            t.dedup();
-            assert_eq!(t.len(), 256);
+            for step in [0, 1, 31] {
+                let mut t = step_tokens(256, step, vocab);
+                assert!(t.iter().all(|&x| (x as usize) < vocab));
+                t.sort_unstable();
+                t.dedup();
+                assert_eq!(t.len(), 256);
+            }
+            assert_ne!(step_tokens(8, 0, vocab), step_tokens(8, 1, vocab));
         }
     }
 }

@@ -163,19 +163,19 @@ fn decode_at(
         )?;
         ids.push(id);
     }
-    let mut toks = crate::bench::distinct_tokens(b, vocab);
-    let step = |engine: &mut Engine, toks: &mut Vec<u32>| -> Result<()> {
-        let batch: Vec<(SeqId, u32)> = ids.iter().copied().zip(toks.iter().copied()).collect();
-        *toks = engine.step(&batch)?;
+    let step = |engine: &mut Engine, n: usize| -> Result<()> {
+        let toks = crate::bench::step_tokens(b, n, vocab);
+        let batch: Vec<(SeqId, u32)> = ids.iter().copied().zip(toks).collect();
+        engine.step(&batch)?;
         Ok(())
     };
-    for _ in 0..warmup {
-        step(engine, &mut toks)?;
+    for n in 0..warmup {
+        step(engine, n)?;
     }
     let before = engine.offload_stats();
     let t = Instant::now();
-    for _ in 0..gen_len {
-        step(engine, &mut toks)?;
+    for n in warmup..warmup + gen_len {
+        step(engine, n)?;
     }
     let secs = t.elapsed().as_secs_f64() / gen_len as f64;
     let offload = offload_during(before, engine.offload_stats());
