@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Registers, spills and shared memory of every kernel for sm_90, checked here before a GPU run:
-# the kernels' PTX from scripts/sm90-ptx.sh, reported on by a local ptxas. A kernel launched with
-# T threads per block needs registers · T ≤ 65536.
-# PTXAS: path to ptxas (default: the one in the Triton wheel).
+# Registers, stack (spills included) and shared memory of every kernel for sm_90, checked here
+# before a GPU run: the kernels' cubins from scripts/sm90-cubins.sh, read by a local cuobjdump. A
+# kernel launched with T threads per block needs registers · T ≤ 65536.
+# CUOBJDUMP: path to cuobjdump (default: the one in the Triton wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-ptxas=${PTXAS:-$site/triton/backends/nvidia/bin/ptxas}
-ptx=$(mktemp -d)
-trap 'rm -rf "$ptx"' EXIT
-scripts/sm90-ptx.sh "$ptx"
-for f in "$ptx"/*.ptx; do
-  "$ptxas" -arch=sm_90 -v "$f" -o /dev/null 2>&1 \
-    | awk '/Compiling entry function/ { gsub(/\x27/, "", $7); name = $7 }
-           /Used [0-9]+ registers/ { printf "%-28s %s\n", name, substr($0, index($0, "Used")) }'
+cuobjdump=${CUOBJDUMP:-$site/triton/backends/nvidia/bin/cuobjdump}
+cubins=$(mktemp -d)
+trap 'rm -rf "$cubins"' EXIT
+scripts/sm90-cubins.sh "$cubins"
+for f in "$cubins"/*.cubin; do
+  "$cuobjdump" -res-usage "$f" 2>/dev/null \
+    | awk '/Function / { name = $2; sub(/:$/, "", name) }
+           /REG:/ { printf "%-36s %s %s %s\n", name, $1, $2, $3 }'
 done | sort

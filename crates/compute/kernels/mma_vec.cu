@@ -684,20 +684,33 @@ __device__ __forceinline__ void vec_tiles(const unsigned* W, const aff_t* S, con
 // bitwise what its one-row launch gives.
 //
 // red: the NW warps' sums of the block's rows, then the residual rows of `accumulate`.
-#define VEC_ENTRIES(BITS, C8, TAIL, G16)                                                                             \
+//
+// The registry (cuda/kernels.rs) compiles this file once per part, the parts in parallel (all
+// entries in one compile were the longest compile of a first start): VEC_PART_BITS 4 or 8, or 16
+// for the 8-bit entries in groups of 16 (the f32 build's _g16 ones); VEC_PART_ROWS 0 for the
+// one-row entries, 1 for the several-row ones.
+#define VEC_ONE_ENTRIES(BITS, C8, TAIL, G16)                                                                         \
     VEC_GLOBAL_ENTRY(mma_vec_affine##BITS##TAIL, C8, 8, 2, 1, G16)                                                  \
     VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged##TAIL, C8, 8, 1, G16)                                            \
     VEC_STAGED_ENTRY(mma_vec_affine##BITS##_staged16##TAIL, C8, 16, 1, G16)                                         \
-    VEC_RING_ENTRY(mma_vec_affine##BITS##_ring##TAIL, C8, 1, G16)                                                   \
+    VEC_RING_ENTRY(mma_vec_affine##BITS##_ring##TAIL, C8, 1, G16)
+#define VEC_ROWS_ENTRIES(BITS, C8, TAIL, G16)                                                                        \
     VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS##TAIL, C8, 8, 2, VEC_MAX_ROWS, G16)                                  \
     VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged##TAIL, C8, 8, VEC_MAX_ROWS, G16)                            \
     VEC_STAGED_ENTRY(mma_vec_rows_affine##BITS##_staged16##TAIL, C8, 16, VEC_MAX_ROWS, G16)                         \
     VEC_RING_ENTRY(mma_vec_rows_affine##BITS##_ring##TAIL, C8, VEC_MAX_ROWS, G16)                                   \
     VEC_GLOBAL_ENTRY(mma_vec_rows_affine##BITS##_streamed16##TAIL, C8, 16, 1, VEC_MAX_ROWS, G16)
 
-VEC_ENTRIES(4, false, , false)
-VEC_ENTRIES(8, true, , false)
-#if AFFINE_G16
-// 8-bit codes in groups of 16, with f32 parameters (each name with the suffix _g16).
-VEC_ENTRIES(8, true, _g16, true)
+#if VEC_PART_ROWS
+#define VEC_PART_ENTRIES VEC_ROWS_ENTRIES
+#else
+#define VEC_PART_ENTRIES VEC_ONE_ENTRIES
+#endif
+
+#if VEC_PART_BITS == 4
+VEC_PART_ENTRIES(4, false, , false)
+#elif VEC_PART_BITS == 8
+VEC_PART_ENTRIES(8, true, , false)
+#elif VEC_PART_BITS == 16 && AFFINE_G16
+VEC_PART_ENTRIES(8, true, _g16, true)
 #endif

@@ -20,6 +20,20 @@ use super::{driver_err, CudaError, Result};
 
 const COMMON: &str = include_str!("../../kernels/common.cuh");
 
+/// One part of mma_vec.cu (its tail): the file with the part's two defines before it.
+macro_rules! mma_vec {
+    ($bits:literal, $rows:literal) => {
+        concat!(
+            "#define VEC_PART_BITS ",
+            $bits,
+            "\n#define VEC_PART_ROWS ",
+            $rows,
+            "\n",
+            include_str!("../../kernels/mma_vec.cu")
+        )
+    };
+}
+
 /// (file name, source, kernels it defines).
 const FILES: &[(&str, &str, &[&str])] = &[
     (
@@ -88,11 +102,12 @@ const FILES: &[(&str, &str, &[&str])] = &[
         ),
         &super::wide::ENTRIES,
     ),
-    (
-        "mma_vec.cu",
-        include_str!("../../kernels/mma_vec.cu"),
-        &super::vec::ENTRIES,
-    ),
+    ("mma_vec_4.cu", mma_vec!(4, 0), super::vec::PARTS[0]),
+    ("mma_vec_rows_4.cu", mma_vec!(4, 1), super::vec::PARTS[1]),
+    ("mma_vec_8.cu", mma_vec!(8, 0), super::vec::PARTS[2]),
+    ("mma_vec_rows_8.cu", mma_vec!(8, 1), super::vec::PARTS[3]),
+    ("mma_vec_g16.cu", mma_vec!(16, 0), super::vec::PARTS[4]),
+    ("mma_vec_rows_g16.cu", mma_vec!(16, 1), super::vec::PARTS[5]),
     (
         "norm.cu",
         include_str!("../../kernels/norm.cu"),
@@ -241,12 +256,17 @@ const FILES: &[(&str, &str, &[&str])] = &[
 
 /// The files with a build for each [`AffineParams`]: every file whose kernels read affine scales
 /// and biases. Their entry points with `affine` in the name are those builds'.
-const AFFINE_FILES: [&str; 7] = [
+const AFFINE_FILES: [&str; 12] = [
     "qmatvec.cu",
     "matvec_rows.cu",
     "mma_rows.cu",
     "mma_wide.cu",
-    "mma_vec.cu",
+    "mma_vec_4.cu",
+    "mma_vec_rows_4.cu",
+    "mma_vec_8.cu",
+    "mma_vec_rows_8.cu",
+    "mma_vec_g16.cu",
+    "mma_vec_rows_g16.cu",
     "gemm.cu",
     "embed.cu",
 ];
@@ -271,7 +291,8 @@ const BUILDS: [Build; 3] = [
 ];
 
 impl Build {
-    /// The files of this build, with the names of theirs it loads.
+    /// The files of this build, with the names of theirs it loads (a file with none, such as
+    /// mma_vec.cu's `_g16` parts outside the f32-parameter build, is not compiled).
     fn files(self) -> impl Iterator<Item = (&'static str, &'static str, Vec<&'static str>)> {
         FILES.iter().filter_map(move |&(file, src, names)| {
             let g16 = self == Build::Affine(AffineParams::F32);
@@ -279,13 +300,14 @@ impl Build {
                 .iter()
                 .copied()
                 .filter(move |n| g16 || !n.ends_with(G16));
-            match self {
-                Build::Default => Some((file, src, names.collect())),
+            let names: Vec<_> = match self {
+                Build::Default => names.collect(),
                 Build::Affine(_) if AFFINE_FILES.contains(&file) => {
-                    Some((file, src, names.filter(|n| n.contains("affine")).collect()))
+                    names.filter(|n| n.contains("affine")).collect()
                 }
-                Build::Affine(_) => None,
-            }
+                Build::Affine(_) => return None,
+            };
+            (!names.is_empty()).then_some((file, src, names))
         })
     }
 
@@ -538,14 +560,11 @@ mod tests {
     fn tensor_core_affine_entries_have_group_16_twins() {
         let f32 = names_of(super::Build::Affine(super::AffineParams::F32));
         for (file, _, names) in super::FILES {
-            if !["mma_rows.cu", "mma_wide.cu", "mma_vec.cu"].contains(file) {
+            let vec = file.starts_with("mma_vec");
+            if !vec && !["mma_rows.cu", "mma_wide.cu"].contains(file) {
                 continue;
             }
-            let affine = if *file == "mma_vec.cu" {
-                "affine8"
-            } else {
-                "affine"
-            };
+            let affine = if vec { "affine8" } else { "affine" };
             let plain = names.iter().filter(|n| !n.ends_with(super::G16));
             for n in plain.filter(|n| n.contains(affine)) {
                 let twin = format!("{n}{}", super::G16);

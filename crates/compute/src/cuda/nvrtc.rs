@@ -4,8 +4,8 @@
 //!
 //! A cubin, not PTX: NVRTC then assembles the machine code in the thread that compiles the file,
 //! so the files of a build are assembled in parallel, and a cached cubin loads without the
-//! driver's PTX JIT, which assembles one module at a time when it is loaded (tens of seconds a
-//! build of these files on every start where the driver's own cache does not hold them).
+//! driver's PTX JIT, which assembles one module at a time as it is loaded, on every start where the
+//! driver's own cache does not hold it.
 
 use std::ffi::{c_char, CStr, CString};
 use std::path::PathBuf;

@@ -122,47 +122,60 @@ pub fn tiles(n: usize, resident: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// The entries of mma_vec.cu for 4-bit codes, then for 8-bit codes: one row streamed, staged,
-/// ring and staged in 16-warp blocks ([`Form`]), then the several-row entries of those forms and
-/// streamed in 16-warp blocks; then the 8-bit ones for groups of 16 (`_g16`, the f32-parameter
-/// build's, which `Kernels::for_format` takes for such weights).
-pub(super) const ENTRIES: [&str; 27] = [
-    "mma_vec_affine4",
-    "mma_vec_affine4_staged",
-    "mma_vec_affine4_ring",
-    "mma_vec_affine4_staged16",
-    "mma_vec_rows_affine4",
-    "mma_vec_rows_affine4_staged",
-    "mma_vec_rows_affine4_ring",
-    "mma_vec_rows_affine4_staged16",
-    "mma_vec_rows_affine4_streamed16",
-    "mma_vec_affine8",
-    "mma_vec_affine8_staged",
-    "mma_vec_affine8_ring",
-    "mma_vec_affine8_staged16",
-    "mma_vec_rows_affine8",
-    "mma_vec_rows_affine8_staged",
-    "mma_vec_rows_affine8_ring",
-    "mma_vec_rows_affine8_staged16",
-    "mma_vec_rows_affine8_streamed16",
-    "mma_vec_affine8_g16",
-    "mma_vec_affine8_staged_g16",
-    "mma_vec_affine8_ring_g16",
-    "mma_vec_affine8_staged16_g16",
-    "mma_vec_rows_affine8_g16",
-    "mma_vec_rows_affine8_staged_g16",
-    "mma_vec_rows_affine8_ring_g16",
-    "mma_vec_rows_affine8_staged16_g16",
-    "mma_vec_rows_affine8_streamed16_g16",
+/// The entries of mma_vec.cu's parts, which the registry compiles apart and in parallel
+/// (`kernels.rs`; the file's tail says why): 4-bit codes, then 8-bit codes, then the 8-bit ones
+/// for groups of 16 (`_g16`, the f32-parameter build's, which `Kernels::for_format` takes for such
+/// weights); each as one row streamed, staged, ring and staged in 16-warp blocks ([`Form`]), then
+/// the several-row entries of those forms and streamed in 16-warp blocks.
+pub(super) const PARTS: [&[&str]; 6] = [
+    &[
+        "mma_vec_affine4",
+        "mma_vec_affine4_staged",
+        "mma_vec_affine4_ring",
+        "mma_vec_affine4_staged16",
+    ],
+    &[
+        "mma_vec_rows_affine4",
+        "mma_vec_rows_affine4_staged",
+        "mma_vec_rows_affine4_ring",
+        "mma_vec_rows_affine4_staged16",
+        "mma_vec_rows_affine4_streamed16",
+    ],
+    &[
+        "mma_vec_affine8",
+        "mma_vec_affine8_staged",
+        "mma_vec_affine8_ring",
+        "mma_vec_affine8_staged16",
+    ],
+    &[
+        "mma_vec_rows_affine8",
+        "mma_vec_rows_affine8_staged",
+        "mma_vec_rows_affine8_ring",
+        "mma_vec_rows_affine8_staged16",
+        "mma_vec_rows_affine8_streamed16",
+    ],
+    &[
+        "mma_vec_affine8_g16",
+        "mma_vec_affine8_staged_g16",
+        "mma_vec_affine8_ring_g16",
+        "mma_vec_affine8_staged16_g16",
+    ],
+    &[
+        "mma_vec_rows_affine8_g16",
+        "mma_vec_rows_affine8_staged_g16",
+        "mma_vec_rows_affine8_ring_g16",
+        "mma_vec_rows_affine8_staged16_g16",
+        "mma_vec_rows_affine8_streamed16_g16",
+    ],
 ];
 
 /// The entry of `form` for 8-bit codes or 4-bit ones, one row or several.
 fn entry(bits8: bool, form: Form, rows: bool) -> &'static str {
-    ENTRIES[9 * usize::from(bits8) + 4 * usize::from(rows) + form as usize]
+    PARTS[2 * usize::from(bits8) + usize::from(rows)][form as usize]
 }
 
 /// Where a launch reads its weights (mma_vec.cu's VEC_GLOBAL, VEC_STAGED, VEC_RING) and in how
-/// many warps a block, in the order of [`ENTRIES`].
+/// many warps a block, in the order of each part's entries ([`PARTS`]).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Form {
     Streamed,
